@@ -1,0 +1,1 @@
+"""Model definitions written against mpirt's public API, and their presets."""

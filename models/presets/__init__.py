@@ -1,0 +1,109 @@
+"""Model presets and model-config loading.
+
+A model is named by a preset (``models/presets/<name>.toml``), a path to a model TOML file (keys =
+``GPTConfig`` fields), or a Hugging Face GPT-2 directory holding ``config.json``. A preset name
+wins over a same-named directory; write ``./gpt2`` to mean the directory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from models.config import GPTConfig
+from mpirt.config import ConfigError, check_model_values, convert_value, field_types, \
+    unknown_key_error
+
+PRESET_DIR = Path(__file__).parent
+HF_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh-approximate GELU mpirt implements
+# Hugging Face GPT-2 options that change the architecture, with the only value mpirt supports.
+HF_FIXED = {"model_type": "gpt2", "tie_word_embeddings": True, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False}
+_FIELDS = field_types(GPTConfig)
+
+
+def preset_names() -> list[str]:
+    """Names of the bundled presets, sorted."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def load_model_config(name_or_path: str, overrides: dict | None = None) -> GPTConfig:
+    """Resolve a preset name, model TOML file or HF GPT-2 directory to a checked GPTConfig.
+
+    ``overrides`` (GPTConfig field -> value, e.g. TrainConfig.model_overrides) are applied last.
+    Raises ConfigError naming the bad key (and the file it came from).
+    """
+    path = Path(name_or_path)
+    if name_or_path in preset_names():
+        values = _read_toml(PRESET_DIR / f"{name_or_path}.toml")
+    elif (path / "config.json").is_file():
+        values = _read_hf(path / "config.json")
+    elif path.is_file():
+        values = _read_toml(path)
+    else:
+        raise ConfigError(f"model: {name_or_path!r} is not a preset ({', '.join(preset_names())}),"
+                          " a model TOML file or a directory with a config.json")
+    for key, value in (overrides or {}).items():
+        if key not in _FIELDS:
+            raise unknown_key_error(f"model.{key}", [f"model.{k}" for k in _FIELDS])
+        values[key] = convert_value(f"model.{key}", value, _FIELDS[key])
+    check_model_values(overrides or {}, prefix="model.")
+    cfg = GPTConfig(**values)
+    if cfg.model_type == "gpt2" and cfg.n_embd % cfg.n_head:
+        raise ConfigError(f"n_head: must divide n_embd={cfg.n_embd}, got {cfg.n_head}"
+                          f" (model {name_or_path!r})")
+    return cfg
+
+
+def _read_toml(path: Path) -> dict:
+    where = f" (in {path})"
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"model: cannot read {path}: {e}") from None
+    values = {}
+    for key, value in data.items():
+        if key not in _FIELDS:
+            raise unknown_key_error(key, _FIELDS, where)
+        values[key] = convert_value(key, value, _FIELDS[key], where=where)
+    check_model_values(values, where=where)
+    return values
+
+
+def _read_hf(path: Path) -> dict:
+    """GPTConfig fields from a Hugging Face GPT-2 config.json; other HF keys are ignored, but
+    keys that would change the architecture away from what mpirt implements are rejected."""
+    where = f" (in {path})"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model: cannot read {path}: {e}") from None
+    act = data.get("activation_function", "gelu_new")
+    if act not in HF_ACTIVATIONS:
+        raise ConfigError(f"activation_function: must be one of {', '.join(HF_ACTIVATIONS)}, "
+                          f"got {act!r}{where}")
+    for key, want in HF_FIXED.items():
+        if data.get(key, want) != want:
+            raise ConfigError(f"{key}: mpirt supports only {want!r}, got {data[key]!r}{where}")
+    if data.get("n_ctx", data.get("n_positions")) != data.get("n_positions"):
+        raise ConfigError(f"n_ctx: must equal n_positions={data.get('n_positions')!r}, "
+                          f"got {data['n_ctx']!r}{where}")
+    values = {k: convert_value(k, v, _FIELDS[k], where=where)
+              for k, v in data.items() if k in _FIELDS}
+    check_model_values(values, where=where)
+    return values
+
+
+def gpt_param_count(cfg: GPTConfig) -> int:
+    """Parameters of the GPT-2 model: per block LN, QKV, attention proj, LN, MLP (all with
+    biases), then token and position embeddings and the final LN; the LM head is tied to wte.
+    With n_inner = 4*n_embd a block has 12*C^2 + 13*C parameters."""
+    if cfg.model_type != "gpt2":
+        raise ValueError(f"gpt_param_count: model_type must be 'gpt2', got {cfg.model_type!r}")
+    c, h = cfg.n_embd, cfg.hidden
+    block = 2 * c + (3 * c * c + 3 * c) + (c * c + c) + 2 * c + (c * h + h) + (h * c + c)
+    return cfg.n_layer * block + cfg.vocab_size * c + cfg.n_positions * c + 2 * c

@@ -1,0 +1,80 @@
+"""Array backend: NumPy on CPU, CuPy on GPU.
+
+Every op is written once against ``backend.xp``. Read it at call time (``B.xp.exp(...)`` after
+``import mpirt.backend as B``), never bind it at import, so that :func:`select` can switch it.
+Only this module touches ``cupy.cuda``.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy
+
+xp = numpy          # the active array module
+name = "numpy"      # "numpy" or "cupy"
+
+
+def cupy_available() -> bool:
+    """True when CuPy imports and sees at least one usable GPU (never raises)."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    return bool(cupy.is_available())
+
+
+def select(backend: str | None = None) -> str:
+    """Choose the array module: ``"numpy"``, ``"cupy"`` or ``"auto"`` (CuPy when usable).
+
+    ``None`` reads ``MPIRT_BACKEND`` (default ``auto``). Returns the chosen name.
+    """
+    global xp, name
+    backend = (backend or os.environ.get("MPIRT_BACKEND", "auto")).lower()
+    if backend not in ("auto", "numpy", "cupy"):
+        raise ValueError(f"backend: expected auto, numpy or cupy, got {backend!r}")
+    if backend == "auto":
+        backend = "cupy" if cupy_available() else "numpy"
+    if backend == "cupy":
+        if not cupy_available():
+            raise RuntimeError("backend: cupy was requested but CuPy has no usable GPU here")
+        import cupy
+        xp, name = cupy, "cupy"
+    else:
+        xp, name = numpy, "numpy"
+    return name
+
+
+def bind_device(local_rank: int) -> int | None:
+    """Bind this process to GPU ``local_rank % device_count`` (CuPy only); returns the device id."""
+    if name != "cupy":
+        return None
+    import cupy
+    device = local_rank % cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(device).use()
+    return device
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work; call before MPI reads a device buffer. No-op on NumPy."""
+    if name == "cupy":
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def to_host(a) -> numpy.ndarray:
+    """Return ``a`` as a NumPy array (copies from the GPU when needed)."""
+    if isinstance(a, numpy.ndarray):
+        return a
+    if hasattr(a, "get"):
+        return a.get()
+    return numpy.asarray(a)
+
+
+def asarray(a, dtype=None):
+    """Move ``a`` onto the active backend (a no-op for arrays already there)."""
+    return xp.asarray(a, dtype=dtype)
+
+
+def is_device_array(a) -> bool:
+    """True for a CuPy array (anything exposing ``__cuda_array_interface__``)."""
+    return hasattr(a, "__cuda_array_interface__")

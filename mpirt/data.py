@@ -1,0 +1,326 @@
+"""Token datasets on np.memmap, a deterministic DP-sharded sampler, and corpus preparation.
+
+On disk a dataset is a directory in nanoGPT's convention: flat uint16 ``train.bin`` and
+``val.bin``, plus ``meta.json`` = {"vocab_size", "tokenizer", "train_tokens", "val_tokens",
+"format": "uint16", "eos_id"}. ``tokenizer`` is "bytes" (ids are byte values, vocab 256, the
+document separator is byte 0) or the path of a HF ``tokenizers`` JSON file, relative to the
+dataset directory (``prepare`` copies it in as ``tokenizer.json``). A plain nanoGPT directory
+without meta.json loads too, with vocab_size and tokenizer unknown (None).
+
+Batches are pure functions of (seed, step, dp_rank): every data-parallel layout sees the same
+global batch, and resuming at step k reproduces batch k. This module never imports mpi4py.
+"""
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+MAX_VOCAB = 65536  # ids are stored as uint16: 0..65535
+BYTE_EOS = 0  # document separator of the byte tokenizer (NUL never occurs in text)
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eos|>")
+_CHUNK = 1 << 24  # bytes read at a time when streaming a file
+
+
+class TokenDataset:
+    """A prepared token directory: ``.train``/``.val`` uint16 memmaps, ``.vocab_size``, ``.meta``.
+
+    Raises FileNotFoundError / ValueError naming the path for a missing, empty or odd-sized .bin.
+    """
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        meta_path = self.directory / "meta.json"
+        self.meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        if self.meta.get("format", "uint16") != "uint16":
+            raise ValueError(f"{meta_path}: unsupported format {self.meta['format']!r}")
+        self.vocab_size = self.meta.get("vocab_size")
+        self.tokenizer = self.meta.get("tokenizer")
+        self.train = _open_bin(self.directory / "train.bin", self.meta.get("train_tokens"))
+        self.val = _open_bin(self.directory / "val.bin", self.meta.get("val_tokens"))
+        self._hf = None
+
+    def _hf_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"{self.directory}: no meta.json, the tokenizer is unknown")
+        if self._hf is None:
+            from tokenizers import Tokenizer
+            self._hf = Tokenizer.from_file(str(self.directory / self.tokenizer))
+        return self._hf
+
+    def encode(self, text):
+        """Token ids (list of int) of ``text``."""
+        if self.tokenizer == "bytes":
+            return list(text.encode("utf-8"))
+        return self._hf_tokenizer().encode(text).ids
+
+    def decode(self, ids):
+        """Text of the token ids; invalid UTF-8 of the byte tokenizer becomes U+FFFD."""
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        if self.tokenizer == "bytes":
+            if ids.size and (ids.min() < 0 or ids.max() > 255):
+                raise ValueError("byte tokenizer ids must lie in 0..255")
+            return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        return self._hf_tokenizer().decode(ids.tolist())
+
+
+def _open_bin(path, expected):
+    """Read-only uint16 memmap of a .bin file, with errors that name the path."""
+    if not path.is_file():
+        raise FileNotFoundError(f"token file not found: {path}")
+    size = path.stat().st_size
+    if size == 0 or size % 2:
+        raise ValueError(f"{path}: size {size} bytes is not a non-empty whole number of uint16")
+    if expected is not None and expected != size // 2:
+        raise ValueError(f"{path}: meta.json says {expected} tokens, the file holds {size // 2}")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _check_layout(batch_size, seq_len, dp_rank, dp_size):
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be >= 1")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+    if batch_size % dp_size:
+        raise ValueError(f"global batch_size {batch_size} is not divisible by dp_size {dp_size}")
+    rows = batch_size // dp_size
+    return dp_rank * rows, (dp_rank + 1) * rows
+
+
+def _gather(tokens, starts, seq_len):
+    """x, y (int64, shape (len(starts), seq_len)) from windows tokens[s : s+seq_len+1]."""
+    idx = starts[:, None] + np.arange(seq_len + 1)  # (B, T+1)
+    buf = np.asarray(tokens[idx]).astype(np.int64)  # one vectorised gather from the memmap
+    return np.ascontiguousarray(buf[:, :-1]), np.ascontiguousarray(buf[:, 1:])
+
+
+def get_batch(tokens, step, *, batch_size, seq_len, seed, dp_rank=0, dp_size=1):
+    """This rank's share of training batch ``step``: x, y int64, (batch_size//dp_size, seq_len).
+
+    ``batch_size`` is the global batch. Its window starts, uniform in [0, len(tokens)-seq_len-1],
+    come from PCG64 seeded by SeedSequence([seed, step]) only (raw bits modulo the range, so the
+    stream is stable across NumPy versions); rank r gets rows [r*B/dp, (r+1)*B/dp). y is x
+    shifted by one token.
+    """
+    lo, hi = _check_layout(batch_size, seq_len, dp_rank, dp_size)
+    n_starts = len(tokens) - seq_len  # valid starts: 0 .. len-seq_len-1
+    if n_starts < 1:
+        raise ValueError(f"split has {len(tokens)} tokens, fewer than seq_len+1 = {seq_len + 1}")
+    if seed < 0 or step < 0:
+        raise ValueError(f"seed ({seed}) and step ({step}) must be >= 0")
+    raw = np.random.PCG64(np.random.SeedSequence([seed, step])).random_raw(batch_size)
+    starts = (raw % np.uint64(n_starts)).astype(np.int64)  # (B,)
+    return _gather(tokens, starts[lo:hi], seq_len)
+
+
+def split_microbatches(x, y, n):
+    """Split a batch into ``n`` gradient-accumulation micro-batches [(x_k, y_k), ...].
+
+    Rows are split in order, so concatenating the micro-batches gives back (x, y). With global
+    batch B, dp ranks D and n micro-batches each has B/(D*n) rows; average the n losses (or scale
+    each by 1/n) to get the gradient of the rank's whole share.
+    """
+    if n < 1 or len(x) % n:
+        raise ValueError(f"{len(x)} rows cannot be split into {n} equal micro-batches")
+    return list(zip(np.split(x, n), np.split(y, n)))
+
+
+def num_eval_batches(tokens, batch_size, seq_len):
+    """How many evaluation batches of ``batch_size`` non-overlapping windows fit in ``tokens``."""
+    return ((len(tokens) - 1) // seq_len) // batch_size
+
+
+def get_eval_batch(tokens, index, *, batch_size, seq_len, dp_rank=0, dp_size=1):
+    """This rank's share of evaluation batch ``index`` (independent of any seed).
+
+    Batch ``index`` holds windows i = index*batch_size + j, j < batch_size; window i covers
+    tokens [i*T, i*T+T+1): x its first T tokens, y its last T. Rows are dp-sharded as in get_batch.
+    """
+    lo, hi = _check_layout(batch_size, seq_len, dp_rank, dp_size)
+    available = num_eval_batches(tokens, batch_size, seq_len)
+    if not 0 <= index < available:
+        raise ValueError(f"eval batch {index} requested but a split of {len(tokens)} tokens holds "
+                         f"only {available} batches of {batch_size}x{seq_len}")
+    windows = index * batch_size + np.arange(lo, hi, dtype=np.int64)
+    return _gather(tokens, windows * seq_len, seq_len)
+
+
+def _list_files(src, pattern, exclude):
+    """Non-empty regular files under src matching pattern, sorted; hidden and excluded skipped."""
+    files = []
+    for p in src.rglob(pattern):
+        parts = p.relative_to(src).parts
+        hidden = any(s.startswith(".") or s in exclude for s in parts)
+        if not hidden and p.is_file() and p.stat().st_size:
+            files.append(p)
+    return sorted(files, key=lambda p: p.relative_to(src).as_posix())
+
+
+def _val_files(src, files, val_fraction):
+    """Files that go whole to val: taken in hash order of the relative path while their bytes fit
+    in val_fraction of the total (the smallest file if none fits). Empty for a single file."""
+    if len(files) < 2:
+        return set()
+    sizes = {p: p.stat().st_size for p in files}
+    budget, used, val = val_fraction * sum(sizes.values()), 0, set()
+    def key(p):
+        return hashlib.sha1(p.relative_to(src).as_posix().encode()).digest()
+    for p in sorted(files, key=key):
+        if used + sizes[p] <= budget:
+            val.add(p)
+            used += sizes[p]
+    return val or {min(files, key=lambda p: sizes[p])}
+
+
+def _document_tokens(path, tok):
+    """Yield uint16 token arrays of one file (None tok = bytes); nothing for undecodable files."""
+    if tok is None:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                yield np.frombuffer(chunk, dtype=np.uint8).astype(np.uint16)
+        return
+    raw = path.read_bytes()
+    if b"\0" in raw:
+        return  # binary file
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return
+    yield np.asarray(tok.encode(text).ids, dtype=np.uint16)
+
+
+def _load_tokenizer(path):
+    """(tokenizer, vocab_size, eos_id) of a HF tokenizers JSON file."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(path))
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if vocab > MAX_VOCAB:
+        raise ValueError(f"tokenizer {path} has vocab_size {vocab} > {MAX_VOCAB}, "
+                         "its ids do not fit uint16")
+    eos = next((tok.token_to_id(t) for t in _EOS_NAMES if tok.token_to_id(t) is not None), None)
+    return tok, vocab, eos
+
+
+def prepare(src_dir, out_dir, tokenizer=None, val_fraction=0.05, pattern="*", exclude=()):
+    """Tokenise the files under ``src_dir`` into a dataset directory ``out_dir``; return its meta.
+
+    Files: every regular file under src_dir (recursively) whose name matches the glob
+    ``pattern``, in sorted order of relative path, skipping hidden entries and directories named
+    in ``exclude``. tokenizer None = bytes (vocab 256, every file read as bytes); otherwise a HF
+    tokenizers JSON file (binary or non-UTF-8 files are skipped). Every document is followed by
+    the separator: byte 0, or the tokenizer's EOS token if it has one (meta "eos_id").
+    Split: whole files go to val (see _val_files) for about val_fraction of the bytes; a single
+    file has its last val_fraction of tokens split off. Written file by file into a temporary
+    directory next to out_dir, renamed into place at the end (a crash leaves no out_dir).
+    """
+    src, out = Path(src_dir), Path(out_dir)
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+    if not src.is_dir():
+        raise FileNotFoundError(f"source directory not found: {src}")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output directory {out} exists and is not empty")
+    files = _list_files(src, pattern, set(exclude))
+    if not files:
+        raise ValueError(f"no files matching {pattern!r} under {src}")
+    tok, vocab, eos = (None, 256, BYTE_EOS) if tokenizer is None else _load_tokenizer(tokenizer)
+    val_files = _val_files(src, files, val_fraction)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        counts, docs = {"train": 0, "val": 0}, {"train": 0, "val": 0}
+        with open(tmp / "train.bin", "wb") as ftrain, open(tmp / "val.bin", "wb") as fval:
+            for path in files:
+                split = "val" if path in val_files else "train"
+                f, n = (fval if split == "val" else ftrain), 0
+                for ids in _document_tokens(path, tok):
+                    ids.tofile(f)
+                    n += ids.size
+                if n and eos is not None:
+                    np.array([eos], dtype=np.uint16).tofile(f)
+                    n += 1
+                counts[split] += n
+                docs[split] += n > 0
+        if not val_files and counts["train"] > 1:  # one file: move its tail into val.bin
+            cut = counts["train"] - max(1, int(counts["train"] * val_fraction))
+            np.memmap(tmp / "train.bin", dtype=np.uint16, mode="r")[cut:].tofile(tmp / "val.bin")
+            os.truncate(tmp / "train.bin", 2 * cut)
+            counts, docs = {"train": cut, "val": counts["train"] - cut}, {"train": 1, "val": 1}
+        if min(counts.values()) < 1:
+            raise ValueError(f"{src}: the train or val split came out empty ({counts})")
+        meta = {"vocab_size": vocab, "tokenizer": "bytes", "train_tokens": counts["train"],
+                "val_tokens": counts["val"], "format": "uint16", "eos_id": eos,
+                "train_files": docs["train"], "val_files": docs["val"], "source": str(src)}
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+            meta["tokenizer"] = "tokenizer.json"
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; a shared cache must stay readable
+        for name in os.listdir(tmp):  # data on disk before the rename publishes it
+            fd = os.open(tmp / name, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        os.rename(tmp, out)  # atomic; replaces an empty out_dir
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def default_dataset_dir(cache_dir=None):
+    """Directory of the built-in corpus, preparing it on first use: the .py files of this
+    Python's standard library (no site-packages, no test dirs), byte-level.
+
+    Cache: cache_dir, else $MPIRT_CACHE, else ~/.cache/mpirt. Safe for many ranks at once: an
+    fcntl lock serialises preparation and later callers find the finished directory.
+    """
+    cache = Path(cache_dir or os.environ.get("MPIRT_CACHE") or Path.home() / ".cache" / "mpirt")
+    out = cache / f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-bytes"
+    if (out / "meta.json").exists():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (out / "meta.json").exists():
+            prepare(sysconfig.get_paths()["stdlib"], out, pattern="*.py",
+                    exclude=("site-packages", "dist-packages", "test", "tests", "idle_test"))
+    return out
+
+
+def main(argv=None):
+    """``python -m mpirt.data prepare SRC OUT [--tokenizer F] [--val-fraction F]`` | ``default``."""
+    parser = argparse.ArgumentParser(prog="python -m mpirt.data",
+                                     description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="tokenise a folder of text files into a dataset directory")
+    p.add_argument("src_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--tokenizer", help="HF tokenizers JSON file (default: bytes)")
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--pattern", default="*", help="glob for file names (default: all files)")
+    d = sub.add_parser("default", help="print the built-in dataset dir, preparing it if needed")
+    d.add_argument("--cache-dir")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "default":
+            print(default_dataset_dir(args.cache_dir))
+            return 0
+        meta = prepare(args.src_dir, args.out_dir, args.tokenizer, args.val_fraction, args.pattern)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.out_dir}: train {meta['train_tokens']} tokens ({meta['train_files']} files), "
+          f"val {meta['val_tokens']} tokens ({meta['val_files']} files), "
+          f"vocab {meta['vocab_size']} ({meta['tokenizer']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
