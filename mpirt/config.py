@@ -68,6 +68,9 @@ class TrainConfig:
     eval_batches: int = _opt(8, "batches per evaluation")
     eval_interval: int = _opt(100, "evaluate every N steps; 0 = only at the end")
     log_interval: int = _opt(10, "log metrics every N steps")
+    ckpt_interval: int = _opt(0, "also checkpoint every N steps; 0 = only at the end")
+    stop_after: int = _opt(0, "end this run (with a checkpoint) after step N, as a job time limit "
+                              "would; the LR schedule still spans --steps; 0 = run to --steps")
     dtype: str = _opt("float32", "parameter and compute dtype: " + "|".join(DTYPES))
     backend: str = _opt("auto", "array backend: " + "|".join(BACKENDS) + " (auto = cupy if a GPU)")
     progress: bool = _opt(True, "show a progress bar on rank 0")
@@ -107,6 +110,8 @@ class TrainConfig:
         need("eval_batches", self.eval_batches >= 1, ">= 1")
         need("eval_interval", self.eval_interval >= 0, ">= 0 (0 = only at the end)")
         need("log_interval", self.log_interval >= 1, ">= 1")
+        need("ckpt_interval", self.ckpt_interval >= 0, ">= 0 (0 = only at the end)")
+        need("stop_after", 0 <= self.stop_after <= self.steps, f"in [0, steps={self.steps}]")
         need("dtype", self.dtype in DTYPES, "one of " + ", ".join(DTYPES))
         need("backend", self.backend in BACKENDS, "one of " + ", ".join(BACKENDS))
         need("dp", self.dp >= 0, ">= 0 (0 = derive from the world size)")

@@ -94,7 +94,7 @@ class Tensor:
     __array_priority__ = 1000  # make ndarray + Tensor defer to Tensor.__radd__
 
     def __init__(self, data, requires_grad: bool = False, _ctx: Function | None = None):
-        self.data = data if hasattr(data, "dtype") and hasattr(data, "shape") else B.xp.asarray(data)
+        self.data = data if isinstance(data, B.numpy.ndarray) or B.is_device_array(data) else B.xp.asarray(data)
         self.requires_grad = requires_grad
         self.grad = None
         self._ctx = _ctx
@@ -218,7 +218,10 @@ class _Backward:
             if g is None:  # nothing flowed here; still count its leaf edges as done
                 self._deliver_all(fn, (None,) * len(fn.inputs))
                 continue
-            defer = defer_weight_grad and bool(fn.weight_inputs)
+            # Only leaf weights can be deferred: a computed weight needs its gradient now.
+            defer = defer_weight_grad and bool(fn.weight_inputs) and all(
+                not isinstance(fn.inputs[i], Tensor) or fn.inputs[i]._ctx is None
+                for i in fn.weight_inputs if i < len(fn.inputs))
             if defer:
                 grads = fn.backward_input(g)
                 self.deferred.append((fn, g))

@@ -78,7 +78,11 @@ class Pow(Function):
     def backward(self, g):
         a, p = self.a, self.p
         ga = unbroadcast(g * p * a ** (p - 1), _shape(a)) if self.needs_input_grad[0] else None
-        gp = unbroadcast(g * self.out * B.xp.log(a), _shape(p)) if self.needs_input_grad[1] else None
+        gp = None
+        if self.needs_input_grad[1]:
+            gp = g * self.out
+            gp *= B.xp.log(a)  # in place: a float64 log of a Python-scalar base must not promote
+            gp = unbroadcast(gp, _shape(p))
         return ga, gp
 
 
@@ -164,8 +168,8 @@ class Max(Function):
 
     def backward(self, g):
         # Ties share the gradient equally (as amax does), so the result is a valid subgradient.
-        mask = self.a == self.out
-        share = mask / mask.sum(axis=self.axes, keepdims=True)
+        share = (self.a == self.out).astype(self.a.dtype)  # keep the dtype (bool / int -> float64)
+        share /= share.sum(axis=self.axes, keepdims=True)
         return (_expand_reduced(g, self.axes, self.keepdims) * share,)
 
 

@@ -1,6 +1,8 @@
 """Views and joins: reshape, transpose, indexing, concat, split."""
 from __future__ import annotations
 
+import itertools
+
 import mpirt.backend as B
 from mpirt.tensor import Function
 
@@ -48,7 +50,7 @@ class GetItem(Function):
 class Concat(Function):
     def forward(self, *arrays, axis=0):
         self.axis = axis
-        self.bounds = B.xp.cumsum([a.shape[axis] for a in arrays])[:-1].tolist()
+        self.bounds = list(itertools.accumulate(a.shape[axis] for a in arrays))[:-1]  # host ints (CuPy-safe)
         return B.xp.concatenate(arrays, axis=axis)
 
     def backward(self, g):

@@ -1,0 +1,221 @@
+"""Hugging Face GPT-2 checkpoints in and out, through safetensors only (never pickle).
+
+A GPT-2 directory holds ``config.json`` and either ``model.safetensors`` or a sharded checkpoint
+(``model.safetensors.index.json`` naming several shard files). Tensor names may carry the
+``transformer.`` prefix (``GPT2LMHeadModel``) or not (``GPT2Model``); both load. The attention
+mask buffers some files carry (``h.N.attn.bias``, ``h.N.attn.masked_bias``) are ignored. The head
+must be tied: an ``lm_head.weight`` that differs from ``wte.weight`` is refused.
+
+Config choices (shared with :mod:`models.presets`, which reads the same ``config.json``):
+
+- ``activation_function`` must be ``gelu_new`` or ``gelu_pytorch_tanh`` (the tanh GELU mpirt
+  implements). The exact erf ``gelu`` is refused rather than silently approximated: the two differ
+  by up to ~1e-3 per activation, enough to move a trained model's logits visibly.
+- ``scale_attn_by_inverse_layer_idx``, untied embeddings, cross-attention or unscaled attention
+  are refused. ``reorder_and_upcast_attn`` is accepted: it only changes the order and precision of
+  the same arithmetic in half precision, and mpirt computes attention in the model's dtype.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models.config import GPTConfig
+from models.gpt import param_shapes
+from models.presets import _read_hf
+from mpirt.config import ConfigError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PREFIX = "transformer."
+
+
+def _is_buffer(name: str) -> bool:
+    """The causal-mask buffers older GPT-2 files store next to the parameters."""
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "h" and parts[2] == "attn" and parts[3] in ("bias", "masked_bias")
+
+
+def read_hf_config(directory) -> GPTConfig:
+    """A checked GPTConfig from ``directory/config.json`` (ConfigError names the bad key)."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no config.json (not a Hugging Face model directory)")
+    cfg = GPTConfig(**_read_hf(path))
+    if cfg.n_embd % cfg.n_head:
+        raise ConfigError(f"n_head: must divide n_embd={cfg.n_embd}, got {cfg.n_head} (in {path})")
+    return cfg
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The checkpoint's files: the single file, or every shard named by the index."""
+    single, index = directory / SINGLE_FILE, directory / INDEX_FILE
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({e})") from None
+        files = [directory / f for f in dict.fromkeys(weight_map.values())]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index}: shard files missing: {absent}")
+        return files
+    found = ", ".join(sorted(p.name for p in directory.glob("*.bin"))) or "none"
+    raise FileNotFoundError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (pickled .bin files are "
+                            f"not loaded: {found}; convert them to safetensors)")
+
+
+def _read_bf16(path: Path, key: str) -> np.ndarray:
+    """One BF16 tensor as float32 (NumPy has no bfloat16), read from the file's raw layout."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        info = json.loads(f.read(n))[key]
+        start, end = info["data_offsets"]
+        f.seek(8 + n + start)
+        raw = np.frombuffer(f.read(end - start), dtype="<u2")
+    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
+
+
+def _read_tensors(files: list[Path], dtype) -> dict[str, np.ndarray]:
+    """Every tensor of ``files`` (buffers skipped), names without the ``transformer.`` prefix."""
+    out = {}
+    for path in files:
+        with safe_open(str(path), framework="np") as f:
+            for key in f.keys():
+                name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+                if _is_buffer(name):
+                    continue
+                if name in out:
+                    raise ValueError(f"{path}: tensor {name!r} appears twice (with and without {PREFIX!r})")
+                if f.get_slice(key).get_dtype() == "BF16":
+                    value = _read_bf16(path, key)
+                else:
+                    value = f.get_tensor(key)
+                out[name] = value.astype(dtype, copy=False)
+    return out
+
+
+def load_hf_gpt2(directory, dtype="float32") -> tuple[GPTConfig, dict[str, np.ndarray]]:
+    """Read a Hugging Face GPT-2 directory: ``(config, {mpirt parameter name: array})``.
+
+    Names and shapes are checked against the config; errors name the missing, unexpected or
+    misshapen keys. Arrays are converted to ``dtype``.
+    """
+    directory = Path(directory)
+    cfg = read_hf_config(directory)
+    tensors = _read_tensors(_safetensors_files(directory), np.dtype(dtype))
+    head = tensors.pop("lm_head.weight", None)
+    if head is not None:
+        if "wte.weight" not in tensors:  # a file that stored the tied table only under the head
+            tensors["wte.weight"] = head
+        elif head.shape != tensors["wte.weight"].shape or not np.array_equal(head, tensors["wte.weight"]):
+            raise ValueError(f"{directory}: lm_head.weight differs from wte.weight: "
+                             "untied lm_head not supported")
+    expected = param_shapes(cfg)
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise KeyError(f"{directory}: checkpoint does not match the config: missing keys {missing}, "
+                       f"unexpected keys {unexpected}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{directory}: {name} has shape {tuple(tensors[name].shape)}, expected {shape} "
+                             "from config.json")
+    return cfg, {name: tensors[name] for name in expected}
+
+
+def load_into(model, directory) -> GPTConfig:
+    """Load a Hugging Face GPT-2 directory into ``model`` (same architecture); returns its config."""
+    cfg, state = load_hf_gpt2(directory, dtype=model.wte.weight.dtype)
+    mine = getattr(model, "config", None)
+    if mine is not None:
+        keys = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "hidden", "layer_norm_epsilon")
+        diff = [f"{k}: model {getattr(mine, k)} vs checkpoint {getattr(cfg, k)}"
+                for k in keys if getattr(mine, k) != getattr(cfg, k)]
+        if diff:
+            raise ValueError(f"{directory}: checkpoint architecture differs from the model: {'; '.join(diff)}")
+    model.load_state_dict(state)
+    return cfg
+
+
+def hf_config_dict(cfg: GPTConfig, dtype: str = "float32") -> dict:
+    """``config.json`` contents for ``GPT2LMHeadModel`` with the architecture of ``cfg``."""
+    if cfg.model_type != "gpt2":
+        raise ValueError(f"save_hf_gpt2: only GPT-2 models can be exported, got model_type {cfg.model_type!r}")
+    token = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when it exists
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.n_positions, "n_ctx": cfg.n_positions,
+        "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": cfg.n_inner,
+        "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_epsilon,
+        "resid_pdrop": cfg.resid_pdrop, "embd_pdrop": cfg.embd_pdrop, "attn_pdrop": cfg.attn_pdrop,
+        "initializer_range": cfg.initializer_range, "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "add_cross_attention": False, "tie_word_embeddings": True, "use_cache": True,
+        "bos_token_id": token, "eos_token_id": token, "torch_dtype": dtype,
+    }
+
+
+def _write_files(directory: Path, cfg: GPTConfig, tensors: dict, dtype: str) -> None:
+    path = directory / SINGLE_FILE
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n")
+    for name in (SINGLE_FILE, "config.json"):
+        with open(directory / name, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def save_hf_gpt2(model, cfg: GPTConfig, directory, dtype: str = "float32") -> Path:
+    """Write ``model`` as a Hugging Face GPT-2 directory (``config.json`` + ``model.safetensors``
+    with ``transformer.``-prefixed names, stored as ``dtype``), loadable by
+    ``GPT2LMHeadModel.from_pretrained``.
+
+    A new directory appears complete or not at all (written beside it, then renamed). Into an
+    existing directory (which may hold tokenizer files) the two files are each replaced
+    atomically, and a stale sharded checkpoint there is removed.
+    """
+    directory = Path(directory)
+    state = model.state_dict()
+    expected = param_shapes(cfg)
+    if set(state) != set(expected):
+        raise KeyError(f"save_hf_gpt2: model parameters do not match the config: missing "
+                       f"{sorted(set(expected) - set(state))}, unexpected {sorted(set(state) - set(expected))}")
+    tensors = {}
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"save_hf_gpt2: {name} has shape {tuple(state[name].shape)}, expected {shape}"
+                             " (gather sharded parameters before exporting)")
+        tensors[PREFIX + name] = np.ascontiguousarray(state[name], dtype=dtype)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    exists = directory.is_dir()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory if exists else directory.parent))
+    try:
+        _write_files(tmp, cfg, tensors, dtype)
+        if not exists:
+            os.rename(tmp, directory)
+            return directory
+        for name in (SINGLE_FILE, "config.json"):
+            os.replace(tmp / name, directory / name)
+        index = directory / INDEX_FILE
+        if index.is_file():  # a stale sharded checkpoint; the single file already wins over it
+            try:
+                shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+            except (ValueError, AttributeError):
+                shards = set()
+            index.unlink()
+            for shard in shards:
+                if shard != SINGLE_FILE and Path(shard).name == shard:  # never outside the directory
+                    (directory / shard).unlink(missing_ok=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return directory

@@ -1,0 +1,87 @@
+"""A small MLP language model: the simplest model to test and to split into pipeline stages.
+
+    x = wte[idx]                                      # (B, T, C)
+    for block in h:
+        x = x + c_proj(gelu(c_fc(ln(x))))             # pre-LayerNorm residual MLP block
+    logits = ln_f(x) @ wte.weight^T                   # (B, T, V), head tied to wte
+
+There is no attention and no position embedding: each position predicts the next token from its
+own token only (a learned bigram model). ``n_positions`` still bounds the sequence length so the
+data pipeline treats both models alike. Uses n_layer, n_embd, n_inner (hidden size), vocab_size,
+n_positions, layer_norm_epsilon, resid_pdrop and initializer_range from :class:`GPTConfig`.
+"""
+from __future__ import annotations
+
+import math
+
+from mpirt import ops
+from mpirt.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList
+from models.config import GPTConfig
+from models.gpt import as_index_array, check_seq_len, lm_loss, seed_dropouts, tied_head
+
+
+class MLPBlock(Module):
+    """``x + dropout(c_proj(gelu(c_fc(ln(x)))))``."""
+
+    def __init__(self, cfg: GPTConfig, dtype="float32"):
+        super().__init__()
+        std = cfg.initializer_range
+        self.ln = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, dtype=dtype)
+        self.c_fc = Linear(cfg.n_embd, cfg.hidden, std=std, dtype=dtype)
+        self.c_proj = Linear(cfg.hidden, cfg.n_embd, std=std / math.sqrt(2 * cfg.n_layer), dtype=dtype)
+        self.dropout = Dropout(cfg.resid_pdrop)
+
+    def forward(self, x):
+        return x + self.dropout(self.c_proj(ops.gelu(self.c_fc(self.ln(x)))))
+
+
+class MLP(Module):
+    """MLP language model with GPT's interface: ``forward(idx, targets=None)``, ``embed``, ``h``,
+    ``head``. Pass ``seed`` to initialize the weights at construction."""
+
+    def __init__(self, cfg: GPTConfig, dtype="float32", seed: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=cfg.initializer_range, dtype=dtype)
+        self.h = ModuleList(MLPBlock(cfg, dtype) for _ in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, dtype=dtype)
+        for name, p in self.named_parameters():
+            p.name = name
+        seed_dropouts(self, 0 if seed is None else seed)  # distinct masks per Dropout module
+        if seed is not None:
+            self.initialize(seed)
+
+    def embed(self, idx):
+        """(B, T) token ids -> (B, T, C)."""
+        idx = as_index_array(idx)
+        check_seq_len(self.config, idx)
+        return self.wte(idx)
+
+    def head(self, x):
+        """(B, T, C) -> logits (B, T, V) through ln_f and the tied embedding."""
+        return tied_head(self.ln_f(x), self.wte.weight)
+
+    def forward(self, idx, targets=None):
+        """Logits (B, T, V), or ``(logits, loss)`` when ``targets`` (B, T; -100 = ignore) is given."""
+        x = self.embed(idx)
+        for block in self.h:
+            x = block(x)
+        logits = self.head(x)
+        if targets is None:
+            return logits
+        return logits, lm_loss(logits, targets)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return flops_per_token(self.config, seq_len)
+
+
+def num_parameters(cfg: GPTConfig) -> int:
+    """Parameter count of the MLP model (tied head counted once)."""
+    c, h = cfg.n_embd, cfg.hidden
+    return cfg.vocab_size * c + cfg.n_layer * (2 * c + c * h + h + h * c + c) + 2 * c
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int = 0) -> float:
+    """Training FLOPs per token, ``6 N`` (N includes wte once: the tied head's GEMM).
+    ``seq_len`` is accepted for symmetry with GPT; nothing here depends on it."""
+    return 6.0 * num_parameters(cfg)

@@ -1,0 +1,287 @@
+"""Checkpoints: safetensors + JSON (never pickle), checksummed, committed atomically.
+
+Layout of a checkpoint root ``directory``::
+
+    directory/
+      latest                  one line: the name of the current version ("step-00000300")
+      step-00000300/          one complete checkpoint (a "version")
+        meta.json             format, version, step, config, extra, optimizer scalars, tensors, files
+        model.safetensors     parameter name -> array
+        optimizer.safetensors "<param name>.<state>" -> array (e.g. "h.0.attn.w.exp_avg")
+      .tmp-step-00000400/     a save in progress (or one that crashed): never read, removed later
+
+Commit protocol: everything is written into ``.tmp-<name>/`` and fsynced; the directory is renamed
+to ``<name>`` (atomic) and the root fsynced; then ``latest`` is replaced atomically (``os.replace``
+of a fsynced temporary file) and the root fsynced again; finally older versions beyond ``keep`` and
+stale temporaries are removed. A crash at any point leaves ``latest`` naming a complete, checked
+version; a version exists under a ``step-*`` name only once all of its files are on disk.
+
+Every tensor in ``meta.json`` records its global shape, dtype, ShardSpec dims and a list of shards
+``{"file", "key", "start"}`` (where the shard sits in the global tensor). A single-rank save writes
+one shard per tensor; a sharded save adds files (one per rank) and shards, and this loader already
+assembles a tensor from several shards, so the format extends without a version bump.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import mpirt
+import mpirt.backend as B
+
+FORMAT, VERSION = "mpirt-checkpoint", 1
+META, MODEL, OPTIM, LATEST = "meta.json", "model.safetensors", "optimizer.safetensors", "latest"
+_VERSION_RE = re.compile(r"step-(\d+)(?:-(\d+))?")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupted or does not fit the model/optimizer."""
+
+
+# --- writing -------------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path, fsync: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_tensors(path: Path, arrays: dict) -> dict:
+    """Write ``arrays`` as safetensors, fsync, and return the file's entry for ``meta["files"]``."""
+    save_file({k: np.ascontiguousarray(B.to_host(v)) for k, v in arrays.items()}, str(path),
+              metadata={"format": FORMAT})
+    return {"sha256": _sha256(path, fsync=True), "bytes": path.stat().st_size}
+
+
+def _tensor_entry(a, spec_dims, file: str, key: str) -> dict:
+    shape = [int(n) for n in a.shape]
+    return {"shape": shape, "dtype": str(a.dtype), "spec": list(spec_dims),
+            "shards": [{"file": file, "key": key, "start": [0] * len(shape)}]}
+
+
+def _to_dict(config) -> dict:
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    return dict(config)
+
+
+def _write_pointer(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp"
+    _write_bytes(tmp, (name + "\n").encode())
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def _versions(root: Path) -> list[Path]:
+    """Committed version directories under ``root``, oldest step first."""
+    found = []
+    for p in root.iterdir():
+        m = _VERSION_RE.fullmatch(p.name)
+        if m and p.is_dir():
+            found.append(((int(m[1]), int(m[2] or 0)), p))
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(directory, model, optimizer, *, step: int, config, extra: dict | None = None,
+                    keep: int = 1) -> Path:
+    """Save ``model`` (and ``optimizer``, may be None) as a new version under ``directory``.
+
+    ``config`` (a dict, or an object with ``to_dict()``, or a dataclass) and ``extra`` must be
+    JSON-serialisable. After the new version is committed, the ``keep - 1`` newest other versions
+    are kept and the rest removed. Returns the new version's path. See the module docstring.
+    """
+    if int(step) != step or step < 0 or keep < 1:
+        raise ValueError(f"save_checkpoint: need an integer step >= 0 and keep >= 1, got step={step}, keep={keep}")
+    params = list(model.named_parameters())
+    weights = model.state_dict()
+    tensors = {n: _tensor_entry(weights[n], p.spec.dims, MODEL, n) for n, p in params}
+    if any(tuple(p.shape) != tuple(p.global_shape) for _, p in params):
+        raise NotImplementedError("save_checkpoint: sharded parameters need the sharded save (not yet written)")
+    opt_meta, opt_arrays, opt_tensors = None, {}, {}
+    if optimizer is not None:
+        state = optimizer.state_dict()
+        opt_arrays = {k: v for k, v in state.items() if hasattr(v, "shape")}
+        specs = {n: p.spec.dims for n, p in params}
+        for k, v in opt_arrays.items():
+            owner = k.rsplit(".", 1)[0]
+            opt_tensors[k] = _tensor_entry(v, specs.get(owner, (None,) * v.ndim), OPTIM, k)
+        opt_meta = {"type": type(optimizer).__name__,
+                    "scalars": {k: v for k, v in state.items() if k not in opt_arrays and k != "type"}}
+    meta = {"format": FORMAT, "version": VERSION, "mpirt_version": mpirt.__version__, "created": time.time(),
+            "step": int(step), "config": _to_dict(config), "extra": extra, "optimizer": opt_meta,
+            "params": tensors, "optimizer_state": opt_tensors, "files": {}}
+    try:
+        json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"save_checkpoint: config/extra/optimizer scalars are not JSON-serialisable: {e}") from None
+
+    root = Path(directory)
+    if (root / META).exists():
+        raise ValueError(f"save_checkpoint: {root} is a checkpoint version; pass the root directory above it")
+    root.mkdir(parents=True, exist_ok=True)
+    name, n = f"step-{int(step):08d}", 0
+    while (root / name).exists():  # saving the same step twice: a new name, the old stays intact
+        n += 1
+        name = f"step-{int(step):08d}-{n}"
+    tmp = root / f".tmp-{name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    meta["files"][MODEL] = _write_tensors(tmp / MODEL, weights)
+    if optimizer is not None:
+        meta["files"][OPTIM] = _write_tensors(tmp / OPTIM, opt_arrays)
+    _write_bytes(tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode())
+    _fsync_dir(tmp)
+    os.rename(tmp, root / name)
+    _fsync_dir(root)
+    _write_pointer(root, name)
+    # Clean up: stale temporaries and versions beyond ``keep`` (never the new one).
+    for p in root.iterdir():
+        if p.name.startswith(".tmp-") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+    others = [p for p in _versions(root) if p.name != name]
+    for p in others[:max(0, len(others) - (keep - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+    return root / name
+
+
+# --- reading -------------------------------------------------------------------------------------
+def _resolve(path) -> Path:
+    """The version directory for ``path``: itself if it holds meta.json, else what ``latest`` names."""
+    p = Path(path)
+    if p.name.startswith(".tmp-"):
+        raise CheckpointError(f"{p} is an uncommitted (in-progress or crashed) save")
+    if (p / META).is_file():
+        return p
+    if (p / LATEST).is_file():
+        name = (p / LATEST).read_text().strip()
+        if not _VERSION_RE.fullmatch(name):
+            raise CheckpointError(f"{p / LATEST}: does not name a checkpoint version: {name!r}")
+        if not (p / name / META).is_file():
+            raise CheckpointError(f"{p / LATEST} names {name}, but {p / name / META} is missing")
+        return p / name
+    raise FileNotFoundError(f"no checkpoint at {p} (neither {META} nor {LATEST} there)")
+
+
+def read_checkpoint_meta(directory) -> dict:
+    """The ``meta.json`` of the checkpoint at ``directory`` (a root or a version), plus ``"path"``."""
+    vdir = _resolve(directory)
+    try:
+        meta = json.loads((vdir / META).read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{vdir / META} is not valid JSON: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{vdir / META}: not an mpirt checkpoint (format {meta.get('format')!r})")
+    if meta.get("version", 0) > VERSION:
+        raise CheckpointError(f"{vdir / META}: format version {meta['version']} is newer than this mpirt reads ({VERSION})")
+    meta["path"] = str(vdir)
+    return meta
+
+
+def is_checkpoint(path) -> bool:
+    """True when ``path`` is a checkpoint root or version with a readable mpirt ``meta.json``."""
+    try:
+        read_checkpoint_meta(path)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _verify_files(vdir: Path, meta: dict) -> None:
+    for fname, info in meta["files"].items():
+        path = vdir / fname
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        digest = _sha256(path)
+        if digest != info["sha256"]:
+            raise CheckpointError(f"checkpoint file {path} is corrupted: sha256 {digest}, expected {info['sha256']}")
+
+
+def _check_shapes(what: str, entries: dict, expected: dict) -> None:
+    """``expected``: name -> shape. Errors name missing/unexpected keys or the key and both shapes."""
+    missing, unexpected = sorted(set(expected) - set(entries)), sorted(set(entries) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
+    for name, shape in expected.items():
+        if tuple(entries[name]["shape"]) != tuple(shape):
+            raise CheckpointError(f"{what}: {name} has shape {tuple(entries[name]['shape'])} in the checkpoint, "
+                                  f"{tuple(shape)} in the model")
+
+
+def _read_tensors(vdir: Path, entries: dict) -> dict:
+    """Assemble every tensor of ``entries`` (global shape) from its shards."""
+    handles, out = {}, {}
+    try:
+        for name, e in entries.items():
+            full = np.empty(e["shape"], dtype=e["dtype"])
+            filled = 0
+            for sh in e["shards"]:
+                if sh["file"] not in handles:
+                    handles[sh["file"]] = safe_open(str(vdir / sh["file"]), framework="numpy")
+                part = handles[sh["file"]].get_tensor(sh["key"])
+                region = full[tuple(slice(s, s + n) for s, n in zip(sh["start"], part.shape))]
+                if region.shape != part.shape:
+                    raise CheckpointError(f"{vdir / sh['file']}: {sh['key']} has shape {part.shape}, which does "
+                                          f"not fit at {sh['start']} in {name} of shape {tuple(e['shape'])}")
+                region[...] = part
+                filled += part.size
+            if filled != full.size:
+                raise CheckpointError(f"{vdir}: the shards of {name} cover {filled} of {full.size} elements")
+            out[name] = full
+    finally:
+        handles.clear()
+    return out
+
+
+def load_checkpoint(directory, model, optimizer=None) -> dict:
+    """Load the checkpoint at ``directory`` (root: the ``latest`` version; or a version directory)
+    into ``model`` and, when given, ``optimizer``; return its meta (``step``, ``config``, ``extra``...).
+
+    Checksums, names and shapes are all verified before anything is modified.
+    """
+    meta = read_checkpoint_meta(directory)
+    vdir = Path(meta["path"])
+    _verify_files(vdir, meta)
+    _check_shapes(f"{vdir}: model", meta["params"], {n: p.shape for n, p in model.named_parameters()})
+    weights = _read_tensors(vdir, meta["params"])
+    if optimizer is not None:
+        if meta["optimizer"] is None:
+            raise CheckpointError(f"{vdir}: the checkpoint holds no optimizer state")
+        if meta["optimizer"]["type"] != type(optimizer).__name__:
+            raise CheckpointError(f"{vdir}: optimizer state is for {meta['optimizer']['type']}, "
+                                  f"not {type(optimizer).__name__}")
+        state = dict(meta["optimizer"]["scalars"], type=meta["optimizer"]["type"])
+        state.update(_read_tensors(vdir, meta["optimizer_state"]))
+        optimizer.load_state_dict(state)  # validates every key and shape before changing anything
+    model.load_state_dict(weights)
+    return meta

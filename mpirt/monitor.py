@@ -1,0 +1,83 @@
+"""Run monitoring: step timing, throughput, MFU, a progress line on rank 0, per-rank JSONL metrics."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mpirt.backend as B
+
+
+def measure_peak_flops(dtype: str = "float32", n: int = 2048, seconds: float = 0.5) -> float:
+    """FLOP/s of one large square GEMM on this device: the practical peak MFU is measured against.
+
+    On CPUs the vendor peak is rarely known or reachable, so mpirt reports MFU relative to what the
+    BLAS library achieves on an n x n x n product: the fastest of the products run in ``seconds``
+    (the best one is the least disturbed by other processes).
+    """
+    a = B.xp.ones((n, n), dtype=dtype)
+    c = a @ a  # warm-up: threads started, pages touched
+    best, start = math.inf, time.perf_counter()
+    while time.perf_counter() - start < seconds or best == math.inf:
+        t0 = time.perf_counter()
+        c = a @ a
+        B.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del c
+    return 2.0 * n ** 3 / best
+
+
+class Progress:
+    """A one-line progress display: redrawn in place on a terminal, a line per update otherwise."""
+
+    def __init__(self, total: int, start: int = 0, stream=sys.stderr, enabled: bool = True):
+        self.total, self.done, self.stream, self.enabled = total, start, stream, enabled
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+
+    def update(self, step: int, **fields) -> None:
+        """Show ``step`` of ``total`` with ``fields`` (name -> number or text)."""
+        if not self.enabled:
+            return
+        self.done = step
+        width = 24
+        filled = int(width * step / max(self.total, 1))
+        parts = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} {parts}"
+        self.stream.write(("\r" + line + "\033[K") if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class Metrics:
+    """Per-step records: kept in memory for the summary and appended to ``path`` as JSON lines."""
+
+    def __init__(self, path: str | Path | None):
+        self.records: list[dict] = []
+        self.file = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", buffering=1)
+
+    def log(self, **record) -> None:
+        self.records.append(record)
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+
+    def median(self, key: str, skip_first: int = 1) -> float:
+        """Median of ``key`` over the records, skipping warm-up steps when there are enough."""
+        values = [r[key] for r in self.records if key in r]
+        if len(values) > skip_first:
+            values = values[skip_first:]
+        return statistics.median(values) if values else math.nan
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+            self.file = None

@@ -1,0 +1,264 @@
+"""Optimizers (SGD, AdamW), the cosine learning-rate schedule and clipping by global gradient norm.
+
+The update math lives in plain functions over raw arrays (:func:`sgd_update`, :func:`adamw_update`)
+so that a sharded (ZeRO) optimizer can run it on flat shards; the classes only hold the state and
+loop over parameters. Updates are in place, through one scratch buffer per dtype that is reused by
+every parameter, and use Python-float constants only: NumPy 2 would turn a float32 model float64
+on meeting a NumPy float64 scalar. The step counter is global: a parameter whose ``grad`` is None
+is skipped, but the counter (AdamW's bias correction) still advances.
+"""
+from __future__ import annotations
+
+import math
+
+import mpirt.backend as B
+
+
+def sgd_update(param, grad, momentum_buffer, *, lr, momentum=0.0, weight_decay=0.0, nesterov=False,
+               scratch=None) -> None:
+    """One SGD step in place on raw arrays, as ``torch.optim.SGD`` without dampening.
+
+    ``d = grad + weight_decay * param``; ``buf = momentum * buf + d`` (``buf`` starts at zero, so
+    the first step stores ``d`` as torch does); ``param -= lr * (d + momentum * buf)`` with Nesterov,
+    ``lr * buf`` with momentum, else ``lr * d``. ``momentum_buffer`` may be None without momentum.
+    ``scratch`` is an array shaped like ``param`` (allocated when None); ``grad`` is not modified.
+    """
+    xp = B.xp
+    lr, momentum, weight_decay = float(lr), float(momentum), float(weight_decay)
+    s = xp.empty_like(param) if scratch is None else scratch
+    d = grad
+    if weight_decay:
+        xp.multiply(param, weight_decay, out=s)
+        s += grad
+        d = s
+    if momentum:
+        momentum_buffer *= momentum
+        momentum_buffer += d
+        if nesterov:
+            xp.multiply(d, lr, out=s)
+            param -= s
+            d, lr = momentum_buffer, lr * momentum
+        else:
+            d = momentum_buffer
+    xp.multiply(d, lr, out=s)
+    param -= s
+
+
+def adamw_update(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
+                 scratch=None) -> None:
+    """One AdamW step in place on raw arrays, as ``torch.optim.AdamW`` (``step`` counts from 1).
+
+    ``param *= 1 - lr*weight_decay`` (decoupled decay); ``m = beta1*m + (1-beta1)*g``;
+    ``v = beta2*v + (1-beta2)*g*g``; ``param -= lr/(1-beta1^t) * m / (sqrt(v/(1-beta2^t)) + eps)``,
+    computed as ``m * (lr*c2/c1) / (sqrt(v) + eps*c2)`` with ``c1 = 1-beta1^t``, ``c2 = sqrt(1-beta2^t)``.
+    ``scratch`` is an array shaped like ``param`` (allocated when None); ``grad`` is not modified.
+    """
+    xp = B.xp
+    step, lr, beta1, beta2 = int(step), float(lr), float(beta1), float(beta2)
+    eps, weight_decay = float(eps), float(weight_decay)
+    s = xp.empty_like(param) if scratch is None else scratch
+    if weight_decay:
+        param *= 1.0 - lr * weight_decay
+    xp.multiply(grad, 1.0 - beta1, out=s)
+    exp_avg *= beta1
+    exp_avg += s
+    xp.multiply(grad, grad, out=s)
+    s *= 1.0 - beta2
+    exp_avg_sq *= beta2
+    exp_avg_sq += s
+    c1, c2 = 1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step)
+    xp.sqrt(exp_avg_sq, out=s)
+    s += eps * c2
+    xp.divide(exp_avg, s, out=s)
+    s *= lr * c2 / c1
+    param -= s
+
+
+class Optimizer:
+    """Base class: a list of named Parameters, per-parameter state arrays and a global step.
+
+    Subclasses set ``state_names`` (per-parameter arrays, allocated once here, in the parameter's
+    dtype) and ``hyper_names`` (scalar hyperparameters saved in :meth:`state_dict`).
+    """
+
+    state_names: tuple = ()
+    hyper_names: tuple = ()
+
+    def __init__(self, params, lr: float):
+        self.params = list(params)
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError(f"{type(self).__name__}: a parameter appears twice in params")
+        for i, p in enumerate(self.params):
+            if not hasattr(p, "data") or not hasattr(p, "grad"):
+                raise TypeError(f"{type(self).__name__}: params[{i}] is {type(p).__name__}, not a Parameter")
+        if lr < 0:
+            raise ValueError(f"{type(self).__name__}: lr must be >= 0, got {lr}")
+        self.lr = float(lr)
+        self.step_count = 0
+        self.state = [{k: B.xp.zeros_like(p.data) for k in self.state_names} for p in self.params]
+        self._scratch: dict = {}  # dtype -> flat buffer as large as the largest parameter of that dtype
+
+    def _scratch_for(self, p):
+        buf = self._scratch.get(p.dtype)
+        if buf is None:
+            size = max(q.size for q in self.params if q.dtype == p.dtype)
+            buf = self._scratch[p.dtype] = B.xp.empty(size, dtype=p.dtype)
+        return buf[:p.size].reshape(p.shape)
+
+    def zero_grad(self) -> None:
+        """Zero every gradient in place; allocate a zero buffer where ``grad`` is None (never rebinds)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = B.xp.zeros_like(p.data)
+            else:
+                p.grad.fill(0)
+
+    def step(self) -> None:
+        """Apply one update from each parameter's ``.grad`` (parameters without one are skipped)."""
+        self.step_count += 1
+        for i, (p, state) in enumerate(zip(self.params, self.state)):
+            if p.grad is not None:
+                self._update(i, p, state)
+
+    def _update(self, i: int, p, state) -> None:
+        raise NotImplementedError
+
+    def _keys(self) -> list[str]:
+        names = [getattr(p, "name", "") for p in self.params]
+        for i, n in enumerate(names):
+            if not n:
+                raise ValueError(f"{type(self).__name__}: params[{i}] has no name (call Module.initialize first)")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{type(self).__name__}: duplicate parameter names {sorted(names)}")
+        return names
+
+    def state_dict(self) -> dict:
+        """``{"type", "step", hyperparameters..., "<param name>.<state>": host array copy}``."""
+        d = {"type": type(self).__name__, "step": self.step_count, "lr": self.lr}
+        d.update({k: getattr(self, k) for k in self.hyper_names})
+        for name, state in zip(self._keys(), self.state):
+            d.update({f"{name}.{k}": B.to_host(a).copy() for k, a in state.items()})
+        return d
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore step, hyperparameters and state arrays (copied in place, converted to each
+        parameter's dtype). Everything is checked before anything changes; errors name the key."""
+        if d.get("type", type(self).__name__) != type(self).__name__:
+            raise ValueError(f"load_state_dict: state of a {d['type']} optimizer, this is a {type(self).__name__}")
+        arrays = {f"{n}.{k}": a for n, st in zip(self._keys(), self.state) for k, a in st.items()}
+        given = {k for k, v in d.items() if hasattr(v, "shape")}
+        missing = sorted(set(arrays) - given) + [k for k in ("step", *self.hyper_names) if k not in d]
+        unexpected = sorted(given - set(arrays))
+        if missing or unexpected:
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for k, a in arrays.items():
+            if tuple(d[k].shape) != tuple(a.shape):
+                raise ValueError(f"load_state_dict: {k} has shape {tuple(d[k].shape)}, expected {tuple(a.shape)}")
+        for k, a in arrays.items():
+            a[...] = B.asarray(d[k], dtype=a.dtype)
+        self.step_count = int(d["step"])
+        self.lr = float(d.get("lr", self.lr))
+        for k in self.hyper_names:
+            setattr(self, k, type(getattr(self, k))(d[k]))
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional momentum, Nesterov and L2 weight decay (torch's
+    ``SGD`` without dampening). State: ``momentum_buffer`` per parameter when ``momentum > 0``."""
+
+    hyper_names = ("momentum", "weight_decay", "nesterov")
+
+    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False):
+        if momentum < 0 or weight_decay < 0:
+            raise ValueError(f"SGD: momentum ({momentum}) and weight_decay ({weight_decay}) must be >= 0")
+        if nesterov and momentum == 0:
+            raise ValueError("SGD: nesterov needs momentum > 0")
+        self.state_names = ("momentum_buffer",) if momentum else ()
+        super().__init__(params, lr)
+        self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), bool(nesterov)
+
+    def _update(self, i, p, state) -> None:
+        sgd_update(p.data, p.grad, state.get("momentum_buffer"), lr=self.lr, momentum=self.momentum,
+                   weight_decay=self.weight_decay, nesterov=self.nesterov, scratch=self._scratch_for(p))
+
+
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay (torch's ``AdamW``). State: ``exp_avg``, ``exp_avg_sq``.
+
+    ``decay(p) -> bool`` picks the parameters that get weight decay; by default those with
+    ``ndim >= 2`` (the GPT convention: no decay on biases and LayerNorm parameters).
+    """
+
+    state_names = ("exp_avg", "exp_avg_sq")
+    hyper_names = ("beta1", "beta2", "eps", "weight_decay")
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 decay=None):
+        beta1, beta2 = betas
+        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+            raise ValueError(f"AdamW: betas must be in [0, 1), got {tuple(betas)}")
+        if eps < 0 or weight_decay < 0:
+            raise ValueError(f"AdamW: eps ({eps}) and weight_decay ({weight_decay}) must be >= 0")
+        super().__init__(params, lr)
+        self.beta1, self.beta2, self.eps, self.weight_decay = float(beta1), float(beta2), float(eps), float(weight_decay)
+        decay = decay or (lambda p: p.ndim >= 2)
+        self.decayed = [bool(decay(p)) for p in self.params]
+
+    def _update(self, i, p, state) -> None:
+        adamw_update(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], step=self.step_count, lr=self.lr,
+                     beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                     weight_decay=self.weight_decay if self.decayed[i] else 0.0, scratch=self._scratch_for(p))
+
+
+def cosine_lr(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """Learning rate at optimizer step ``step`` (counted from 0), nanoGPT's schedule.
+
+    * ``step < warmup_steps``: linear warmup ``lr * (step + 1) / warmup_steps`` (step 0 gets
+      ``lr / warmup_steps``, step ``warmup_steps - 1`` reaches ``lr``);
+    * ``warmup_steps <= step <= total_steps``: cosine decay
+      ``min_lr + 0.5 * (1 + cos(pi * r)) * (lr - min_lr)`` with
+      ``r = (step - warmup_steps) / (total_steps - warmup_steps)``: ``lr`` at ``r = 0``,
+      ``(lr + min_lr) / 2`` halfway, ``min_lr`` at ``total_steps``;
+    * ``step > total_steps``: ``min_lr``.
+    """
+    if step < 0 or warmup_steps < 0 or total_steps < warmup_steps:
+        raise ValueError(f"cosine_lr: need 0 <= step and 0 <= warmup_steps <= total_steps, got step={step}, "
+                         f"warmup_steps={warmup_steps}, total_steps={total_steps}")
+    if step < warmup_steps:
+        return float(lr) * (step + 1) / warmup_steps
+    if step >= total_steps:
+        return float(min_lr)
+    r = (step - warmup_steps) / (total_steps - warmup_steps)
+    return float(min_lr) + 0.5 * (1.0 + math.cos(math.pi * r)) * (float(lr) - float(min_lr))
+
+
+def global_grad_norm(params, allreduce_sq=None) -> float:
+    """L2 norm of all gradients together (parameters whose ``grad`` is None are ignored).
+
+    ``allreduce_sq(x: float) -> float`` sums this rank's sum of squares over the ranks that hold
+    different pieces of the model (TP/PP/ZeRO shards). The caller must count every element once:
+    pass only the shards this rank owns, and replicated parameters on one rank of their group.
+    """
+    parts = [B.xp.vdot(g, g) for g in (p.grad.reshape(-1) for p in params if p.grad is not None)]
+    sq = sum(float(x) for x in parts)
+    if allreduce_sq is not None:
+        sq = float(allreduce_sq(sq))
+    return math.sqrt(sq)
+
+
+def clip_grad_norm(params, max_norm: float, allreduce_sq=None) -> float:
+    """Scale gradients in place by ``max_norm / (norm + 1e-6)`` when the global norm exceeds
+    ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping.
+
+    A non-finite norm is returned unchanged and nothing is scaled: the caller should skip the step.
+    See :func:`global_grad_norm` for ``allreduce_sq``.
+    """
+    params = list(params)
+    norm = global_grad_norm(params, allreduce_sq)
+    if norm > max_norm:
+        coef = float(max_norm) / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad *= coef
+    return norm

@@ -1,0 +1,393 @@
+"""Single-process tests of every op in mpirt.ops: finite differences, PyTorch parity, dtypes,
+deferred weight gradients, hooks and graph recording."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpirt
+from mpirt import ops
+from mpirt.ops.nn import scatter_add_rows
+from mpirt.tensor import Tensor, no_grad
+from mpirt.testing import gradcheck
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def normal(*shape, seed=0):
+    return _rng(seed).standard_normal(shape)
+
+
+def positive(*shape, seed=0):
+    return _rng(seed).uniform(0.5, 2.0, shape)
+
+
+def away_from_zero(*shape, seed=0):
+    """Values with |x| >= 0.2 (kinks and ties stay out of the finite-difference stencil)."""
+    x = _rng(seed).uniform(0.2, 1.5, shape)
+    return x * _rng(seed + 1).choice([-1.0, 1.0], shape)
+
+
+# ------------------------------------------------------------------------------------------
+# One table drives both the float64 gradient check and the float32 dtype check.
+# Each case: (op name from ops.__all__, function of Tensors, list of input arrays).
+# Integer arrays are constants; every function calls exactly one op (split returns a list).
+# ------------------------------------------------------------------------------------------
+CASES = {
+    "add_broadcast": ("add", lambda a, b: a + b, [normal(2, 3, 4), normal(3, 1, seed=1)]),
+    "add_scalar": ("add", lambda a: 2.5 + a, [normal(3, 4)]),
+    "add_0d": ("add", lambda a, b: ops.add(a, b), [normal(2, 3), normal(seed=1)]),
+    "sub_broadcast": ("sub", lambda a, b: a - b, [normal(4, 1), normal(2, 1, 3, seed=1)]),
+    "sub_scalar_left": ("sub", lambda a: 1.5 - a, [normal(3, 2)]),
+    "mul_broadcast": ("mul", lambda a, b: a * b, [normal(2, 3, 4), normal(4, seed=1)]),
+    "mul_scalar": ("mul", lambda a: a * 3.0, [normal(5)]),
+    "div_broadcast": ("div", lambda a, b: a / b, [normal(2, 3), away_from_zero(2, 1, seed=1)]),
+    "div_scalar_left": ("div", lambda a: 2.0 / a, [away_from_zero(3, 2)]),
+    "neg": ("neg", lambda a: -a, [normal(2, 3)]),
+    "pow_int": ("pow", lambda a: a ** 3, [normal(2, 3)]),
+    "pow_float": ("pow", lambda a: a ** 0.5, [positive(2, 3)]),
+    "pow_tensor_broadcast": ("pow", lambda a, p: ops.pow(a, p), [positive(2, 3), normal(3, seed=1)]),
+    "pow_scalar_base": ("pow", lambda p: ops.pow(2.0, p), [normal(2, 3)]),
+    "exp": ("exp", lambda a: a.exp(), [normal(2, 3)]),
+    "log": ("log", lambda a: a.log(), [positive(2, 3)]),
+    "tanh": ("tanh", lambda a: a.tanh(), [normal(2, 3)]),
+    "relu": ("relu", lambda a: a.relu(), [away_from_zero(3, 4)]),
+    "sum_all": ("sum", lambda a: a.sum(), [normal(2, 3, 4)]),
+    "sum_axis": ("sum", lambda a: a.sum(axis=1), [normal(2, 3, 4)]),
+    "sum_tuple_keepdims": ("sum", lambda a: a.sum(axis=(0, 2), keepdims=True), [normal(2, 3, 4)]),
+    "mean_all": ("mean", lambda a: a.mean(), [normal(2, 3, 4)]),
+    "mean_neg_axis_keepdims": ("mean", lambda a: a.mean(axis=-1, keepdims=True), [normal(2, 3, 4)]),
+    "mean_tuple": ("mean", lambda a: a.mean(axis=(0, 1)), [normal(2, 3, 4)]),
+    "max_all": ("max", lambda a: a.max(), [normal(2, 3, 4)]),
+    "max_axis": ("max", lambda a: a.max(axis=1), [normal(2, 3, 4)]),
+    "max_tuple_keepdims": ("max", lambda a: a.max(axis=(0, 2), keepdims=True), [normal(2, 3, 4)]),
+    "reshape": ("reshape", lambda a: a.reshape(4, -1), [normal(2, 3, 4)]),
+    "transpose_reverse": ("transpose", lambda a: a.T, [normal(2, 3, 4)]),
+    "transpose_axes": ("transpose", lambda a: a.transpose(1, 2, 0), [normal(2, 3, 4)]),
+    "getitem_slices": ("getitem", lambda a: a[1:, ::2], [normal(3, 5)]),
+    "getitem_int_array_repeats": ("getitem", lambda a: a[np.array([0, 2, 0, 0])], [normal(3, 4)]),
+    "getitem_mixed": ("getitem", lambda a: a[:, np.array([1, 1, 3]), 1:], [normal(2, 4, 3)]),
+    "getitem_tensor_index": ("getitem", lambda a: a[Tensor(np.array([[1, 1], [0, 2]]))], [normal(3, 2)]),
+    "concat_axis0": ("concat", lambda a, b: ops.concat([a, b], axis=0), [normal(2, 3), normal(1, 3, seed=1)]),
+    "concat_last_with_const": ("concat", lambda a: ops.concat([a, np.ones((2, 2), a.dtype), a], axis=-1), [normal(2, 3)]),
+    "split_int": ("split", lambda a: ops.split(a, 3, axis=-1), [normal(2, 6)]),
+    "split_sizes_axis0": ("split", lambda a: ops.split(a, [1, 3], axis=0), [normal(4, 2)]),
+    "matmul_2d": ("matmul", lambda a, b: a @ b, [normal(3, 4), normal(4, 2, seed=1)]),
+    "matmul_batched_2d_weight": ("matmul", lambda a, b: a @ b, [normal(2, 3, 4), normal(4, 5, seed=1)]),
+    "matmul_batched": ("matmul", lambda a, b: ops.matmul(a, b), [normal(2, 3, 4), normal(2, 4, 2, seed=1)]),
+    "matmul_batch_broadcast": ("matmul", lambda a, b: a @ b, [normal(3, 4), normal(2, 4, 2, seed=1)]),
+    "linear_bias": ("linear", lambda x, w, b: ops.linear(x, w, b), [normal(2, 3, 4), normal(4, 5, seed=1), normal(5, seed=2)]),
+    "linear_no_bias": ("linear", lambda x, w: ops.linear(x, w), [normal(3, 4), normal(4, 2, seed=1)]),
+    "gelu": ("gelu", lambda x: ops.gelu(x), [2 * normal(3, 4)]),
+    "softmax": ("softmax", lambda x: ops.softmax(x), [normal(2, 3, 5)]),
+    "softmax_axis0": ("softmax", lambda x: ops.softmax(x, axis=0), [normal(4, 3)]),
+    "log_softmax": ("log_softmax", lambda x: ops.log_softmax(x), [normal(2, 3, 5)]),
+    "log_softmax_axis1": ("log_softmax", lambda x: ops.log_softmax(x, axis=1), [normal(2, 4, 3)]),
+    "layer_norm": ("layer_norm", lambda x, w, b: ops.layer_norm(x, w, b),
+                   [normal(2, 3, 6), 1 + 0.5 * normal(6, seed=1), normal(6, seed=2)]),
+    "layer_norm_no_affine": ("layer_norm", lambda x: ops.layer_norm(x, None, None, eps=1e-3), [normal(4, 5)]),
+    "embedding_repeats": ("embedding", lambda w: ops.embedding(np.array([[1, 3, 1], [0, 1, 3]]), w), [normal(5, 4)]),
+    "embedding_tensor_ids": ("embedding", lambda w: ops.embedding(Tensor(np.array([2, 2, 2, 0])), w), [normal(3, 2)]),
+    "cross_entropy": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t),
+                      [normal(6, 5), np.array([0, 4, 2, 2, 1, 3])]),
+    "cross_entropy_ignore_3d": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t, ignore_index=-100),
+                                [normal(2, 3, 4), np.array([[1, -100, 3], [0, 0, -100]])]),
+    "cross_entropy_custom_ignore_sum": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t, ignore_index=2, reduction="sum"),
+                                       [normal(4, 3), np.array([2, 0, 2, 1])]),
+    "cross_entropy_all_ignored": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t),
+                                  [normal(3, 4), np.full(3, -100)]),
+    "dropout": ("dropout", lambda x: ops.dropout(x, 0.4, seed=7), [normal(4, 5)]),
+    "attention": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, n_head=2), [normal(2, 5, 24)]),
+    "attention_T1": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, n_head=2), [normal(2, 1, 24)]),
+    "attention_dropout": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, 2, dropout_p=0.3, seed=3),
+                          [normal(1, 4, 12)]),
+}
+
+
+def test_cases_cover_every_exported_op():
+    assert set(ops.__all__) <= {op for op, _, _ in CASES.values()}
+
+
+def _as_tensor_output(out):
+    return ops.concat([p.reshape(-1) for p in out], axis=0) if isinstance(out, list) else out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradcheck(name):
+    _, f, inputs = CASES[name]
+    gradcheck(lambda *ts: _as_tensor_output(f(*ts)), *inputs)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_float32_outputs_and_gradients(name):
+    """Every output and every gradient a Function returns keeps float32 (checked on the Function's
+    own backward, since leaf accumulation would cast and hide a promotion). The seed gradient is
+    read-only: no backward may write into its incoming gradient."""
+    _, f, inputs = CASES[name]
+    arrays = [a.astype(np.float32) if a.dtype.kind == "f" else a for a in inputs]
+    tensors = [Tensor(a, requires_grad=a.dtype.kind == "f") for a in arrays]
+    outs = f(*tensors)
+    for out in outs if isinstance(outs, list) else [outs]:
+        assert out.dtype == np.float32, f"{name}: output is {out.dtype}"
+        g = _rng(5).standard_normal(out.shape).astype(np.float32)
+        g.flags.writeable = False
+        fn = out._ctx
+        grads = fn.backward(g)
+        assert len(grads) >= len(fn.inputs)
+        for x, gx, need in zip(fn.inputs, grads, fn.needs_input_grad):
+            if need:
+                assert gx is not None
+                assert gx.dtype == np.float32, f"{name}: gradient is {gx.dtype}"
+                assert tuple(gx.shape) == tuple(x.shape)
+    # and through the engine end to end
+    total = _as_tensor_output(f(*tensors))
+    total.backward(np.ones(total.shape, np.float32))
+    for t in tensors:
+        if t.requires_grad:
+            assert t.grad.dtype == np.float32 and np.isfinite(t.grad).all()
+
+
+# ------------------------------------------------------------------------------------------
+# Forward values and gradients against PyTorch (float64)
+# ------------------------------------------------------------------------------------------
+def _torch(a, grad=False):
+    return torch.tensor(a, dtype=torch.float64, requires_grad=grad)
+
+
+def test_gelu_matches_torch_tanh_gelu():
+    x = 3 * normal(4, 7)
+    np.testing.assert_allclose(ops.gelu(Tensor(x)).data, F.gelu(_torch(x), approximate="tanh").numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_softmax_and_log_softmax_match_torch():
+    x = 10 * normal(3, 4, 6)
+    for axis in (-1, 1):
+        np.testing.assert_allclose(ops.softmax(Tensor(x), axis).data, torch.softmax(_torch(x), axis).numpy(), rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(ops.log_softmax(Tensor(x), axis).data, torch.log_softmax(_torch(x), axis).numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_softmax_is_stable_for_large_inputs():
+    x = np.array([[1000.0, 1001.0, -1000.0]], dtype=np.float32)
+    y = ops.softmax(Tensor(x)).data
+    ls = ops.log_softmax(Tensor(x)).data
+    assert np.isfinite(y).all() and np.isfinite(ls).all()
+    np.testing.assert_allclose(y.sum(), 1.0, rtol=1e-6)
+
+
+def test_layer_norm_matches_torch():
+    x, w, b = normal(2, 3, 8), normal(8, seed=1), normal(8, seed=2)
+    got = ops.layer_norm(Tensor(x), Tensor(w), Tensor(b), eps=1e-5).data
+    want = F.layer_norm(_torch(x), (8,), _torch(w), _torch(b), eps=1e-5).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_cross_entropy_matches_torch_value_and_gradient():
+    logits = 3 * normal(2, 5, 7)
+    targets = _rng(1).integers(0, 7, (2, 5))
+    targets[0, 1] = targets[1, 4] = -100
+    for reduction in ("mean", "sum"):
+        x = Tensor(logits.copy(), requires_grad=True)
+        loss = ops.cross_entropy(x, targets, ignore_index=-100, reduction=reduction)
+        loss.backward()
+        tx = _torch(logits, grad=True)
+        want = F.cross_entropy(tx.reshape(-1, 7), torch.tensor(targets.reshape(-1)), ignore_index=-100, reduction=reduction)
+        want.backward()
+        assert loss.shape == ()
+        np.testing.assert_allclose(loss.item(), want.item(), rtol=1e-12)
+        np.testing.assert_allclose(x.grad, tx.grad.numpy(), rtol=1e-10, atol=1e-14)
+
+
+def test_cross_entropy_all_ignored_is_zero_with_zero_gradient():
+    x = Tensor(normal(4, 3).astype(np.float32), requires_grad=True)
+    loss = ops.cross_entropy(x, np.full(4, -100))
+    loss.backward()
+    assert loss.item() == 0.0 and loss.dtype == np.float32
+    assert np.all(x.grad == 0) and np.isfinite(x.grad).all()
+
+
+def test_cross_entropy_extreme_logits_stay_finite():
+    logits = np.array([[1e4, -1e4, 0.0], [-3e4, 3e4, 2.9e4]], dtype=np.float32)
+    x = Tensor(logits, requires_grad=True)
+    loss = ops.cross_entropy(x, np.array([0, 2]))
+    loss.backward()
+    np.testing.assert_allclose(loss.item(), 1e3 / 2, rtol=1e-5)
+    assert np.isfinite(x.grad).all()
+
+
+def test_cross_entropy_rejects_bad_targets():
+    with pytest.raises(IndexError, match="cross_entropy"):
+        ops.cross_entropy(Tensor(normal(2, 3)), np.array([0, 3]))
+    with pytest.raises(ValueError, match="targets shape"):
+        ops.cross_entropy(Tensor(normal(2, 3)), np.array([0, 1, 2]))
+    with pytest.raises(TypeError, match="integers"):
+        ops.cross_entropy(Tensor(normal(2, 3)), np.array([0.0, 1.0]))
+
+
+def _torch_causal_attention(qkv, n_head):
+    b, t, c3 = qkv.shape
+    c = c3 // 3
+    q, k, v = qkv.split(c, dim=-1)
+    heads = lambda z: z.view(b, t, n_head, c // n_head).transpose(1, 2)  # noqa: E731
+    out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+    return out.transpose(1, 2).reshape(b, t, c)
+
+
+@pytest.mark.parametrize("shape,n_head", [((2, 5, 24), 2), ((2, 1, 24), 2), ((3, 7, 36), 3), ((1, 6, 12), 1)])
+def test_attention_matches_torch_sdpa(shape, n_head):
+    qkv = normal(*shape)
+    x = Tensor(qkv.copy(), requires_grad=True)
+    out = ops.causal_self_attention(x, n_head)
+    g = normal(*out.shape, seed=3)
+    out.backward(g)
+    tx = _torch(qkv, grad=True)
+    want = _torch_causal_attention(tx, n_head)
+    want.backward(torch.tensor(g))
+    np.testing.assert_allclose(out.data, want.detach().numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(x.grad, tx.grad.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_attention_is_causal():
+    qkv = normal(1, 6, 12)
+    out = ops.causal_self_attention(Tensor(qkv), 2).data
+    changed = qkv.copy()
+    changed[:, 4:] += 5.0  # the future must not leak into positions 0..3
+    out2 = ops.causal_self_attention(Tensor(changed), 2).data
+    np.testing.assert_allclose(out[:, :4], out2[:, :4], rtol=1e-12)
+    assert not np.allclose(out[:, 4:], out2[:, 4:])
+
+
+def test_attention_dropout_seeded_and_validated():
+    qkv = Tensor(normal(2, 4, 12))
+    a = ops.causal_self_attention(qkv, 2, dropout_p=0.5, seed=1).data
+    b = ops.causal_self_attention(qkv, 2, dropout_p=0.5, seed=1).data
+    c = ops.causal_self_attention(qkv, 2, dropout_p=0.5, seed=2).data
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c)
+    with pytest.raises(ValueError, match="dropout_p"):
+        ops.causal_self_attention(qkv, 2, dropout_p=1.0, seed=1)
+    with pytest.raises(ValueError, match="seed"):
+        ops.causal_self_attention(qkv, 2, dropout_p=0.1)
+    with pytest.raises(ValueError, match="n_head"):
+        ops.causal_self_attention(qkv, 3)
+
+
+# ------------------------------------------------------------------------------------------
+# dropout and embedding specifics
+# ------------------------------------------------------------------------------------------
+def test_dropout_mask_is_seeded_scaled_and_has_rate_p():
+    x = Tensor(np.ones((200, 100), np.float32), requires_grad=True)
+    y = ops.dropout(x, 0.25, seed=11)
+    assert y.dtype == np.float32
+    vals = np.unique(y.data)
+    np.testing.assert_allclose(vals, [0.0, 1 / 0.75], rtol=1e-6)
+    assert abs((y.data == 0).mean() - 0.25) < 0.02
+    np.testing.assert_array_equal(y.data, ops.dropout(x, 0.25, seed=11).data)
+    assert not np.array_equal(y.data, ops.dropout(x, 0.25, seed=12).data)
+    y.backward(np.ones(y.shape, np.float32))
+    np.testing.assert_array_equal(x.grad, y.data)  # gradient uses the same mask and scale
+
+
+def test_dropout_identity_when_off_and_validates_p():
+    x = Tensor(normal(3, 4), requires_grad=True)
+    assert ops.dropout(x, 0.0, seed=1) is x
+    assert ops.dropout(x, 0.5, seed=1, training=False) is x
+    for p in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match="p"):
+            ops.dropout(x, p, seed=1)
+
+
+@pytest.mark.parametrize("vocab,n", [(7, 50), (1000, 300), (5, 1)])
+def test_scatter_add_rows_matches_add_at(vocab, n):
+    ids = _rng(3).integers(0, vocab, n)
+    rows = _rng(4).standard_normal((n, 6)).astype(np.float32)
+    want = np.zeros((vocab, 6), np.float32)
+    np.add.at(want, ids, rows)
+    got = scatter_add_rows(ids, rows, vocab)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_forward_and_validation():
+    w = normal(6, 3)
+    ids = np.array([[5, 0], [0, 2]])
+    np.testing.assert_array_equal(ops.embedding(ids, Tensor(w)).data, w[ids])
+    with pytest.raises(IndexError):
+        ops.embedding(np.array([6]), Tensor(w))
+    with pytest.raises(TypeError):
+        ops.embedding(np.array([0.0]), Tensor(w))
+
+
+# ------------------------------------------------------------------------------------------
+# Engine behaviour: deferred weight gradients, hooks, no_grad, seeds
+# ------------------------------------------------------------------------------------------
+def _reference_grads(build, arrays):
+    ts = [Tensor(a.copy(), requires_grad=True) for a in arrays]
+    build(*ts).sum().backward()
+    return [t.grad for t in ts]
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding", "layer_norm"])
+def test_deferred_weight_gradient(kind):
+    if kind == "linear":
+        arrays = [normal(2, 3, 4), normal(4, 5, seed=1), normal(5, seed=2)]
+        build = lambda x, w, b: ops.linear(x, w, b)  # noqa: E731
+    elif kind == "embedding":
+        ids = np.array([[0, 2, 2], [3, 0, 1]])
+        arrays = [normal(2, 3, 3), normal(4, 3, seed=1)]
+        build = lambda x, w: ops.embedding(ids, w) * x  # noqa: E731  (x: an input that is not a weight)
+    else:
+        arrays = [normal(3, 6), normal(6, seed=1), normal(6, seed=2)]
+        build = lambda x, w, b: ops.layer_norm(x, w, b) * x  # noqa: E731
+    want = _reference_grads(build, arrays)
+    ts = [Tensor(a.copy(), requires_grad=True) for a in arrays]
+    fired = []
+    for t in ts[1:]:
+        t.register_hook(lambda leaf: fired.append(id(leaf)))
+    pending = build(*ts).sum().backward(defer_weight_grad=True)
+    np.testing.assert_allclose(ts[0].grad, want[0], rtol=1e-12)
+    assert all(t.grad is None for t in ts[1:]) and fired == []
+    pending.run()
+    for t, w in zip(ts[1:], want[1:]):
+        np.testing.assert_allclose(t.grad, w, rtol=1e-12)
+    assert sorted(fired) == sorted(id(t) for t in ts[1:])
+
+
+def test_hook_fires_once_after_grad_is_complete():
+    x = Tensor(normal(3), requires_grad=True)
+    seen = []
+    x.register_hook(lambda leaf: seen.append(leaf.grad.copy()))
+    y = (x * x).sum() + (x * 2.0).sum()   # x reaches the loss along three edges
+    y.backward()
+    assert len(seen) == 1
+    np.testing.assert_allclose(seen[0], 2 * x.data + 2.0)
+    np.testing.assert_allclose(x.grad, seen[0])
+
+
+def test_no_grad_records_no_graph():
+    x = Tensor(normal(2, 3), requires_grad=True)
+    with no_grad():
+        y = ops.gelu(x * 2.0)
+        z = ops.cross_entropy(y, np.array([0, 1]))
+    assert y._ctx is None and not y.requires_grad and z._ctx is None
+    assert mpirt.is_grad_enabled()
+    assert ops.gelu(x)._ctx is not None
+
+
+def test_backward_seed_must_match_shape():
+    x = Tensor(normal(2, 3), requires_grad=True)
+    y = ops.gelu(x)
+    with pytest.raises(ValueError, match="seed gradient shape"):
+        y.backward(np.ones((3, 2)))
+    with pytest.raises(ValueError, match="seed gradient is required"):
+        y.backward()
+    y.backward(np.ones((2, 3)))
+    assert x.grad.shape == (2, 3)
+
+
+def test_max_ties_share_gradient():
+    x = Tensor(np.array([[1.0, 3.0, 3.0], [2.0, 0.0, 1.0]], np.float32), requires_grad=True)
+    x.max(axis=1).sum().backward()
+    np.testing.assert_allclose(x.grad, [[0, 0.5, 0.5], [1, 0, 0]])
+    assert x.grad.dtype == np.float32

@@ -1,0 +1,66 @@
+"""End-to-end tests of ``python -m mpirt.train`` and ``python -m mpirt.sample`` on a tiny model."""
+import json
+
+import pytest
+
+from conftest import run_module
+
+TINY = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.n_positions=32",
+        "--seq-len=16", "--batch-size=4", "--eval-batches=2", "--eval-interval=0", "--progress=false",
+        "--warmup-steps=2"]
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_summary_checkpoint_and_samples(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    run_module("mpirt.train", *TINY, "--steps=6", f"--data={tiny_data}", f"--out-dir={out}")
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("steps", "first_loss", "last_loss", "val_loss", "tokens_per_s", "step_time_s", "mfu",
+                "world_size", "layout"):
+        assert key in summary, key
+    assert summary["steps"] == 6 and summary["world_size"] == 1
+    assert summary["layout"] == {"dp": 1, "tp": 1, "pp": 1}
+    assert summary["last_loss"] < summary["first_loss"]
+    assert 0 < summary["mfu"] < 1 and summary["tokens_per_s"] > 0
+    assert len(read_metrics(out)) == 6
+
+    text = run_module("mpirt.sample", f"--ckpt={out / 'ckpt'}", "--tokens=20", "--prompt=def ").stdout
+    assert text.startswith("def ") and len(text) > 4
+
+
+def test_resume_equals_uninterrupted_run(tiny_data, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = [*TINY, f"--data={tiny_data}", "--dtype=float64", "--steps=6"]
+    run_module("mpirt.train", *common, f"--out-dir={full}")
+    run_module("mpirt.train", *common, f"--out-dir={part}", "--stop-after=3")
+    run_module("mpirt.train", *common, f"--out-dir={part}", f"--init-from={part / 'ckpt'}")
+    expected, resumed = read_metrics(full), read_metrics(part)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in expected]
+    assert json.loads((part / "summary.json").read_text())["val_loss"] == \
+        json.loads((full / "summary.json").read_text())["val_loss"]
+
+
+def test_eval_only_is_independent_of_seed(tiny_data, tmp_path):
+    ckpt = tmp_path / "run" / "ckpt"
+    run_module("mpirt.train", *TINY, "--steps=2", f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}")
+    losses = []
+    for seed in (1, 2):
+        out = run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--init-from={ckpt}", "--eval-only",
+                         f"--seed={seed}", f"--out-dir={tmp_path / str(seed)}").stdout
+        losses.append(json.loads(out.strip().splitlines()[-1])["val_loss"])
+    assert losses[0] == losses[1] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps=abc"], "steps"),
+    (["--bogus-key=1"], "bogus_key"),
+    (["--seq-len=64"], "n_positions"),
+])
+def test_bad_configuration_is_refused_naming_the_key(tiny_data, tmp_path, args, message):
+    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={tmp_path}", *args, check=False)
+    assert result.returncode == 2
+    assert message in result.stderr
