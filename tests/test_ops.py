@@ -199,6 +199,22 @@ def test_cross_entropy_matches_torch_value_and_gradient():
         np.testing.assert_allclose(x.grad, tx.grad.numpy(), rtol=1e-10, atol=1e-14)
 
 
+def test_cross_entropy_chunked_forward_matches_torch(monkeypatch):
+    """The forward runs a few rows at a time; force uneven chunks of 2 rows at this tiny size."""
+    import mpirt.ops.nn as nn_ops
+    monkeypatch.setattr(nn_ops, "_CE_CHUNK", 2 * 9)
+    logits, targets = 4 * normal(7, 9), _rng(2).integers(0, 9, 7)
+    targets[3] = -100
+    x = Tensor(logits.copy(), requires_grad=True)
+    loss = ops.cross_entropy(x, targets)
+    loss.backward()
+    tx = _torch(logits, grad=True)
+    want = F.cross_entropy(tx, torch.tensor(targets), ignore_index=-100)
+    want.backward()
+    np.testing.assert_allclose(loss.item(), want.item(), rtol=1e-12)
+    np.testing.assert_allclose(x.grad, tx.grad.numpy(), rtol=1e-10, atol=1e-14)
+
+
 def test_cross_entropy_all_ignored_is_zero_with_zero_gradient():
     x = Tensor(normal(4, 3).astype(np.float32), requires_grad=True)
     loss = ops.cross_entropy(x, np.full(4, -100))
@@ -246,6 +262,15 @@ def test_attention_matches_torch_sdpa(shape, n_head):
     want.backward(torch.tensor(g))
     np.testing.assert_allclose(out.data, want.detach().numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(x.grad, tx.grad.numpy(), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_attention_saves_one_probability_array(dropout_p):
+    qkv = Tensor(normal(2, 6, 12).astype(np.float32), requires_grad=True)
+    out = ops.causal_self_attention(qkv, 2, dropout_p=dropout_p, seed=0)
+    saved = [a for a in vars(out._ctx).values() if hasattr(a, "shape") and a.shape == (2, 2, 6, 6)]
+    assert sorted(a.dtype.kind for a in saved) == (["f"] if dropout_p == 0 else ["b", "f"])
+    assert (out._ctx.mask is None) == (dropout_p == 0)
 
 
 def test_attention_is_causal():
@@ -391,3 +416,19 @@ def test_max_ties_share_gradient():
     x.max(axis=1).sum().backward()
     np.testing.assert_allclose(x.grad, [[0, 0.5, 0.5], [1, 0, 0]])
     assert x.grad.dtype == np.float32
+
+
+def test_retain_graph_runs_fused_ops_twice_except_cross_entropy():
+    qkv = Tensor(normal(1, 4, 12), requires_grad=True)
+    w, b = Tensor(normal(4, seed=1), requires_grad=True), Tensor(normal(4, seed=2), requires_grad=True)
+    h = ops.causal_self_attention(qkv, 2)
+    y = ops.softmax(ops.gelu(ops.layer_norm(h, w, b)) * 2.0).sum() + ops.log_softmax(h).sum()
+    y.backward(retain_graph=True)
+    first = [t.grad.copy() for t in (qkv, w, b)]
+    y.backward(retain_graph=True)
+    for t, g1 in zip((qkv, w, b), first):
+        np.testing.assert_allclose(t.grad, 2 * g1, rtol=1e-12, atol=1e-15)
+    loss = ops.cross_entropy(Tensor(normal(3, 4), requires_grad=True), np.array([0, 1, 2]))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="cross_entropy: backward ran twice"):
+        loss.backward(retain_graph=True)

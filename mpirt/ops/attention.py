@@ -6,7 +6,8 @@ The input is GPT-2's ``c_attn`` output, ``qkv`` of shape (B, T, 3C): ``q = qkv[.
 
 Memory: the forward keeps one (B, H, T, T) array, the probabilities (mask and softmax are done in
 place on the score array); the backward allocates one more, ``dP = dO V^T``, and turns it in place
-into the score gradient ``dS = P * (dP - rowsum(dP * P))``. Heads are never copied out of
+into the score gradient ``dS = P * (dP - rowsum(dP * P))``, where ``rowsum(dP * P) = rowsum(dO * O)``
+is taken on the (B, T, C) output instead of the (B, H, T, T) arrays. Heads are never copied out of
 ``qkv``: batched matmul on the strided (B, H, T, D) views costs the same as on contiguous copies
 (measured, NumPy + OpenBLAS), and the products are written straight into the merged (B, T, C)
 output and into one (B, T, 3C) gradient.
@@ -63,8 +64,10 @@ class CausalSelfAttention(Function):
             pv *= self.keep_scale
         out = xp.empty((b, t, n_head, d), dtype=qkv.dtype)
         xp.matmul(pv, v, out=out.transpose(0, 2, 1, 3))             # heads merged on the way out
-        self.qkv, self.p, self.n_head, self.scale = qkv, p, n_head, scale
-        return out.reshape(b, t, c)
+        out = out.reshape(b, t, c)
+        # out is saved by reference (the next linear layer saves it too); ops never write into it
+        self.qkv, self.p, self.out, self.n_head, self.scale = qkv, p, out, n_head, scale
+        return out
 
     def backward(self, g):
         xp = B.xp
@@ -85,8 +88,11 @@ class CausalSelfAttention(Function):
             xp.matmul(go, v.swapaxes(-1, -2), out=buf)
             buf *= self.mask
             buf *= self.keep_scale
-        rowdot = xp.einsum("bhij,bhij->bhi", buf, p)[..., None]
-        buf -= rowdot
+        # rowsum(dP * P) = dO . O per query (FlashAttention's identity; dropout included), a
+        # (B, T, C) product instead of a pass over (B, H, T, T)
+        b, t = g.shape[:2]
+        rowdot = xp.einsum("bthd,bthd->bth", g.reshape(b, t, h, -1), self.out.reshape(b, t, h, -1))
+        buf -= rowdot.transpose(0, 2, 1)[..., None]
         buf *= p                                                    # dS (masked entries: P = 0)
         xp.matmul(buf, k, out=dq)
         dq *= scale

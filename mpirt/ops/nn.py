@@ -18,6 +18,7 @@ from mpirt.tensor import Function, Tensor
 
 _GELU_K = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
+_CE_CHUNK = 1 << 17  # elements per cross-entropy forward chunk (512 KiB of float32: stays in cache)
 
 
 def _data(x):
@@ -157,10 +158,12 @@ class LayerNorm(Function):
 def scatter_add_rows(ids, rows, num_rows: int):
     """``out[ids[i]] += rows[i]`` into a fresh zero ``(num_rows, C)`` array (ids 1-D, rows (N, C)).
 
-    On NumPy ``add.at`` with a row index is slow (about 4x a plain scatter), so ids are sorted,
-    the first occurrence of each id is *assigned* (a plain fancy-index store: ids are unique
-    there) and only the repeats go through ``add.at`` on the flattened array (NumPy's fast 1-D
-    path). On CuPy ``add.at`` is an atomic scatter-add kernel and is used directly.
+    NumPy's ``add.at`` with a row index is slow; its 1-D fast path on the flattened array is
+    about 3x faster. When ids are fewer than the rows of ``out`` most of them are distinct, so
+    ids are sorted, the first occurrence of each is *assigned* (a plain fancy-index store) and only
+    the repeats are added with ``add.at``: at V=50257, C=768, N=8192 this takes 28-37 ms against
+    65 ms for ``add.at`` (V=256, C=128, N=4096: 1.0 ms against 3.8 ms with the flat ``add.at``).
+    On CuPy ``add.at`` is an atomic scatter-add kernel and is used directly.
     """
     xp = B.xp
     out = xp.zeros((num_rows, rows.shape[1]), dtype=rows.dtype)
@@ -169,17 +172,19 @@ def scatter_add_rows(ids, rows, num_rows: int):
     if B.name == "cupy":
         xp.add.at(out, ids, rows)
         return out
-    order = xp.argsort(ids)
-    s = ids[order]
-    first = xp.empty(s.shape, dtype=bool)
-    first[0] = True
-    xp.not_equal(s[1:], s[:-1], out=first[1:])
-    out[s[first]] = rows[order[first]]
-    rest = order[~first]
-    if rest.size:
+    if ids.size <= num_rows:
+        order = xp.argsort(ids)
+        s = ids[order]
+        first = xp.empty(s.shape, dtype=bool)
+        first[0] = True
+        xp.not_equal(s[1:], s[:-1], out=first[1:])
+        out[s[first]] = rows[order[first]]
+        rest = order[~first]
+        ids, rows = ids[rest], rows[rest]
+    if ids.size:
         c = rows.shape[1]
-        flat = (ids[rest][:, None] * c + xp.arange(c)).reshape(-1)
-        xp.add.at(out.reshape(-1), flat, rows[rest].reshape(-1))
+        flat = (ids.astype(xp.int64)[:, None] * c + xp.arange(c)).reshape(-1)  # V*C may pass 2**31
+        xp.add.at(out.reshape(-1), flat, rows.reshape(-1))
     return out
 
 
@@ -215,9 +220,12 @@ class Embedding(Function):
 class CrossEntropy(Function):
     """Log-softmax + negative log-likelihood in one op.
 
-    Forward allocates one (N, V) array, ``e = exp(logits - max)``, and keeps it; backward turns it
-    *in place* into ``(softmax - onehot) * g / count``. Hence one backward per forward: a second
-    backward (``retain_graph``) raises instead of returning wrong numbers.
+    The forward writes the softmax probabilities into the one (N, V) array it allocates, a few
+    rows at a time (``_CE_CHUNK`` elements) so that max, subtract, exp, sum and normalise run in
+    cache and the array is written to memory once (measured about 25 % faster than whole-array
+    passes at V = 50257 on NumPy; on CuPy it is a single chunk). The backward turns that array
+    *in place* into the gradient ``(softmax - onehot) * g / count``: one backward per forward, a
+    second one (``retain_graph``) raises instead of returning wrong numbers.
     """
 
     def forward(self, logits, targets, ignore_index=-100, reduction="mean"):
@@ -232,44 +240,49 @@ class CrossEntropy(Function):
                              f"{logits.shape} without its last (class) dimension")
         v = logits.shape[-1]
         x = logits.reshape(-1, v)                                   # (N, V)
+        n = x.shape[0]
         t = targets.reshape(-1)
         valid = t != ignore_index
         if bool((((t < 0) | (t >= v)) & valid).any()):
             raise IndexError(f"cross_entropy: targets must be in [0, {v}) or ignore_index={ignore_index}")
         t = xp.where(valid, t, 0)
-        rows = xp.arange(t.size)
-        m = x.max(axis=1, keepdims=True)                            # (N, 1)
-        e = xp.subtract(x, m)                                       # the one (N, V) temporary
-        xp.exp(e, out=e)
-        s = e.sum(axis=1, keepdims=True)                            # (N, 1)
-        nll = xp.log(s[:, 0])
-        nll -= x[rows, t]
-        nll += m[:, 0]                                              # lse - logit[target]
+        p = xp.empty_like(x)                                        # the one (N, V) array
+        lse = xp.empty((n, 1), dtype=x.dtype)
+        rows = n if B.name == "cupy" else max(1, _CE_CHUNK // max(v, 1))
+        for i in range(0, n, rows):
+            xc, pc = x[i:i + rows], p[i:i + rows]
+            m = xc.max(axis=1, keepdims=True)
+            xp.subtract(xc, m, out=pc)
+            xp.exp(pc, out=pc)
+            s = pc.sum(axis=1, keepdims=True)
+            pc *= 1.0 / s
+            xp.log(s, out=s)
+            xp.add(s, m, out=lse[i:i + rows])                      # logsumexp per row
+        nll = lse[:, 0] - x[xp.arange(n), t]
         nll *= valid
         count = valid.sum(dtype=x.dtype)
         loss = nll.sum()
         if reduction == "mean":
             loss = loss / xp.maximum(count, 1.0)
-        self.e, self.s, self.t, self.valid, self.count = e, s, t, valid, count
+        self.p, self.t, self.valid, self.count = p, t, valid, count
         self.reduction, self.shape = reduction, logits.shape
         return xp.asarray(loss, dtype=x.dtype)
 
     def backward(self, g):
-        if getattr(self, "e", None) is None:
+        if getattr(self, "p", None) is None:
             raise RuntimeError("cross_entropy: backward ran twice; its saved buffer was consumed "
                                "by the first backward (retain_graph is not supported here)")
         xp = B.xp
-        e, valid = self.e, self.valid
-        self.e = None
-        scale = xp.asarray(g, dtype=e.dtype)
+        p, valid = self.p, self.valid
+        self.p = None
+        scale = xp.asarray(g, dtype=p.dtype)
         if self.reduction == "mean":
             scale = scale / xp.maximum(self.count, 1.0)
-        rowscale = valid.astype(e.dtype)                            # ignored rows -> 0
+        rowscale = valid.astype(p.dtype)                            # ignored rows -> 0
         rowscale *= scale
-        factor = rowscale[:, None] / self.s
-        e *= factor                                                 # softmax * g / count
-        e[xp.arange(self.t.size), self.t] -= rowscale               # - onehot * g / count
-        return e.reshape(self.shape), None
+        p *= rowscale[:, None]                                      # softmax * g / count
+        p[xp.arange(self.t.size), self.t] -= rowscale               # - onehot * g / count
+        return p.reshape(self.shape), None
 
 
 # ------------------------------------------------------------------------------------------
