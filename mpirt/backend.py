@@ -78,3 +78,11 @@ def asarray(a, dtype=None):
 def is_device_array(a) -> bool:
     """True for a CuPy array (anything exposing ``__cuda_array_interface__``)."""
     return hasattr(a, "__cuda_array_interface__")
+
+
+def current_stream_ptr() -> int:
+    """The raw handle of the current CUDA stream (0 on NumPy); NCCL calls are queued on it."""
+    if name != "cupy":
+        return 0
+    import cupy
+    return cupy.cuda.get_current_stream().ptr

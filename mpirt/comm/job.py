@@ -1,14 +1,18 @@
-"""MPI access: the only module that imports mpi4py.
-
-For now it answers who this process is (rank, world size, local rank on the node) and stops the
-whole job when one rank fails; collectives and point-to-point arrive with data parallelism.
-"""
+"""This process's place in the job: constants, :class:`World`, :func:`world`, the abort hook."""
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
 
 from mpi4py import MPI
+
+PROC_NULL = MPI.PROC_NULL
+ANY_SOURCE = MPI.ANY_SOURCE
+ANY_TAG = MPI.ANY_TAG
+
+
+class CommError(RuntimeError):
+    """A communication that cannot complete as asked (e.g. a received message of the wrong size)."""
 
 
 @dataclass(frozen=True)

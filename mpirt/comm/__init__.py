@@ -1,0 +1,46 @@
+"""MPI access: the only package that imports mpi4py.
+
+``world()`` says who this process is, ``install_abort_on_error()`` ends the whole job when one
+rank fails, and :class:`Comm` moves arrays: collectives and point-to-point on NumPy arrays (and
+CuPy arrays) through mpi4py's uppercase buffer methods, never the pickle path.
+
+Engines (:func:`select_engine`), chosen per call from the array:
+
+- ``"host"``: NumPy arrays go straight to MPI.
+- ``"nccl"``: CuPy arrays in collectives when ``cupy.cuda.nccl`` is available (one NCCL
+  communicator per :class:`Comm`, made on first use; its unique id travels over MPI). Preferred
+  over CUDA-aware MPI for collectives, as it is the faster path on NVLink/InfiniBand GPUs.
+  Point-to-point never uses NCCL (it matches no tags and a blocking send pair can deadlock).
+- ``"cuda-aware"``: CuPy arrays handed to MPI as device pointers when the MPI library reports
+  ``MPIX_Query_cuda_support() == 1`` (PyPI MPI wheels do not: detect, do not assume).
+- ``"staged"``: CuPy arrays copied to the host, sent with MPI, copied back.
+``MPIRT_COMM_ENGINE=nccl|cuda-aware|staged`` forces the engine for device arrays (NCCL is never
+used for point-to-point). The stream is synchronized right before MPI touches a device buffer.
+
+Every call is recorded in the module-level :data:`stats` (one registry for the process; each record
+names its communicator's ``axis``, so per-axis views come from ``stats.summary()``).
+
+Dtypes: reductions run on MPI's predefined types (floats, ints, uints, complex); float16 (and any
+other 2-byte float such as bfloat16) is reduced in float32 and cast back. Non-reducing operations
+(broadcast, allgather, send/recv) move raw bytes, so any dtype works.
+Non-contiguous inputs are copied to a C-contiguous buffer first; in-place operations on a
+non-contiguous array copy the result back into it.
+
+The package, by concern: :mod:`~mpirt.comm.job` (constants, :class:`World`, the abort hook),
+:mod:`~mpirt.comm.registry` (:class:`CommStats`, no mpi4py), :mod:`~mpirt.comm.buffers`
+(dtypes, contiguous copies, :func:`chunk_bounds`), :mod:`~mpirt.comm.engines` (engine
+selection, CUDA-aware detection, the NCCL engine), :mod:`~mpirt.comm.handles` (non-blocking
+handles) and :mod:`~mpirt.comm.core` (:class:`Comm`).
+"""
+from mpirt.comm.buffers import chunk_bounds
+from mpirt.comm.core import Comm, world_comm
+from mpirt.comm.engines import ENGINES, cuda_aware_mpi, nccl_available, select_engine
+from mpirt.comm.handles import Handle, test_all, wait_all
+from mpirt.comm.job import ANY_SOURCE, ANY_TAG, PROC_NULL, CommError, World, install_abort_on_error, world
+from mpirt.comm.registry import CommRecord, CommStats, stats
+
+__all__ = [
+    "ANY_SOURCE", "ANY_TAG", "ENGINES", "PROC_NULL", "Comm", "CommError", "CommRecord", "CommStats",
+    "Handle", "World", "chunk_bounds", "cuda_aware_mpi", "install_abort_on_error", "nccl_available",
+    "select_engine", "stats", "test_all", "wait_all", "world", "world_comm",
+]

@@ -1,0 +1,102 @@
+"""Handles for non-blocking calls, and the receive-side checks shared by ``recv`` and ``irecv``."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpirt.comm import buffers
+from mpirt.comm.job import CommError
+from mpirt.comm.registry import _clock, stats
+
+
+class Handle:
+    """A pending non-blocking operation. ``test()`` drives MPI progress and says whether it is done
+    (MPICH progresses requests only inside MPI calls); ``wait()`` completes it and returns the
+    result array. Keeps the buffers alive until completion."""
+
+    __slots__ = ("_req", "_finish", "_rec", "_t0", "_status", "_result", "_done", "_keep", "_recv")
+
+    def __init__(self, req, finish, rec, result, status=None, keep=None, recv=None):
+        self._req, self._finish, self._rec = req, finish, rec
+        self._result, self._status, self._keep, self._recv = result, status, keep, recv
+        self._t0 = _clock()
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def test(self) -> bool:
+        """Drive progress; True once the operation has completed (then the result is ready)."""
+        if self._done:
+            return True
+        try:
+            if self._req is not None and not self._req.Test(self._status):
+                return False
+        except MPI.Exception as err:
+            raise self._error(err) from err
+        self._complete()
+        return True
+
+    def wait(self):
+        """Complete the operation and return its result array."""
+        if not self._done:
+            try:
+                if self._req is not None:
+                    self._req.Wait(self._status)
+            except MPI.Exception as err:
+                raise self._error(err) from err
+            self._complete()
+        return self._result
+
+    def _error(self, err):
+        return _recv_error(err, *self._recv) if self._recv else err
+
+    def _complete(self) -> None:
+        self._done = True
+        if self._finish is not None:
+            self._finish(self._status)
+        op, axis, nbytes, engine = self._rec
+        stats.add(op, axis, nbytes, time.perf_counter() - self._t0, engine)
+        self._req = self._finish = self._keep = None
+
+
+def _done_handle(result, rec) -> Handle:
+    h = Handle(None, None, rec, result)
+    h._complete()
+    return h
+
+
+def wait_all(handles) -> list:
+    """Wait for every handle; returns their results in order."""
+    return [h.wait() for h in handles]
+
+
+def test_all(handles) -> bool:
+    """Test every handle (driving progress on all of them); True when all are done."""
+    return all([h.test() for h in handles])
+
+
+def _recv_buffer(out, engine):
+    if engine == "staged":
+        return np.empty(out.shape, out.dtype)
+    return out if out.flags.c_contiguous else buffers._xp(out).empty(out.shape, out.dtype)
+
+
+def _finish_recv(status, buf, out, source, tag) -> None:
+    got = status.Get_count(MPI.BYTE)
+    if got != out.nbytes:
+        raise CommError(f"recv from source {status.Get_source()} (asked {source}) tag {tag}: got {got} bytes "
+                        f"({got / out.itemsize:g} {out.dtype} elements), out holds {out.size} "
+                        f"({out.nbytes} bytes)")
+    if buf is not out:
+        out[...] = buffers._xp(out).asarray(buf)
+
+
+def _recv_error(err, out, source, tag) -> Exception:
+    if err.Get_error_class() == MPI.ERR_TRUNCATE:
+        return CommError(f"recv from source {source} tag {tag}: the message is larger than out, which holds "
+                         f"{out.size} {out.dtype} elements ({out.nbytes} bytes)")
+    return err

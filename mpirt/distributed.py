@@ -1,0 +1,183 @@
+"""Start-up shared by every entry point: ``ctx = init_distributed(seed)``.
+
+It installs the abort-on-error hook, learns the world (rank, size, rank and ranks on this node),
+optionally checks that every rank holds the same config, selects the array backend and binds a
+GPU by local rank, limits BLAS threads per rank, and derives per-rank seeds from one seed.
+
+BLAS threads. NumPy's OpenBLAS starts one thread per core in *every* rank, so k ranks on a node
+oversubscribe its cores k times. The thread variables cannot be set before NumPy loads here (it is
+already imported), so :func:`set_blas_threads` finds the OpenBLAS mapped into the process
+(``/proc/self/maps``) and calls its ``openblas_set_num_threads`` (the scipy-openblas build names
+it ``scipy_openblas_set_num_threads64_``) through ctypes, then reads the count back with
+``openblas_get_num_threads``; ``mpirt.threads`` (the elementwise pool) gets the same count. The
+count is ``threads`` when given; otherwise left alone when the
+user set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS; otherwise the CPUs this process
+may use (its affinity mask) divided by the ranks on the node, at least 1. A failure is recorded in
+``Context.blas_note`` and start-up carries on.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import mpirt.backend as B
+from mpirt import comm as C
+from mpirt.config import ConfigError, config_hash, diff_configs
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass
+class Context:
+    """What :func:`init_distributed` set up for this process."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    seed: int
+    backend: str
+    device: int | None
+    blas_threads: int | None          # OpenBLAS's thread count read back (None: OpenBLAS not found)
+    blas_note: str                    # where the count came from, or why it could not be set
+    comm: C.Comm = field(repr=False)  # the world
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def rank_seed(self, purpose: str, rank: int | None = None) -> int:
+        """A 63-bit seed for (seed, rank, purpose): distinct per rank and purpose, reproducible."""
+        return derive_seed(self.seed, self.rank if rank is None else rank, purpose)
+
+    def rng(self, purpose: str) -> np.random.Generator:
+        """A NumPy generator seeded with :meth:`rank_seed` ``(purpose)``."""
+        return np.random.default_rng(self.rank_seed(purpose))
+
+
+def derive_seed(seed: int, rank: int, purpose: str) -> int:
+    """SeedSequence over (seed, rank, sha256(purpose)) -> one 63-bit integer."""
+    tag = int.from_bytes(hashlib.sha256(purpose.encode()).digest()[:8], "little")
+    state = np.random.SeedSequence([int(seed), int(rank), tag]).generate_state(2, np.uint64)
+    return int(state[0]) >> 1
+
+
+def init_distributed(seed: int, backend: str = "auto", threads: int | None = None,
+                     config=None) -> Context:
+    """Set up this rank (see the module docstring) and return its :class:`Context`.
+
+    ``backend``: "auto" (MPIRT_BACKEND if set, else CuPy when usable), "numpy" or "cupy".
+    ``config``: a dict (or object with ``to_dict()``) checked with :func:`check_same_config`
+    before any other collective.
+    """
+    C.install_abort_on_error()
+    world = C.world_comm()
+    if config is not None:
+        check_same_config(world, config)
+    info = C.world()
+    name = B.select(None if backend == "auto" else backend)
+    device = B.bind_device(info.local_rank)
+    count, note = plan_blas_threads(threads, info.local_size)
+    if count is not None:
+        try:
+            got = set_blas_threads(count)
+        except RuntimeError as err:
+            got, note = None, f"{note}; not applied: {err}"
+        from mpirt import threads  # the elementwise thread pool follows the BLAS thread count
+        threads.set_num_threads(count)
+    else:
+        got = blas_threads()
+    return Context(info.rank, info.size, info.local_rank, info.local_size, int(seed), name, device,
+                   got, note, world)
+
+
+def check_same_config(comm: C.Comm, cfg) -> str:
+    """Check that every rank of ``comm`` holds the same config; returns its hash.
+
+    All ranks allgather the sha256 of the canonical JSON; only when they differ are the full
+    dicts gathered, and every rank raises the same :class:`ConfigError` naming the ranks that
+    differ from rank 0 and the differing keys.
+    """
+    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    h = config_hash(d)
+    hashes = comm.allgather_object(h)
+    if all(x == hashes[0] for x in hashes):
+        return h
+    dicts = comm.allgather_object(d)
+    by_hash: dict[str, list[int]] = {}
+    for r, x in enumerate(hashes):
+        if x != hashes[0]:
+            by_hash.setdefault(x, []).append(r)
+    parts = []
+    for ranks in by_hash.values():
+        keys = diff_configs(dicts[0], dicts[ranks[0]])
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        parts.append(f"{who} differ{'s' if len(ranks) == 1 else ''} from rank 0 in {', '.join(keys)}")
+    raise ConfigError("config differs across ranks: " + "; ".join(parts))
+
+
+# ---------------------------------------------------------------------------------------------
+# BLAS threads
+
+def plan_blas_threads(threads: int | None, local_size: int, env=None,
+                      cpus: int | None = None) -> tuple[int | None, str]:
+    """(thread count to set or None to leave alone, a note saying why)."""
+    env = os.environ if env is None else env
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {threads}")
+        return threads, f"threads={threads} argument"
+    for var in THREAD_VARS:
+        if env.get(var):
+            return None, f"left to the user's {var}={env[var]}"
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = max(1, cpus // max(1, local_size))
+    return n, f"{cpus} cpus // {local_size} ranks on the node"
+
+
+@functools.lru_cache(maxsize=None)
+def _openblas():
+    """(set, get) ctypes functions of the OpenBLAS loaded in this process, or None."""
+    paths = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if "openblas" in os.path.basename(path).lower() and path not in paths:
+                    paths.append(path)
+    except OSError:
+        return None
+    for path in paths:
+        lib = ctypes.CDLL(path)
+        for suffix in ("64_", "", "_64"):
+            for prefix in ("scipy_openblas", "openblas"):
+                try:
+                    set_fn = getattr(lib, f"{prefix}_set_num_threads{suffix}")
+                    get_fn = getattr(lib, f"{prefix}_get_num_threads{suffix}")
+                except AttributeError:
+                    continue
+                set_fn.argtypes, set_fn.restype = [ctypes.c_int], None
+                get_fn.argtypes, get_fn.restype = [], ctypes.c_int
+                return set_fn, get_fn
+    return None
+
+
+def blas_threads() -> int | None:
+    """OpenBLAS's current thread count, or None when no OpenBLAS is loaded."""
+    fns = _openblas()
+    return fns[1]() if fns else None
+
+
+def set_blas_threads(n: int) -> int:
+    """Set OpenBLAS's thread count; returns the count read back. RuntimeError when not possible."""
+    fns = _openblas()
+    if fns is None:
+        raise RuntimeError("no OpenBLAS with openblas_set_num_threads is loaded in this process")
+    fns[0](int(n))
+    return fns[1]()

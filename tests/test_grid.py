@@ -1,0 +1,184 @@
+"""mpirt.grid: the pure coordinate math (no MPI), the CLI, and the Grid's communicators under MPI."""
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from mpirt.grid import AXES, Grid, axis_groups, check_layout, grid_coords, grid_rank, resolve_dp
+
+
+def factorisations(n: int):
+    return [(dp, pp, tp) for dp in range(1, n + 1) for pp in range(1, n + 1) for tp in range(1, n + 1)
+            if dp * pp * tp == n]
+
+
+LAYOUTS = factorisations(8) + factorisations(12)
+
+
+# ------------------------------------------------------------------ pure math
+
+@pytest.mark.parametrize("dp,pp,tp", LAYOUTS)
+def test_coords_are_a_bijection_with_tp_innermost_and_dp_outermost(dp, pp, tp):
+    n = dp * pp * tp
+    coords = [grid_coords(r, dp, pp, tp) for r in range(n)]
+    # rank order is the lexicographic order of (dp, pp, tp): tp varies fastest, dp slowest
+    assert coords == list(itertools.product(range(dp), range(pp), range(tp)))
+    assert [grid_rank(*c, dp, pp, tp) for c in coords] == list(range(n))
+    for r in range(n):
+        assert coords[r][2] == r % tp  # TP ranks are neighbours
+
+
+@pytest.mark.parametrize("dp,pp,tp", LAYOUTS)
+def test_axis_groups_partition_the_ranks_along_one_coordinate(dp, pp, tp):
+    sizes = dict(zip(AXES, (dp, pp, tp)))
+    n = dp * pp * tp
+    for i, axis in enumerate(AXES):
+        groups = axis_groups(axis, dp, pp, tp)
+        assert sorted(r for g in groups for r in g) == list(range(n))
+        assert len(groups) == n // sizes[axis] and all(len(g) == sizes[axis] for g in groups)
+        for g in groups:
+            cs = [grid_coords(r, dp, pp, tp) for r in g]
+            assert [c[i] for c in cs] == list(range(sizes[axis]))  # ordered by the axis coordinate
+            assert len({c[:i] + c[i + 1:] for c in cs}) == 1       # the other coordinates agree
+    if tp > 1:
+        assert axis_groups("tp", dp, pp, tp)[0] == list(range(tp))
+
+
+def test_known_groups_of_2x2x2():
+    assert axis_groups("dp", 2, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert axis_groups("pp", 2, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axis_groups("tp", 2, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid_coords(5, 2, 2, 2) == (1, 0, 1)
+
+
+def test_validation_names_the_failing_product():
+    with pytest.raises(ValueError, match=r"^dp\(2\)\*pp\(2\)\*tp\(3\)=12 != world size 8$"):
+        check_layout(2, 2, 3, 8)
+    with pytest.raises(ValueError, match="tp: must be a positive integer, got 0"):
+        check_layout(2, 2, 0)
+    with pytest.raises(ValueError, match=r"world size 8 is not divisible by pp\(3\)\*tp\(1\)=3"):
+        resolve_dp(8, 0, 3, 1)
+    with pytest.raises(ValueError, match="outside"):
+        grid_coords(8, 2, 2, 2)
+    with pytest.raises(ValueError, match="unknown grid axis 'ep'"):
+        axis_groups("ep", 2, 2, 2)
+    assert resolve_dp(8, 0, 2, 2) == 2 and resolve_dp(12, 0, 1, 3) == 4 and resolve_dp(8, 8) == 8
+
+
+def _cli(*args):
+    code = ("import sys; from mpirt.grid import main; rc = main(sys.argv[1:]); "
+            "assert 'mpi4py' not in sys.modules, 'the CLI imported mpi4py'; sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def test_cli_prints_the_rank_map_without_mpi():
+    r = _cli("--dp", "2", "--pp", "2", "--tp", "2")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "grid dp=2 x pp=2 x tp=2 = 8 ranks (tp innermost)" in lines
+    assert [line.split() for line in lines if line.strip().startswith("5 ")] == [["5", "1", "0", "1"]]
+    assert "tp groups (4 x 2): [0, 1] [2, 3] [4, 5] [6, 7]" in lines
+    assert "dp groups (4 x 2): [0, 4] [1, 5] [2, 6] [3, 7]" in lines
+    r = _cli("--pp", "2", "--world", "8")
+    assert r.returncode == 0 and "grid dp=4 x pp=2 x tp=1 = 8 ranks" in r.stdout
+    r = _cli("--dp", "2", "--pp", "2", "--tp", "3", "--world", "8")
+    assert r.returncode == 2 and "dp(2)*pp(2)*tp(3)=12 != world size 8" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "mpirt.grid", "--dp", "1", "--tp", "2"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and "tp groups (1 x 2): [0, 1]" in r.stdout
+
+
+# ------------------------------------------------------------------ under MPI
+
+def _verdict(failures):
+    from mpi4py import MPI
+    everyone = MPI.COMM_WORLD.allgather([str(f) for f in failures])
+    bad = {r: f for r, f in enumerate(everyone) if f}
+    assert not bad, f"failures by rank: {bad}"
+
+
+def _check_grid(grid: Grid, fails: list) -> None:
+    """Membership, coordinates, neighbours and axis collectives of ``grid`` against the pure math."""
+    from mpi4py import MPI
+    from mpirt.comm import PROC_NULL
+    rank, (dp, pp, tp) = MPI.COMM_WORLD.rank, (grid.dp, grid.pp, grid.tp)
+    name = f"{dp}x{pp}x{tp}"
+    d, p, t = grid_coords(rank, dp, pp, tp)
+    if grid.rank != rank or grid.coords != {"dp": d, "pp": p, "tp": t}:
+        fails.append(f"{name}: rank/coords {grid.rank} {grid.coords}")
+    for axis in AXES:
+        c = grid.comm[axis]
+        group = next(g for g in axis_groups(axis, dp, pp, tp) if rank in g)
+        members = c.allgather(np.array([rank])).tolist()
+        if members != group or c.rank != grid.coords[axis] or c.size != grid.sizes[axis] or c.axis != axis:
+            fails.append(f"{name} {axis}: members {members} != {group}")
+        total = grid.allreduce(np.array([rank], np.int64), axis).item()
+        avg = grid.allreduce(np.array([float(rank)]), axis, op="avg").item()
+        root = grid.broadcast(np.array([rank]), axis, root=len(group) - 1).item()
+        if (total, avg, root) != (sum(group), sum(group) / len(group), group[-1]):
+            fails.append(f"{name} {axis}: allreduce/avg/broadcast {total} {avg} {root}")
+        x = np.arange(10.0) + rank  # reduce_scatter + allgather_flat over the axis = allreduce
+        full = grid.allgather_flat(grid.reduce_scatter(x, axis), 10, axis)
+        if not np.array_equal(full, np.arange(10.0) * len(group) + sum(group)):
+            fails.append(f"{name} {axis}: reduce_scatter/allgather_flat")
+        if not np.array_equal(grid.allgather(np.array([[rank]]), axis).ravel(), group):
+            fails.append(f"{name} {axis}: allgather")
+    prev = grid_rank(d, p - 1, t, dp, pp, tp) if p > 0 else PROC_NULL
+    nxt = grid_rank(d, p + 1, t, dp, pp, tp) if p < pp - 1 else PROC_NULL
+    pp_prev, pp_next = (p - 1 if p > 0 else PROC_NULL), (p + 1 if p < pp - 1 else PROC_NULL)
+    if (grid.prev_rank, grid.next_rank, grid.pp_prev, grid.pp_next) != (prev, nxt, pp_prev, pp_next):
+        fails.append(f"{name}: neighbours {grid.prev_rank} {grid.next_rank} {grid.pp_prev} {grid.pp_next}")
+    if (grid.is_first_stage, grid.is_last_stage) != (p == 0, p == pp - 1):
+        fails.append(f"{name}: first/last stage")
+    # pipeline hand-off: each stage sends its rank forward, the first stage receives nothing
+    got = np.array([-1])
+    world, ppc = grid.comm["world"], grid.comm["pp"]
+    handles = [world.irecv(got, grid.prev_rank, tag=11), world.isend(np.array([rank]), grid.next_rank, tag=11)]
+    for h in handles:
+        h.wait()
+    got2 = np.array([-1])
+    handles = [ppc.irecv(got2, grid.pp_prev, tag=12), ppc.isend(np.array([rank]), grid.pp_next, tag=12)]
+    for h in handles:
+        h.wait()
+    want = -1 if prev == PROC_NULL else prev
+    if got.item() != want or got2.item() != want:
+        fails.append(f"{name}: pipeline hand-off got {got.item()} {got2.item()}, want {want}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grid_data_parallel_only_at_any_size():
+    fails = []
+    grid = Grid.from_world()
+    _check_grid(grid, fails)
+    grid.free()
+    _verdict(fails)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("pp,tp", [(1, 2), (2, 2), (2, 1), (1, 1), (4, 1), (1, 4), (2, 4)])
+def test_grid_sub_communicators_neighbours_and_collectives(pp, tp):
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.size % (pp * tp):
+        pytest.skip(f"world size {MPI.COMM_WORLD.size} is not divisible by pp*tp={pp * tp}")
+    fails = []
+    grid = Grid.from_world(pp=pp, tp=tp)
+    _check_grid(grid, fails)
+    grid.free()
+    _verdict(fails)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_grid_refuses_a_layout_that_does_not_fill_the_world():
+    from mpi4py import MPI
+    size = MPI.COMM_WORLD.size
+    fails = []
+    try:
+        Grid(3, 1, size)
+        fails.append("accepted")
+    except ValueError as err:
+        if str(err) != f"dp(3)*pp(1)*tp({size})={3 * size} != world size {size}":
+            fails.append(str(err))
+    _verdict(fails)
