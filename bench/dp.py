@@ -1,0 +1,237 @@
+"""Data-parallel training step at dp=2: mpirt (overlap by hook Testall, by a comm thread, and none)
+against PyTorch DDP (gloo), same GPT, same global batch, float32, one thread per rank.
+
+    mpiexec -n 2 python bench/dp.py [--layers 4 --embd 256 --batch 8 --seq 64 --repeats 12]
+
+A step is forward, backward, gradient averaging, AdamW and zero_grad, started together on all
+ranks (a barrier before each, not timed). Configurations run interleaved, round by round, and
+medians are reported. For mpirt, the *exposed* communication is the time spent waiting in
+``DataParallel.finish()``; the *allreduce time* is finish()'s time without overlap (every bucket
+allreduced, blocking, after backward). ``hidden = 1 - exposed / allreduce`` (the brief's figure);
+``hidden_incl_tests`` also counts the time spent inside the progress ``test()`` calls made from the
+gradient hooks as exposed (with ``progress="test"`` the reduction work happens in those calls on
+the main thread), and ``saved`` = (step without overlap - step with overlap) / allreduce time is
+what overlap actually gains on the step. Prints a table and writes JSON (rank 0).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from mpirt.comm import Comm  # noqa: E402
+from mpirt.optim import AdamW  # noqa: E402
+from mpirt.parallel.data import DataParallel  # noqa: E402
+from models import GPT, GPTConfig  # noqa: E402
+
+
+def torch_gpt(cfg: GPTConfig):
+    """The same GPT-2 (pre-LN, tied head, tanh GELU) in PyTorch."""
+    import torch
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            c = cfg.n_embd
+            self.ln_1, self.ln_2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
+            self.c_attn, self.c_proj = torch.nn.Linear(c, 3 * c), torch.nn.Linear(c, c)
+            self.c_fc, self.m_proj = torch.nn.Linear(c, cfg.hidden), torch.nn.Linear(cfg.hidden, c)
+
+        def forward(self, h):
+            b, t, c = h.shape
+            q, k, v = self.c_attn(self.ln_1(h)).split(c, dim=2)
+            q, k, v = (z.view(b, t, cfg.n_head, c // cfg.n_head).transpose(1, 2) for z in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+            h = h + self.c_proj(a)
+            return h + self.m_proj(F.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.n_embd)
+            self.wpe = torch.nn.Embedding(cfg.n_positions, cfg.n_embd)
+            self.h = torch.nn.ModuleList(Block() for _ in range(cfg.n_layer))
+            self.ln_f = torch.nn.LayerNorm(cfg.n_embd)
+
+        def forward(self, idx, targets):
+            h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for block in self.h:
+                h = block(h)
+            logits = self.ln_f(h) @ self.wte.weight.T
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    torch.manual_seed(0)
+    return Model()
+
+
+def init_torch_distributed(world) -> None:
+    """gloo process group over a TCP store on localhost; rank and size from MPI."""
+    import torch.distributed as dist
+    port = None
+    if world.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = world.bcast(port, root=0)
+    store = dist.TCPStore("127.0.0.1", port, world.size, is_master=world.rank == 0)
+    dist.init_process_group("gloo", store=store, rank=world.rank, world_size=world.size)
+
+
+class MpirtRunner:
+    def __init__(self, cfg, comm, x, y, overlap, progress, bucket_bytes):
+        self.model = GPT(cfg, seed=0)
+        self.dp = DataParallel(self.model, comm, bucket_bytes=bucket_bytes, overlap=overlap, progress=progress)
+        self.opt = AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        self.x, self.y = x, y
+        self.waits, self.tests = [], []
+
+    def step(self) -> float:
+        t_hooks = self.dp.stats["hook_test_s"]
+        _, loss = self.dp(self.x, self.y)
+        loss.backward()
+        self.dp.finish()
+        self.waits.append(self.dp.stats["last_wait_s"])
+        self.tests.append(self.dp.stats["hook_test_s"] - t_hooks)
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+
+class TorchRunner:
+    def __init__(self, cfg, x, y, bucket_mb):
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        self.model = DDP(torch_gpt(cfg), bucket_cap_mb=bucket_mb)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
+        self.waits, self.tests = [], []
+
+    def step(self) -> float:
+        loss = self.model(self.x, self.y)
+        loss.backward()  # DDP's reducer allreduces buckets from autograd hooks and waits at the end
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        return loss.item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--embd", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--bucket-mb", type=float, default=2.0, help="bucket size for mpirt and DDP")
+    parser.add_argument("--repeats", type=int, default=20, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "dp.json"))
+    args = parser.parse_args()
+
+    import torch
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    comm = Comm(world, "dp")
+    if args.batch % comm.size:
+        raise SystemExit(f"--batch {args.batch} must be divisible by the {comm.size} ranks")
+    cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, n_positions=args.seq,
+                    vocab_size=args.vocab)
+    rng = np.random.default_rng(0)
+    xg = rng.integers(0, cfg.vocab_size, (args.batch, args.seq + 1), dtype=np.int64)
+    rows = slice(comm.rank * args.batch // comm.size, (comm.rank + 1) * args.batch // comm.size)
+    x, y = np.ascontiguousarray(xg[rows, :-1]), np.ascontiguousarray(xg[rows, 1:])
+    init_torch_distributed(world)
+
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    runners = {
+        "mpirt overlap (hook test)": MpirtRunner(cfg, comm, x, y, True, "test", bucket_bytes),
+        "mpirt overlap (comm thread)": MpirtRunner(cfg, comm, x, y, True, "thread", bucket_bytes),
+        "mpirt no overlap": MpirtRunner(cfg, comm, x, y, False, "test", bucket_bytes),
+        "torch DDP (gloo)": TorchRunner(cfg, x, y, args.bucket_mb),
+    }
+    times = {k: [] for k in runners}
+    for r in range(args.warmup + args.repeats):
+        for name, runner in runners.items():
+            world.Barrier()
+            t0 = time.perf_counter()
+            runner.step()
+            dt = time.perf_counter() - t0
+            if r >= args.warmup:
+                times[name].append(dt)
+    # the allreduce alone (no compute), for reference: all buckets, blocking
+    ref = runners["mpirt no overlap"].dp
+    alone = []
+    for _ in range(args.repeats):
+        world.Barrier()
+        t0 = time.perf_counter()
+        for b in ref.buckets:
+            comm.allreduce(b.flat, op="avg", out=b.flat)
+        alone.append(time.perf_counter() - t0)
+
+    # each figure is the worst rank's median (a step ends when the slowest rank ends)
+    def med(v):
+        return world.allreduce(statistics.median(v), op=MPI.MAX)
+
+    step = {k: med(v) for k, v in times.items()}
+    wait = {k: med(r.waits[args.warmup:]) for k, r in runners.items() if r.waits}
+    tests = {k: med(r.tests[args.warmup:]) for k, r in runners.items() if r.tests}
+    allreduce_s = wait["mpirt no overlap"]
+    torch_s = step["torch DDP (gloo)"]
+    n_params = runners["mpirt no overlap"].model.num_parameters()
+    result = {"config": {**vars(args), "dp": comm.size, "params": n_params,
+                         "grad_bytes": 4 * n_params, "buckets": len(ref.buckets),
+                         "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0]},
+              "allreduce_alone_s": med(alone), "allreduce_in_step_s": allreduce_s, "rows": []}
+    for name in runners:
+        row = {"name": name, "step_s": step[name], "vs_torch_ddp": step[name] / torch_s}
+        if name in wait:
+            row["exposed_wait_s"] = wait[name]
+            row["hook_test_s"] = tests[name]
+            if name != "mpirt no overlap":
+                row["hidden"] = 1 - wait[name] / allreduce_s
+                row["hidden_incl_tests"] = 1 - (wait[name] + tests[name]) / allreduce_s
+                row["saved"] = (step["mpirt no overlap"] - step[name]) / allreduce_s
+        result["rows"].append(row)
+
+    if comm.rank == 0:
+        c = result["config"]
+        print(f"dp={comm.size}: GPT {args.layers}x{args.embd} vocab {args.vocab}, {n_params:,} params "
+              f"({c['grad_bytes'] / 2**20:.1f} MiB grads, {c['buckets']} buckets of {args.bucket_mb} MiB), "
+              f"global batch {args.batch}x{args.seq}, float32, 1 thread/rank; {os.cpu_count()} cpus, "
+              f"load average {os.getloadavg()[0]:.1f}")
+        print(f"allreduce of all buckets alone {1e3 * result['allreduce_alone_s']:.1f} ms, "
+              f"after backward {1e3 * allreduce_s:.1f} ms")
+        print(f"{'configuration':30} {'step ms':>8} {'/DDP':>6} {'wait ms':>8} {'tests ms':>9} {'hidden':>7} "
+              f"{'+tests':>7} {'saved':>6}")
+        for row in result["rows"]:
+            def f(k, scale=1e3, fmt="8.1f"):
+                return format(row[k] * scale, fmt) if k in row else " " * int(fmt.split(".")[0])
+            print(f"{row['name']:30} {1e3 * row['step_s']:8.1f} {row['vs_torch_ddp']:6.2f} {f('exposed_wait_s')} "
+                  f"{f('hook_test_s', fmt='9.1f')} {f('hidden', 100, '6.0f')}% {f('hidden_incl_tests', 100, '6.0f')}% "
+                  f"{f('saved', 100, '5.0f')}%")
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    for r in runners.values():
+        if isinstance(r, MpirtRunner):
+            r.dp.close()
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""Data parallelism (mpirt.parallel.data) against the single-rank run on the same global batch.
+
+Every rank runs the single-rank reference itself on the whole global batch (no communication),
+then the data-parallel run on its dp share of that batch; the verdict is reduced over the ranks
+(:func:`agree`) so that all ranks pass or fail together. Valid at any world size.
+"""
+import contextlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpirt import comm as C
+from mpirt.comm import Comm
+from mpirt.data import get_batch, split_microbatches
+from mpirt.optim import AdamW, clip_grad_norm
+from mpirt.parallel.data import DataParallel
+from models import GPT, GPTConfig
+
+CFG = GPTConfig(n_layer=2, n_head=2, n_embd=16, n_positions=8, vocab_size=37)
+TOKENS = np.random.default_rng(0).integers(0, 37, 4096).astype(np.uint16)
+SEQ, STEPS, LR, WD = 8, 5, 1e-3, 0.1
+TOL = {"float64": 1e-10, "float32": 1e-5}
+
+
+# --- helpers shared with test_zero.py --------------------------------------------------------
+def dp_comm() -> Comm:
+    return Comm(MPI.COMM_WORLD, "dp")
+
+
+def global_batch(size: int, accum: int = 1) -> int:
+    """The smallest multiple of ``size * accum`` (every rank gets ``accum`` equal micro-batches) that
+    holds at least 8 sequences: 8 at 1, 2, 4 or 8 ranks without accumulation."""
+    m = size * accum
+    return m * -(-8 // m)
+
+
+def batch(step: int, rank: int = 0, size: int = 1, world: int | None = None, accum: int = 1):
+    """Rank ``rank``'s share (of ``size``) of global batch ``step``; the global batch size is set by
+    ``world`` (default ``size``) and ``accum``, so the single-rank reference sees the same batch."""
+    return get_batch(TOKENS, step, batch_size=global_batch(world or size, accum), seq_len=SEQ, seed=0,
+                     dp_rank=rank, dp_size=size)
+
+
+def make_model(dtype, cfg=CFG, seed=1):
+    return GPT(cfg, dtype=dtype, seed=seed)
+
+
+def reference_run(dtype, world: int, steps=STEPS, clip=None, cfg=CFG, lr=LR, wd=WD, accum=1):
+    """The single-rank run on the whole global batch: (losses, first-step grads, final weights,
+    grad norms)."""
+    model = make_model(dtype, cfg)
+    opt = AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    losses, norms, grads = [], [], None
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, world=world, accum=accum)
+        _, loss = model(x, y)
+        loss.backward()
+        if grads is None:
+            grads = {p.name: p.grad.copy() for p in model.parameters()}
+        if clip is not None:
+            norms.append(clip_grad_norm(model.parameters(), clip))
+        losses.append(loss.item())
+        opt.step()
+    return np.array(losses), grads, {p.name: p.data.copy() for p in model.parameters()}, norms
+
+
+def comparable(name, a):
+    """``a`` without the part whose gradient is identically zero: the key bias of attention
+    (q.(k + b) shifts a whole row of scores, which softmax ignores). Its gradient is rounding
+    noise, which AdamW normalises into steps of size lr, so its values are noise in any run."""
+    if name.endswith("attn.c_attn.bias"):
+        c = a.shape[0] // 3
+        return np.concatenate([a[:c], a[2 * c:]])
+    return a
+
+
+def max_rel_err(got: dict, ref: dict, norm=2) -> float:
+    """Max over tensors of ||got - ref|| / ||ref|| (L2 norms; ``norm=inf``: largest elements), the
+    tensors compared as :func:`comparable`.
+
+    The L2 form is the parity criterion: AdamW divides each gradient element by its own running
+    RMS, so an element whose gradient is ~1e-8 (a cancellation, far below the typical 1e-3) moves
+    by ~lr whatever its rounding noise; in float32 the noise of a different summation order moves
+    such isolated elements by ~1e-5 of the largest weight after a few steps, while the tensors as a
+    whole agree to ~1e-7. The max-element form is reported by bench-style diagnostics."""
+    errs = [0.0]
+    for name, r in ref.items():
+        g, r = comparable(name, np.asarray(got[name], np.float64)), comparable(name, np.asarray(r, np.float64))
+        d, r = (g - r).reshape(-1), r.reshape(-1)
+        errs.append(float(np.linalg.norm(d, norm) / max(np.linalg.norm(r, norm), 1e-300)))
+    return max(errs)
+
+
+def rel_err(a, b) -> float:
+    """max|a - b| / max|b| (for short series: losses, norms)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
+
+
+def agree(ok: bool, detail: str = "") -> None:
+    """Assert on every rank that ``ok`` holds on every rank (failures name the ranks)."""
+    results = MPI.COMM_WORLD.allgather((bool(ok), detail))
+    bad = {r: d for r, (o, d) in enumerate(results) if not o}
+    assert not bad, f"failed on ranks {sorted(bad)}: {bad}"
+
+
+def worst(value: float) -> float:
+    """The largest ``value`` over the ranks."""
+    return MPI.COMM_WORLD.allreduce(float(value), op=MPI.MAX)
+
+
+def global_loss(comm, loss: float) -> float:
+    return comm.allreduce_scalar(loss) / comm.size
+
+
+# --- data-parallel runs ----------------------------------------------------------------------
+def dp_run(dtype, *, overlap=True, progress="test", bucket_bytes=1500, accum=1, clip=None, steps=STEPS):
+    comm = dp_comm()
+    model = make_model(dtype)
+    dp = DataParallel(model, comm, bucket_bytes=bucket_bytes, overlap=overlap, progress=progress)
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses, norms, grads = [], [], None
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, comm.rank, comm.size, accum=accum)
+        micro = split_microbatches(x, y, accum)
+        loss_sum = 0.0
+        for k, (xm, ym) in enumerate(micro):
+            ctx = dp.no_sync() if k < accum - 1 else contextlib.nullcontext()
+            with ctx:
+                _, loss = dp(xm, ym)
+                (loss * (1.0 / accum)).backward()
+            loss_sum += loss.item() / accum
+        dp.finish()
+        if grads is None:
+            grads = {p.name: p.grad.copy() for p in model.parameters()}
+        if clip is not None:  # gradients are identical on every dp rank after finish()
+            norms.append(clip_grad_norm(model.parameters(), clip))
+        losses.append(global_loss(comm, loss_sum))
+        opt.step()
+    dp.close()
+    return np.array(losses), grads, {p.name: p.data.copy() for p in model.parameters()}, norms, dp, opt
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("mode", ["overlap-test", "overlap-thread", "no-overlap"])
+def test_dp_matches_single_rank(dtype, mode):
+    size = MPI.COMM_WORLD.size
+    ref_losses, ref_grads, ref_w, _ = reference_run(dtype, size)
+    losses, grads, w, _, dp, opt = dp_run(dtype, overlap=mode != "no-overlap",
+                                          progress="thread" if mode == "overlap-thread" else "test")
+    errs = {"loss": worst(rel_err(losses, ref_losses)), "grad": worst(max_rel_err(grads, ref_grads)),
+            "weights": worst(max_rel_err(w, ref_w))}
+    agree(all(e <= TOL[dtype] for e in errs.values()), f"{dtype} {mode}: {errs}")
+    # dtypes are kept everywhere (NumPy 2 promotion would silently turn float32 into float64)
+    kinds = {str(a.dtype) for p in dp.params for a in (p.data, p.grad)}
+    kinds |= {str(a.dtype) for st in opt.state for a in st.values()} | {str(b.flat.dtype) for b in dp.buckets}
+    agree(kinds == {dtype}, f"dtypes {kinds}")
+    assert len(dp.buckets) > 3  # small buckets: several of them take part
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_grad_accumulation_equals_one_large_batch(dtype):
+    size = MPI.COMM_WORLD.size
+    ref_losses, _, ref_w, _ = reference_run(dtype, size, accum=2)
+    losses, _, w, _, _, _ = dp_run(dtype, accum=2)
+    errs = (worst(rel_err(losses, ref_losses)), worst(max_rel_err(w, ref_w)))
+    agree(max(errs) <= TOL[dtype], f"loss, weights errors {errs}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_no_communication_under_no_sync():
+    comm = dp_comm()
+    model = make_model("float64")
+    dp = DataParallel(model, comm, bucket_bytes=1500)
+    x, y = batch(0, comm.rank, comm.size)
+    calls = C.stats.calls()
+    with dp.no_sync():
+        dp(x, y)[1].backward()
+    local = {p.name: p.grad.copy() for p in model.parameters()}
+    quiet = C.stats.calls() == calls and dp.stats["launches"] == 0 and dp.stats["skipped_hooks"] > 0
+    # no averaging happened: the local gradients differ between ranks
+    g = model.wte.weight.grad
+    spread = np.abs(dp_comm().allreduce(g, op="max") - g).max()
+    agree(quiet and spread > 0, f"calls {calls} -> {C.stats.calls()}, launches {dp.stats['launches']}, "
+                                f"spread {spread}")
+    dp(x, y)[1].backward()  # the final micro-batch syncs
+    agree(dp.stats["launches"] == len(dp.buckets), f"launches {dp.stats['launches']}")
+    dp.finish()
+    mean = {n: comm.allreduce(2 * local[n], op="avg") for n in local}
+    agree(max_rel_err({p.name: p.grad for p in model.parameters()}, mean) < 1e-12)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_clipping_matches_unsharded(dtype):
+    size = MPI.COMM_WORLD.size
+    ref_losses, _, ref_w, ref_norms = reference_run(dtype, size, clip=0.05)
+    losses, _, w, norms, _, _ = dp_run(dtype, clip=0.05)
+    errs = (worst(rel_err(losses, ref_losses)), worst(max_rel_err(w, ref_w)), worst(rel_err(norms, ref_norms)))
+    agree(min(ref_norms) > 0.05 and max(errs) <= TOL[dtype], f"norms {ref_norms}, errors {errs}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hooks_launch_buckets_in_reverse_layer_order_during_backward():
+    comm = dp_comm()
+    model = make_model("float64")
+    names = [p.name for p in model.parameters()]
+    dp = DataParallel(model, comm, bucket_bytes=1)  # one parameter per bucket
+    assert [b.params[0].name for b in dp.buckets] == names[::-1]
+    seen_by_last_hook = []
+    model.wte.weight.register_hook(lambda p: seen_by_last_hook.append(list(dp.launch_log)))  # fires last
+    x, y = batch(0, comm.rank, comm.size)
+    dp(x, y)[1].backward()
+    log = list(dp.launch_log)
+    dp.finish()
+    n = len(dp.buckets)
+    # launched in bucket order, i.e. reverse registration order, all before finish(); by the time
+    # the last gradient (the tied embedding: used first in forward) is final, all others are in flight
+    agree(log == list(range(n)) and seen_by_last_hook == [list(range(n))], f"log {log}, {seen_by_last_hook}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_buckets_group_by_size_in_reverse_order():
+    comm = dp_comm()
+    model = make_model("float32")
+    dp = DataParallel(model, comm, bucket_bytes=4000)
+    order = [p.name for b in dp.buckets for p in b.params]
+    sizes = [b.nbytes for b in dp.buckets]
+    ok = order == [p.name for p in model.parameters()][::-1] and all(s >= 4000 for s in sizes[:-1])
+    # every grad is a view into its bucket; zeroing through the optimizer keeps the views
+    opt = AdamW(model.parameters(), lr=LR)
+    opt.zero_grad()
+    model.zero_grad()
+    ok = ok and all(p.grad.base is b.flat for b in dp.buckets for p in b.params)
+    agree(ok, f"order {order}, sizes {sizes}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_parameters_broadcast_from_rank0():
+    comm = dp_comm()
+    model = make_model("float64", seed=100 + comm.rank)  # different weights on every rank
+    DataParallel(model, comm)
+    rank0 = make_model("float64", seed=100)
+    err = max_rel_err({p.name: p.data for p in model.parameters()}, {p.name: p.data for p in rank0.parameters()})
+    agree(err == 0.0, f"err {err}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_replica_check_names_the_diverging_rank():
+    comm = dp_comm()
+    model = make_model("float64")
+    dp = DataParallel(model, comm, check_every=2)
+    dp.check_replicas()  # in sync: no error
+    bad = comm.size - 1
+    if comm.rank == bad:
+        model.h[1].mlp.c_fc.weight.data[0, 0] += 1e-12
+    messages = []
+    for check in (dp.check_replicas, dp.finish, dp.finish):  # check_every=2: the second finish checks
+        try:
+            check()
+            messages.append(None)
+        except RuntimeError as e:
+            messages.append(str(e))
+    ok = (messages[0] is not None and f"dp rank(s) [{bad}]" in messages[0] and "h.1.mlp.c_fc.weight" in messages[0]
+          and messages[1] is None and messages[2] == messages[0])
+    agree(ok, f"messages {messages}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_memory_is_16_bytes_per_parameter():
+    comm = dp_comm()
+    model = make_model("float32")
+    dp = DataParallel(model, comm)
+    opt = AdamW(model.parameters(), lr=LR)
+    mem = dp.memory_bytes(opt)
+    n = model.num_parameters()
+    agree(mem == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}, f"{mem} for {n} parameters")
+
+
+def test_single_rank_data_parallel_is_the_plain_model():
+    comm = Comm(MPI.COMM_SELF, "dp")
+    model, plain = make_model("float64"), make_model("float64")
+    dp = DataParallel(model, comm, bucket_bytes=1000)
+    x, y = batch(0)
+    dp(x, y)[1].backward()
+    plain(x, y)[1].backward()
+    dp.finish()
+    assert max_rel_err({p.name: p.grad for p in model.parameters()},
+                       {p.name: p.grad for p in plain.parameters()}) == 0.0
+    with pytest.raises(RuntimeError, match="finalised twice"):
+        dp(x, y)[1].backward()
+        dp(x, y)[1].backward()
+
+
+def test_rebound_gradient_is_reported():
+    model = make_model("float64")
+    dp = DataParallel(model, Comm(MPI.COMM_SELF, "dp"))
+    model.ln_f.bias.grad = None
+    with pytest.raises(RuntimeError, match="ln_f.bias.grad was rebound"):
+        dp.finish()
