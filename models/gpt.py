@@ -20,7 +20,7 @@ import zlib
 
 import mpirt.backend as B
 from mpirt import ops
-from mpirt.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList
+from mpirt.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList, ShardSpec
 from mpirt.tensor import Tensor
 from models.config import GPTConfig
 
@@ -124,6 +124,25 @@ class Block(Module):
         return x + self.mlp(self.ln_2(x))
 
 
+# Tensor-parallel plan, read by mpirt.parallel.tensor.parallelize(model, tp_comm, sequence_parallel):
+# (module pattern, kind, ShardSpec per parameter); "*" is one path segment; first match wins.
+_COLUMN = {"weight": ShardSpec((None, "tp")), "bias": ShardSpec(("tp",))}
+_ROW = {"weight": ShardSpec(("tp", None)), "bias": ShardSpec((None,))}
+TP_PLAN = (
+    ("wte", "vocab", {"weight": ShardSpec(("tp", None))}),   # rows (vocabulary, padded) split
+    ("wpe", "positions", {}),                                  # replicated; sequence chunk under SP
+    ("h.*.attn.c_attn", "column",                             # q | k | v each split: whole heads
+     {"weight": ShardSpec((None, "tp"), blocks=(1, 3)), "bias": ShardSpec(("tp",), blocks=(3,))}),
+    ("h.*.attn.c_proj", "row", _ROW),
+    ("h.*.attn", "heads", {}),                                 # n_head -> n_head / tp
+    ("h.*.attn.attn_dropout", "sharded_dropout", {}),
+    ("h.*.mlp.c_fc", "column", _COLUMN),
+    ("h.*.mlp.c_proj", "row", _ROW),
+    ("head_fn", "vocab_head", {}),                             # logits stay split over the vocabulary
+    ("loss_fn", "vocab_loss", {}),                             # cross-entropy without gathering them
+)                                                              # the rest (LayerNorms) is replicated
+
+
 class GPT(Module):
     """GPT-2 language model (parameter names as Hugging Face's ``GPT2Model``).
 
@@ -140,6 +159,8 @@ class GPT(Module):
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}")
         self.config = cfg
+        # the output projection and the loss are swappable (tensor parallelism: vocab-parallel)
+        self.head_fn, self.loss_fn = tied_head, lm_loss
         std = cfg.initializer_range
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=std, dtype=dtype)
         self.wpe = Embedding(cfg.n_positions, cfg.n_embd, std=std, dtype=dtype)
@@ -162,7 +183,7 @@ class GPT(Module):
 
     def head(self, x):
         """Final LayerNorm and the tied output projection: (B, T, C) -> logits (B, T, V)."""
-        return tied_head(self.ln_f(x), self.wte.weight)
+        return self.head_fn(self.ln_f(x), self.wte.weight)
 
     def forward(self, idx, targets=None):
         """Logits (B, T, V) for token ids ``idx`` (B, T); with ``targets`` (B, T), also the mean
@@ -173,7 +194,9 @@ class GPT(Module):
         logits = self.head(x)
         if targets is None:
             return logits
-        return logits, lm_loss(logits, targets)
+        return logits, self.loss_fn(logits, targets)
+
+    tp_plan = TP_PLAN
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at ``seq_len`` (see the module-level :func:`flops_per_token`)."""

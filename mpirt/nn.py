@@ -16,35 +16,102 @@ import numpy as np
 import mpirt.backend as B
 from mpirt import ops
 from mpirt.tensor import Tensor
+from mpirt.threads import fill_zero
 
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """For each dimension of a parameter, the grid axis it is split over (``"tp"``, ...) or None."""
+    """For each dimension of a parameter, the grid axis it is split over (``"tp"``, ...) or None.
+
+    ``blocks`` (optional, one int per dimension, default all 1) describes fused parameters: a
+    dimension with ``blocks[d] = k`` is ``k`` equal contiguous blocks, *each* split over
+    ``dims[d]``, and a rank's shard is the concatenation of its piece of every block. GPT-2's fused
+    ``c_attn`` weight (C, 3C) is ``ShardSpec((None, "tp"), blocks=(1, 3))``: q, k and v are each
+    split by heads, so at tp=2 rank 0 holds ``[q0 | k0 | v0]`` (columns ``0:C/2``, ``C:3C/2`` and
+    ``2C:5C/2``), never the contiguous first half of 3C. Such a shard is not a box of the full tensor:
+    use :meth:`local_index` / :meth:`shard` / :meth:`place` (``local_slices`` refuses it).
+    """
 
     dims: tuple
+    blocks: tuple = ()
+
+    def __post_init__(self):
+        if self.blocks:
+            if len(self.blocks) != len(self.dims):
+                raise ValueError(f"ShardSpec: blocks {self.blocks} must give one entry per dimension of {self.dims}")
+            for d, (k, axis) in enumerate(zip(self.blocks, self.dims)):
+                if not isinstance(k, int) or k < 1:
+                    raise ValueError(f"ShardSpec: blocks[{d}] must be a positive integer, got {k!r}")
+                if k > 1 and axis is None:
+                    raise ValueError(f"ShardSpec: dimension {d} has {k} blocks but is not split over any axis")
 
     @classmethod
     def replicated(cls, ndim: int) -> "ShardSpec":
         return cls((None,) * ndim)
+
+    def _blocks(self) -> tuple:
+        return self.blocks or (1,) * len(self.dims)
+
+    @property
+    def is_blocked(self) -> bool:
+        """True when some dimension is split block-wise (its shard is not one contiguous range)."""
+        return any(k > 1 for k in self._blocks())
 
     def local_shape(self, global_shape, axis_sizes: dict) -> tuple:
         """Shape of one rank's shard given the size of each grid axis."""
         if len(self.dims) != len(global_shape):
             raise ValueError(f"ShardSpec {self.dims} has {len(self.dims)} dims for shape {tuple(global_shape)}")
         shape = []
-        for n, axis, dim in zip(global_shape, self.dims, range(len(global_shape))):
+        for dim, (n, axis, k) in enumerate(zip(global_shape, self.dims, self._blocks())):
             parts = axis_sizes.get(axis, 1) if axis else 1
-            if n % parts:
-                raise ValueError(f"dimension {dim} of size {n} does not split evenly over {axis}={parts}")
+            if n % (parts * k):
+                what = f"{k} blocks each split over {axis}={parts}" if k > 1 else f"{axis}={parts}"
+                raise ValueError(f"dimension {dim} of size {n} does not split evenly into {what}")
             shape.append(n // parts)
         return tuple(shape)
 
     def local_slices(self, global_shape, axis_sizes: dict, axis_ranks: dict) -> tuple:
-        """The slice of the full tensor held by the rank at ``axis_ranks`` (axis -> index)."""
+        """The slice of the full tensor held by the rank at ``axis_ranks`` (axis -> index).
+
+        Only for specs without blocks (a blocked shard is not a box): see :meth:`local_index`."""
+        if self.is_blocked:
+            raise ValueError(f"ShardSpec {self.dims} with blocks {self.blocks}: a rank's shard is not one "
+                             "slice of the full tensor; use local_index/shard/place")
         local = self.local_shape(global_shape, axis_sizes)
         return tuple(slice(axis_ranks.get(axis, 0) * m, (axis_ranks.get(axis, 0) + 1) * m) if axis else slice(None)
                      for m, axis in zip(local, self.dims))
+
+    def dim_index(self, d: int, n: int, axis_sizes: dict, axis_ranks: dict):
+        """Positions (a slice, or a NumPy int array for a blocked dimension) that this rank holds
+        along dimension ``d`` of global size ``n``, in shard order."""
+        axis, k = self.dims[d], self._blocks()[d]
+        if not axis:
+            return slice(None)
+        parts, r = axis_sizes.get(axis, 1), axis_ranks.get(axis, 0)
+        if n % (parts * k):
+            raise ValueError(f"dimension {d} of size {n} does not split evenly into {k} block(s) over {axis}={parts}")
+        piece = n // (parts * k)
+        if k == 1:
+            return slice(r * piece, (r + 1) * piece)
+        block = n // k
+        return (np.arange(k)[:, None] * block + r * piece + np.arange(piece)).reshape(-1)
+
+    def local_index(self, global_shape, axis_sizes: dict, axis_ranks: dict) -> tuple:
+        """An index such that ``full[index]`` is this rank's shard (and ``full[index] = shard``
+        writes it back): slices, or for blocked specs open-mesh integer arrays (``np.ix_`` style)."""
+        self.local_shape(global_shape, axis_sizes)  # validates
+        idx = [self.dim_index(d, n, axis_sizes, axis_ranks) for d, n in enumerate(global_shape)]
+        if not self.is_blocked:
+            return tuple(idx)
+        return np.ix_(*[np.arange(n)[i] if isinstance(i, slice) else i for i, n in zip(idx, global_shape)])
+
+    def shard(self, full, axis_sizes: dict, axis_ranks: dict):
+        """This rank's shard of the full array ``full`` (a copy for blocked specs, else a view)."""
+        return full[self.local_index(full.shape, axis_sizes, axis_ranks)]
+
+    def place(self, full, local, axis_sizes: dict, axis_ranks: dict) -> None:
+        """Write the shard ``local`` of the rank at ``axis_ranks`` into the full array, in place."""
+        full[self.local_index(full.shape, axis_sizes, axis_ranks)] = local
 
 
 class Parameter(Tensor):
@@ -125,7 +192,7 @@ class Module:
         axis_sizes, axis_ranks = axis_sizes or {}, axis_ranks or {}
         for name, p in self.named_parameters():
             p.name = name
-            full = p.full_init(seed)[p.spec.local_slices(p.global_shape, axis_sizes, axis_ranks)]
+            full = p.spec.shard(p.full_init(seed), axis_sizes, axis_ranks)
             p.data = B.asarray(full, dtype=p.dtype)
             p.grad = None
         return self
@@ -136,7 +203,7 @@ class Module:
             if p.grad is None:
                 p.grad = B.xp.zeros_like(p.data)
             else:
-                p.grad.fill(0)
+                fill_zero(p.grad)
 
     def train(self, mode: bool = True) -> "Module":
         for _, m in self.named_modules():
