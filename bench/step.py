@@ -4,7 +4,7 @@ Same shapes, float32, same thread count, same global batch; PyTorch uses
 ``F.scaled_dot_product_attention`` and ``torch.optim.AdamW``. Prints a table (median step time,
 tokens/s, mpirt/PyTorch ratio) and writes JSON.
 
-    python bench/step.py [--threads N] [--repeats 10] [--json bench/results/step.json]
+    python bench/step.py [--threads N] [--repeats 12] [--json bench/results/step.json]
 """
 from __future__ import annotations
 
@@ -26,10 +26,12 @@ CASES = {  # name -> (model overrides on the tiny preset, batch, seq_len)
 
 
 def set_threads(n: int) -> None:
-    """Give OpenBLAS (NumPy) and PyTorch the same number of threads."""
+    """Give OpenBLAS (NumPy), mpirt's elementwise pool and PyTorch the same number of threads."""
     import ctypes
     import torch
+    import mpirt.threads
     torch.set_num_threads(n)
+    mpirt.threads.set_num_threads(n)
     for line in open("/proc/self/maps"):
         if "openblas" in line:
             lib = ctypes.CDLL(line.split()[-1])
@@ -40,15 +42,24 @@ def set_threads(n: int) -> None:
                     return
 
 
-def time_steps(step, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def time_steps(steps, repeats: int, rounds: int = 3) -> list[float]:
+    """Median seconds per call of each function in ``steps``.
+
+    The contenders take turns, ``rounds`` times: a pause (BLAS and OpenMP worker threads spin for
+    a while after their last call and would steal a core from the next contender), one untimed
+    warm-up call, then ``repeats // rounds`` timed calls. Turns spread background load on a
+    shared machine over all contenders.
+    """
+    times = [[] for _ in steps]
+    for _ in range(rounds):
+        for step, ts in zip(steps, times):
+            time.sleep(0.3)
+            step()
+            for _ in range(max(1, repeats // rounds)):
+                t0 = time.perf_counter()
+                step()
+                ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def mpirt_step(cfg, batch, seq_len, x, y):
@@ -119,7 +130,7 @@ def torch_step(cfg, batch, seq_len, x, y):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "step.json"))
     args = parser.parse_args()
@@ -136,8 +147,7 @@ def main() -> None:
         y = rng.integers(0, cfg.vocab_size, (batch, seq_len), dtype=np.int64)
         m_step, n_params = mpirt_step(cfg, batch, seq_len, x, y)
         t_step = torch_step(cfg, batch, seq_len, x, y)
-        t_mpirt = time_steps(m_step, args.repeats)
-        t_torch = time_steps(t_step, args.repeats)
+        t_mpirt, t_torch = time_steps([m_step, t_step], args.repeats)
         tokens = batch * seq_len
         rows.append({"case": name, "params": n_params, "batch": batch, "seq_len": seq_len,
                      "config": dataclasses.asdict(cfg), "threads": args.threads,

@@ -114,29 +114,42 @@ def _versions(root: Path) -> list[Path]:
 
 def save_checkpoint(directory, model, optimizer, *, step: int, config, extra: dict | None = None,
                     keep: int = 1) -> Path:
-    """Save ``model`` (and ``optimizer``, may be None) as a new version under ``directory``.
+    """Save an unsharded ``model`` (and ``optimizer``, may be None) as a new version under ``directory``.
+
+    A convenience over :func:`save_state` for single-rank runs; parallel runs gather full arrays
+    first (:mod:`mpirt.parallel.state`) and call :func:`save_state` on one rank.
+    """
+    params = list(model.named_parameters())
+    if any(tuple(p.shape) != tuple(p.global_shape) for _, p in params):
+        raise ValueError("save_checkpoint: the model is sharded; gather it with mpirt.parallel.state first")
+    return save_state(directory, model.state_dict(), optimizer.state_dict() if optimizer is not None else None,
+                      step=step, config=config, extra=extra, keep=keep,
+                      specs={n: p.spec.dims for n, p in params})
+
+
+def save_state(directory, weights: dict, optimizer_state: dict | None, *, step: int, config,
+               extra: dict | None = None, keep: int = 1, specs: dict | None = None) -> Path:
+    """Save full (unsharded) ``weights`` (name -> array) and ``optimizer_state`` (an optimizer's
+    ``state_dict()``: arrays named ``<param>.<slot>`` plus scalars, or None) as a new version.
 
     ``config`` (a dict, or an object with ``to_dict()``, or a dataclass) and ``extra`` must be
-    JSON-serialisable. After the new version is committed, the ``keep - 1`` newest other versions
-    are kept and the rest removed. Returns the new version's path. See the module docstring.
+    JSON-serialisable. ``specs`` (name -> ShardSpec dims) is recorded for information: the arrays
+    are always the full tensors, so any layout can load them. After the new version is committed,
+    the ``keep - 1`` newest other versions are kept and the rest removed. Returns its path.
     """
     if int(step) != step or step < 0 or keep < 1:
         raise ValueError(f"save_checkpoint: need an integer step >= 0 and keep >= 1, got step={step}, keep={keep}")
-    params = list(model.named_parameters())
-    weights = model.state_dict()
-    tensors = {n: _tensor_entry(weights[n], p.spec.dims, MODEL, n) for n, p in params}
-    if any(tuple(p.shape) != tuple(p.global_shape) for _, p in params):
-        raise NotImplementedError("save_checkpoint: sharded parameters need the sharded save (not yet written)")
+    specs = specs or {}
+    weights = {n: B.to_host(a) for n, a in weights.items()}
+    tensors = {n: _tensor_entry(a, specs.get(n, (None,) * a.ndim), MODEL, n) for n, a in weights.items()}
     opt_meta, opt_arrays, opt_tensors = None, {}, {}
-    if optimizer is not None:
-        state = optimizer.state_dict()
-        opt_arrays = {k: v for k, v in state.items() if hasattr(v, "shape")}
-        specs = {n: p.spec.dims for n, p in params}
+    if optimizer_state is not None:
+        opt_arrays = {k: B.to_host(v) for k, v in optimizer_state.items() if hasattr(v, "shape")}
         for k, v in opt_arrays.items():
             owner = k.rsplit(".", 1)[0]
             opt_tensors[k] = _tensor_entry(v, specs.get(owner, (None,) * v.ndim), OPTIM, k)
-        opt_meta = {"type": type(optimizer).__name__,
-                    "scalars": {k: v for k, v in state.items() if k not in opt_arrays and k != "type"}}
+        opt_meta = {"type": optimizer_state.get("type"),
+                    "scalars": {k: v for k, v in optimizer_state.items() if k not in opt_arrays and k != "type"}}
     meta = {"format": FORMAT, "version": VERSION, "mpirt_version": mpirt.__version__, "created": time.time(),
             "step": int(step), "config": _to_dict(config), "extra": extra, "optimizer": opt_meta,
             "params": tensors, "optimizer_state": opt_tensors, "files": {}}
@@ -158,7 +171,7 @@ def save_checkpoint(directory, model, optimizer, *, step: int, config, extra: di
         shutil.rmtree(tmp)
     tmp.mkdir()
     meta["files"][MODEL] = _write_tensors(tmp / MODEL, weights)
-    if optimizer is not None:
+    if optimizer_state is not None:
         meta["files"][OPTIM] = _write_tensors(tmp / OPTIM, opt_arrays)
     _write_bytes(tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode())
     _fsync_dir(tmp)
@@ -263,25 +276,33 @@ def _read_tensors(vdir: Path, entries: dict) -> dict:
     return out
 
 
+def load_state(directory) -> tuple[dict, dict, dict | None]:
+    """Read the checkpoint at ``directory`` (root or version directory) after verifying every
+    file's checksum: returns ``(meta, weights, optimizer_state or None)`` with full arrays."""
+    meta = read_checkpoint_meta(directory)
+    vdir = Path(meta["path"])
+    _verify_files(vdir, meta)
+    weights = _read_tensors(vdir, meta["params"])
+    state = None
+    if meta["optimizer"] is not None:
+        state = dict(meta["optimizer"]["scalars"], type=meta["optimizer"]["type"])
+        state.update(_read_tensors(vdir, meta["optimizer_state"]))
+    return meta, weights, state
+
+
 def load_checkpoint(directory, model, optimizer=None) -> dict:
     """Load the checkpoint at ``directory`` (root: the ``latest`` version; or a version directory)
-    into ``model`` and, when given, ``optimizer``; return its meta (``step``, ``config``, ``extra``...).
+    into an unsharded ``model`` and, when given, ``optimizer``; return its meta (``step``, ...).
 
     Checksums, names and shapes are all verified before anything is modified.
     """
     meta = read_checkpoint_meta(directory)
     vdir = Path(meta["path"])
-    _verify_files(vdir, meta)
     _check_shapes(f"{vdir}: model", meta["params"], {n: p.shape for n, p in model.named_parameters()})
-    weights = _read_tensors(vdir, meta["params"])
+    if optimizer is not None and meta["optimizer"] is None:
+        raise CheckpointError(f"{vdir}: the checkpoint holds no optimizer state")
+    meta, weights, state = load_state(directory)
     if optimizer is not None:
-        if meta["optimizer"] is None:
-            raise CheckpointError(f"{vdir}: the checkpoint holds no optimizer state")
-        if meta["optimizer"]["type"] != type(optimizer).__name__:
-            raise CheckpointError(f"{vdir}: optimizer state is for {meta['optimizer']['type']}, "
-                                  f"not {type(optimizer).__name__}")
-        state = dict(meta["optimizer"]["scalars"], type=meta["optimizer"]["type"])
-        state.update(_read_tensors(vdir, meta["optimizer_state"]))
-        optimizer.load_state_dict(state)  # validates every key and shape before changing anything
+        optimizer.load_state_dict(state)  # validates type, every key and shape before changing anything
     model.load_state_dict(weights)
     return meta

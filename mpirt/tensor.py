@@ -15,12 +15,16 @@ from __future__ import annotations
 import contextlib
 
 import mpirt.backend as B
+from mpirt.hostalloc import keep_freed_memory
+from mpirt.threads import for_blocks
+
+keep_freed_memory()  # reuse freed host memory across steps instead of page-faulting it back in
 
 _grad_enabled = True
 
 
 def is_grad_enabled() -> bool:
-    """True unless inside :func:`no_grad`."""
+    """True unless inside :func:`no_grad` (and not inside a nested :func:`enable_grad`)."""
     return _grad_enabled
 
 
@@ -39,6 +43,17 @@ class no_grad(contextlib.ContextDecorator):
 
     def __enter__(self):
         self._ctx = _grad_mode(False)
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+class enable_grad(contextlib.ContextDecorator):
+    """Context manager and decorator: ops inside record a graph, even within :func:`no_grad`."""
+
+    def __enter__(self):
+        self._ctx = _grad_mode(True)
         self._ctx.__enter__()
 
     def __exit__(self, *exc):
@@ -85,6 +100,24 @@ class Function:
         raise NotImplementedError
 
     def backward_weight(self, grad):
+        raise NotImplementedError
+
+
+class SparseGrad:
+    """A gradient that is cheaper to add into a buffer than to materialise (e.g. an embedding
+    table's, nonzero on a few rows). A Function's backward may return one for a weight input;
+    the engine adds it into the leaf's ``grad`` with :meth:`add_to` and densifies it only where
+    it must (a first gradient, a non-leaf input). It carries ``shape`` and ``dtype``."""
+
+    shape: tuple
+    dtype: object
+
+    def add_to(self, out) -> None:
+        """``out += self``, in place."""
+        raise NotImplementedError
+
+    def dense(self):
+        """The gradient as a fresh array."""
         raise NotImplementedError
 
 
@@ -229,6 +262,8 @@ class _Backward:
                 grads = fn.backward(g)
             for x, gx, needed in zip(fn.inputs, grads, fn.needs_input_grad):
                 if needed and gx is not None and x._ctx is not None:
+                    if isinstance(gx, SparseGrad):
+                        gx = gx.dense()
                     key = id(x._ctx)
                     pending[key] = gx if key not in pending else pending[key] + gx
             self._deliver_all(fn, grads, skip=fn.weight_inputs if defer else ())
@@ -252,15 +287,27 @@ class _Backward:
     def _deliver(self, leaf: Tensor, g) -> None:
         """Accumulate ``g`` into ``leaf.grad`` in place; fire hooks once all edges delivered."""
         if g is not None:
-            if leaf.grad is None:
-                leaf.grad = B.xp.array(g, dtype=leaf.dtype, copy=True)
+            if leaf.grad is None:  # a copy: g may alias a saved array or another gradient
+                leaf.grad = g.dense().astype(leaf.dtype, copy=False) if isinstance(g, SparseGrad) \
+                    else B.xp.array(g, dtype=leaf.dtype, copy=True)
+            elif isinstance(g, SparseGrad):
+                g.add_to(leaf.grad)
             else:
-                leaf.grad += g
+                _accumulate(leaf.grad, g)
         remaining = self.leaf_pending.get(id(leaf), 1) - 1
         self.leaf_pending[id(leaf)] = remaining
         if remaining == 0:
             for hook in leaf._hooks:
                 hook(leaf)
+
+
+def _accumulate(dst, g) -> None:
+    """``dst += g`` on all threads when both are contiguous arrays of one shape, else plainly
+    (``g`` may be a broadcast view or of another dtype)."""
+    if g.shape == dst.shape and g.flags.c_contiguous and dst.flags.c_contiguous:
+        for_blocks(B.xp.add, dst.reshape(-1), g.reshape(-1), dst.reshape(-1))
+    else:
+        dst += g
 
 
 class WeightGradPass:

@@ -1,11 +1,13 @@
-"""Train a model: ``python -m mpirt.train [CONFIG.toml] [--key=value ...]``.
+"""Train a model: ``[mpiexec -n N] python -m mpirt.train [CONFIG.toml] [--key=value ...]``.
 
-One linear script, nanoGPT style: configure, load data and model, loop over optimizer steps
-(each one ``grad_accum`` micro-batches of the global batch), evaluate, checkpoint, summarise.
-``python -m mpirt.train --help`` lists every key.
+One linear script, nanoGPT style: configure, check the layout, load data and model, shard it over
+the dp x pp x tp grid, loop over optimizer steps (each ``grad_accum`` micro-batches of the global
+batch), evaluate, checkpoint, summarise. ``python -m mpirt.train --help`` lists every key.
+Everything that can be refused is refused before the first collective, naming the key.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -15,12 +17,18 @@ from pathlib import Path
 
 import mpirt.backend as B
 from mpirt import comm
-from mpirt.checkpoint import is_checkpoint, load_checkpoint, read_checkpoint_meta, save_checkpoint
+from mpirt.checkpoint import is_checkpoint, load_state, read_checkpoint_meta, save_state
 from mpirt.config import ConfigError, parse_args
 from mpirt.data import TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches, \
     split_microbatches
+from mpirt.distributed import init_distributed
+from mpirt.grid import Grid, check_layout, resolve_dp
 from mpirt.monitor import Metrics, Progress, measure_peak_flops
 from mpirt.optim import AdamW, clip_grad_norm, cosine_lr
+from mpirt.parallel import tensor as TP
+from mpirt.parallel.data import DataParallel
+from mpirt.parallel.state import gather_state, scatter_state
+from mpirt.parallel.zero import ZeroOptimizer
 from mpirt.tensor import no_grad
 from models import build_model
 from models.config import GPTConfig
@@ -28,8 +36,58 @@ from models.hf import load_hf_gpt2
 from models.presets import load_model_config
 
 
-def evaluate(model, tokens, *, batches: int, batch_size: int, seq_len: int) -> float:
-    """Mean loss over the first ``batches`` x ``batch_size`` consecutive windows of ``tokens``."""
+def plan_layout(cfg, world_size: int) -> dict:
+    """The dp/pp/tp sizes for this run (pure: no communication), refusing impossible layouts."""
+    try:
+        dp = resolve_dp(world_size, cfg.dp, cfg.pp, cfg.tp)
+        check_layout(dp, cfg.pp, cfg.tp, world_size)
+    except ValueError as err:
+        raise ConfigError(f"dp/pp/tp: {err}") from None
+    if cfg.pp > 1:
+        raise ConfigError(f"pp: pipeline parallelism (pp={cfg.pp}) is not available yet")
+    if cfg.zero and cfg.tp > 1:
+        raise ConfigError(f"zero: ZeRO (zero={cfg.zero}) together with tp={cfg.tp} is not supported yet")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise ConfigError("sequence_parallel: needs tp > 1")
+    if cfg.batch_size % (dp * cfg.grad_accum):
+        raise ConfigError(f"batch_size: the global batch {cfg.batch_size} does not divide into dp={dp} x "
+                          f"grad_accum={cfg.grad_accum} = {dp * cfg.grad_accum} equal micro-batches")
+    return {"dp": dp, "tp": cfg.tp, "pp": cfg.pp}
+
+
+def resolve_model(cfg) -> tuple[GPTConfig, dict | None, bool]:
+    """Model config, full initial weights from a HF directory (or None), and whether ``init_from``
+    is an mpirt checkpoint (weights, optimizer state and step are then loaded from it)."""
+    source = cfg.init_from
+    if source and is_checkpoint(source):
+        return GPTConfig(**read_checkpoint_meta(source)["extra"]["model_config"]), None, True
+    if source:
+        if not (Path(source) / "config.json").exists():
+            raise ConfigError(f"init_from: {source} is neither an mpirt checkpoint nor a HF GPT-2 directory")
+        model_cfg, weights = load_hf_gpt2(source, dtype=cfg.dtype)
+        return model_cfg, weights, False
+    return load_model_config(cfg.model, cfg.model_overrides), None, False
+
+
+def check_fit(cfg, model_cfg: GPTConfig, data: TokenDataset, layout: dict) -> None:
+    """Refuse a run whose data, sequence length or tp does not fit the model, naming the numbers."""
+    if cfg.seq_len > model_cfg.n_positions:
+        raise ConfigError(f"seq_len: {cfg.seq_len} exceeds the model's n_positions {model_cfg.n_positions}")
+    if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"data: vocabulary {data.vocab_size} of {data.directory} exceeds the model's "
+                          f"vocab_size {model_cfg.vocab_size}")
+    if layout["tp"] > 1:
+        try:
+            TP.check_tp_layout(layout["tp"], n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
+                               hidden=model_cfg.hidden, vocab_size=model_cfg.vocab_size, seq_len=cfg.seq_len,
+                               sequence_parallel=cfg.sequence_parallel)
+        except ValueError as err:
+            raise ConfigError(f"tp: {err}") from None
+
+
+def evaluate(model, tokens, grid: Grid, *, batches: int, batch_size: int, seq_len: int) -> float:
+    """Mean loss over the first ``batches`` x ``batch_size`` consecutive windows of ``tokens``,
+    each dp rank taking its rows of every batch; the same number on any layout."""
     available = num_eval_batches(tokens, batch_size, seq_len)
     if batches > available:
         raise ValueError(f"eval_batches: {batches} requested but the validation split holds only "
@@ -38,33 +96,11 @@ def evaluate(model, tokens, *, batches: int, batch_size: int, seq_len: int) -> f
     total = 0.0
     with no_grad():
         for i in range(batches):
-            x, y = get_eval_batch(tokens, i, batch_size=batch_size, seq_len=seq_len)
+            x, y = get_eval_batch(tokens, i, batch_size=batch_size, seq_len=seq_len,
+                                  dp_rank=grid.coords["dp"], dp_size=grid.sizes["dp"])
             total += model(B.asarray(x), B.asarray(y))[1].item()
     model.train()
-    return total / batches
-
-
-def resolve_model(cfg) -> tuple[GPTConfig, dict | None, dict | None]:
-    """Model config, initial weights (or None) and checkpoint meta (or None) for ``cfg``."""
-    source = cfg.init_from
-    if source and is_checkpoint(source):
-        meta = read_checkpoint_meta(source)
-        return GPTConfig(**meta["extra"]["model_config"]), None, meta
-    if source:
-        if not (Path(source) / "config.json").exists():
-            raise ConfigError(f"init_from: {source} is neither an mpirt checkpoint nor a HF GPT-2 directory")
-        model_cfg, weights = load_hf_gpt2(source, dtype=cfg.dtype)
-        return model_cfg, weights, None
-    return load_model_config(cfg.model, cfg.model_overrides), None, None
-
-
-def check_fit(cfg, model_cfg: GPTConfig, data: TokenDataset) -> None:
-    """Refuse a run whose data or sequence length does not fit the model, naming both numbers."""
-    if cfg.seq_len > model_cfg.n_positions:
-        raise ConfigError(f"seq_len: {cfg.seq_len} exceeds the model's n_positions {model_cfg.n_positions}")
-    if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(f"data: vocabulary {data.vocab_size} of {data.directory} exceeds the model's "
-                          f"vocab_size {model_cfg.vocab_size}")
+    return grid.comm["dp"].allreduce_scalar(total / batches, "avg")
 
 
 def main(argv=None) -> dict:
@@ -72,69 +108,106 @@ def main(argv=None) -> dict:
     world = comm.world()
     try:
         cfg = parse_args(argv)
-        if world.size > 1:
-            raise ConfigError(f"world size {world.size}: parallel training (dp/tp/pp) is not available "
-                              "yet; run on one rank")
-        model_cfg, hf_weights, ckpt_meta = resolve_model(cfg)
+        layout = plan_layout(cfg, world.size)
+        model_cfg, hf_weights, resume = resolve_model(cfg)
         data = TokenDataset(cfg.data or default_dataset_dir())
-        check_fit(cfg, model_cfg, data)
+        check_fit(cfg, model_cfg, data, layout)
     except (ConfigError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        if world.rank == 0:
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
-    B.select(cfg.backend)
-    B.bind_device(world.local_rank)
+    ctx = init_distributed(cfg.seed, cfg.backend, config=cfg.to_dict())  # all ranks: same config
+    grid = Grid(layout["dp"], layout["pp"], layout["tp"])
+    dp, tp = grid.sizes["dp"], grid.sizes["tp"]
+    tp_comm = grid.comm["tp"]
+    is_main = ctx.rank == 0
     out = Path(cfg.out_dir)
-    model = build_model(model_cfg, dtype=cfg.dtype, seed=cfg.seed)
-    optimizer = AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+
+    # Model: every layout starts from the same weights (full tensors from the seed, then sliced).
+    model = build_model(model_cfg, dtype=cfg.dtype, seed=cfg.seed if tp == 1 else None)
+    if tp > 1:
+        TP.parallelize(model, tp_comm, sequence_parallel=cfg.sequence_parallel, seed=cfg.seed)
+    TP.reseed_dropouts(model, ctx.rank_seed(f"dropout-dp{grid.coords['dp']}", rank=0), grid.coords["tp"],
+                       cfg.sequence_parallel)
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.zero:
+        ddp, optimizer = None, ZeroOptimizer(model, grid.comm["dp"], stage=cfg.zero, lr=cfg.lr, betas=betas,
+                                             weight_decay=cfg.weight_decay)
+    else:
+        ddp = DataParallel(model, grid.comm["dp"]) if dp > 1 else None
+        optimizer = AdamW(model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
     start_step = 0
     if hf_weights is not None:
-        model.load_state_dict(hf_weights)
-    if ckpt_meta is not None:
-        start_step = load_checkpoint(cfg.init_from, model, optimizer)["step"]
-    is_main = world.rank == 0
+        scatter_state(model, optimizer, hf_weights, None, tp_comm)
+    if resume:
+        meta, weights, state = load_state(cfg.init_from)
+        scatter_state(model, optimizer, weights, state, tp_comm)
+        start_step = meta["step"]
+    summary_layout = {"dp": dp, "tp": tp, "pp": grid.sizes["pp"]}
+
+    def eval_loss() -> float:
+        return evaluate(model, data.val, grid, batches=cfg.eval_batches, batch_size=cfg.batch_size,
+                        seq_len=cfg.seq_len)
 
     if cfg.eval_only:
-        val_loss = evaluate(model, data.val, batches=cfg.eval_batches, batch_size=cfg.batch_size,
-                            seq_len=cfg.seq_len)
+        val_loss = eval_loss()
         if is_main:
             print(json.dumps({"val_loss": val_loss, "eval_batches": cfg.eval_batches,
                               "batch_size": cfg.batch_size, "seq_len": cfg.seq_len}))
-            _write_summary(out, {"val_loss": val_loss, "steps": start_step, "world_size": world.size,
-                                 "layout": {"dp": 1, "tp": 1, "pp": 1}})
+            _write_summary(out, {"val_loss": val_loss, "steps": start_step, "world_size": ctx.size,
+                                 "layout": summary_layout})
         return {"val_loss": val_loss}
 
-    flops_per_step = model.flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len
-    peak = measure_peak_flops(cfg.dtype)
-    metrics = Metrics(out / "metrics" / f"rank{world.rank}.jsonl")
+    def save(step: int) -> None:  # collective: gathers full tensors, rank 0 writes
+        weights, state = gather_state(model, optimizer, tp_comm)
+        if is_main:
+            save_state(out / "ckpt", weights, state, step=step, config=cfg.to_dict(),
+                       extra={"model_config": dataclasses.asdict(model_cfg), "data": str(data.directory),
+                              "layout": summary_layout})
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    flops_per_step = model.flops_per_token(cfg.seq_len) * tokens_per_step
+    peak = measure_peak_flops(cfg.dtype) * ctx.size
+    metrics = Metrics(out / "metrics" / f"rank{ctx.rank}.jsonl")
     progress = Progress(cfg.steps, start_step, enabled=is_main and cfg.progress)
-    model.zero_grad()
     val_loss = math.nan
     end_step = cfg.stop_after or cfg.steps
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
-        optimizer.lr = cosine_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+        optimizer.lr = cosine_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=min(cfg.warmup_steps, cfg.steps),
                                  total_steps=cfg.steps)
-        x, y = get_batch(data.train, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+        optimizer.zero_grad()
+        x, y = get_batch(data.train, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+                         dp_rank=grid.coords["dp"], dp_size=dp)
+        micro = split_microbatches(x, y, cfg.grad_accum)
         loss_sum = 0.0
-        for xm, ym in split_microbatches(x, y, cfg.grad_accum):
-            _, loss = model(B.asarray(xm), B.asarray(ym))
-            (loss * (1.0 / cfg.grad_accum)).backward()
+        for i, (xm, ym) in enumerate(micro):
+            # gradients of all but the last micro-batch only accumulate locally
+            with ddp.no_sync() if ddp and i < len(micro) - 1 else contextlib.nullcontext():
+                _, loss = model(B.asarray(xm), B.asarray(ym))
+                (loss * (1.0 / cfg.grad_accum)).backward()
             loss_sum += loss.item()
-        grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
+        if ddp:
+            ddp.finish()
+        TP.sync_sequence_parallel_grads(model, tp_comm)
+        grad_norm = None
+        if cfg.grad_clip > 0:
+            if cfg.zero:
+                grad_norm = optimizer.clip_grad_norm(cfg.grad_clip)
+            elif tp > 1:
+                grad_norm = TP.clip_grad_norm(model.parameters(), cfg.grad_clip, {"tp": tp_comm})
+            else:
+                grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
         optimizer.step()
-        model.zero_grad()
+        loss_value = grid.comm["dp"].allreduce_scalar(loss_sum / cfg.grad_accum, "avg")
         B.synchronize()
         dt = time.perf_counter() - t0
-        loss_value = loss_sum / cfg.grad_accum
         record = {"step": step + 1, "loss": loss_value, "lr": optimizer.lr, "grad_norm": grad_norm,
-                  "step_time_s": dt, "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
-                  "mfu": flops_per_step / dt / peak}
+                  "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, "mfu": flops_per_step / dt / peak}
         last = step + 1 == end_step
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 or last:
-            val_loss = evaluate(model, data.val, batches=cfg.eval_batches, batch_size=cfg.batch_size,
-                                seq_len=cfg.seq_len)
-            record["val_loss"] = val_loss
+            val_loss = record["val_loss"] = eval_loss()
         metrics.log(**record)
         if (step + 1) % cfg.log_interval == 0 or step == start_step or last or "val_loss" in record:
             shown = {"loss": loss_value, "tok/s": round(record["tokens_per_s"]), "time": f"{dt * 1e3:.0f}ms",
@@ -142,11 +215,12 @@ def main(argv=None) -> dict:
             if "val_loss" in record:
                 shown["val"] = val_loss
             progress.update(step + 1, **shown)
-        if is_main and (last or cfg.ckpt_interval and (step + 1) % cfg.ckpt_interval == 0):
-            save_checkpoint(out / "ckpt", model, optimizer, step=step + 1, config=cfg.to_dict(),
-                            extra={"model_config": dataclasses.asdict(model_cfg), "data": str(data.directory)})
+        if last or cfg.ckpt_interval and (step + 1) % cfg.ckpt_interval == 0:
+            save(step + 1)
     progress.close()
     metrics.close()
+    if ddp:
+        ddp.close()
 
     summary = {
         "steps": end_step,
@@ -157,8 +231,8 @@ def main(argv=None) -> dict:
         "step_time_s": metrics.median("step_time_s"),
         "mfu": metrics.median("mfu"),
         "peak_flops": peak,
-        "world_size": world.size,
-        "layout": {"dp": 1, "tp": 1, "pp": 1},
+        "world_size": ctx.size,
+        "layout": summary_layout,
         "num_parameters": model.num_parameters(),
     }
     if is_main:

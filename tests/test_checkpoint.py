@@ -142,7 +142,7 @@ def test_wrong_shape_and_names_are_reported(tmp_path):
     with pytest.raises(CheckpointError, match=r"missing keys \['proj\.bias', 'proj\.weight'\]"):
         load_checkpoint(root, renamed)
     model = MLP().initialize(0)
-    with pytest.raises(CheckpointError, match="for AdamW, not SGD"):
+    with pytest.raises(ValueError, match="state of a AdamW optimizer, this is a SGD"):
         load_checkpoint(root, model, SGD(model.parameters(), lr=0.1))
     save_checkpoint(root, model, None, step=9, config={})
     with pytest.raises(CheckpointError, match="no optimizer state"):

@@ -200,9 +200,10 @@ def test_cross_entropy_matches_torch_value_and_gradient():
 
 
 def test_cross_entropy_chunked_forward_matches_torch(monkeypatch):
-    """The forward runs a few rows at a time; force uneven chunks of 2 rows at this tiny size."""
-    import mpirt.ops.nn as nn_ops
-    monkeypatch.setattr(nn_ops, "_CE_CHUNK", 2 * 9)
+    """The forward runs a few rows at a time; force uneven blocks of 2 rows at this tiny size."""
+    import mpirt.threads as threads
+    monkeypatch.setattr(threads, "MIN_PARALLEL", 0)
+    monkeypatch.setattr(threads, "BLOCK", 2 * 9)
     logits, targets = 4 * normal(7, 9), _rng(2).integers(0, 9, 7)
     targets[3] = -100
     x = Tensor(logits.copy(), requires_grad=True)

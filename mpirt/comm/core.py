@@ -225,9 +225,17 @@ class Comm:
     def allgather_flat(self, chunk, n: int, out=None):
         """The inverse of :meth:`reduce_scatter`: rank r holds chunk r of a flat array of ``n``
         elements (:func:`chunk_bounds`); returns the whole flat array (or fills ``out``).
+        ``chunk`` may be a view of ``out``: when it is exactly this rank's chunk of ``out`` the
+        gather runs in place (MPI_IN_PLACE), any other overlap is gathered from a copy.
         Recorded in :data:`stats` as ``allgather``."""
         t0 = _clock()
         engine = "host" if not hasattr(chunk, "__cuda_array_interface__") else self._engine(chunk)
+        if engine == "host" and out is not None and np.may_share_memory(chunk, out):
+            if self._is_own_chunk(chunk, n, out):
+                result = self._allgather_flat_in_place(n, out)
+                self._record("allgather", result.nbytes, t0, engine)
+                return result
+            chunk = chunk.copy()
         if (engine == "host" and out is not None and n % self.size == 0 and  # the hot path
                 chunk.size * self.size == n and out.size == n and out.dtype == chunk.dtype and
                 chunk.flags.c_contiguous and out.flags.c_contiguous):
@@ -241,6 +249,27 @@ class Comm:
             result = self._allgather_flat(chunk, n, out)
         self._record("allgather", result.nbytes, t0, engine)
         return result
+
+    def _is_own_chunk(self, chunk, n, out) -> bool:
+        """Whether ``chunk`` is exactly elements ``chunk_bounds(n, size)[rank]`` of ``out`` (both
+        C-contiguous, same dtype): the layout MPI_IN_PLACE expects."""
+        if out.size != n or out.dtype != chunk.dtype or not (out.flags.c_contiguous and chunk.flags.c_contiguous):
+            return False
+        counts = _counts(n, self.size)
+        lo = sum(counts[:self.rank])
+        addr = out.__array_interface__["data"][0] + lo * out.itemsize
+        return chunk.size == counts[self.rank] and (chunk.size == 0 or chunk.__array_interface__["data"][0] == addr)
+
+    def _allgather_flat_in_place(self, n, out):
+        counts = _counts(n, self.size)
+        flat = out.reshape(-1)
+        if n % self.size == 0:
+            self.mpi.Allgather(MPI.IN_PLACE, [flat, MPI.BYTE])
+        else:
+            sizes = [c * out.itemsize for c in counts]
+            displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+            self.mpi.Allgatherv(MPI.IN_PLACE, [flat, (sizes, displs), MPI.BYTE])
+        return out
 
     def _allgather_flat(self, chunk, n, out):
         counts = _counts(n, self.size)

@@ -5,6 +5,11 @@ from mpirt.ops.basic import unbroadcast
 from mpirt.tensor import Function
 
 
+def _transposed(a) -> bool:
+    """True for a 2-D array laid out column-major (the transpose of a C-ordered one)."""
+    return a.ndim == 2 and a.flags.f_contiguous and not a.flags.c_contiguous
+
+
 class MatMul(Function):
     """``a @ b`` with NumPy's batching rules; both operands at least 2-D."""
 
@@ -21,7 +26,12 @@ class MatMul(Function):
             ga = unbroadcast(g @ b.swapaxes(-1, -2), a.shape)
         if self.needs_input_grad[1]:
             if b.ndim == 2:  # one GEMM over all leading dimensions instead of a batched sum
-                gb = a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+                a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+                # Give gb the memory order of b: when b is a transposed view (a tied output head,
+                # x @ wte^T), gb = (g^T a)^T is the transpose of a C-ordered array, so the
+                # gradient reaching wte through the transpose is contiguous (adding a transposed
+                # (V, C) array into wte.grad is about 4x slower than adding a contiguous one).
+                gb = (g2.T @ a2).T if _transposed(b) else a2.T @ g2
             else:
                 gb = unbroadcast(a.swapaxes(-1, -2) @ g, b.shape)
         return ga, gb

@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 
 import mpirt.backend as B
-from mpirt.tensor import Function, Tensor
+from mpirt.tensor import Function, SparseGrad, Tensor, is_grad_enabled
+from mpirt.threads import for_blocks
 
 _GELU_K = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
-_CE_CHUNK = 1 << 17  # elements per cross-entropy forward chunk (512 KiB of float32: stays in cache)
 
 
 def _data(x):
@@ -28,36 +28,44 @@ def _data(x):
 # ------------------------------------------------------------------------------------------
 # GELU
 # ------------------------------------------------------------------------------------------
+def _gelu_block(x, y, d):
+    """``y = 0.5 x (1 + t)``, ``t = tanh(k (x + a x^3))``; with ``d``, also ``d = dy/dx``.
+
+    ``dy/dx = h (1 + 2 w (1 - h))`` with ``h = 0.5 (1 + t)`` and ``w = k x (1 + 3 a x^2)``.
+    """
+    xp, k, a = B.xp, _GELU_K, _GELU_A
+    x2 = x * x                                                  # the one temporary (block-sized)
+    xp.multiply(x2, a * k, out=y)
+    y += k
+    y *= x                                                      # u = k (x + a x^3)
+    xp.tanh(y, out=y)
+    y += 1.0
+    y *= 0.5                                                    # h
+    if d is not None:
+        x2 *= 6.0 * a * k
+        x2 += 2.0 * k
+        x2 *= x                                                 # 2 w
+        xp.subtract(1.0, y, out=d)
+        d *= x2
+        d += 1.0
+        d *= y
+    y *= x
+
+
 class Gelu(Function):
-    """GPT-2's tanh GELU: ``0.5 x (1 + tanh(k (x + a x^3)))``; saves ``x`` and the tanh."""
+    """GPT-2's tanh GELU. While a block of ``x`` is in cache the forward also computes the
+    derivative and saves only it (not ``x`` and the tanh): the backward is one multiply."""
 
     def forward(self, x):
-        k, a = _GELU_K, _GELU_A
-        t = x * x
-        t *= a * k
-        t += k
-        t *= x                       # k (x + a x^3)
-        B.xp.tanh(t, out=t)
-        y = t + 1.0
-        y *= x
-        y *= 0.5
-        self.x, self.t = x, t
+        xp = B.xp
+        y = xp.empty(x.shape, dtype=x.dtype)
+        self.d = xp.empty_like(y) if self.needs_input_grad[0] and is_grad_enabled() else None
+        for_blocks(_gelu_block, x.reshape(-1), y.reshape(-1), None if self.d is None else self.d.reshape(-1))
         return y
 
     def backward(self, g):
-        # dy/dx = 0.5 (1 + t) (1 + w (1 - t)),  w = x k (1 + 3 a x^2)
-        x, t, k, a = self.x, self.t, _GELU_K, _GELU_A
-        gx = x * x
-        gx *= 3.0 * a * k
-        gx += k
-        gx *= x                      # w
-        tmp = 1.0 - t
-        gx *= tmp
-        gx += 1.0
-        B.xp.add(t, 1.0, out=tmp)
-        gx *= tmp
-        gx *= 0.5
-        gx *= g
+        gx = B.xp.empty(self.d.shape, dtype=self.d.dtype)
+        for_blocks(B.xp.multiply, g.reshape(-1), self.d.reshape(-1), gx.reshape(-1))
         return (gx,)
 
 
@@ -102,7 +110,11 @@ class LogSoftmax(Function):
 # layer norm
 # ------------------------------------------------------------------------------------------
 class LayerNorm(Function):
-    """Layer norm over the last dimension; saves the normalised input and ``1/std`` per row."""
+    """Layer norm over the last dimension; saves the normalised input and ``1/std`` per row.
+
+    Rows are independent, so both passes run on row blocks (:func:`~mpirt.threads.for_blocks`);
+    the weight and bias gradients are per-block partial column sums, added in block order.
+    """
 
     weight_inputs = (1, 2)
 
@@ -110,86 +122,123 @@ class LayerNorm(Function):
         xp = B.xp
         n = x.shape[-1]
         x2 = x.reshape(-1, n)                                   # (N, C)
-        xhat = x2 - x2.mean(axis=1, keepdims=True)
-        var = xp.einsum("ij,ij->i", xhat, xhat)                 # (N,), no (N, C) temporary
-        var *= 1.0 / n
-        var += eps
-        rstd = xp.sqrt(var, out=var)
-        xp.divide(1.0, rstd, out=rstd)
-        rstd = rstd[:, None]                                    # (N, 1)
-        xhat *= rstd
+        xhat, y = xp.empty(x2.shape, dtype=x.dtype), xp.empty(x2.shape, dtype=x.dtype)
+        rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
+
+        def block(x, xhat, rstd, y):
+            xp.subtract(x, x.mean(axis=1, keepdims=True), out=xhat)
+            var = xp.einsum("ij,ij->i", xhat, xhat)[:, None]   # (rows, 1), no (rows, C) temporary
+            var *= 1.0 / n
+            var += eps
+            xp.sqrt(var, out=var)
+            xp.divide(1.0, var, out=rstd)
+            xhat *= rstd
+            if weight is None:
+                y[...] = xhat if bias is None else xhat + bias
+            else:
+                xp.multiply(xhat, weight, out=y)
+                if bias is not None:
+                    y += bias
+
+        for_blocks(block, x2, xhat, rstd, y)
         self.xhat, self.rstd, self.weight, self.shape = xhat, rstd, weight, x.shape
-        if weight is None:
-            y = xhat.copy() if bias is None else xhat + bias
-        else:
-            y = xhat * weight
-            if bias is not None:
-                y += bias
         return y.reshape(x.shape)
 
+    def backward(self, g):
+        return self._backward(g, *self.needs_input_grad[:3])
+
     def backward_input(self, g):
-        if not self.needs_input_grad[0]:
-            return None, None, None
-        xp, xhat = B.xp, self.xhat
-        n = xhat.shape[1]
-        g2 = g.reshape(-1, n)
-        gxhat = g2 * self.weight if self.weight is not None else g2.copy()
-        # dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat))
-        m2 = xp.einsum("ij,ij->i", gxhat, xhat)[:, None]
-        m2 *= 1.0 / n
-        m1 = gxhat.mean(axis=1, keepdims=True)
-        tmp = xhat * m2
-        gxhat -= tmp
-        gxhat -= m1
-        gxhat *= self.rstd
-        return gxhat.reshape(self.shape), None, None
+        return self._backward(g, self.needs_input_grad[0], False, False)
 
     def backward_weight(self, g):
         need = self.needs_input_grad
-        g2 = g.reshape(-1, self.xhat.shape[1])
-        gw = B.xp.einsum("ij,ij->j", g2, self.xhat) if len(need) > 1 and need[1] else None
-        gb = g2.sum(axis=0) if len(need) > 2 and need[2] else None
-        return None, gw, gb
+        return self._backward(g, False, len(need) > 1 and need[1], len(need) > 2 and need[2])
+
+    def _backward(self, g, want_x, want_w=False, want_b=False):
+        """One pass over (g, xhat) for whichever of the three gradients are wanted."""
+        xp, xhat, weight = B.xp, self.xhat, self.weight
+        n = xhat.shape[1]
+        g2 = g.reshape(-1, n)
+        gx = xp.empty(xhat.shape, dtype=xhat.dtype) if want_x else None
+
+        def block(g, xhat, rstd, gx):
+            # dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)),  gxhat = g * weight
+            gw = xp.einsum("ij,ij->j", g, xhat) if want_w else None
+            gb = g.sum(axis=0) if want_b else None
+            if gx is not None:
+                gxhat = gx
+                if weight is None:
+                    gxhat[...] = g
+                else:
+                    xp.multiply(g, weight, out=gxhat)
+                m2 = xp.einsum("ij,ij->i", gxhat, xhat)[:, None]
+                m2 *= 1.0 / n
+                tmp = xhat * m2
+                tmp += gxhat.mean(axis=1, keepdims=True)
+                gxhat -= tmp
+                gxhat *= rstd
+            return gw, gb
+
+        parts = for_blocks(block, g2, xhat, self.rstd, gx)
+        gw = _sum_parts(p[0] for p in parts) if want_w else None
+        gb = _sum_parts(p[1] for p in parts) if want_b else None
+        return (None if gx is None else gx.reshape(self.shape)), gw, gb
+
+
+def _sum_parts(parts):
+    """Sum per-block partial results in block order (deterministic)."""
+    it = iter(parts)
+    total = next(it).copy()
+    for p in it:
+        total += p
+    return total
 
 
 # ------------------------------------------------------------------------------------------
 # embedding
 # ------------------------------------------------------------------------------------------
-def scatter_add_rows(ids, rows, num_rows: int):
-    """``out[ids[i]] += rows[i]`` into a fresh zero ``(num_rows, C)`` array (ids 1-D, rows (N, C)).
+def scatter_add_rows(ids, rows, num_rows: int | None = None, out=None):
+    """``out[ids[i]] += rows[i]`` (ids 1-D, rows (N, C)); ``out`` defaults to a fresh zero
+    ``(num_rows, C)`` array. Returns ``out``.
 
-    NumPy's ``add.at`` with a row index is slow; its 1-D fast path on the flattened array is
-    about 3x faster. When ids are fewer than the rows of ``out`` most of them are distinct, so
-    ids are sorted, the first occurrence of each is *assigned* (a plain fancy-index store) and only
-    the repeats are added with ``add.at``: at V=50257, C=768, N=8192 this takes 28-37 ms against
-    65 ms for ``add.at`` (V=256, C=128, N=4096: 1.0 ms against 3.8 ms with the flat ``add.at``).
-    On CuPy ``add.at`` is an atomic scatter-add kernel and is used directly.
+    NumPy's ``add.at`` is slow, so ids are sorted, the rows of each distinct id summed with
+    ``add.reduceat`` and the sums added with one fancy-index ``+=`` (ids unique there): only the
+    touched rows of ``out`` are read and written. On CuPy ``add.at`` is an atomic scatter-add
+    kernel and is used directly.
     """
     xp = B.xp
-    out = xp.zeros((num_rows, rows.shape[1]), dtype=rows.dtype)
+    if out is None:
+        out = xp.zeros((num_rows, rows.shape[1]), dtype=rows.dtype)
     if ids.size == 0:
         return out
     if B.name == "cupy":
         xp.add.at(out, ids, rows)
         return out
-    if ids.size <= num_rows:
-        order = xp.argsort(ids)
-        s = ids[order]
-        first = xp.empty(s.shape, dtype=bool)
-        first[0] = True
-        xp.not_equal(s[1:], s[:-1], out=first[1:])
-        out[s[first]] = rows[order[first]]
-        rest = order[~first]
-        ids, rows = ids[rest], rows[rest]
-    if ids.size:
-        c = rows.shape[1]
-        flat = (ids.astype(xp.int64)[:, None] * c + xp.arange(c)).reshape(-1)  # V*C may pass 2**31
-        xp.add.at(out.reshape(-1), flat, rows.reshape(-1))
+    order = xp.argsort(ids, kind="stable")
+    s = ids[order]
+    starts = xp.flatnonzero(xp.concatenate(([True], s[1:] != s[:-1])))
+    out[s[starts]] += xp.add.reduceat(rows[order], starts, axis=0)
     return out
 
 
+class RowGrad(SparseGrad):
+    """An embedding table's gradient: zero except the rows ``ids``, which get ``rows`` (repeats
+    add up). The engine adds it straight into the table's gradient buffer, touching N rows
+    instead of materialising and adding a (V, C) array."""
+
+    def __init__(self, ids, rows, num_rows: int):
+        self.ids, self.rows = ids, rows
+        self.shape, self.dtype = (num_rows, rows.shape[1]), rows.dtype
+
+    def add_to(self, out) -> None:
+        scatter_add_rows(self.ids, self.rows.astype(out.dtype, copy=False), out=out)
+
+    def dense(self):
+        return scatter_add_rows(self.ids, self.rows, self.shape[0])
+
+
 class Embedding(Function):
-    """``weight[ids]``; the weight gradient is a scatter-add of the output gradient."""
+    """``weight[ids]``; the weight gradient is a :class:`RowGrad` (a scatter-add of the output gradient)."""
 
     weight_inputs = (1,)
 
@@ -211,7 +260,7 @@ class Embedding(Function):
     def backward_weight(self, g):
         if not self.needs_input_grad[1]:
             return None, None
-        return None, scatter_add_rows(self.ids, g.reshape(self.ids.size, -1), self.vocab)
+        return None, RowGrad(self.ids, g.reshape(self.ids.size, -1), self.vocab)
 
 
 # ------------------------------------------------------------------------------------------
@@ -220,12 +269,12 @@ class Embedding(Function):
 class CrossEntropy(Function):
     """Log-softmax + negative log-likelihood in one op.
 
-    The forward writes the softmax probabilities into the one (N, V) array it allocates, a few
-    rows at a time (``_CE_CHUNK`` elements) so that max, subtract, exp, sum and normalise run in
-    cache and the array is written to memory once (measured about 25 % faster than whole-array
-    passes at V = 50257 on NumPy; on CuPy it is a single chunk). The backward turns that array
-    *in place* into the gradient ``(softmax - onehot) * g / count``: one backward per forward, a
-    second one (``retain_graph``) raises instead of returning wrong numbers.
+    The forward writes the softmax probabilities into the one (N, V) array it allocates, a block
+    of rows at a time (:func:`~mpirt.threads.for_blocks`): max, subtract, exp, sum and normalise
+    run in cache, the array is written to memory once, and blocks run on all threads. The
+    backward turns that array *in place* into the gradient ``(softmax - onehot) * g / count``:
+    one backward per forward, a second one (``retain_graph``) raises instead of returning wrong
+    numbers.
     """
 
     def forward(self, logits, targets, ignore_index=-100, reduction="mean"):
@@ -248,16 +297,17 @@ class CrossEntropy(Function):
         t = xp.where(valid, t, 0)
         p = xp.empty_like(x)                                        # the one (N, V) array
         lse = xp.empty((n, 1), dtype=x.dtype)
-        rows = n if B.name == "cupy" else max(1, _CE_CHUNK // max(v, 1))
-        for i in range(0, n, rows):
-            xc, pc = x[i:i + rows], p[i:i + rows]
-            m = xc.max(axis=1, keepdims=True)
-            xp.subtract(xc, m, out=pc)
-            xp.exp(pc, out=pc)
-            s = pc.sum(axis=1, keepdims=True)
-            pc *= 1.0 / s
+
+        def block(x, p, lse):
+            m = x.max(axis=1, keepdims=True)
+            xp.subtract(x, m, out=p)
+            xp.exp(p, out=p)
+            s = p.sum(axis=1, keepdims=True)
+            p *= 1.0 / s
             xp.log(s, out=s)
-            xp.add(s, m, out=lse[i:i + rows])                      # logsumexp per row
+            xp.add(s, m, out=lse)                                  # logsumexp per row
+
+        for_blocks(block, x, p, lse)
         nll = lse[:, 0] - x[xp.arange(n), t]
         nll *= valid
         count = valid.sum(dtype=x.dtype)
@@ -280,7 +330,7 @@ class CrossEntropy(Function):
             scale = scale / xp.maximum(self.count, 1.0)
         rowscale = valid.astype(p.dtype)                            # ignored rows -> 0
         rowscale *= scale
-        p *= rowscale[:, None]                                      # softmax * g / count
+        for_blocks(lambda p, r: xp.multiply(p, r, out=p), p, rowscale[:, None])  # softmax * g / count
         p[xp.arange(self.t.size), self.t] -= rowscale               # - onehot * g / count
         return p.reshape(self.shape), None
 

@@ -17,32 +17,28 @@ the shard that belong to decayed parameters, exactly as AdamW applies it per par
 * Stage 3: the parameters themselves are sharded. Groups follow the model's *units*: for a model
   with the ``embed`` / ``h`` / ``head`` interface of :mod:`models` the units are ``embed``, each
   block and ``head``, and a group is the set of parameters used by the same units (so GPT's tied
-  ``wte`` is its own group, gathered by both ``embed`` and ``head``). Each unit's call becomes a
-  :class:`_ZeroUnit` Function: its forward all-gathers the unit's groups into temporary full
-  arrays, runs the unit without recording a graph and frees them; its backward all-gathers them
-  again, recomputes the unit's forward with a graph (dropout replays the same masks), back-propagates
-  the incoming gradient, reduce-scatters (averages) the full parameter gradients, frees everything
-  and returns the owned gradient chunks as the gradients of the shard tensors (leaves, so the
-  engine accumulates micro-batches into the persistent gradient shard). Between units only the
-  unit inputs are kept: stage 3 implies activation recomputation per unit (one extra forward).
+  ``wte`` is its own group, gathered by both ``embed`` and ``head``). Each unit's call gathers
+  its groups, runs and frees them; its backward gathers them again, recomputes the unit (stage 3
+  implies activation recomputation per unit) and reduce-scatters the gradients into the shard
+  (:mod:`mpirt.parallel.zero3`).
   Outside a unit ``p.data`` is an empty placeholder. Persistent: 16N/dp.
 
-Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` hold this rank's shard only and must be
-loaded on the same dp size; gathering to a layout-independent full state is not implemented
-(:meth:`gather_parameters` gives the full weights, not the optimizer state).
+Checkpoints are layout-independent: :meth:`state_dict` gathers the shards into AdamW's format
+(full arrays per parameter), :meth:`load_state_dict` keeps this rank's shard of such a state, and
+``with opt.full_parameters():`` shows the model its full weights for ``model.state_dict()`` /
+``load_state_dict`` (stage 3). A checkpoint moves between AdamW and ZeRO at any stage and dp size.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 
-import numpy as np
-
 import mpirt.backend as B
 from mpirt.comm import chunk_bounds
-from mpirt.nn import Dropout, Module, Parameter
+from mpirt.nn import Module
 from mpirt.optim import adamw_update
-from mpirt.tensor import Function, Tensor, _grad_mode, no_grad
+from mpirt.parallel.zero3 import plan_units
+from mpirt.tensor import Tensor
 
 
 class _Group:
@@ -111,7 +107,7 @@ class ZeroOptimizer:
         self._broadcast_parameters()
 
         if stage == 3:
-            self.units, groups = self._plan_units(units)
+            self.units, groups = plan_units(self, units)
         else:
             groups = [self.params]
         self.groups = [_Group(g, self._shapes, self.rank, self.size) for g in groups]
@@ -179,55 +175,7 @@ class ZeroOptimizer:
                     v[...] = p.grad
             p.grad = v
 
-    # --- stage 3: units, groups and the sharded parameters -------------------------------------
-    def _plan_units(self, units):
-        """The units whose calls gather parameters, and the parameter groups (one per set of
-        units that use the same parameters)."""
-        model = self.model
-        if units is None:
-            if not all(hasattr(model, a) for a in ("embed", "h", "head")):
-                raise ValueError("ZeroOptimizer stage 3: the model has no embed/h/head interface; "
-                                 "pass units=[(object, method_name), ...]")
-            units = [(model, "embed")] + [(blk, "forward") for blk in model.h] + [(model, "head")]
-        used = self._discover_unit_params(units)
-        param_ids = {id(p) for p in self.params}
-        signature = {}
-        for k, ps in enumerate(used):
-            for p in ps:
-                if id(p) in param_ids:
-                    signature.setdefault(id(p), []).append(k)
-        groups, by_sig = [], {}
-        for p in self.params:  # registration order within a group; groups in first-use order
-            sig = tuple(signature.get(id(p), ()))
-            if sig not in by_sig:
-                by_sig[sig] = []
-                groups.append((sig, by_sig[sig]))
-            by_sig[sig].append(p)
-        groups.sort(key=lambda sg: sg[0][0] if sg[0] else len(units))
-        plan = []
-        for k, (obj, name) in enumerate(units):
-            member = [i for i, (sig, _) in enumerate(groups) if k in sig]
-            plan.append(_Unit(self, obj, name, member))
-        return plan, [ps for _, ps in groups]
-
-    def _discover_unit_params(self, units) -> list[list]:
-        """Run the units once on a 1x1 token batch to see which parameters each one uses."""
-        if len(units) == 1:
-            return [self.params]
-        if [name for _, name in units][:1] != ["embed"]:
-            raise ValueError("ZeroOptimizer stage 3: pass units whose first is the model's embed "
-                             "(parameter discovery runs embed -> ... -> head on one token)")
-        saved = _dropout_state(self.model)
-        used, x = [], B.xp.zeros((1, 1), dtype=np.int64)
-        with _grad_mode(True):
-            for k, (obj, name) in enumerate(units):
-                inp = x if k == 0 else Tensor(x, requires_grad=True)
-                out = getattr(obj, name)(inp)
-                used.append(_graph_parameters(out))
-                x = out.data
-        _restore_dropouts(saved)
-        return used
-
+    # --- stage 3: the sharded parameters (units: mpirt.parallel.zero3) ------------------------
     def _shard_parameters(self) -> None:
         xp = B.xp
         self.param_shard = xp.empty(self.shard_numel, dtype=self.dtype)
@@ -243,28 +191,6 @@ class ZeroOptimizer:
             p.data, p.grad = self._placeholder, None
         for unit in self.units:
             unit.install()
-
-    @contextlib.contextmanager
-    def _gathered(self, group_ids, with_grads: bool = False):
-        """Full parameters of the given groups as temporary arrays behind ``p.data`` (and zeroed
-        full gradient buffers behind ``p.grad``); yields {group index: full gradient buffer}."""
-        grads = {}
-        try:
-            for i in group_ids:
-                g = self.groups[i]
-                B.synchronize()
-                full = self.comm.allgather_flat(g.shard.data, g.numel)
-                for p, v in zip(g.params, g.views(full)):
-                    p.data = v
-                if with_grads:
-                    grads[i] = B.xp.zeros(g.numel, dtype=self.dtype)
-                    for p, v in zip(g.params, g.views(grads[i])):
-                        p.grad = v
-            yield grads
-        finally:
-            for i in group_ids:
-                for p in self.groups[i].params:
-                    p.data, p.grad = self._placeholder, None
 
     def owned_segments(self) -> list[tuple]:
         """Which elements this rank owns: ``(param, start, stop, shard_start)`` means elements
@@ -365,8 +291,7 @@ class ZeroOptimizer:
                      lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=0.0)
         if self.stage < 3:
             B.synchronize()
-            # the chunk may not alias the output (MPI forbids it): send a copy of the shard
-            self.comm.allgather_flat(self.param_shard.copy(), self.groups[0].numel, out=self.flat_param)
+            self.comm.allgather_flat(self.param_shard, self.groups[0].numel, out=self.flat_param)  # in place
         else:
             self.grad_shard.fill(0)  # consumed: the next backward accumulates from zero
         self._reduced = False
@@ -379,107 +304,85 @@ class ZeroOptimizer:
         return {"params": int(params), "grads": int(grads),
                 "optimizer": int(self.exp_avg.nbytes + self.exp_avg_sq.nbytes)}
 
-    def _layout(self) -> dict:
-        return {"stage": self.stage, "dp_size": self.size, "dp_rank": self.rank,
-                "numel": self.numel, "shard_numel": self.shard_numel}
+    _STATES = ("exp_avg", "exp_avg_sq")
+    _HYPER = ("beta1", "beta2", "eps", "weight_decay")
 
     def state_dict(self) -> dict:
-        """This rank's shard: step, hyperparameters, layout and host copies of the state arrays
-        (stage 3: also the parameter shard). Load it on the same dp size and rank."""
-        d = {"type": type(self).__name__, "step": self.step_count, "lr": self.lr, "beta1": self.beta1,
-             "beta2": self.beta2, "eps": self.eps, "weight_decay": self.weight_decay, **self._layout(),
-             "exp_avg": B.to_host(self.exp_avg).copy(), "exp_avg_sq": B.to_host(self.exp_avg_sq).copy()}
-        if self.stage == 3:
-            d["param_shard"] = B.to_host(self.param_shard).copy()
+        """The state in :meth:`mpirt.optim.AdamW.state_dict`'s format, whatever the stage and dp size:
+        ``{"type": "AdamW", "step", "lr", "beta1", "beta2", "eps", "weight_decay",
+        "<param name>.exp_avg", "<param name>.exp_avg_sq"}`` with full host arrays of each parameter's
+        global shape, gathered from the shards. Collective over the dp comm: every rank must call
+        it, and every rank gets the whole dict. It loads into AdamW or into ZeRO at any stage and dp
+        size. The model's weights are not in it (see :meth:`full_parameters`)."""
+        d = {"type": "AdamW", "step": self.step_count, "lr": self.lr,
+             **{k: getattr(self, k) for k in self._HYPER}}
+        full = {}
+        for state in self._STATES:
+            arr = getattr(self, state)
+            for g in self.groups:
+                B.synchronize()
+                flat = B.to_host(self.comm.allgather_flat(arr[g.shard_offset:g.shard_offset + g.hi - g.lo], g.numel))
+                for p, v in zip(g.params, g.views(flat)):
+                    full[f"{p.name}.{state}"] = v
+        d.update((f"{p.name}.{state}", full[f"{p.name}.{state}"]) for p in self.params for state in self._STATES)
         return d
 
     def load_state_dict(self, d: dict) -> None:
-        """Restore a :meth:`state_dict` of the same layout; everything is checked first."""
-        if d.get("type") != type(self).__name__:
-            raise ValueError(f"load_state_dict: state of a {d.get('type')!r}, this is a {type(self).__name__}")
-        for k, v in self._layout().items():
-            if d.get(k) != v:
-                raise ValueError(f"load_state_dict: {k} is {d.get(k)!r} in the state, {v!r} here "
-                                 "(resharding ZeRO state is not implemented)")
-        arrays = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        if self.stage == 3:
-            arrays["param_shard"] = self.param_shard
-        for k, a in arrays.items():
-            if k not in d or tuple(d[k].shape) != tuple(a.shape):
-                raise ValueError(f"load_state_dict: {k} missing or of shape "
-                                 f"{getattr(d.get(k), 'shape', None)}, expected {tuple(a.shape)}")
-        for k, a in arrays.items():
-            a[...] = B.asarray(d[k], dtype=a.dtype)
-        self.step_count, self.lr = int(d["step"]), float(d["lr"])
-        self.beta1, self.beta2 = float(d["beta1"]), float(d["beta2"])
-        self.eps, self.weight_decay = float(d["eps"]), float(d["weight_decay"])
+        """Restore a state in :meth:`state_dict`'s (AdamW's) format, saved at any stage and dp size:
+        this rank keeps its shard of each array. Names, shapes and scalars are all checked first;
+        errors name the key. Local (no communication); every rank must load the same dict."""
+        if d.get("type", "AdamW") != "AdamW":
+            raise ValueError(f"load_state_dict: state of a {d['type']} optimizer, ZeroOptimizer loads AdamW state")
+        want = {f"{p.name}.{k}": p for p in self.params for k in self._STATES}
+        given = {k for k, v in d.items() if hasattr(v, "shape")}
+        missing = sorted(set(want) - given) + [k for k in ("step", *self._HYPER) if k not in d]
+        unexpected = sorted(given - set(want))
+        if missing or unexpected:
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for k, p in want.items():
+            if tuple(d[k].shape) != self._shapes[id(p)]:
+                raise ValueError(f"load_state_dict: {k} has shape {tuple(d[k].shape)}, expected {self._shapes[id(p)]}")
+        for p, a, b, start in self.owned_segments():
+            for k in self._STATES:
+                getattr(self, k)[start:start + b - a] = B.asarray(d[f"{p.name}.{k}"].reshape(-1)[a:b], dtype=self.dtype)
+        self.step_count, self.lr = int(d["step"]), float(d.get("lr", self.lr))
+        for k in self._HYPER:
+            setattr(self, k, float(d[k]))
 
-
-class _Unit:
-    """One stage-3 unit: ``obj.<name>`` replaced by a call through :class:`_ZeroUnit`."""
-
-    def __init__(self, opt: ZeroOptimizer, obj, name: str, group_ids: list[int]):
-        self.opt, self.obj, self.name, self.group_ids = opt, obj, name, group_ids
-        self.original = getattr(obj, name)  # the bound method
-
-    def install(self) -> None:
-        def call(*args, **kwargs):
-            shards = [self.opt.groups[i].shard for i in self.group_ids]
-            return _ZeroUnit.apply(*args, *shards, unit=self, n_args=len(args),
-                                   tensor_args=tuple(isinstance(a, Tensor) for a in args), kwargs=kwargs)
-        object.__setattr__(self.obj, self.name, call)
-
-
-class _ZeroUnit(Function):
-    """Gather a unit's parameters, run it, free them; in backward gather, recompute, reduce-scatter."""
-
-    def forward(self, *arrays, unit, n_args, tensor_args, kwargs):
-        self.unit, self.kwargs, self.tensor_args = unit, kwargs, tensor_args
-        self.args = arrays[:n_args]
-        self.dropouts = _dropout_state(unit.opt.model)
-        with unit.opt._gathered(unit.group_ids), no_grad():
-            out = unit.original(*[Tensor(a) if t else a for a, t in zip(self.args, tensor_args)], **kwargs)
-        if not isinstance(out, Tensor):
-            raise TypeError(f"ZeRO-3 unit {unit.name}: must return one Tensor, got {type(out).__name__}")
-        return out.data
-
-    def backward(self, grad):
-        unit, opt = self.unit, self.unit.opt
-        after = _dropout_state(opt.model)
-        _restore_dropouts(self.dropouts)  # replay the forward's dropout masks
-        ins = [Tensor(a, requires_grad=need) if t else a
-               for a, t, need in zip(self.args, self.tensor_args, self.needs_input_grad)]
-        with opt._gathered(unit.group_ids, with_grads=True) as full_grads:
-            with _grad_mode(True):
-                out = unit.original(*ins, **self.kwargs)
-            out.backward(grad)
-            B.synchronize()
-            shard_grads = [opt.comm.reduce_scatter(full_grads[i], op="avg") for i in unit.group_ids]
-        _restore_dropouts(after)
-        arg_grads = [x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in ins]
-        return (*arg_grads, *shard_grads)
-
-
-def _graph_parameters(out: Tensor) -> list:
-    """The Parameters that are leaves of the graph ending at ``out``."""
-    found, seen, stack = [], set(), [out._ctx] if out._ctx is not None else []
-    while stack:
-        fn = stack.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        for x in fn.inputs:
-            if isinstance(x, Parameter) and id(x) not in {id(q) for q in found}:
-                found.append(x)
-            elif isinstance(x, Tensor) and x._ctx is not None:
-                stack.append(x._ctx)
-    return found
-
-
-def _dropout_state(model) -> list:
-    return [(m, m.calls) for _, m in model.named_modules() if isinstance(m, Dropout)]
-
-
-def _restore_dropouts(state) -> None:
-    for m, calls in state:
-        m.calls = calls
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Context: inside, every ``p.data`` is the full parameter, so ``model.state_dict()``,
+        ``model.load_state_dict()``, :func:`mpirt.checkpoint.save_checkpoint` and
+        :func:`~mpirt.checkpoint.load_checkpoint` work as without ZeRO. On exit the values in
+        ``p.data`` (written in place, or rebound to an array of the same shape) become the
+        parameters: stage 3 keeps this rank's chunk and releases the full arrays, stages 1-2 copy a
+        rebound ``p.data`` back into the flat parameter vector. Collective at stage 3 (all-gather on
+        entry); every rank must write the same values. Do not run the model inside (stage-3 units
+        release the parameters they gather). On an exception nothing is written back at stage 3."""
+        if self.stage < 3:
+            try:
+                yield
+            finally:
+                g = self.groups[0]
+                for p, v in zip(g.params, g.views(self.flat_param)):
+                    if p.data.base is not self.flat_param or p.data.shape != v.shape:
+                        v[...] = p.data
+                        p.data = v
+            return
+        fulls = []
+        try:
+            for g in self.groups:
+                B.synchronize()
+                full = self.comm.allgather_flat(g.shard.data, g.numel)
+                fulls.append((g, full, g.views(full)))
+                for p, v in zip(g.params, fulls[-1][2]):
+                    p.data = v
+            yield
+            for g, full, views in fulls:
+                for p, v in zip(g.params, views):
+                    if p.data is not v:
+                        v[...] = p.data
+                self.param_shard[g.shard_offset:g.shard_offset + g.hi - g.lo] = full[g.lo:g.hi]
+        finally:
+            for p in self.params:
+                p.data, p.grad = self._placeholder, None

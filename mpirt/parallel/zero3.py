@@ -1,0 +1,165 @@
+"""ZeRO stage 3's unit machinery (used by :class:`mpirt.parallel.zero.ZeroOptimizer`).
+
+A *unit* is a method of the model (``embed``, each block's ``forward``, ``head``) whose call
+gathers the parameters it uses. :func:`plan_units` finds, by running the units once on one token,
+which parameters each unit uses, and groups the parameters by the set of units that use them
+(GPT's tied ``wte``, used by ``embed`` and ``head``, is its own group). :class:`_Unit` replaces the
+method by a call through :class:`_ZeroUnit`, a Function whose forward all-gathers the unit's
+groups, runs the unit without a graph and frees them, and whose backward all-gathers them again,
+recomputes the unit with a graph (dropout replays the forward's masks), back-propagates,
+reduce-scatters (averages) the full gradients and returns the owned chunks as the gradients of
+the shard tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+import mpirt.backend as B
+from mpirt.nn import Dropout, Parameter
+from mpirt.tensor import Function, Tensor, enable_grad, no_grad
+
+
+def plan_units(opt, units):
+    """The :class:`_Unit` list of ``opt`` (a stage-3 ZeroOptimizer) and its parameter groups (lists
+    of parameters, one per set of units that use the same parameters, in first-use order).
+    ``units``: a list of ``(object, method_name)``, or None for the model's embed / h / head."""
+    model = opt.model
+    if units is None:
+        if not all(hasattr(model, a) for a in ("embed", "h", "head")):
+            raise ValueError("ZeroOptimizer stage 3: the model has no embed/h/head interface; "
+                             "pass units=[(object, method_name), ...]")
+        units = [(model, "embed")] + [(blk, "forward") for blk in model.h] + [(model, "head")]
+    used = _discover_unit_params(opt, units)
+    param_ids = {id(p) for p in opt.params}
+    signature = {}
+    for k, ps in enumerate(used):
+        for p in ps:
+            if id(p) in param_ids:
+                signature.setdefault(id(p), []).append(k)
+    groups, by_sig = [], {}
+    for p in opt.params:  # registration order within a group; groups in first-use order
+        sig = tuple(signature.get(id(p), ()))
+        if sig not in by_sig:
+            by_sig[sig] = []
+            groups.append((sig, by_sig[sig]))
+        by_sig[sig].append(p)
+    groups.sort(key=lambda sg: sg[0][0] if sg[0] else len(units))
+    plan = []
+    for k, (obj, name) in enumerate(units):
+        member = [i for i, (sig, _) in enumerate(groups) if k in sig]
+        plan.append(_Unit(opt, obj, name, member))
+    return plan, [ps for _, ps in groups]
+
+
+def _discover_unit_params(opt, units) -> list[list]:
+    """Run the units once on a 1x1 token batch to see which parameters each one uses."""
+    if len(units) == 1:
+        return [opt.params]
+    if [name for _, name in units][:1] != ["embed"]:
+        raise ValueError("ZeroOptimizer stage 3: pass units whose first is the model's embed "
+                         "(parameter discovery runs embed -> ... -> head on one token)")
+    saved = _dropout_state(opt.model)
+    used, x = [], B.xp.zeros((1, 1), dtype=np.int64)
+    with enable_grad():
+        for k, (obj, name) in enumerate(units):
+            inp = x if k == 0 else Tensor(x, requires_grad=True)
+            out = getattr(obj, name)(inp)
+            used.append(_graph_parameters(out))
+            x = out.data
+    _restore_dropouts(saved)
+    return used
+
+
+@contextlib.contextmanager
+def gathered(opt, group_ids, with_grads: bool = False):
+    """Full parameters of ``opt``'s given groups as temporary arrays behind ``p.data`` (and zeroed
+    full gradient buffers behind ``p.grad``); yields {group index: full gradient buffer}."""
+    grads = {}
+    try:
+        for i in group_ids:
+            g = opt.groups[i]
+            B.synchronize()
+            full = opt.comm.allgather_flat(g.shard.data, g.numel)
+            for p, v in zip(g.params, g.views(full)):
+                p.data = v
+            if with_grads:
+                grads[i] = B.xp.zeros(g.numel, dtype=opt.dtype)
+                for p, v in zip(g.params, g.views(grads[i])):
+                    p.grad = v
+        yield grads
+    finally:
+        for i in group_ids:
+            for p in opt.groups[i].params:
+                p.data, p.grad = opt._placeholder, None
+
+
+class _Unit:
+    """One stage-3 unit: ``obj.<name>`` replaced by a call through :class:`_ZeroUnit`."""
+
+    def __init__(self, opt, obj, name: str, group_ids: list[int]):
+        self.opt, self.obj, self.name, self.group_ids = opt, obj, name, group_ids
+        self.original = getattr(obj, name)  # the bound method
+
+    def install(self) -> None:
+        def call(*args, **kwargs):
+            shards = [self.opt.groups[i].shard for i in self.group_ids]
+            return _ZeroUnit.apply(*args, *shards, unit=self, n_args=len(args),
+                                   tensor_args=tuple(isinstance(a, Tensor) for a in args), kwargs=kwargs)
+        object.__setattr__(self.obj, self.name, call)
+
+
+class _ZeroUnit(Function):
+    """Gather a unit's parameters, run it, free them; in backward gather, recompute, reduce-scatter."""
+
+    def forward(self, *arrays, unit, n_args, tensor_args, kwargs):
+        self.unit, self.kwargs, self.tensor_args = unit, kwargs, tensor_args
+        self.args = arrays[:n_args]
+        self.dropouts = _dropout_state(unit.opt.model)
+        with gathered(unit.opt, unit.group_ids), no_grad():
+            out = unit.original(*[Tensor(a) if t else a for a, t in zip(self.args, tensor_args)], **kwargs)
+        if not isinstance(out, Tensor):
+            raise TypeError(f"ZeRO-3 unit {unit.name}: must return one Tensor, got {type(out).__name__}")
+        return out.data
+
+    def backward(self, grad):
+        unit, opt = self.unit, self.unit.opt
+        after = _dropout_state(opt.model)
+        _restore_dropouts(self.dropouts)  # replay the forward's dropout masks
+        ins = [Tensor(a, requires_grad=need) if t else a
+               for a, t, need in zip(self.args, self.tensor_args, self.needs_input_grad)]
+        with gathered(opt, unit.group_ids, with_grads=True) as full_grads:
+            with enable_grad():
+                out = unit.original(*ins, **self.kwargs)
+            out.backward(grad)
+            B.synchronize()
+            shard_grads = [opt.comm.reduce_scatter(full_grads[i], op="avg") for i in unit.group_ids]
+        _restore_dropouts(after)
+        arg_grads = [x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in ins]
+        return (*arg_grads, *shard_grads)
+
+
+def _graph_parameters(out: Tensor) -> list:
+    """The Parameters that are leaves of the graph ending at ``out``."""
+    found, seen, stack = [], set(), [out._ctx] if out._ctx is not None else []
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for x in fn.inputs:
+            if isinstance(x, Parameter) and id(x) not in {id(q) for q in found}:
+                found.append(x)
+            elif isinstance(x, Tensor) and x._ctx is not None:
+                stack.append(x._ctx)
+    return found
+
+
+def _dropout_state(model) -> list:
+    return [(m, m.calls) for _, m in model.named_modules() if isinstance(m, Dropout)]
+
+
+def _restore_dropouts(state) -> None:
+    for m, calls in state:
+        m.calls = calls
