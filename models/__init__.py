@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+from models import gpt, mlp
 from models.config import GPTConfig
 from models.gpt import GPT
 from models.mlp import MLP
@@ -23,4 +24,18 @@ def build_model(cfg: GPTConfig, dtype="float32", seed: int | None = None):
     return cls(cfg, dtype=dtype, seed=seed)
 
 
-__all__ = ["GPT", "MLP", "GPTConfig", "MODELS", "build_model"]
+def _module(cfg: GPTConfig):
+    return {"gpt2": gpt, "mlp": mlp}[cfg.model_type]
+
+
+def num_parameters(cfg: GPTConfig) -> int:
+    """Parameters of the full model (tied weights once), computed from the config alone."""
+    return _module(cfg).num_parameters(cfg)
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token of the full model (for MFU), computed from the config alone."""
+    return _module(cfg).flops_per_token(cfg, seq_len)
+
+
+__all__ = ["GPT", "MLP", "GPTConfig", "MODELS", "build_model", "num_parameters", "flops_per_token"]

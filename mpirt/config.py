@@ -80,6 +80,7 @@ class TrainConfig:
     sequence_parallel: bool = _opt(False, "with tp > 1: split LayerNorm/dropout regions along the sequence")
     zero: int = _opt(0, "ZeRO stage 0-3 (shard optimizer state / gradients / parameters)")
     microbatches: int = _opt(0, "pipeline microbatches per step; 0 = derive from pp")
+    chunks: int = _opt(2, "virtual pipeline stages per rank for the interleaved schedule")
     schedule: str = _opt("1f1b", "pipeline schedule: " + "|".join(SCHEDULES))
     model_overrides: dict = field(default_factory=dict, metadata={
         "help": "GPTConfig fields overriding the model, from [model] / --model.<field>=value"})
@@ -120,6 +121,7 @@ class TrainConfig:
         need("pp", self.pp >= 1, ">= 1")
         need("zero", 0 <= self.zero <= 3, "in 0..3")
         need("microbatches", self.microbatches >= 0, ">= 0")
+        need("chunks", self.chunks >= 1, ">= 1")
         need("schedule", self.schedule in SCHEDULES, "one of " + ", ".join(SCHEDULES))
         check_model_values(self.model_overrides, prefix="model.")
 

@@ -7,7 +7,6 @@ Everything that can be refused is refused before the first collective, naming th
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -19,18 +18,15 @@ import mpirt.backend as B
 from mpirt import comm
 from mpirt.checkpoint import is_checkpoint, load_state, read_checkpoint_meta, save_state
 from mpirt.config import ConfigError, parse_args
-from mpirt.data import TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches, \
-    split_microbatches
+from mpirt.data import TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.distributed import init_distributed
 from mpirt.grid import Grid, check_layout, resolve_dp
 from mpirt.monitor import Metrics, Progress, measure_peak_flops
-from mpirt.optim import AdamW, clip_grad_norm, cosine_lr
+from mpirt.optim import cosine_lr
 from mpirt.parallel import tensor as TP
-from mpirt.parallel.data import DataParallel
-from mpirt.parallel.state import gather_state, scatter_state
-from mpirt.parallel.zero import ZeroOptimizer
-from mpirt.tensor import no_grad
-from models import build_model
+from mpirt.parallel.engine import build_engine
+from mpirt.parallel.schedules import check_shape
+from models import flops_per_token, num_parameters
 from models.config import GPTConfig
 from models.hf import load_hf_gpt2
 from models.presets import load_model_config
@@ -43,10 +39,20 @@ def plan_layout(cfg, world_size: int) -> dict:
         check_layout(dp, cfg.pp, cfg.tp, world_size)
     except ValueError as err:
         raise ConfigError(f"dp/pp/tp: {err}") from None
+    if cfg.zero and (cfg.tp > 1 or cfg.pp > 1):
+        raise ConfigError(f"zero: ZeRO (zero={cfg.zero}) is for pure data parallelism; got tp={cfg.tp}, pp={cfg.pp}")
     if cfg.pp > 1:
-        raise ConfigError(f"pp: pipeline parallelism (pp={cfg.pp}) is not available yet")
-    if cfg.zero and cfg.tp > 1:
-        raise ConfigError(f"zero: ZeRO (zero={cfg.zero}) together with tp={cfg.tp} is not supported yet")
+        if cfg.grad_accum > 1:
+            raise ConfigError(f"grad_accum: with pp={cfg.pp} the pipeline's micro-batches replace gradient "
+                              f"accumulation; use --microbatches instead of --grad-accum={cfg.grad_accum}")
+        m = cfg.microbatches or cfg.pp
+        if (cfg.batch_size // dp) % m:
+            raise ConfigError(f"microbatches: the {cfg.batch_size // dp} rows per data-parallel replica "
+                              f"(batch_size {cfg.batch_size} / dp {dp}) do not split into {m} micro-batches")
+        try:
+            check_shape(cfg.schedule, cfg.pp, m, cfg.chunks if cfg.schedule == "interleaved" else 1)
+        except ValueError as err:
+            raise ConfigError(f"schedule: {err}") from None
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("sequence_parallel: needs tp > 1")
     if cfg.batch_size % (dp * cfg.grad_accum):
@@ -76,6 +82,9 @@ def check_fit(cfg, model_cfg: GPTConfig, data: TokenDataset, layout: dict) -> No
     if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"data: vocabulary {data.vocab_size} of {data.directory} exceeds the model's "
                           f"vocab_size {model_cfg.vocab_size}")
+    stages = layout["pp"] * (cfg.chunks if cfg.schedule == "interleaved" else 1)
+    if layout["pp"] > 1 and model_cfg.n_layer < stages:
+        raise ConfigError(f"pp: n_layer={model_cfg.n_layer} cannot fill pp x chunks = {stages} pipeline stages")
     if layout["tp"] > 1:
         try:
             TP.check_tp_layout(layout["tp"], n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
@@ -85,22 +94,19 @@ def check_fit(cfg, model_cfg: GPTConfig, data: TokenDataset, layout: dict) -> No
             raise ConfigError(f"tp: {err}") from None
 
 
-def evaluate(model, tokens, grid: Grid, *, batches: int, batch_size: int, seq_len: int) -> float:
+def evaluate(engine, tokens, grid, *, batches: int, batch_size: int, seq_len: int) -> float:
     """Mean loss over the first ``batches`` x ``batch_size`` consecutive windows of ``tokens``,
     each dp rank taking its rows of every batch; the same number on any layout."""
     available = num_eval_batches(tokens, batch_size, seq_len)
     if batches > available:
         raise ValueError(f"eval_batches: {batches} requested but the validation split holds only "
                          f"{available} batches of {batch_size} x {seq_len} tokens")
-    model.eval()
     total = 0.0
-    with no_grad():
-        for i in range(batches):
-            x, y = get_eval_batch(tokens, i, batch_size=batch_size, seq_len=seq_len,
-                                  dp_rank=grid.coords["dp"], dp_size=grid.sizes["dp"])
-            total += model(B.asarray(x), B.asarray(y))[1].item()
-    model.train()
-    return grid.comm["dp"].allreduce_scalar(total / batches, "avg")
+    for i in range(batches):
+        x, y = get_eval_batch(tokens, i, batch_size=batch_size, seq_len=seq_len,
+                              dp_rank=grid.coords["dp"], dp_size=grid.sizes["dp"])
+        total += engine.evaluate(x, y)
+    return total / batches
 
 
 def main(argv=None) -> dict:
@@ -119,35 +125,23 @@ def main(argv=None) -> dict:
 
     ctx = init_distributed(cfg.seed, cfg.backend, config=cfg.to_dict())  # all ranks: same config
     grid = Grid(layout["dp"], layout["pp"], layout["tp"])
-    dp, tp = grid.sizes["dp"], grid.sizes["tp"]
-    tp_comm = grid.comm["tp"]
+    dp = grid.sizes["dp"]
     is_main = ctx.rank == 0
     out = Path(cfg.out_dir)
 
-    # Model: every layout starts from the same weights (full tensors from the seed, then sliced).
-    model = build_model(model_cfg, dtype=cfg.dtype, seed=cfg.seed if tp == 1 else None)
-    if tp > 1:
-        TP.parallelize(model, tp_comm, sequence_parallel=cfg.sequence_parallel, seed=cfg.seed)
-    TP.reseed_dropouts(model, ctx.rank_seed(f"dropout-dp{grid.coords['dp']}", rank=0), grid.coords["tp"],
-                       cfg.sequence_parallel)
-    betas = (cfg.beta1, cfg.beta2)
-    if cfg.zero:
-        ddp, optimizer = None, ZeroOptimizer(model, grid.comm["dp"], stage=cfg.zero, lr=cfg.lr, betas=betas,
-                                             weight_decay=cfg.weight_decay)
-    else:
-        ddp = DataParallel(model, grid.comm["dp"]) if dp > 1 else None
-        optimizer = AdamW(model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+    engine = build_engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed(f"dropout-dp{grid.coords['dp']}", rank=0))
+    optimizer = engine.optimizer
     start_step = 0
     if hf_weights is not None:
-        scatter_state(model, optimizer, hf_weights, None, tp_comm)
+        engine.load_full_state(hf_weights, None)
     if resume:
         meta, weights, state = load_state(cfg.init_from)
-        scatter_state(model, optimizer, weights, state, tp_comm)
+        engine.load_full_state(weights, state)
         start_step = meta["step"]
-    summary_layout = {"dp": dp, "tp": tp, "pp": grid.sizes["pp"]}
+    summary_layout = dict(grid.sizes)
 
     def eval_loss() -> float:
-        return evaluate(model, data.val, grid, batches=cfg.eval_batches, batch_size=cfg.batch_size,
+        return evaluate(engine, data.val, grid, batches=cfg.eval_batches, batch_size=cfg.batch_size,
                         seq_len=cfg.seq_len)
 
     if cfg.eval_only:
@@ -160,14 +154,14 @@ def main(argv=None) -> dict:
         return {"val_loss": val_loss}
 
     def save(step: int) -> None:  # collective: gathers full tensors, rank 0 writes
-        weights, state = gather_state(model, optimizer, tp_comm)
+        weights, state = engine.full_state()
         if is_main:
             save_state(out / "ckpt", weights, state, step=step, config=cfg.to_dict(),
                        extra={"model_config": dataclasses.asdict(model_cfg), "data": str(data.directory),
                               "layout": summary_layout})
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    flops_per_step = model.flops_per_token(cfg.seq_len) * tokens_per_step
+    flops_per_step = flops_per_token(model_cfg, cfg.seq_len) * tokens_per_step
     peak = measure_peak_flops(cfg.dtype) * ctx.size
     metrics = Metrics(out / "metrics" / f"rank{ctx.rank}.jsonl")
     progress = Progress(cfg.steps, start_step, enabled=is_main and cfg.progress)
@@ -177,30 +171,11 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         optimizer.lr = cosine_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=min(cfg.warmup_steps, cfg.steps),
                                  total_steps=cfg.steps)
-        optimizer.zero_grad()
         x, y = get_batch(data.train, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                          dp_rank=grid.coords["dp"], dp_size=dp)
-        micro = split_microbatches(x, y, cfg.grad_accum)
-        loss_sum = 0.0
-        for i, (xm, ym) in enumerate(micro):
-            # gradients of all but the last micro-batch only accumulate locally
-            with ddp.no_sync() if ddp and i < len(micro) - 1 else contextlib.nullcontext():
-                _, loss = model(B.asarray(xm), B.asarray(ym))
-                (loss * (1.0 / cfg.grad_accum)).backward()
-            loss_sum += loss.item()
-        if ddp:
-            ddp.finish()
-        TP.sync_sequence_parallel_grads(model, tp_comm)
-        grad_norm = None
-        if cfg.grad_clip > 0:
-            if cfg.zero:
-                grad_norm = optimizer.clip_grad_norm(cfg.grad_clip)
-            elif tp > 1:
-                grad_norm = TP.clip_grad_norm(model.parameters(), cfg.grad_clip, {"tp": tp_comm})
-            else:
-                grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
+        loss_value = engine.train_step(x, y)
+        grad_norm = engine.clip(cfg.grad_clip) if cfg.grad_clip > 0 else None
         optimizer.step()
-        loss_value = grid.comm["dp"].allreduce_scalar(loss_sum / cfg.grad_accum, "avg")
         B.synchronize()
         dt = time.perf_counter() - t0
         record = {"step": step + 1, "loss": loss_value, "lr": optimizer.lr, "grad_norm": grad_norm,
@@ -219,8 +194,7 @@ def main(argv=None) -> dict:
             save(step + 1)
     progress.close()
     metrics.close()
-    if ddp:
-        ddp.close()
+    engine.close()
 
     summary = {
         "steps": end_step,
@@ -233,7 +207,7 @@ def main(argv=None) -> dict:
         "peak_flops": peak,
         "world_size": ctx.size,
         "layout": summary_layout,
-        "num_parameters": model.num_parameters(),
+        "num_parameters": num_parameters(model_cfg),
     }
     if is_main:
         _write_summary(out, summary)

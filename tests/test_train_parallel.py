@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from conftest import run_module
 
-TINY = ["--model.n_layer=2", "--model.n_embd=32", "--model.n_head=4", "--model.n_positions=32",
+TINY = ["--model.n_layer=4", "--model.n_embd=32", "--model.n_head=4", "--model.n_positions=32",
         "--seq-len=16", "--batch-size=8", "--eval-batches=2", "--eval-interval=0", "--progress=false",
         "--steps=5", "--warmup-steps=2", "--dtype=float64"]
 
@@ -39,6 +39,13 @@ def reference(tiny_data, tmp_path_factory):
     (2, ["--tp=2"]),
     (2, ["--tp=2", "--sequence-parallel"]),
     (4, ["--dp=2", "--tp=2"]),
+    (2, ["--pp=2"]),
+    (2, ["--pp=2", "--schedule=gpipe", "--microbatches=4"]),
+    (2, ["--pp=2", "--schedule=interleaved", "--microbatches=4"]),
+    (2, ["--pp=2", "--schedule=zb", "--microbatches=4"]),
+    (4, ["--pp=4", "--schedule=1f1b", "--microbatches=4"]),
+    (4, ["--pp=2", "--dp=2"]),
+    (4, ["--pp=2", "--tp=2", "--sequence-parallel"]),
 ], ids=lambda v: v if isinstance(v, int) else " ".join(v))
 def test_parallel_layout_matches_single_rank(tiny_data, tmp_path, reference, ranks, layout):
     losses, summary, weights = run(tiny_data, tmp_path, *layout, ranks=ranks)
@@ -52,12 +59,14 @@ def test_parallel_layout_matches_single_rank(tiny_data, tmp_path, reference, ran
         np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
-def test_checkpoint_saved_on_one_layout_resumes_on_another(tiny_data, tmp_path, reference):
-    """Stop a tp=2 run after 3 steps, resume it with dp=2 ZeRO-2: the curve is the single-rank one."""
+@pytest.mark.parametrize("first, then", [(["--tp=2"], ["--dp=2", "--zero=2"]), (["--pp=2"], ["--tp=2"])],
+                         ids=["tp2-then-zero2", "pp2-then-tp2"])
+def test_checkpoint_saved_on_one_layout_resumes_on_another(tiny_data, tmp_path, reference, first, then):
+    """Stop a run after 3 steps, resume it on another layout: the curve is the single-rank one."""
     out = tmp_path / "run"
-    run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={out}", "--tp=2", "--stop-after=3",
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={out}", *first, "--stop-after=3",
                ranks=2)
-    losses, _, _ = run(tiny_data, out, "--dp=2", "--zero=2", f"--init-from={out / 'ckpt'}", ranks=2)
+    losses, _, _ = run(tiny_data, out, *then, f"--init-from={out / 'ckpt'}", ranks=2)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-10)
 
 
@@ -65,6 +74,9 @@ def test_checkpoint_saved_on_one_layout_resumes_on_another(tiny_data, tmp_path, 
     (["--dp=1", "--tp=3"], "dp(1)*pp(1)*tp(3)=3 != world size 2"),
     (["--batch-size=6", "--grad-accum=2"], "batch_size"),
     (["--tp=2", "--model.n_head=1"], "tp"),
+    (["--pp=2", "--grad-accum=2"], "grad_accum"),
+    (["--pp=2", "--microbatches=3"], "microbatches"),
+    (["--pp=2", "--schedule=interleaved", "--model.n_layer=2"], "n_layer=2"),
 ])
 def test_impossible_layouts_are_refused_before_training(tiny_data, tmp_path, layout, message):
     result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={tmp_path}", *layout, ranks=2,

@@ -14,11 +14,12 @@ from mpi4py import MPI
 
 from mpirt import comm as C
 from mpirt import Tensor, enable_grad, is_grad_enabled
-from mpirt.checkpoint import load_checkpoint, save_checkpoint
+from mpirt.checkpoint import load_checkpoint, load_state, save_checkpoint, save_state
 from mpirt.comm import Comm, chunk_bounds
 from mpirt.data import split_microbatches
 from mpirt.optim import AdamW
 from mpirt.parallel.data import DataParallel
+from mpirt.parallel.state import gather_state, scatter_state
 from mpirt.parallel.zero import ZeroOptimizer
 from mpirt.tensor import no_grad
 from models import GPTConfig
@@ -198,25 +199,6 @@ def test_memory_per_rank_matches_the_zero_formula(stage):
 
 
 # --- checkpoints -------------------------------------------------------------------------------
-class AdamWState:
-    """What save_checkpoint / load_checkpoint are given for a ZeroOptimizer: the state gathered
-    beforehand on every rank (state_dict is collective, the save runs on rank 0 only) and loads
-    forwarded. Named AdamW because the checkpoint records and checks the optimizer's class name,
-    and ZeRO's state is AdamW's."""
-
-    def __init__(self, state=None, target=None):
-        self.state, self.target = state, target
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, d):
-        self.target.load_state_dict(d)
-
-
-AdamWState.__name__ = "AdamW"
-
-
 @contextlib.contextmanager
 def shared_dir():
     """A directory made by rank 0, known to every rank, removed at the end."""
@@ -230,18 +212,20 @@ def shared_dir():
 
 
 def save_zero(root, opt, model, step):
-    """Save a ZeRO run's checkpoint: gather on every rank, write on rank 0."""
-    state = opt.state_dict()
-    with opt.full_parameters():
-        if MPI.COMM_WORLD.rank == 0:
-            save_checkpoint(root, model, AdamWState(state), step=step, config={})
+    """Save a ZeRO run's checkpoint: gather the full weights and optimizer state on every rank
+    (collective), write them on rank 0."""
+    weights, state = gather_state(model, opt)
+    if MPI.COMM_WORLD.rank == 0:
+        save_state(root, weights, state, step=step, config={},
+                   specs={n: p.spec.dims for n, p in model.named_parameters()})
     MPI.COMM_WORLD.Barrier()
 
 
 def load_zero(root):
+    """``zero_run`` setup: read the full checkpoint on every rank and load this rank's shards."""
     def setup(opt, model):
-        with opt.full_parameters():
-            load_checkpoint(root, model, AdamWState(target=opt))
+        _, weights, state = load_state(root)
+        scatter_state(model, opt, weights, state)
     return setup
 
 

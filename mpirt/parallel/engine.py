@@ -1,0 +1,144 @@
+"""Training engines: one optimizer step of a model laid out on a dp x pp x tp grid.
+
+The training script talks to one interface whatever the layout:
+
+    engine.train_step(x, y) -> float     # forward/backward of this dp replica's rows, grads synced
+    engine.clip(max_norm)   -> float     # global gradient norm (before clipping), over all shards
+    engine.optimizer.step()
+    engine.evaluate(x, y)   -> float     # mean loss of the global batch, no gradients
+    engine.full_state() / engine.load_full_state(weights, state)   # layout-independent tensors
+
+:class:`ShardedEngine` runs dp x tp (data parallelism or ZeRO 1-3, tensor/sequence parallelism)
+on one model object; :class:`PipelineEngine` runs a pipeline stage (with dp and tp inside it).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import mpirt.backend as B
+from mpirt.data import split_microbatches
+from mpirt.optim import AdamW, clip_grad_norm
+from mpirt.parallel import tensor as TP
+from mpirt.parallel.data import DataParallel
+from mpirt.parallel.pipeline import PipelineStage
+from mpirt.parallel.state import gather_state, scatter_state
+from mpirt.parallel.zero import ZeroOptimizer
+from mpirt.tensor import no_grad
+from models import build_model
+
+
+class ShardedEngine:
+    """One model replica per dp rank (ZeRO shards it over dp), tensor parallel over tp."""
+
+    def __init__(self, cfg, model_cfg, grid, dropout_seed: int):
+        self.grid, self.cfg = grid, cfg
+        self.tp_comm, self.dp_comm = grid.comm["tp"], grid.comm["dp"]
+        tp = grid.sizes["tp"]
+        # every layout starts from the same weights: full tensors from the seed, then sliced
+        self.model = build_model(model_cfg, dtype=cfg.dtype, seed=cfg.seed if tp == 1 else None)
+        if tp > 1:
+            TP.parallelize(self.model, self.tp_comm, sequence_parallel=cfg.sequence_parallel, seed=cfg.seed)
+        TP.reseed_dropouts(self.model, dropout_seed, grid.coords["tp"], cfg.sequence_parallel)
+        betas = (cfg.beta1, cfg.beta2)
+        self.ddp = None
+        if cfg.zero:
+            self.optimizer = ZeroOptimizer(self.model, self.dp_comm, stage=cfg.zero, lr=cfg.lr, betas=betas,
+                                           weight_decay=cfg.weight_decay)
+        else:
+            if grid.sizes["dp"] > 1:
+                self.ddp = DataParallel(self.model, self.dp_comm)
+            self.optimizer = AdamW(self.model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+
+    def train_step(self, x, y) -> float:
+        """Forward and backward over ``grad_accum`` micro-batches of the rows (x, y); returns the
+        mean loss of the global batch."""
+        self.optimizer.zero_grad()
+        k = self.cfg.grad_accum
+        loss_sum = 0.0
+        for i, (xm, ym) in enumerate(split_microbatches(x, y, k)):
+            # all but the last micro-batch only accumulate locally
+            with self.ddp.no_sync() if self.ddp and i < k - 1 else contextlib.nullcontext():
+                _, loss = self.model(B.asarray(xm), B.asarray(ym))
+                (loss * (1.0 / k)).backward()
+            loss_sum += loss.item()
+        if self.ddp:
+            self.ddp.finish()
+        TP.sync_sequence_parallel_grads(self.model, self.tp_comm)
+        return self.dp_comm.allreduce_scalar(loss_sum / k, "avg")
+
+    def clip(self, max_norm: float) -> float:
+        if self.cfg.zero:
+            return self.optimizer.clip_grad_norm(max_norm)
+        if self.tp_comm.size > 1:
+            return TP.clip_grad_norm(self.model.parameters(), max_norm, {"tp": self.tp_comm})
+        return clip_grad_norm(self.model.parameters(), max_norm)
+
+    def evaluate(self, x, y) -> float:
+        self.model.eval()
+        with no_grad():
+            loss = self.model(B.asarray(x), B.asarray(y))[1].item()
+        self.model.train()
+        return self.dp_comm.allreduce_scalar(loss, "avg")
+
+    def full_state(self) -> tuple[dict, dict]:
+        """Full weights and optimizer state, on every rank (collective)."""
+        return gather_state(self.model, self.optimizer, self.tp_comm)
+
+    def load_full_state(self, weights: dict, state: dict | None) -> None:
+        scatter_state(self.model, self.optimizer, weights, state, self.tp_comm)
+
+    def close(self) -> None:
+        if self.ddp:
+            self.ddp.close()
+
+
+class PipelineEngine:
+    """This rank's pipeline stage (a slice of the layers, tp inside it, averaged over dp)."""
+
+    def __init__(self, cfg, model_cfg, grid, dropout_seed: int):
+        self.grid, self.cfg = grid, cfg
+        self.tp_comm, self.pp_comm = grid.comm["tp"], grid.comm["pp"]
+        self.stage = PipelineStage(model_cfg, grid, schedule=cfg.schedule, microbatches=cfg.microbatches or None,
+                                   chunks=cfg.chunks if cfg.schedule == "interleaved" else 1, dtype=cfg.dtype,
+                                   seed=cfg.seed, seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
+        self.model = self.stage.model
+        TP.reseed_dropouts(self.model, dropout_seed, grid.coords["tp"], cfg.sequence_parallel)
+        self.optimizer = AdamW(self.stage.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                               weight_decay=cfg.weight_decay)
+
+    def train_step(self, x, y) -> float:
+        return self.stage.train_step(x, y)
+
+    def clip(self, max_norm: float) -> float:
+        return self.stage.clip_grad_norm(max_norm)
+
+    def evaluate(self, x, y) -> float:
+        return self.stage.evaluate(x, y)
+
+    def full_state(self) -> tuple[dict, dict]:
+        """Full weights and optimizer state of the whole model, on every rank (collective): each
+        stage gathers its tp shards, then the stages exchange their parts (the tied embedding,
+        held by the first and the last stage, is identical in both)."""
+        weights, state = gather_state(self.model, self.optimizer, self.tp_comm)
+        parts = self.pp_comm.allgather_object((weights, {k: v for k, v in state.items() if hasattr(v, "shape")}))
+        for w, s in parts:
+            weights.update(w)
+            state.update(s)
+        return weights, state
+
+    def load_full_state(self, weights: dict, state: dict | None) -> None:
+        """Load this stage's part of full tensors (names of the whole model)."""
+        names = {n for n, _ in self.model.named_parameters()}
+        weights = {n: a for n, a in weights.items() if n in names}
+        if state is not None:
+            state = {k: v for k, v in state.items() if not hasattr(v, "shape") or k.rsplit(".", 1)[0] in names}
+        scatter_state(self.model, self.optimizer, weights, state, self.tp_comm)
+
+    def close(self) -> None:
+        pass
+
+
+def build_engine(cfg, model_cfg, grid, dropout_seed: int):
+    """The engine for the grid: a pipeline when pp > 1, else one sharded model."""
+    cls = PipelineEngine if grid.sizes["pp"] > 1 else ShardedEngine
+    return cls(cfg, model_cfg, grid, dropout_seed)

@@ -1,0 +1,521 @@
+"""Pipeline schedules as data: generators, a pre-flight proof and the timeline picture.
+
+A schedule says, for every pipeline rank, the ordered list of :class:`Action` it runs in one
+training step::
+
+    F(mb, chunk)          forward of micro-batch ``mb`` through this rank's model chunk
+    B(mb, chunk)          backward; with a split backward (zero-bubble) only the input-gradient pass
+    W(mb, chunk)          the deferred weight-gradient pass (split schedules only)
+    send_act / recv_act   activations of (mb, chunk) to / from the next / previous virtual stage
+    send_grad / recv_grad gradients of (mb, chunk) to / from the next / previous virtual stage
+
+With ``v`` chunks per rank on ``p`` ranks there are ``S = p * v`` virtual stages; chunk ``c`` of
+rank ``r`` is virtual stage ``s = c * p + r`` (Megatron's interleaving), so activations leave
+rank ``r`` for rank ``(r + 1) % p`` and gradients for ``(r - 1) % p``.
+
+Generators (:func:`build`): ``gpipe`` (all F, then all B), ``1f1b`` (PipeDream-flush),
+``interleaved`` (Megatron's interleaved 1F1B, ``v >= 2``, ``m`` a multiple of ``p``) and ``zb-h1``
+(zero-bubble H1: B split into B and W, W deferred into the bubbles; at most ``p`` micro-batches in
+flight on any rank, the peak of 1F1B, which 1F1B reaches on its first stage). Each generator
+yields the compute order only;
+:func:`add_communication` inserts every recv right before the compute that needs it and every send
+right after the compute that produced it.
+
+:func:`simulate` runs all ranks' lists together: computes take their cost, sends never block,
+a receive blocks until the matching send has run, and messages are matched FIFO per
+(source, destination, kind), as MPI's non-overtaking rule matches them for one (source, tag). It
+proves (or refutes) that every send has its receive, that each receive gets the message it
+expects, and that the program cannot deadlock; on failure it names the first blocked action of
+every stuck rank. The same run gives the timeline (:func:`format_timeline`), the bubble fraction
+and the peak number of stashed activations, i.e. the performance model.
+
+Why the proof covers the executor: compute never blocks, sends are non-blocking (``isend``), each
+receive is waited on exactly where its ``recv`` action stands (posting it earlier, as the executor
+does, only makes the message available sooner), and MPI matches messages of one (source, tag) in
+order, which is the FIFO rule simulated here (one tag per kind).
+
+Pure Python: no MPI, no NumPy. ``python -m mpirt.schedule`` is the command line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+F, B, W = "F", "B", "W"
+SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
+COMPUTE = (F, B, W)
+COMM = (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved-1f1b": "interleaved",
+            "interleaved_1f1b": "interleaved", "zb-h1": "zb-h1", "zbh1": "zb-h1", "zb_h1": "zb-h1",
+            "zb": "zb-h1", "zero-bubble": "zb-h1"}
+
+
+class ScheduleError(ValueError):
+    """An impossible schedule request, or a schedule that fails the pre-flight check."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's program. ``peer`` is the other rank of a send/recv (-1 for compute)."""
+
+    op: str
+    mb: int
+    chunk: int = 0
+    peer: int = -1
+
+    @property
+    def kind(self) -> str:
+        """``"act"`` or ``"grad"`` for communication, else the op."""
+        return "act" if self.op in (SEND_ACT, RECV_ACT) else "grad" if self.op in (SEND_GRAD, RECV_GRAD) else self.op
+
+    @property
+    def is_send(self) -> bool:
+        return self.op in (SEND_ACT, SEND_GRAD)
+
+    @property
+    def is_recv(self) -> bool:
+        return self.op in (RECV_ACT, RECV_GRAD)
+
+    def label(self, chunks: int = 1) -> str:
+        """Short name for the timeline: ``F3`` (``F3.1`` for chunk 1 when chunks > 1)."""
+        return f"{self.op}{self.mb}" + (f".{self.chunk}" if chunks > 1 else "")
+
+    def describe(self, chunks: int = 1) -> str:
+        c = f" chunk={self.chunk}" if chunks > 1 else ""
+        if self.op in COMPUTE:
+            return f"{self.op} mb={self.mb}{c}"
+        verb, prep = ("send", "to") if self.is_send else ("recv", "from")
+        return f"{verb} {self.kind} mb={self.mb}{c} {prep} rank {self.peer}"
+
+    def __str__(self) -> str:
+        return self.describe(2 if self.chunk else 1)
+
+
+@dataclass
+class Schedule:
+    """Per-rank action lists plus the shape of the pipeline they were made for."""
+
+    name: str
+    pp: int
+    microbatches: int
+    chunks: int
+    actions: list
+    split_backward: bool = False
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks
+
+    def stage(self, rank: int, chunk: int) -> int:
+        """The virtual stage of ``chunk`` on ``rank``."""
+        return chunk * self.pp + rank
+
+    def compute(self, rank: int) -> list:
+        return [a for a in self.actions[rank] if a.op in COMPUTE]
+
+    def forward_only(self) -> "Schedule":
+        """The same forward order without backward: for evaluation."""
+        order = [[a for a in self.compute(r) if a.op == F] for r in range(self.pp)]
+        return Schedule(self.name + "/forward", self.pp, self.microbatches, self.chunks,
+                        add_communication(order, self.pp, self.chunks, backward=False), False)
+
+
+# ---------------------------------------------------------------------------------------------
+# generators (compute order only)
+
+def canonical_name(name: str) -> str:
+    try:
+        return _ALIASES[name.lower()]
+    except KeyError:
+        raise ScheduleError(f"schedule: unknown {name!r}; expected one of {', '.join(SCHEDULES)}") from None
+
+
+def check_shape(name: str, pp: int, microbatches: int, chunks: int = 1) -> None:
+    """Refuse a (schedule, p, m, v) combination the generator cannot serve, saying why."""
+    name = canonical_name(name)
+    for what, n in (("pp", pp), ("microbatches", microbatches), ("chunks", chunks)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ScheduleError(f"{what}: must be a positive integer, got {n!r}")
+    if name == "interleaved":
+        if chunks < 2:
+            raise ScheduleError(f"interleaved 1F1B needs chunks >= 2 model chunks per rank, got chunks={chunks} "
+                                "(with one chunk use 1f1b)")
+        if pp < 2:
+            raise ScheduleError("interleaved 1F1B needs pp >= 2")
+        if microbatches % pp:
+            lo, hi = (microbatches // pp) * pp, (microbatches // pp + 1) * pp
+            ok = f"{lo} or {hi}" if lo else f"{hi}"
+            raise ScheduleError(f"interleaved 1F1B needs microbatches to be a multiple of pp: microbatches="
+                                f"{microbatches}, pp={pp} (use {ok}, or the 1f1b / zb-h1 schedules, which "
+                                "take any number)")
+    elif chunks != 1:
+        raise ScheduleError(f"{name}: chunks={chunks}, but only the interleaved schedule runs several model "
+                            "chunks per rank")
+
+
+def gpipe_order(p: int, m: int) -> list:
+    """All forwards, then all backwards (micro-batch order): m activations stashed per stage."""
+    return [[Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)] for _ in range(p)]
+
+
+def one_f_one_b_order(p: int, m: int) -> list:
+    """1F1B: ``p - r - 1`` warm-up forwards on rank r, then one forward one backward, then the
+    cool-down backwards; at most ``p - r`` activations stashed on rank r."""
+    order = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        seq = [Action(F, i) for i in range(warm)]
+        for i in range(m - warm):
+            seq += [Action(F, warm + i), Action(B, i)]
+        seq += [Action(B, i) for i in range(m - warm, m)]
+        order.append(seq)
+    return order
+
+
+def interleaved_order(p: int, m: int, v: int) -> list:
+    """Megatron's interleaved 1F1B: forwards visit the chunks in groups of p micro-batches, the
+    backwards in reverse chunk order; warm-up ``2 (p - r - 1) + (v - 1) p`` forwards on rank r."""
+    total = m * v
+
+    def ident(k, backward):
+        group = (k % (p * v)) // p
+        return (k // (p * v)) * p + k % p, (v - 1 - group) if backward else group
+
+    order = []
+    for r in range(p):
+        warm = total if m == p else min(2 * (p - r - 1) + (v - 1) * p, total)
+        seq = [Action(F, *ident(k, False)) for k in range(warm)]
+        for k in range(total - warm):
+            seq += [Action(F, *ident(warm + k, False)), Action(B, *ident(k, True))]
+        seq += [Action(B, *ident(k, True)) for k in range(total - warm, total)]
+        order.append(seq)
+    return order
+
+
+def zb_h1_order(p: int, m: int) -> list:
+    """Zero-bubble H1 (Qi et al., 2023): 1F1B with the backward split into B (input gradient,
+    on the critical path) and W (weight gradient), the W passes deferred into the bubbles.
+
+    Rank r runs ``p - r - 1`` warm-up forwards, ``r`` pairs (F, B), one F, then ``m - p`` triples
+    (B, W, F), ``p - r - 1`` pairs (B, W), the last B and its remaining ``r + 1`` W passes. At
+    F = B = W its bubble is ``(p - 1)`` units per rank against 1F1B's ``3 (p - 1)``. Every rank
+    holds at most ``p`` micro-batches in flight (F done, W not done): the peak of 1F1B, which
+    1F1B reaches on its first stage only (later ZB-H1 stages hold more than under 1F1B, never
+    more than 1F1B's first stage). Needs ``m >= p``; for ``m < p`` a list scheduler fills in.
+    """
+    if m < p:
+        return _zb_greedy_order(p, m)
+    order = []
+    for r in range(p):
+        count, seq = {F: 0, B: 0, W: 0}, []
+
+        def run(*ops):
+            for op in ops:
+                seq.append(Action(op, count[op]))
+                count[op] += 1
+
+        run(*[F] * (p - r - 1))
+        for _ in range(r):
+            run(F, B)
+        run(F)
+        for _ in range(m - p):
+            run(B, W, F)
+        for _ in range(p - r - 1):
+            run(B, W)
+        run(B, *[W] * (r + 1))
+        order.append(seq)
+    return order
+
+
+def _zb_greedy_order(p: int, m: int) -> list:
+    """ZB-H1 for m < p by list scheduling in unit time (F = B = W = 1): each free rank runs a
+    ready B, else a ready F (at most p in flight), else a pending W."""
+    f_end = [[None] * m for _ in range(p)]
+    b_end = [[None] * m for _ in range(p)]
+    nf, nb, nw = [0] * p, [0] * p, [0] * p
+    order = [[] for _ in range(p)]
+    t = 0
+    while any(n < m for n in nw):
+        if t > 8 * (m + p) + 16:  # cannot happen; guards against an endless loop
+            raise ScheduleError(f"zb-h1 generator made no progress for p={p}, m={m}")
+        for r in range(p):
+            i, j = nb[r], nf[r]
+            if i < nf[r] and f_end[r][i] <= t and (r == p - 1 or (b_end[r + 1][i] or t + 1) <= t):
+                b_end[r][i] = t + 1
+                nb[r] += 1
+                order[r].append(Action(B, i))
+            elif j < m and nf[r] - nw[r] < p and (r == 0 or (f_end[r - 1][j] or t + 1) <= t):
+                f_end[r][j] = t + 1
+                nf[r] += 1
+                order[r].append(Action(F, j))
+            elif nw[r] < nb[r]:
+                order[r].append(Action(W, nw[r]))
+                nw[r] += 1
+        t += 1
+    return order
+
+
+def add_communication(order: list, p: int, v: int = 1, backward: bool = True) -> list:
+    """Insert the sends and receives around a compute order: recv act before F and recv grad
+    before B (unless first / last virtual stage), send act after F and send grad after B."""
+    last = p * v - 1
+    out = []
+    for r, seq in enumerate(order):
+        acts = []
+        for a in seq:
+            s = a.chunk * p + r
+            if a.op == F:
+                if s > 0:
+                    acts.append(Action(RECV_ACT, a.mb, a.chunk, (r - 1) % p))
+                acts.append(a)
+                if s < last:
+                    acts.append(Action(SEND_ACT, a.mb, a.chunk, (r + 1) % p))
+            elif a.op == B:
+                if s < last and backward:
+                    acts.append(Action(RECV_GRAD, a.mb, a.chunk, (r + 1) % p))
+                acts.append(a)
+                if s > 0 and backward:
+                    acts.append(Action(SEND_GRAD, a.mb, a.chunk, (r - 1) % p))
+            else:
+                acts.append(a)
+        out.append(acts)
+    return out
+
+
+def build(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """The schedule ``name`` for ``pp`` ranks, ``microbatches`` micro-batches and ``chunks`` model
+    chunks per rank (refused with :class:`ScheduleError` when the combination is impossible)."""
+    name = canonical_name(name)
+    check_shape(name, pp, microbatches, chunks)
+    p, m, v = pp, microbatches, chunks
+    if name == "gpipe":
+        order = gpipe_order(p, m)
+    elif name == "1f1b":
+        order = one_f_one_b_order(p, m)
+    elif name == "interleaved":
+        order = interleaved_order(p, m, v)
+    else:
+        order = zb_h1_order(p, m)
+    return Schedule(name, p, m, v, add_communication(order, p, v), split_backward=name == "zb-h1")
+
+
+# ---------------------------------------------------------------------------------------------
+# the pre-flight proof and performance model
+
+def default_costs(split_backward: bool) -> dict:
+    """Unit costs: F = 1, B = 2 (input and weight gradient), or B = W = 1 when split."""
+    return {F: 1, B: 1, W: 1} if split_backward else {F: 1, B: 2, W: 0}
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` found. ``timeline[r]`` lists (start, end, Action) of rank r's computes."""
+
+    ok: bool
+    errors: list
+    timeline: list
+    makespan: float
+    busy: list
+    peak_stash: list
+    messages: int
+    schedule: Schedule = field(repr=False, default=None)
+
+    @property
+    def idle(self) -> list:
+        return [self.makespan - b for b in self.busy]
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over total time, all ranks together."""
+        n = len(self.busy)
+        return sum(self.idle) / (n * self.makespan) if self.makespan else 0.0
+
+    def report(self) -> str:
+        if self.ok:
+            return (f"OK: {self.messages} messages, every send has its receive, no deadlock "
+                    f"(makespan {self.makespan:g}, bubble {100 * self.bubble:.1f}%)")
+        return "FAILED:\n  " + "\n  ".join(self.errors)
+
+
+def _structure_errors(s: Schedule) -> list:
+    """Per-rank checks: every (mb, chunk) forwarded and backwarded once, in order, with its
+    receives before and sends after, to and from the right neighbours."""
+    errs = []
+    p, m, v, last = s.pp, s.microbatches, s.chunks, s.num_stages - 1
+    if len(s.actions) != p:
+        return [f"schedule has {len(s.actions)} action lists for pp={p}"]
+    backward = any(a.op == B for acts in s.actions for a in acts)
+    for r, acts in enumerate(s.actions):
+        seen = {}  # (op, mb, chunk) -> position
+        for i, a in enumerate(acts):
+            what = f"rank {r}: {a.describe(v)}"
+            if a.op not in COMPUTE + COMM:
+                errs.append(f"{what}: unknown op {a.op!r}")
+                continue
+            if not (0 <= a.mb < m and 0 <= a.chunk < v):
+                errs.append(f"{what}: micro-batch or chunk out of range (m={m}, chunks={v})")
+                continue
+            key = (a.op, a.mb, a.chunk)
+            if key in seen:
+                errs.append(f"{what}: appears twice (positions {seen[key]} and {i})")
+            seen[key] = i
+            st = s.stage(r, a.chunk)
+            if a.op in COMM:
+                want = {SEND_ACT: (r + 1) % p, RECV_GRAD: (r + 1) % p, RECV_ACT: (r - 1) % p,
+                        SEND_GRAD: (r - 1) % p}[a.op]
+                exists = st < last if a.op in (SEND_ACT, RECV_GRAD) else st > 0
+                if not exists:
+                    errs.append(f"{what}: virtual stage {st} has no such neighbour")
+                elif a.peer != want:
+                    errs.append(f"{what}: wrong peer (the neighbour is rank {want})")
+        for mb in range(m):
+            for c in range(v):
+                st = s.stage(r, c)
+                pos = {op: seen.get((op, mb, c)) for op in COMPUTE + COMM}
+                tag = f"rank {r}: mb={mb}" + (f" chunk={c}" if v > 1 else "")
+                if pos[F] is None:
+                    errs.append(f"{tag}: no F")
+                    continue
+                if st > 0 and (pos[RECV_ACT] is None or pos[RECV_ACT] > pos[F]):
+                    errs.append(f"{tag}: F runs without a recv act before it")
+                if st < last and (pos[SEND_ACT] is None or pos[SEND_ACT] < pos[F]):
+                    errs.append(f"{tag}: F's output has no send act after it")
+                if not backward:
+                    continue
+                if pos[B] is None:
+                    errs.append(f"{tag}: no B")
+                    continue
+                if pos[B] < pos[F]:
+                    errs.append(f"{tag}: B before F")
+                if st < last and (pos[RECV_GRAD] is None or pos[RECV_GRAD] > pos[B]):
+                    errs.append(f"{tag}: B runs without a recv grad before it")
+                if st > 0 and (pos[SEND_GRAD] is None or pos[SEND_GRAD] < pos[B]):
+                    errs.append(f"{tag}: B's input gradient has no send grad after it")
+                if s.split_backward and pos[W] is None:
+                    errs.append(f"{tag}: split backward but no W")
+                if pos[W] is not None and (not s.split_backward or pos[W] < pos[B]):
+                    errs.append(f"{tag}: W " + ("before B" if s.split_backward else "in a schedule without split backward"))
+    return errs
+
+
+def simulate(s: Schedule, costs=None, latency: float = 0.0) -> SimResult:
+    """Run every rank's list together (see the module doc) and collect all problems.
+
+    ``costs``: a dict op -> time (default :func:`default_costs`) or a callable
+    ``(rank, action) -> time``; ``latency`` is added to every message.
+    """
+    p, v = s.pp, s.chunks
+    if costs is None:
+        costs = default_costs(s.split_backward)
+    cost = costs if callable(costs) else (lambda r, a: costs[a.op])
+    errs = _structure_errors(s)
+    if len(s.actions) != p:
+        return SimResult(False, errs, [], 0.0, [], [], 0, s)
+    pc, clock, busy = [0] * p, [0.0] * p, [0.0] * p
+    stash, peak = [0] * p, [0] * p
+    timeline = [[] for _ in range(p)]
+    sent: dict = {}       # (src, dst, kind) -> [(mb, sender stage, time, action)]
+    taken: dict = {}      # (src, dst, kind) -> number consumed
+    release = W if s.split_backward else B
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            acts = s.actions[r]
+            while pc[r] < len(acts):
+                a = acts[pc[r]]
+                if a.op in COMPUTE:
+                    t0 = clock[r]
+                    clock[r] += cost(r, a)
+                    busy[r] += clock[r] - t0
+                    timeline[r].append((t0, clock[r], a))
+                    if a.op == F:
+                        stash[r] += 1
+                        peak[r] = max(peak[r], stash[r])
+                    if a.op == release:
+                        stash[r] -= 1
+                elif a.is_send:
+                    if not 0 <= a.peer < p:
+                        errs.append(f"rank {r}: {a.describe(v)}: no rank {a.peer}")
+                    else:
+                        sent.setdefault((r, a.peer, a.kind), []).append((a.mb, s.stage(r, a.chunk), clock[r], a))
+                elif a.is_recv:
+                    key = (a.peer, r, a.kind)
+                    queue, k = sent.get(key, []), taken.get(key, 0)
+                    if k >= len(queue):
+                        break  # blocked until the sender gets there (or forever)
+                    taken[key] = k + 1
+                    mb, src_stage, t_sent, send = queue[k]
+                    st = s.stage(r, a.chunk)
+                    want = st - 1 if a.kind == "act" else st + 1
+                    if (mb, src_stage) != (a.mb, want):
+                        errs.append(f"rank {r}: {a.describe(v)} receives rank {a.peer}'s message {send.describe(v)} "
+                                    f"(FIFO order of sends and receives differs)")
+                    clock[r] = max(clock[r], t_sent + latency)
+                pc[r] += 1
+                progress = True
+    stuck = [r for r in range(p) if pc[r] < len(s.actions[r])]
+    for r in stuck:
+        a = s.actions[r][pc[r]]
+        key = (a.peer, r, a.kind)
+        q = a.peer
+        later = [b for b in s.actions[q][pc[q]:] if b.is_send and b.peer == r and b.kind == a.kind] \
+            if 0 <= q < p else []
+        if not 0 <= q < p:
+            why = f"no rank {q}"
+        elif not later:
+            why = "never sent"
+        else:
+            blocker = s.actions[q][pc[q]] if pc[q] < len(s.actions[q]) else None
+            why = (f"deadlock: rank {q} would send it ({later[0].describe(v)}) only after its own blocked "
+                   f"action {blocker.describe(v)}" if blocker else "never sent")
+        errs.append(f"rank {r}: {a.describe(v)}, {why} (blocked at action {pc[r]} of {len(s.actions[r])})")
+    for key, queue in sorted(sent.items()):
+        for mb, _, _, send in queue[taken.get(key, 0):]:
+            errs.append(f"rank {key[0]}: {send.describe(v)}, never received")
+    makespan = max(clock) if clock else 0.0
+    messages = sum(len(q) for q in sent.values())
+    return SimResult(not errs, errs, timeline, makespan, busy, peak, messages, s)
+
+
+def check(s: Schedule, costs=None) -> SimResult:
+    """The pre-flight proof: :func:`simulate`, raising :class:`ScheduleError` on any problem."""
+    result = simulate(s, costs)
+    if not result.ok:
+        raise ScheduleError(f"{s.name} schedule (pp={s.pp}, microbatches={s.microbatches}, chunks={s.chunks}) "
+                            f"fails the pre-flight check: {result.report()}")
+    return result
+
+
+def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int = 1, costs=None) -> float:
+    """The textbook bubble fraction (idle over total time): ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
+    ``(p-1)/(v m + p-1)`` for interleaved 1F1B (the bubble divided by v), and for ZB-H1 a bubble
+    of ``(p-1)(F+B-W)`` against ``m (F+B+W)`` of work (a third of 1F1B's at F = B = W)."""
+    name = canonical_name(name)
+    p, m, v = pp, microbatches, chunks
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    c = costs or default_costs(True)
+    work, gap = m * (c[F] + c[B] + c[W]), (p - 1) * max(c[F] + c[B] - c[W], 0)
+    return gap / (work + gap)
+
+
+def format_timeline(result: SimResult, width: int = 0) -> str:
+    """One row per rank, one column per time unit (costs rounded to whole units): the action's
+    label in each unit it runs, ``.`` where the rank is idle."""
+    s = result.schedule
+    v = s.chunks
+    rows = []
+    span = int(round(result.makespan))
+    labels = [[None] * span for _ in result.timeline]
+    for r, events in enumerate(result.timeline):
+        for t0, t1, a in events:
+            for t in range(int(round(t0)), int(round(t1))):
+                if t < span:
+                    labels[r][t] = a.label(v)
+    w = width or max([len(x) for row in labels for x in row if x] + [1])
+    for r, row in enumerate(labels):
+        rows.append(f"rank {r} | " + " ".join((x or ".").ljust(w) for x in row).rstrip())
+    return "\n".join(rows)

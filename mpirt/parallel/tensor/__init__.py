@@ -1,0 +1,83 @@
+"""Tensor parallelism (Megatron-LM) and sequence parallelism over one ``tp`` communicator.
+
+Notation: ``t`` ranks in the tp group, this rank ``r``; activations ``X`` of shape (B, T, C).
+
+**Column-parallel linear** ``Y = X A + b`` with ``A = [A_0 | ... | A_{t-1}]`` split by output
+columns: rank r computes ``Y_r = X A_r + b_r`` (its slice of the output features) from the full X.
+**Row-parallel linear** ``Z = Y W + c`` with ``W = [W_0; ...; W_{t-1}]`` split by input rows and
+``Y`` already split by columns: ``Z = sum_r Y_r W_r`` (one allreduce), then ``+ c`` once.
+An MLP ``gelu(X A) W`` or an attention layer (heads split over ranks) is column then row: **one
+allreduce forward, one backward**. Megatron's two conjugate Functions place them:
+
+- ``f`` (:func:`copy_to_tp`):      forward ``y = x`` (x replicated),  backward ``dx = sum_r dy_r``
+  (allreduce: each rank's column slice contributes its part ``dY_r A_r^T`` of ``dX``).
+- ``g`` (:func:`reduce_from_tp`):  forward ``y = sum_r x_r`` (allreduce), backward ``dx_r = dy``
+  (identity: the sum's derivative by each summand is 1).
+
+**Sequence parallelism** (Korthikanti et al. 2022): outside the column->row pairs (LayerNorm,
+dropout, residual adds) activations are split along the sequence, rank r holding tokens
+``[r T/t, (r+1) T/t)``. The allreduce ``sum_r x_r`` equals a reduce-scatter (each rank gets its
+sequence chunk of the sum) followed by an allgather, so ``g`` becomes a reduce-scatter (into the
+sequence-split region) and ``f`` an allgather (out of it), at the same communication volume:
+
+- :func:`gather_seq`:          forward allgather along T, backward reduce-scatter along T
+  (``dX_full = sum_r dX_full^(r)``, each rank keeping its chunk).
+- :func:`reduce_scatter_seq`:  forward reduce-scatter along T, backward allgather along T.
+- :func:`scatter_seq`:         forward keep this rank's chunk, backward allgather.
+
+Parameters outside the sharded matmuls (LayerNorm, the row-parallel bias, the position table)
+are replicated; under sequence parallelism each rank sees 1/t of the tokens, so their gradients
+are partial sums: :func:`sync_sequence_parallel_grads` allreduces them (one flat allreduce) after
+backward.
+
+**Vocabulary parallelism**: the embedding/output table (V, C) is split by rows, rank r holding
+``[r V'/t, (r+1) V'/t)`` of the vocabulary padded to ``V' = t * ceil(V / t)`` (padding rows are
+zero and masked out of the loss). Lookup: ids outside the rank's range give zero rows, then ``g``.
+Cross-entropy on vocabulary-split logits ``z`` never gathers them:
+``loss_i = log sum_v exp(z_iv - m_i) + m_i - z_{i,y_i}`` with ``m_i = max_r max_{v in r} z_iv``
+(allreduce max), and ``sum_v exp`` and ``z_{i,y_i}`` (only the owner of ``y_i`` contributes) summed
+over ranks (one allreduce of a (2, N) array). The gradient ``softmax - onehot`` is local.
+
+A model opts in with a *plan* (``model.tp_plan``; see :data:`KINDS` and ``models/gpt.py``), and
+:func:`parallelize` swaps its modules for the parallel ones and gives every parameter its
+:class:`~mpirt.nn.ShardSpec` and its slice. The tp Comm is always passed explicitly.
+
+The package, one module per concern: :mod:`.layout` (the tp axis, divisibility, vocabulary
+padding), :mod:`.comm` (``f``/``g`` and the sequence Functions), :mod:`.layers` (parallel modules
+and their fused Functions), :mod:`.loss` (vocabulary-parallel head and cross-entropy),
+:mod:`.plan` (:func:`parallelize`, :func:`reseed_dropouts`), :mod:`.state` (shards, state dicts,
+gradient sync and norms, gathered logits), :mod:`.memory` (activation bytes, measured and predicted).
+"""
+from __future__ import annotations
+
+from .comm import (CopyToTP, GatherFromSeq, GatherLastDim, ReduceFromTP, ReduceScatterToSeq, ScatterToSeq,
+                   copy_to_tp, gather_last_dim, gather_seq, reduce_from_tp, reduce_scatter_seq, scatter_seq)
+from .layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
+                     SeqParallelLinear, SequenceParallelEmbedding, VocabEmbedding, VocabParallelEmbedding)
+from .layout import AXIS, PaddedParameter, check_tp_layout, pad_rows, pad_vocab
+from .loss import VocabParallelCrossEntropy, VocabParallelHead, VocabParallelLoss, vocab_parallel_cross_entropy
+from .memory import activation_bytes, saved_activation_bytes
+from .plan import KINDS, parallelize, reseed_dropouts
+from .state import (clip_grad_norm, full_state_dict, gather_logits, gather_param, grad_norm, shard_param,
+                    shard_state_dict, sync_sequence_parallel_grads)
+
+__all__ = [
+    "AXIS", "KINDS",
+    # layout
+    "PaddedParameter", "check_tp_layout", "pad_rows", "pad_vocab",
+    # communication
+    "CopyToTP", "ReduceFromTP", "GatherFromSeq", "ReduceScatterToSeq", "ScatterToSeq", "GatherLastDim",
+    "copy_to_tp", "reduce_from_tp", "gather_seq", "reduce_scatter_seq", "scatter_seq", "gather_last_dim",
+    # layers
+    "SeqParallelLinear", "VocabEmbedding", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "SequenceParallelEmbedding", "ParallelMLP", "ParallelSelfAttention",
+    # loss
+    "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "VocabParallelHead", "VocabParallelLoss",
+    # plan
+    "parallelize", "reseed_dropouts",
+    # state
+    "shard_param", "gather_param", "shard_state_dict", "full_state_dict", "sync_sequence_parallel_grads",
+    "grad_norm", "clip_grad_norm", "gather_logits",
+    # memory
+    "saved_activation_bytes", "activation_bytes",
+]

@@ -1,0 +1,122 @@
+"""Tensor-parallel state: sharding and gathering parameters and state dicts, the gradient sum of
+sequence-parallel replicated parameters, global gradient norms and clipping, gathered logits."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import mpirt.backend as B
+from mpirt.nn import Module, Parameter
+from mpirt.tensor import Tensor
+
+from .comm import GatherLastDim
+from .layout import AXIS, PaddedParameter, pad_rows
+
+
+# =============================================================================================
+# state dicts, gradients, norms
+# =============================================================================================
+def shard_param(p: Parameter, full, tp: int, rank: int):
+    """This tp rank's slice of ``full``, a full (unpadded or padded) array shaped like ``p``."""
+    a = np.asarray(B.to_host(full))
+    if isinstance(p, PaddedParameter) and tuple(a.shape) == p.logical_shape:
+        a = pad_rows(a, p.global_shape[0])
+    if tuple(a.shape) != tuple(p.global_shape):
+        raise ValueError(f"{p.name}: has shape {tuple(a.shape)}, expected {p.global_shape}")
+    return np.ascontiguousarray(p.spec.shard(a, {AXIS: tp}, {AXIS: rank}))
+
+
+def gather_param(p: Parameter, local, comm):
+    """The full, unpadded array (NumPy) of which ``local`` is this rank's shard over the tp
+    ``comm``, placed by ``p``'s ShardSpec: the inverse of :func:`shard_param`. Collective."""
+    t = comm.size
+    if AXIS not in p.spec.dims or t == 1:
+        full = np.array(B.to_host(local))
+    else:
+        parts = B.to_host(comm.allgather(B.xp.ascontiguousarray(local)[None], counts=[1] * t))
+        full = np.empty(p.global_shape, dtype=parts.dtype)
+        for rank in range(t):
+            p.spec.place(full, parts[rank], {AXIS: t}, {AXIS: rank})
+    return full[:p.logical_shape[0]] if isinstance(p, PaddedParameter) else full
+
+
+def shard_state_dict(model: Module, full_state: dict, axis_sizes: dict, axis_ranks: dict) -> dict:
+    """This rank's slices of a full (unsharded, unpadded) state dict, e.g. a Hugging Face GPT-2
+    file: ``model.load_state_dict(shard_state_dict(model, hf, {"tp": t}, {"tp": r}))``. Padded
+    tables are padded with zero rows first; shapes are checked against each global shape."""
+    out = {}
+    for name, p in model.named_parameters():
+        if name not in full_state:
+            raise KeyError(f"shard_state_dict: {name} missing from the full state dict")
+        out[name] = shard_param(p, full_state[name], axis_sizes.get(AXIS, 1), axis_ranks.get(AXIS, 0))
+    return out
+
+
+def full_state_dict(model: Module, comm) -> dict:
+    """The full, unpadded parameters (NumPy) on every rank, allgathered over the tp ``comm``:
+    the inverse of :func:`shard_state_dict` (for export, e.g. ``save_hf_gpt2``, and tests)."""
+    return {name: gather_param(p, p.data, comm) for name, p in model.named_parameters()}
+
+
+def sync_sequence_parallel_grads(model: Module, comm) -> None:
+    """Sum over tp the gradients of replicated parameters that saw only this rank's sequence
+    chunk (``p.tp_partial_grad``, set by :func:`parallelize` under sequence parallelism): one flat
+    allreduce, results written into ``p.grad`` in place (views such as DataParallel buckets stay
+    valid). Call once per optimizer step after the last backward, before clipping. No-op without
+    sequence parallelism."""
+    params = [p for p in model.parameters() if getattr(p, "tp_partial_grad", False) and p.grad is not None]
+    if not params or comm.size == 1:
+        return
+    xp = B.xp
+    by_dtype: dict = {}
+    for p in params:
+        by_dtype.setdefault(str(p.grad.dtype), []).append(p)
+    for group in by_dtype.values():
+        flat = xp.concatenate([p.grad.reshape(-1) for p in group])
+        comm.allreduce(flat, out=flat)
+        offset = 0
+        for p in group:
+            p.grad[...] = flat[offset:offset + p.grad.size].reshape(p.grad.shape)
+            offset += p.grad.size
+
+
+def grad_norm(params, comms: dict) -> float:
+    """Global L2 norm of the gradients of a model sharded over the axes of ``comms`` (axis name ->
+    Comm, e.g. ``{"tp": grid.comm["tp"], "pp": grid.comm["pp"]}``; leave out axes over which
+    gradients are identical, such as dp after averaging). Each element counts once: a parameter
+    split over an axis contributes its shard on every rank of that axis; one replicated over it
+    only on that axis's rank 0. Padded vocabulary rows have zero gradient."""
+    xp = B.xp
+    sq = 0.0
+    for p in params:
+        if p.grad is None:
+            continue
+        if any(axis not in p.spec.dims and c.rank != 0 for axis, c in comms.items()):
+            continue
+        g = p.grad.reshape(-1)
+        sq += float(xp.vdot(g, g))
+    for c in comms.values():
+        sq = c.allreduce_scalar(sq) if c.size > 1 else sq
+    return math.sqrt(sq)
+
+
+def clip_grad_norm(params, max_norm: float, comms: dict) -> float:
+    """Scale every gradient by ``max_norm / (norm + 1e-6)`` when the global norm (:func:`grad_norm`)
+    exceeds ``max_norm``; returns the norm before clipping (non-finite: nothing is scaled)."""
+    params = list(params)
+    norm = grad_norm(params, comms)
+    if norm > max_norm:
+        coef = float(max_norm) / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad *= coef
+    return norm
+
+
+def gather_logits(logits, comm, vocab_size: int):
+    """Full (B, T, V) logits (an array, no graph) from vocabulary-split ones, padding removed: for
+    sampling and evaluation, never for the loss."""
+    data = logits.data if isinstance(logits, Tensor) else logits
+    full = GatherLastDim().forward(data, comm=comm, blocks=1)
+    return full[..., :vocab_size]

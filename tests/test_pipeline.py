@@ -1,0 +1,343 @@
+"""Pipeline parallelism (mpirt.parallel.pipeline) against the single-rank run on the same global batch.
+
+Multi-rank tests split MPI_COMM_WORLD into groups of the size they need (pp, or dp x pp); every
+complete group runs the same test, leftover ranks only join the verdict, so the tests are valid
+at 2, 4 and 8 ranks. Every rank computes the single-rank reference itself (no communication) and
+compares its own stage's parameters; the verdict is reduced over all ranks (:func:`agree`).
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpirt.comm import Comm
+from mpirt.data import get_batch
+from mpirt.grid import Grid
+from mpirt.optim import AdamW, clip_grad_norm
+from mpirt.parallel.pipeline import PipelineStage, layer_costs, partition
+from mpirt.parallel.schedules import ScheduleError, build, simulate
+from mpirt.tensor import no_grad
+from models import GPT, GPTConfig
+
+TOKENS = np.random.default_rng(0).integers(0, 37, 4096).astype(np.uint16)
+SEQ, BATCH, STEPS, LR, WD = 8, 8, 5, 1e-3, 0.1
+TOL = {"float64": 1e-10, "float32": 1e-5}
+
+
+def config(n_layer: int) -> GPTConfig:
+    return GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, n_positions=SEQ, vocab_size=37)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+def agree(ok: bool, detail: str = "") -> None:
+    """Assert on every rank that ``ok`` holds on every rank (failures name the ranks)."""
+    results = MPI.COMM_WORLD.allgather((bool(ok), detail))
+    bad = {r: d for r, (o, d) in enumerate(results) if not o}
+    assert not bad, f"failed on ranks {sorted(bad)}: {bad}"
+
+
+def group(size: int):
+    """This rank's group of ``size`` consecutive ranks, or None for leftover ranks."""
+    world = MPI.COMM_WORLD
+    full = world.size // size * size
+    color = world.rank // size if world.rank < full else world.size
+    sub = Comm(world, "world").split(color, key=world.rank)
+    return sub if world.rank < full else None
+
+
+def grid(pp: int, dp: int = 1, tp: int = 1):
+    comm = group(pp * dp * tp)
+    return None if comm is None else Grid(dp, pp, tp, comm)
+
+
+def batch(step, dp_rank=0, dp_size=1, rows=BATCH):
+    return get_batch(TOKENS, step, batch_size=rows, seq_len=SEQ, seed=0, dp_rank=dp_rank, dp_size=dp_size)
+
+
+def comparable(name, a):
+    """Leave out the key part of attention's qkv bias: its gradient is identically zero (softmax
+    ignores a shift of a whole row of scores), so its values are rounding noise that AdamW
+    normalises into steps of size lr, in any run (as in test_dp)."""
+    a = np.asarray(a, np.float64)
+    if name.endswith("attn.c_attn.bias"):
+        c = a.shape[0] // 3
+        return np.concatenate([a[:c], a[2 * c:]])
+    return a
+
+
+def rel_err(got: dict, ref: dict) -> float:
+    """Max over this rank's tensors of ||got - ref|| / ||ref||."""
+    errs = [0.0]
+    for name, g in got.items():
+        g, r = comparable(name, g), comparable(name, ref[name])
+        errs.append(float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-300)))
+    return max(errs)
+
+
+def reference(cfg, dtype, steps=STEPS, clip=None, rows=BATCH):
+    """Single-rank run on the global batch: losses, first-step grads, final weights, norms, eval loss."""
+    model = GPT(cfg, dtype=dtype, seed=1)
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses, norms, grads = [], [], None
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, rows=rows)
+        _, loss = model(x, y)
+        loss.backward()
+        grads = grads or {n: p.grad.copy() for n, p in model.named_parameters()}
+        if clip is not None:
+            norms.append(clip_grad_norm(model.parameters(), clip))
+        losses.append(loss.item())
+        opt.step()
+    with no_grad():
+        x, y = batch(100, rows=rows)
+        eval_loss = model(x, y)[1].item()
+    return np.array(losses), grads, {n: p.data.copy() for n, p in model.named_parameters()}, norms, eval_loss
+
+
+def pipeline_run(g, cfg, dtype, schedule, m, chunks=1, steps=STEPS, clip=None, rows=BATCH, **kw):
+    stage = PipelineStage(cfg, g, schedule, m, chunks, dtype=dtype, seed=1, **kw)
+    opt = AdamW(stage.parameters(), lr=LR, weight_decay=WD)
+    d, dp = g.coords["dp"], g.dp
+    losses, norms, grads, stats = [], [], None, []
+    for step in range(steps):
+        x, y = batch(step, d, dp, rows=rows)
+        losses.append(stage.train_step(x, y))
+        grads = grads or {n: p.grad.copy() for n, p in stage.named_parameters()}
+        if clip is not None:
+            norms.append(stage.clip_grad_norm(clip))
+        opt.step()
+        stats.append(dict(stage.stats))
+    x, y = batch(100, d, dp, rows=rows)
+    eval_loss = stage.evaluate(x, y)
+    return stage, opt, np.array(losses), grads, norms, stats, eval_loss
+
+
+def tied_copies_identical(stage, g) -> bool:
+    """The wte copies on the first and last pp ranks hold the same bits."""
+    comm = g.comm["pp"]
+    if g.pp == 1:
+        return True
+    w = dict(stage.named_parameters()).get("wte.weight")
+    mine = None if w is None else w.data.copy()
+    every = comm.allgather_object(mine)
+    return np.array_equal(every[0], every[-1])
+
+
+def parity(g, cfg, dtype, schedule, m, chunks=1, steps=STEPS, clip=None, rows=BATCH, **kw):
+    """Run the pipeline and the reference; return (ok, detail, stage, stats)."""
+    if g is None:
+        return True, "idle rank", None, None
+    ref_losses, ref_grads, ref_w, ref_norms, ref_eval = reference(cfg, dtype, steps, clip, rows)
+    stage, opt, losses, grads, norms, stats, eval_loss = pipeline_run(g, cfg, dtype, schedule, m, chunks, steps,
+                                                                      clip, rows, **kw)
+    weights = {n: p.data for n, p in stage.named_parameters()}
+    if g.tp > 1:  # compare this rank's slices
+        from mpirt.parallel.tensor import shard_state_dict
+        sizes, ranks = {"tp": g.tp}, {"tp": g.coords["tp"]}
+        ref_w = shard_state_dict(stage.model, {n: ref_w[n] for n in weights}, sizes, ranks)
+        ref_grads = shard_state_dict(stage.model, {n: ref_grads[n] for n in weights}, sizes, ranks)
+    errs = {"loss": float(np.abs(losses - ref_losses).max() / np.abs(ref_losses).max()),
+            "grad": rel_err(grads, ref_grads), "weights": rel_err(weights, ref_w),
+            "eval": abs(eval_loss - ref_eval) / abs(ref_eval)}
+    if clip is not None:
+        errs["norm"] = float(np.abs(np.array(norms) - ref_norms).max() / np.abs(ref_norms).max())
+    tol = TOL[dtype]
+    kinds = {str(a.dtype) for p in stage.parameters() for a in (p.data, p.grad)}
+    kinds |= {str(a.dtype) for st in opt.state for a in st.values()}
+    ok = all(e <= tol for e in errs.values()) and tied_copies_identical(stage, g) and kinds == {dtype}
+    return ok, f"{schedule} pp={g.pp} dp={g.dp} tp={g.tp} {dtype}: errors {errs}, dtypes {kinds}", stage, stats
+
+
+# --- parity with the single-rank run -------------------------------------------------------------
+PP4 = pytest.mark.mpi(min_size=4)
+CASES = [pytest.param(p, s, marks=pytest.mark.mpi(min_size=p)) for p in (2, 4)
+         for s in ("gpipe", "1f1b", "interleaved", "zb-h1")]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("pp,schedule", CASES)
+def test_schedule_matches_single_rank(pp, schedule, dtype):
+    cfg = config(4 if pp == 2 else 8)
+    chunks = 2 if schedule == "interleaved" else 1
+    m = 2 * pp
+    ok, detail, stage, stats = parity(grid(pp), cfg, dtype, schedule, m, chunks)
+    agree(ok, detail)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_pp2_dp2_matches_single_rank(schedule):
+    chunks = 2 if schedule == "interleaved" else 1
+    ok, detail, _, _ = parity(grid(2, dp=2), config(4), "float64", schedule, 2, chunks)
+    agree(ok, detail)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
+def test_pp2_tp2_matches_single_rank(schedule, sequence_parallel):
+    """Tensor-parallel stages (vocabulary-split tied wte on both ends); with clipping, so the norm
+    over pp and tp is checked too."""
+    chunks = 2 if schedule == "interleaved" else 1
+    ok, detail, _, _ = parity(grid(2, tp=2), config(4), "float64", schedule, 2, chunks, clip=0.05,
+                              sequence_parallel=sequence_parallel)
+    agree(ok, detail)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_clipping_matches_single_rank(dtype):
+    """The global grad norm over the stages (tied wte counted once) and the clipped updates."""
+    ok, detail, _, _ = parity(grid(2), config(4), dtype, "1f1b", 4, clip=0.05)
+    agree(ok, detail)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("split", [[1, 3], [3, 1]])
+def test_uneven_partition(split):
+    g = grid(2)
+    ok, detail, stage, _ = parity(g, config(4), "float64", "1f1b", 4, split=split)
+    if stage is not None:
+        lo, hi = stage.chunk_bounds[0]
+        ok = ok and hi - lo == split[g.coords["pp"]]
+    agree(ok, detail)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_microbatches_not_a_multiple_of_pp():
+    """1F1B and ZB-H1 take any m (here 3 on 2 stages, and m < p on 4); interleaved refuses."""
+    ok, detail, _, _ = parity(grid(2), config(4), "float64", "1f1b", 3, rows=6)
+    agree(ok, detail)
+    ok, detail, _, _ = parity(grid(2), config(4), "float64", "zb-h1", 3, rows=6, steps=2)
+    agree(ok, detail)
+    g = grid(2)
+    msg = ""
+    if g is not None:
+        with pytest.raises(ScheduleError) as err:
+            PipelineStage(config(4), g, "interleaved", 3, 2, dtype="float64")
+        msg = str(err.value)
+    agree(g is None or "needs microbatches to be a multiple of pp: microbatches=3, pp=2" in msg, msg)
+
+
+@PP4
+def test_fewer_microbatches_than_stages():
+    ok, detail, _, _ = parity(grid(4), config(8), "float64", "zb-h1", 2, rows=4, steps=2)
+    agree(ok, detail)
+    ok, detail, _, _ = parity(grid(4), config(8), "float64", "1f1b", 2, rows=4, steps=2)
+    agree(ok, detail)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_refusals():
+    g = grid(2)
+    msgs = []
+    if g is not None:
+        for kwargs, expect in [({"split": [2, 3]}, "split [2, 3]: need 2 stages"),
+                               ({"split": [0, 4]}, "of >= 1 blocks each"),
+                               ({"chunks": 3, "schedule": "interleaved"}, "n_layer=4 cannot fill pp x chunks = 6")]:
+            kw = {"schedule": "1f1b", **kwargs}
+            try:
+                PipelineStage(config(4), g, kw.pop("schedule"), 4, dtype="float64", **kw)
+                msgs.append(f"no error for {kwargs}")
+            except (ValueError, ScheduleError) as err:
+                if expect not in str(err):
+                    msgs.append(f"{kwargs}: {err}")
+        stage = PipelineStage(config(4), g, "1f1b", 4, dtype="float64")
+        x, y = batch(0, rows=6)
+        try:
+            stage.train_step(x, y)
+            msgs.append("6 rows into 4 micro-batches accepted")
+        except ValueError as err:
+            if "6 rows cannot be split into microbatches=4" not in str(err):
+                msgs.append(str(err))
+    agree(not msgs, "; ".join(msgs))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_agree_on_shapes_before_sending():
+    """Stages given different batch shapes refuse together, before any activation is sent."""
+    g = grid(2)
+    msg = ""
+    if g is not None:
+        stage = PipelineStage(config(4), g, "1f1b", 2, dtype="float64")
+        x, y = batch(0, rows=8 if g.coords["pp"] == 0 else 4)
+        try:
+            stage.train_step(x, y)
+        except ValueError as err:
+            msg = str(err)
+    agree(g is None or "pipeline ranks disagree on (rows, seq_len" in msg, msg)
+
+
+# --- memory: stashed activations measured by the executor ----------------------------------------
+@PP4
+def test_peak_stashed_activations():
+    g = grid(4)
+    detail, ok = "", True
+    if g is not None:
+        p, m, r = 4, 8, g.coords["pp"]
+        peaks = {}
+        for name in ("gpipe", "1f1b", "zb-h1", "interleaved"):
+            chunks = 2 if name == "interleaved" else 1
+            stage, *_, stats, _ = pipeline_run(g, config(8), "float64", name, m, chunks, steps=1)
+            peaks[name] = stats[0]["peak_stash"]
+            sim = simulate(build(name, p, m, chunks)).peak_stash[r]
+            ok = ok and peaks[name] == sim
+            bytes_ = stats[0]["peak_stash_bytes"]
+            ok = ok and (chunks > 1 or bytes_ == peaks[name] * stats[0]["stash_bytes_per_mb"][0] > 0)
+        every = g.comm["pp"].allgather_object(peaks)
+        ok = ok and peaks["gpipe"] == m and peaks["1f1b"] == p - r
+        ok = ok and max(e["zb-h1"] for e in every) <= max(e["1f1b"] for e in every)
+        detail = f"rank {r}: peaks {peaks}"
+    agree(ok, detail)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_timers_and_bubble_are_reported():
+    g = grid(2)
+    ok, detail = True, ""
+    if g is not None:
+        stage, *_, stats, _ = pipeline_run(g, config(4), "float32", "1f1b", 4, steps=2)
+        s = stats[-1]
+        ok = (s["op_count"] == {"F": 4, "B": 4, "W": 0} and 0 < s["compute_s"] <= s["step_s"]
+              and 0 <= s["bubble"] < 1 and s["sync_s"] >= 0)
+        detail = str(s)
+    agree(ok, detail)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_poll_wait_mode():
+    ok, detail, _, _ = parity(grid(2), config(4), "float64", "zb-h1", 4, steps=2, wait="poll")
+    agree(ok, detail)
+
+
+# --- pure partitioning (no MPI) --------------------------------------------------------------------
+def test_partition_balances_cost():
+    cfg = config(8)
+    costs = layer_costs(cfg, SEQ)
+    assert [c.name for c in costs] == ["embed"] + [f"h.{i}" for i in range(8)] + ["head"]
+    bounds = partition(costs, 4)
+    assert bounds[0][0] == 0 and bounds[-1][1] == 8 and all(hi > lo for lo, hi in bounds)
+    stage_cost = [sum(c.flops for c in costs[lo + 1:hi + 1]) + (costs[0].flops if k == 0 else 0)
+                  + (costs[-1].flops if k == 3 else 0) for k, (lo, hi) in enumerate(bounds)]
+    # no contiguous split does better than the chosen one
+    import itertools
+    best = min(max(sum(c.flops for c in costs[a + 1:b + 1]) + (costs[0].flops if k == 0 else 0)
+                   + (costs[-1].flops if k == 3 else 0) for k, (a, b) in enumerate(zip((0,) + cut, cut + (8,))))
+               for cut in itertools.combinations(range(1, 8), 3))
+    assert max(stage_cost) == best
+    # a heavy head (large vocabulary) pushes blocks off the last stage
+    big = GPTConfig(n_layer=8, n_head=2, n_embd=16, n_positions=SEQ, vocab_size=5000)
+    b = partition(layer_costs(big, SEQ), 4)
+    assert b[-1][1] - b[-1][0] < b[0][1] - b[0][0]
+    assert partition(costs, 2, split=[5, 3]) == [(0, 5), (5, 8)]
+    with pytest.raises(ValueError, match="cannot fill pp x chunks = 9"):
+        partition(costs, 9)
+
+
+def test_one_stage_is_the_plain_model():
+    """pp = 1 (one rank holds embed, blocks and head, wte once): the executor alone."""
+    g = Grid(1, 1, 1, Comm(MPI.COMM_SELF, "world"))
+    for name in ("1f1b", "zb-h1"):
+        ok, detail, stage, _ = parity(g, config(2), "float64", name, 2, steps=3)
+        assert ok, detail
+        assert [n for n, _ in stage.named_parameters()].count("wte.weight") == 1
