@@ -260,6 +260,26 @@ def global_grad_norm(params, allreduce_sq=None) -> float:
     return math.sqrt(sq)
 
 
+def clip_coefficient(norm: float, max_norm: float) -> float | None:
+    """The clipping rule, in one place: the factor ``max_norm / (norm + 1e-6)`` to scale every
+    gradient by when the global ``norm`` exceeds ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``),
+    else None: nothing to scale, also for a non-finite norm (scaling by 0 would turn infinite
+    gradients into NaN; the caller can skip the step). Every ``clip_grad_norm`` in mpirt
+    (replicated, tensor parallel, ZeRO, pipeline) applies it to its own gradient layout."""
+    return float(max_norm) / (norm + 1e-6) if math.isfinite(norm) and norm > max_norm else None
+
+
+def scale_grads(params, norm: float, max_norm: float) -> float:
+    """Clip the gradients of ``params`` in place, given their precomputed global ``norm``
+    (:func:`clip_coefficient`); parameters whose ``grad`` is None are skipped. Returns ``norm``."""
+    coef = clip_coefficient(norm, max_norm)
+    if coef is not None:
+        for p in params:
+            if p.grad is not None:
+                p.grad *= coef
+    return norm
+
+
 def clip_grad_norm(params, max_norm: float, allreduce_sq=None) -> float:
     """Scale gradients in place by ``max_norm / (norm + 1e-6)`` when the global norm exceeds
     ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping.
@@ -268,10 +288,4 @@ def clip_grad_norm(params, max_norm: float, allreduce_sq=None) -> float:
     See :func:`global_grad_norm` for ``allreduce_sq``.
     """
     params = list(params)
-    norm = global_grad_norm(params, allreduce_sq)
-    if norm > max_norm:
-        coef = float(max_norm) / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad *= coef
-    return norm
+    return scale_grads(params, global_grad_norm(params, allreduce_sq), max_norm)

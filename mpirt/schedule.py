@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mpirt.parallel.schedules import (B, F, SCHEDULES, W, ScheduleError, build, default_costs, format_timeline,
-                                      simulate, theoretical_bubble)
+from mpirt.parallel.schedule_check import default_costs, format_timeline, simulate, theoretical_bubble
+from mpirt.parallel.schedules import B, F, SCHEDULES, W, ScheduleError, build
 
 
 def parse_costs(text: str | None, split: bool) -> dict:

@@ -13,8 +13,10 @@ from mpirt.comm import Comm
 from mpirt.data import get_batch
 from mpirt.grid import Grid
 from mpirt.optim import AdamW, clip_grad_norm
-from mpirt.parallel.pipeline import PipelineStage, layer_costs, partition
-from mpirt.parallel.schedules import ScheduleError, build, simulate
+from mpirt.parallel.partition import layer_costs, partition
+from mpirt.parallel.pipeline import PipelineStage
+from mpirt.parallel.schedule_check import simulate
+from mpirt.parallel.schedules import ScheduleError, build
 from mpirt.tensor import no_grad
 from models import GPT, GPTConfig
 

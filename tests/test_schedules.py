@@ -1,12 +1,14 @@
-"""Pipeline schedules as data (mpirt.parallel.schedules): generators, the pre-flight deadlock
-proof, the performance model and the ``python -m mpirt.schedule`` command line. Pure: no MPI."""
+"""Pipeline schedules as data (mpirt.parallel.schedules, mpirt.parallel.schedule_check):
+generators, the pre-flight deadlock proof, the performance model and the ``python -m
+mpirt.schedule`` command line. Pure: no MPI."""
 import dataclasses
 
 import pytest
 
 from mpirt import schedule as cli
+from mpirt.parallel.schedule_check import check, format_timeline, simulate, theoretical_bubble
 from mpirt.parallel.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action, Schedule,
-                                      ScheduleError, build, check, format_timeline, simulate, theoretical_bubble)
+                                      ScheduleError, build)
 
 GRID = [(name, p, m, v)
         for name in ("gpipe", "1f1b", "zb-h1", "interleaved")

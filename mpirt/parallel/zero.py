@@ -36,7 +36,7 @@ import math
 import mpirt.backend as B
 from mpirt.comm import chunk_bounds
 from mpirt.nn import Module
-from mpirt.optim import adamw_update
+from mpirt.optim import adamw_update, clip_coefficient
 from mpirt.parallel.zero3 import plan_units
 from mpirt.tensor import Tensor
 
@@ -274,8 +274,8 @@ class ZeroOptimizer:
         sum of squares over this rank's shard, allreduced. Returns the norm before clipping."""
         self.reduce_gradients()
         norm = math.sqrt(self.comm.allreduce_scalar(float(B.xp.vdot(self.grad_shard, self.grad_shard)), op="sum"))
-        if norm > max_norm:
-            coef = float(max_norm) / (norm + 1e-6)
+        coef = clip_coefficient(norm, max_norm)
+        if coef is not None:
             (self.flat_grad if self.stage == 1 else self.grad_shard).__imul__(coef)
         return norm
 

@@ -8,6 +8,7 @@ import numpy as np
 
 import mpirt.backend as B
 from mpirt.nn import Module, Parameter
+from mpirt.optim import scale_grads
 from mpirt.tensor import Tensor
 
 from .comm import GatherLastDim
@@ -105,13 +106,7 @@ def clip_grad_norm(params, max_norm: float, comms: dict) -> float:
     """Scale every gradient by ``max_norm / (norm + 1e-6)`` when the global norm (:func:`grad_norm`)
     exceeds ``max_norm``; returns the norm before clipping (non-finite: nothing is scaled)."""
     params = list(params)
-    norm = grad_norm(params, comms)
-    if norm > max_norm:
-        coef = float(max_norm) / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad *= coef
-    return norm
+    return scale_grads(params, grad_norm(params, comms), max_norm)
 
 
 def gather_logits(logits, comm, vocab_size: int):
