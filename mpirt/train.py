@@ -85,6 +85,10 @@ def check_fit(cfg, model_cfg: GPTConfig, data: TokenDataset, layout: dict) -> No
     stages = layout["pp"] * (cfg.chunks if cfg.schedule == "interleaved" else 1)
     if layout["pp"] > 1 and model_cfg.n_layer < stages:
         raise ConfigError(f"pp: n_layer={model_cfg.n_layer} cannot fill pp x chunks = {stages} pipeline stages")
+    available = num_eval_batches(data.val, cfg.batch_size, cfg.seq_len)
+    if cfg.eval_batches > available:
+        raise ConfigError(f"eval_batches: {cfg.eval_batches} requested but the validation split of "
+                          f"{data.directory} holds only {available} batches of {cfg.batch_size} x {cfg.seq_len} tokens")
     if layout["tp"] > 1:
         try:
             TP.check_tp_layout(layout["tp"], n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
@@ -97,10 +101,6 @@ def check_fit(cfg, model_cfg: GPTConfig, data: TokenDataset, layout: dict) -> No
 def evaluate(engine, tokens, grid, *, batches: int, batch_size: int, seq_len: int) -> float:
     """Mean loss over the first ``batches`` x ``batch_size`` consecutive windows of ``tokens``,
     each dp rank taking its rows of every batch; the same number on any layout."""
-    available = num_eval_batches(tokens, batch_size, seq_len)
-    if batches > available:
-        raise ValueError(f"eval_batches: {batches} requested but the validation split holds only "
-                         f"{available} batches of {batch_size} x {seq_len} tokens")
     total = 0.0
     for i in range(batches):
         x, y = get_eval_batch(tokens, i, batch_size=batch_size, seq_len=seq_len,
@@ -112,6 +112,7 @@ def evaluate(engine, tokens, grid, *, batches: int, batch_size: int, seq_len: in
 def main(argv=None) -> dict:
     comm.install_abort_on_error()
     world = comm.world()
+    error = None
     try:
         cfg = parse_args(argv)
         layout = plan_layout(cfg, world.size)
@@ -119,8 +120,12 @@ def main(argv=None) -> dict:
         data = TokenDataset(cfg.data or default_dataset_dir())
         check_fit(cfg, model_cfg, data, layout)
     except (ConfigError, FileNotFoundError, ValueError) as err:
+        error = str(err)
+    failed = comm.first_error(error)  # every rank stops if any rank found a problem
+    if failed is not None:
+        rank, message = failed
         if world.rank == 0:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {message}" if rank == 0 else f"error on rank {rank}: {message}", file=sys.stderr)
         sys.exit(2)
 
     ctx = init_distributed(cfg.seed, cfg.backend, config=cfg.to_dict())  # all ranks: same config
@@ -175,10 +180,13 @@ def main(argv=None) -> dict:
                          dp_rank=grid.coords["dp"], dp_size=dp)
         loss_value = engine.train_step(x, y)
         grad_norm = engine.clip(cfg.grad_clip) if cfg.grad_clip > 0 else None
-        optimizer.step()
+        # a non-finite norm (the same on every rank: it is reduced) means overflow: skip the update
+        skipped = grad_norm is not None and not math.isfinite(grad_norm)
+        if not skipped:
+            optimizer.step()
         B.synchronize()
         dt = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": loss_value, "lr": optimizer.lr, "grad_norm": grad_norm,
+        record = {"step": step + 1, "loss": loss_value, "lr": optimizer.lr, "grad_norm": grad_norm, "skipped": skipped,
                   "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, "mfu": flops_per_step / dt / peak}
         last = step + 1 == end_step
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 or last:
@@ -195,6 +203,7 @@ def main(argv=None) -> dict:
     progress.close()
     metrics.close()
     engine.close()
+    grid.free()
 
     summary = {
         "steps": end_step,

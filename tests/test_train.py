@@ -1,5 +1,6 @@
 """End-to-end tests of ``python -m mpirt.train`` and ``python -m mpirt.sample`` on a tiny model."""
 import json
+import math
 
 import pytest
 
@@ -64,3 +65,13 @@ def test_bad_configuration_is_refused_naming_the_key(tiny_data, tmp_path, args, 
     result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={tmp_path}", *args, check=False)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_a_non_finite_gradient_norm_skips_the_update(tiny_data, tmp_path):
+    """An absurd learning rate overflows the weights; from then on steps are skipped, not applied."""
+    run_module("mpirt.train", *TINY, "--steps=4", "--lr=1e30", "--grad-clip=1", f"--data={tiny_data}",
+               f"--out-dir={tmp_path}", check=False)
+    records = read_metrics(tmp_path)
+    assert records[0]["skipped"] is False
+    assert any(r["skipped"] for r in records[1:])
+    assert all(r["skipped"] == (not math.isfinite(r["grad_norm"])) for r in records)

@@ -5,6 +5,8 @@ losses, the final validation loss and the saved (full, gathered) weights must eq
 single-rank run's with the same global batch.
 """
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -70,6 +72,16 @@ def test_checkpoint_saved_on_one_layout_resumes_on_another(tiny_data, tmp_path, 
     np.testing.assert_allclose(losses, reference[0], rtol=1e-10)
 
 
+def test_an_error_on_one_rank_stops_every_rank(tiny_data, tmp_path):
+    """Rank 1 alone is given a missing dataset: the job ends at once, naming the rank."""
+    args = [*TINY, f"--out-dir={tmp_path}"]
+    cmd = ["mpiexec", "-n", "1", sys.executable, "-m", "mpirt.train", *args, f"--data={tiny_data}", ":",
+           "-n", "1", sys.executable, "-m", "mpirt.train", *args, f"--data={tmp_path / 'missing'}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "error on rank 1" in result.stderr and "missing" in result.stderr
+
+
 @pytest.mark.parametrize("layout, message", [
     (["--dp=1", "--tp=3"], "dp(1)*pp(1)*tp(3)=3 != world size 2"),
     (["--batch-size=6", "--grad-accum=2"], "batch_size"),
@@ -77,6 +89,7 @@ def test_checkpoint_saved_on_one_layout_resumes_on_another(tiny_data, tmp_path, 
     (["--pp=2", "--grad-accum=2"], "grad_accum"),
     (["--pp=2", "--microbatches=3"], "microbatches"),
     (["--pp=2", "--schedule=interleaved", "--model.n_layer=2"], "n_layer=2"),
+    (["--eval-batches=100000"], "eval_batches"),
 ])
 def test_impossible_layouts_are_refused_before_training(tiny_data, tmp_path, layout, message):
     result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={tmp_path}", *layout, ranks=2,

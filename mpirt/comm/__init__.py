@@ -36,11 +36,12 @@ from mpirt.comm.buffers import chunk_bounds
 from mpirt.comm.core import Comm, world_comm
 from mpirt.comm.engines import ENGINES, cuda_aware_mpi, nccl_available, select_engine
 from mpirt.comm.handles import Handle, test_all, wait_all
-from mpirt.comm.job import ANY_SOURCE, ANY_TAG, PROC_NULL, CommError, World, install_abort_on_error, world
+from mpirt.comm.job import (ANY_SOURCE, ANY_TAG, PROC_NULL, CommError, World, first_error, install_abort_on_error,
+                            world)
 from mpirt.comm.registry import CommRecord, CommStats, stats
 
 __all__ = [
     "ANY_SOURCE", "ANY_TAG", "ENGINES", "PROC_NULL", "Comm", "CommError", "CommRecord", "CommStats",
-    "Handle", "World", "chunk_bounds", "cuda_aware_mpi", "install_abort_on_error", "nccl_available",
+    "Handle", "World", "chunk_bounds", "cuda_aware_mpi", "first_error", "install_abort_on_error", "nccl_available",
     "select_engine", "stats", "test_all", "wait_all", "world", "world_comm",
 ]

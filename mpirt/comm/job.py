@@ -40,6 +40,8 @@ def install_abort_on_error() -> None:
     Without this, the other ranks would wait forever in their next collective.
     """
     previous = sys.excepthook
+    if getattr(previous, "mpirt_abort", False):
+        return  # already installed: chaining a second hook would print every traceback twice
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
@@ -47,4 +49,13 @@ def install_abort_on_error() -> None:
         if MPI.COMM_WORLD.size > 1:
             MPI.COMM_WORLD.Abort(1)
 
+    hook.mpirt_abort = True
     sys.excepthook = hook
+
+
+def first_error(message: str | None) -> tuple[int, str] | None:
+    """Collective over the world: ``(rank, message)`` of the lowest rank that passed a message
+    (an error found before training), or None when no rank did. Every rank must call it, so a
+    start-up error on some ranks stops all of them instead of leaving the others waiting."""
+    messages = MPI.COMM_WORLD.allgather(message)  # a few short strings: the pickle path is fine
+    return next(((rank, m) for rank, m in enumerate(messages) if m is not None), None)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
+
 import mpirt.backend as B
 from mpirt.data import split_microbatches
 from mpirt.optim import AdamW, clip_grad_norm
@@ -116,14 +118,27 @@ class PipelineEngine:
         return self.stage.evaluate(x, y)
 
     def full_state(self) -> tuple[dict, dict]:
-        """Full weights and optimizer state of the whole model, on every rank (collective): each
-        stage gathers its tp shards, then the stages exchange their parts (the tied embedding,
-        held by the first and the last stage, is identical in both)."""
+        """Full weights and optimizer state of the whole model, complete on pipeline rank 0
+        (other ranks get their own stage's part). Collective: each stage gathers its tp shards,
+        then every array missing on pp rank 0 is sent there point to point, described first by
+        (name, shape, dtype) so no array travels through pickle. The tied embedding, held by
+        the first and the last stage, is identical in both and taken from the first."""
         weights, state = gather_state(self.model, self.optimizer, self.tp_comm)
-        parts = self.pp_comm.allgather_object((weights, {k: v for k, v in state.items() if hasattr(v, "shape")}))
-        for w, s in parts:
-            weights.update(w)
-            state.update(s)
+        pp = self.pp_comm
+        tables = {"w": weights, "s": state}
+        local = [(t, k, v.shape, v.dtype.str) for t, d in tables.items() for k, v in d.items() if hasattr(v, "shape")]
+        seen = set()
+        for owner, described in enumerate(pp.allgather_object(local)):
+            for table, key, shape, dtype in described:
+                if (table, key) in seen:
+                    continue
+                seen.add((table, key))
+                if owner == 0:
+                    continue
+                if pp.rank == owner:
+                    pp.send(np.ascontiguousarray(tables[table][key]), dest=0)
+                elif pp.rank == 0:
+                    tables[table][key] = pp.recv(np.empty(shape, dtype=dtype), source=owner)
         return weights, state
 
     def load_full_state(self, weights: dict, state: dict | None) -> None:
@@ -135,7 +150,7 @@ class PipelineEngine:
         scatter_state(self.model, self.optimizer, weights, state, self.tp_comm)
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the stage owns no communicators of its own."""
 
 
 def build_engine(cfg, model_cfg, grid, dropout_seed: int):
