@@ -49,7 +49,7 @@ class TrainConfig:
     """Everything one training run needs. Every rank must hold an identical copy."""
 
     model: str = _opt("tiny", "preset name (models/presets), model TOML file or HF GPT-2 dir")
-    data: str = _opt("", "dataset (token file or text); empty = built-in default corpus")
+    data: str = _opt("", "dataset directory (train.bin, val.bin, meta.json); empty = built-in default corpus")
     steps: int = _opt(300, "optimizer steps to train")
     batch_size: int = _opt(8, "GLOBAL batch: sequences per optimizer step, over all ranks")
     seq_len: int = _opt(128, "tokens per sequence (<= the model's n_positions)")
@@ -228,7 +228,7 @@ def help_text() -> str:
         if f.name == "model_overrides":
             continue
         default = json.dumps(f.default)
-        lines.append(f"  --{f.name:<14} {default:<10} {f.metadata['help']}")
+        lines.append(f"  --{f.name:<17} {default:<10} {f.metadata['help']}")
     fields = textwrap.fill(", ".join(_MODEL_TYPES), 96, initial_indent=" " * 4,
                            subsequent_indent=" " * 4)
     lines += ["", "  --model.<field>=VALUE  override one model field (or a [model] table in the",
