@@ -196,7 +196,19 @@ class GPT(Module):
             return logits
         return logits, self.loss_fn(logits, targets)
 
+    # what the registry (models.MODELS) and the pipeline need to know about the class
+    block_class = Block
     tp_plan = TP_PLAN
+
+    @staticmethod
+    def num_parameters_of(cfg: GPTConfig) -> int:
+        """Parameters of the model ``cfg`` describes (module-level :func:`num_parameters`)."""
+        return num_parameters(cfg)
+
+    @staticmethod
+    def flops_per_token_of(cfg: GPTConfig, seq_len: int) -> float:
+        """Training FLOPs per token of the model ``cfg`` describes (module-level :func:`flops_per_token`)."""
+        return flops_per_token(cfg, seq_len)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at ``seq_len`` (see the module-level :func:`flops_per_token`)."""

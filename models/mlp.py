@@ -71,6 +71,18 @@ class MLP(Module):
             return logits
         return logits, lm_loss(logits, targets)
 
+    block_class = MLPBlock  # for the registry (models.MODELS) and the pipeline
+
+    @staticmethod
+    def num_parameters_of(cfg: GPTConfig) -> int:
+        """Parameters of the model ``cfg`` describes (module-level :func:`num_parameters`)."""
+        return num_parameters(cfg)
+
+    @staticmethod
+    def flops_per_token_of(cfg: GPTConfig, seq_len: int = 0) -> float:
+        """Training FLOPs per token of the model ``cfg`` describes (module-level :func:`flops_per_token`)."""
+        return flops_per_token(cfg, seq_len)
+
     def flops_per_token(self, seq_len: int) -> float:
         return flops_per_token(self.config, seq_len)
 

@@ -28,6 +28,7 @@ import numpy as np
 import mpirt.backend as B
 from mpirt import comm as C
 from mpirt.config import ConfigError, config_hash, diff_configs
+from mpirt.sysinfo import mapped_libraries
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -144,16 +145,7 @@ def plan_blas_threads(threads: int | None, local_size: int, env=None,
 @functools.lru_cache(maxsize=None)
 def _openblas():
     """(set, get) ctypes functions of the OpenBLAS loaded in this process, or None."""
-    paths = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1]
-                if "openblas" in os.path.basename(path).lower() and path not in paths:
-                    paths.append(path)
-    except OSError:
-        return None
-    for path in paths:
+    for path in mapped_libraries("openblas"):
         lib = ctypes.CDLL(path)
         for suffix in ("64_", "", "_64"):
             for prefix in ("scipy_openblas", "openblas"):

@@ -145,6 +145,26 @@ class Parameter(Tensor):
         return f"Parameter({self.name!r}, shape={self.shape}, global_shape={self.global_shape}, dtype={self.dtype})"
 
 
+def graph_parameters(root: Tensor) -> list:
+    """The Parameters that ``root`` was computed from (the Parameter leaves of its autograd graph),
+    each once, in the order a depth-first walk from ``root`` first meets them. Linear in the size
+    of the graph. Empty for a leaf or for a Tensor computed without a graph (``no_grad``)."""
+    found: dict[int, Parameter] = {}
+    seen: set[int] = set()
+    stack = [root._ctx] if root._ctx is not None else []
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for x in getattr(fn, "inputs", ()):
+            if isinstance(x, Parameter):
+                found.setdefault(id(x), x)
+            elif isinstance(x, Tensor) and x._ctx is not None:
+                stack.append(x._ctx)
+    return list(found.values())
+
+
 class Module:
     """Base class: attributes that are Parameters or Modules are registered in order."""
 

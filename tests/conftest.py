@@ -1,4 +1,6 @@
-"""Shared fixtures: a tiny prepared dataset and the command line to run mpirt's entry points."""
+"""Shared test helpers: a tiny prepared dataset, the command line to run mpirt's entry points, and
+for the multi-rank tests the verdict every rank agrees on (:func:`agree`) and this rank's group of
+consecutive world ranks (the :func:`group` fixture, freed after the test)."""
 import os
 import subprocess
 import sys
@@ -29,3 +31,43 @@ def run_module(module: str, *args, ranks: int = 0, timeout: float = 240, check: 
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
+
+
+# --- multi-rank helpers ---------------------------------------------------------------------------
+def agree(ok: bool, detail="") -> None:
+    """Assert on every rank that ``ok`` holds on every rank: the per-rank verdicts are gathered
+    over MPI_COMM_WORLD, so one rank failing fails all of them (naming the ranks and their
+    ``detail``) instead of leaving the others waiting. A list of failures reads
+    ``agree(not fails, fails)``."""
+    from mpi4py import MPI
+
+    results = MPI.COMM_WORLD.allgather((bool(ok), str(detail)))
+    bad = {r: d for r, (o, d) in enumerate(results) if not o}
+    assert not bad, f"failed on ranks {sorted(bad)}: {bad}"
+
+
+@pytest.fixture
+def group():
+    """``group(size, axis="world")``: this rank's group of ``size`` consecutive world ranks as a
+    :class:`mpirt.comm.Comm` labelled ``axis``, or None on the ranks left over when ``size`` does
+    not divide the world size. Collective over MPI_COMM_WORLD; every communicator it made is freed
+    when the test ends."""
+    from mpi4py import MPI
+
+    from mpirt.comm import Comm
+
+    made = []
+
+    def make(size: int, axis: str = "world"):
+        world = MPI.COMM_WORLD
+        full = world.size // size * size
+        sub = world.Split(world.rank // size if world.rank < full else MPI.UNDEFINED, world.rank)
+        if sub == MPI.COMM_NULL:
+            return None
+        comm = Comm(sub, axis)
+        made.append(comm)
+        return comm
+
+    yield make
+    for comm in made:
+        comm.free()

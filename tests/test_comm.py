@@ -1,7 +1,7 @@
 """mpirt.comm (Comm collectives and point-to-point, engines, registry) and mpirt.distributed.
 
 Multi-rank tests are valid at any world size. Each collects its failures on every rank and the
-ranks agree on the verdict (``verdict``), so one rank failing never leaves the others waiting.
+ranks agree on the verdict (``conftest.agree``), so one rank failing never leaves the others waiting.
 Data are small integers stored in each dtype, so every sum is exact in any order.
 """
 import ctypes
@@ -21,16 +21,11 @@ from mpirt import distributed as D
 from mpirt.comm import PROC_NULL, Comm, CommError, chunk_bounds
 from mpirt.config import ConfigError, TrainConfig
 
+from conftest import agree
+
 W = MPI.COMM_WORLD
 DTYPES = [np.float32, np.float64, np.int64]
 LAYOUTS = ["contig", "strided", "transposed", "flat"]
-
-
-def verdict(failures: list) -> None:
-    """Assert on every rank together: fails everywhere if any rank collected a failure."""
-    everyone = W.allgather([str(f) for f in failures])
-    bad = {r: f for r, f in enumerate(everyone) if f}
-    assert not bad, f"failures by rank: {bad}"
 
 
 def make(rank: int, layout: str, dtype, salt: int = 0):
@@ -173,6 +168,16 @@ def test_set_blas_threads_limits_the_threads_that_run_a_matmul():
         D.set_blas_threads(previous)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_mapped_libraries_by_substring_or_predicate():
+    from mpirt.sysinfo import mapped_libraries
+    blas = mapped_libraries("OpenBLAS")  # case-insensitive: NumPy's libscipy_openblas...so
+    assert blas and all(os.path.exists(p) and "openblas" in os.path.basename(p).lower() for p in blas)
+    assert len(set(blas)) == len(blas)
+    assert mapped_libraries(lambda name: "openblas" in name.lower()) == blas
+    assert mapped_libraries("no-such-library-here") == []
+
+
 # ------------------------------------------------------------------ world and failure handling
 
 @pytest.mark.mpi(min_size=2)
@@ -223,14 +228,14 @@ def test_allreduce_every_dtype_layout_op_and_mode():
                 out = np.zeros(x.shape, dtype)[..., ::-1]  # a non-contiguous out
                 if c.allreduce(make(c.rank, layout, dtype), op=op, out=out) is not out or not same(out, want):
                     fails.append(f"out= {dtype.__name__} {layout} {op}")
-    verdict(fails)
+    agree(not fails, fails)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_allreduce_scalar():
     c = comm.world_comm()
-    verdict([] if (c.allreduce_scalar(c.rank + 1), c.allreduce_scalar(0.5, "max")) ==
-            (c.size * (c.size + 1) // 2, 0.5) else ["allreduce_scalar"])
+    agree((c.allreduce_scalar(c.rank + 1), c.allreduce_scalar(0.5, "max")) ==
+          (c.size * (c.size + 1) // 2, 0.5), "allreduce_scalar")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -251,7 +256,7 @@ def test_iallreduce_completes_through_test_and_wait():
     h = c.iallreduce(make(c.rank, "contig", np.float32), op="avg")
     if not same(h.wait(), reference([make(r, "contig", np.float32) for r in range(c.size)], "avg")):
         fails.append("wait without test")
-    verdict(fails)
+    agree(not fails, fails)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -269,7 +274,7 @@ def test_reduce_scatter_gives_each_rank_its_chunk():
                 if c.reduce_scatter(make(c.rank, layout, dtype), op=op, out=out) is not out or \
                         not same(out, want[start:stop]):
                     fails.append(f"out= {dtype.__name__} {layout} {op}")
-    verdict(fails)
+    agree(not fails, fails)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -290,7 +295,7 @@ def test_reduce_scatter_then_allgather_flat_equals_allreduce():
     except ValueError as err:
         if "holds 99 elements" not in str(err):
             fails.append(str(err))
-    verdict(fails)
+    agree(not fails, fails)
 
 
 def _rows(rank: int, layout: str, dtype):
@@ -329,7 +334,7 @@ def test_allgather_uneven_rows_any_dtype_and_layout():
     except ValueError as err:
         if "different byte sizes" not in str(err):
             fails.append(str(err))
-    verdict(fails)
+    agree(not fails, fails)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -345,7 +350,7 @@ def test_broadcast_in_place_from_any_root():
                     fails.append(f"root {root} {dtype.__name__} {layout}")
                 if layout == "strided" and not np.array_equal(base[:, 1::2], before[:, 1::2]):
                     fails.append(f"root {root} {dtype.__name__} strided: wrote outside the view")
-    verdict(fails)
+    agree(not fails, fails)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -358,7 +363,7 @@ def test_split_and_barrier():
     half.barrier()
     half.free()
     c.barrier()
-    verdict([] if ok else ["split"])
+    agree(ok, "split")
 
 
 # ------------------------------------------------------------------ point to point
@@ -380,7 +385,7 @@ def test_send_recv_between_pairs_into_non_contiguous_out():
                 c.send(mine, peer, tag=5)
             if not np.array_equal(out, make(peer, "transposed", dtype, 4)) or not (big[:, 1::2] == 3).all():
                 fails.append(dtype.__name__)
-    verdict(fails)
+    agree(not fails, fails)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -397,7 +402,7 @@ def test_isend_irecv_ring_with_preallocated_buffers():
         if results[0] is not outs[1] or not np.array_equal(outs[0], make(prv, "strided", dtype)) or \
                 not np.array_equal(outs[1], make(prv, "flat", dtype)):
             fails.append(dtype.__name__)
-    verdict(fails)
+    agree(not fails, fails)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -418,7 +423,7 @@ def test_recv_of_the_wrong_size_names_source_tag_and_sizes():
             except CommError as err:
                 if not all(w in str(err) for w in words):
                     fails.append(f"tag {tag}: {err}")
-    verdict(fails)
+    agree(not fails, fails)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -431,7 +436,7 @@ def test_proc_null_is_a_no_op():
     h1, h2 = c.isend(np.ones(4), PROC_NULL, tag=9), c.irecv(out, PROC_NULL, tag=9)
     ok = ok and h1.test() and h2.done and h2.wait() is out and (out == 7).all()
     ok = ok and comm.stats.calls("send") == comm.stats.calls("recv") == 0
-    verdict([] if ok else ["PROC_NULL"])
+    agree(ok, "PROC_NULL")
 
 
 # ------------------------------------------------------------------ registry
@@ -455,7 +460,7 @@ def test_registry_counts_calls_and_bytes_per_op_and_axis():
     got = {k: (v["calls"], v["bytes"]) for k, v in s.items()}
     ok = got == want and all(v["seconds"] > 0 for v in s.values()) and len(comm.stats.records) == 8 and \
         comm.stats.records[0] == comm.CommRecord("allreduce", "world", 40, comm.stats.records[0].seconds, "host")
-    verdict([] if ok else [f"got {got}"])
+    agree(ok, f"got {got}")
 
 
 # ------------------------------------------------------------------ the staged engine, on CPU
@@ -508,7 +513,7 @@ def test_staged_engine_copies_to_host_and_back(monkeypatch):
     engines = {r.engine for r in comm.stats.records}
     if engines != {"staged"}:
         fails.append(f"engines {engines}")
-    verdict(fails)
+    agree(not fails, fails)
 
 
 # ------------------------------------------------------------------ distributed start-up
@@ -517,7 +522,7 @@ def test_staged_engine_copies_to_host_and_back(monkeypatch):
 def test_check_same_config_passes_for_identical_configs():
     c = comm.world_comm()
     h = D.check_same_config(c, TrainConfig())
-    verdict([] if len(set(W.allgather(h))) == 1 else ["hashes differ"])
+    agree(len(set(W.allgather(h))) == 1, "hashes differ")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -533,7 +538,7 @@ def test_check_same_config_names_the_key_and_the_rank_on_every_rank():
     except ConfigError as err:
         if f"rank {last} differs from rank 0 in lr" not in str(err):
             fails.append(str(err))
-    verdict(fails)
+    agree(not fails, fails)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -544,7 +549,7 @@ def test_init_distributed_context_and_rank_seeds():
         len(set(seeds)) == W.size and seeds[ctx.rank] == D.derive_seed(42, ctx.rank, "data") and \
         ctx.rank_seed("data") == D.init_distributed(seed=42).rank_seed("data") != ctx.rank_seed("dropout") and \
         ctx.blas_threads is not None and ctx.blas_threads >= 1
-    verdict([] if ok else [repr(ctx)])
+    agree(ok, repr(ctx))
 
 
 # ------------------------------------------------------------------ the NCCL engine, on CPU
@@ -657,4 +662,4 @@ def test_nccl_engine_pads_compacts_and_matches_the_host_results(monkeypatch):
     if {e for op, e in engines if op in ("isend", "irecv")} != {"staged"} or \
             {e for op, e in engines if op not in ("isend", "irecv")} != {"nccl"}:
         fails.append(f"engines {engines}")
-    verdict(fails)
+    agree(not fails, fails)

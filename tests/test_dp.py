@@ -17,6 +17,8 @@ from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel.data import DataParallel
 from models import GPT, GPTConfig
 
+from conftest import agree
+
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=16, n_positions=8, vocab_size=37)
 TOKENS = np.random.default_rng(0).integers(0, 37, 4096).astype(np.uint16)
 SEQ, STEPS, LR, WD = 8, 5, 1e-3, 0.1
@@ -99,13 +101,6 @@ def rel_err(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
 
 
-def agree(ok: bool, detail: str = "") -> None:
-    """Assert on every rank that ``ok`` holds on every rank (failures name the ranks)."""
-    results = MPI.COMM_WORLD.allgather((bool(ok), detail))
-    bad = {r: d for r, (o, d) in enumerate(results) if not o}
-    assert not bad, f"failed on ranks {sorted(bad)}: {bad}"
-
-
 def worst(value: float) -> float:
     """The largest ``value`` over the ranks."""
     return MPI.COMM_WORLD.allreduce(float(value), op=MPI.MAX)
@@ -142,6 +137,16 @@ def dp_run(dtype, *, overlap=True, progress="test", bucket_bytes=1500, accum=1, 
         opt.step()
     dp.close()
     return np.array(losses), grads, {p.name: p.data.copy() for p in model.parameters()}, norms, dp, opt
+
+
+def test_close_stops_the_thread_and_frees_its_communicator():
+    model = make_model("float64")
+    dp = DataParallel(model, dp_comm(), progress="thread")
+    thread_comm = dp._thread_comm
+    assert thread_comm is not None and thread_comm.mpi != MPI.COMM_WORLD
+    dp.close()
+    assert dp._thread is None and dp._thread_comm is None and thread_comm.mpi == MPI.COMM_NULL
+    dp.close()  # idempotent
 
 
 @pytest.mark.mpi(min_size=2)

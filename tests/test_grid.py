@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, agree
 from mpirt.grid import AXES, Grid, axis_groups, check_layout, grid_coords, grid_rank, resolve_dp
 
 
@@ -93,13 +93,6 @@ def test_cli_prints_the_rank_map_without_mpi():
 
 # ------------------------------------------------------------------ under MPI
 
-def _verdict(failures):
-    from mpi4py import MPI
-    everyone = MPI.COMM_WORLD.allgather([str(f) for f in failures])
-    bad = {r: f for r, f in enumerate(everyone) if f}
-    assert not bad, f"failures by rank: {bad}"
-
-
 def _check_grid(grid: Grid, fails: list) -> None:
     """Membership, coordinates, neighbours and axis collectives of ``grid`` against the pure math."""
     from mpi4py import MPI
@@ -154,7 +147,7 @@ def test_grid_data_parallel_only_at_any_size():
     grid = Grid.from_world()
     _check_grid(grid, fails)
     grid.free()
-    _verdict(fails)
+    agree(not fails, fails)
 
 
 @pytest.mark.mpi(min_size=4)
@@ -167,7 +160,7 @@ def test_grid_sub_communicators_neighbours_and_collectives(pp, tp):
     grid = Grid.from_world(pp=pp, tp=tp)
     _check_grid(grid, fails)
     grid.free()
-    _verdict(fails)
+    agree(not fails, fails)
 
 
 @pytest.mark.mpi(min_size=4)
@@ -181,4 +174,4 @@ def test_grid_refuses_a_layout_that_does_not_fill_the_world():
     except ValueError as err:
         if str(err) != f"dp(3)*pp(1)*tp({size})={3 * size} != world size {size}":
             fails.append(str(err))
-    _verdict(fails)
+    agree(not fails, fails)

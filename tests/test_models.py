@@ -101,6 +101,42 @@ def test_build_model_registry():
     assert not np.array_equal(gpt.wte.weight.data, other.wte.weight.data)
 
 
+def test_registry_dispatches_counts_and_blocks_by_model_type():
+    """models.num_parameters / flops_per_token / block_class go through MODELS; an unknown
+    model_type is one ValueError naming it, whichever entry point meets it."""
+    from models import block_class, flops_per_token as model_flops, num_parameters as model_params
+    from models.gpt import Block
+    from models.mlp import MLPBlock
+    gpt_cfg = GPTConfig(**SMALL)
+    mlp_cfg = GPTConfig(model_type="mlp", n_layer=2, n_embd=16, n_inner=24, vocab_size=13, n_positions=8)
+    assert model_params(gpt_cfg) == GPT(gpt_cfg).num_parameters()
+    assert model_flops(gpt_cfg, 16) == flops_per_token(gpt_cfg, 16)
+    assert model_params(mlp_cfg) == mlp_num_parameters(mlp_cfg) == MLP(mlp_cfg).num_parameters()
+    assert model_flops(mlp_cfg, 8) == 6 * mlp_num_parameters(mlp_cfg)
+    assert block_class(gpt_cfg) is Block and block_class(mlp_cfg) is MLPBlock
+    bad = GPTConfig(model_type="rnn")
+    for fn in (build_model, model_params, block_class, lambda c: model_flops(c, 8)):
+        with pytest.raises(ValueError, match="model_type: unknown model 'rnn'; expected one of gpt2, mlp"):
+            fn(bad)
+
+
+def test_graph_parameters_finds_the_leaves_once():
+    """The Parameters a Tensor was computed from, each once (wte is used by embed and head)."""
+    from mpirt.nn import graph_parameters
+    from mpirt.tensor import no_grad
+    model = GPT(GPTConfig(**SMALL), dtype="float64", seed=0)
+    x = np.zeros((1, 2), dtype=np.int64)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in graph_parameters(model.embed(x))) == ["wpe.weight", "wte.weight"]
+    head = graph_parameters(model.head(Tensor(np.zeros((1, 2, SMALL["n_embd"])))))
+    assert sorted(names[id(p)] for p in head) == ["ln_f.bias", "ln_f.weight", "wte.weight"]
+    everything = graph_parameters(model(x))
+    assert len(everything) == len({id(p) for p in everything}) == len(model.parameters())
+    assert graph_parameters(model.wte.weight) == []
+    with no_grad():
+        assert graph_parameters(model(x)) == []
+
+
 def test_gpt2_initialization():
     cfg = GPTConfig(n_layer=8, n_head=4, n_embd=64, n_positions=32, vocab_size=500)
     model = GPT(cfg, seed=0)

@@ -3,7 +3,7 @@
 Multi-rank tests split MPI_COMM_WORLD into groups of the size they need (pp, or dp x pp); every
 complete group runs the same test, leftover ranks only join the verdict, so the tests are valid
 at 2, 4 and 8 ranks. Every rank computes the single-rank reference itself (no communication) and
-compares its own stage's parameters; the verdict is reduced over all ranks (:func:`agree`).
+compares its own stage's parameters; the verdict is reduced over all ranks (:func:`conftest.agree`).
 """
 import numpy as np
 import pytest
@@ -20,6 +20,8 @@ from mpirt.parallel.schedules import ScheduleError, build
 from mpirt.tensor import no_grad
 from models import GPT, GPTConfig
 
+from conftest import agree
+
 TOKENS = np.random.default_rng(0).integers(0, 37, 4096).astype(np.uint16)
 SEQ, BATCH, STEPS, LR, WD = 8, 8, 5, 1e-3, 0.1
 TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -30,25 +32,22 @@ def config(n_layer: int) -> GPTConfig:
 
 
 # --- helpers -----------------------------------------------------------------------------------
-def agree(ok: bool, detail: str = "") -> None:
-    """Assert on every rank that ``ok`` holds on every rank (failures name the ranks)."""
-    results = MPI.COMM_WORLD.allgather((bool(ok), detail))
-    bad = {r: d for r, (o, d) in enumerate(results) if not o}
-    assert not bad, f"failed on ranks {sorted(bad)}: {bad}"
+@pytest.fixture
+def grid(group):
+    """``grid(pp, dp=1, tp=1)``: a Grid over this rank's group of ``pp * dp * tp`` consecutive
+    ranks, or None on leftover ranks; the grids (and their groups) are freed after the test."""
+    grids = []
 
+    def make(pp: int, dp: int = 1, tp: int = 1):
+        comm = group(pp * dp * tp)
+        if comm is None:
+            return None
+        grids.append(Grid(dp, pp, tp, comm))
+        return grids[-1]
 
-def group(size: int):
-    """This rank's group of ``size`` consecutive ranks, or None for leftover ranks."""
-    world = MPI.COMM_WORLD
-    full = world.size // size * size
-    color = world.rank // size if world.rank < full else world.size
-    sub = Comm(world, "world").split(color, key=world.rank)
-    return sub if world.rank < full else None
-
-
-def grid(pp: int, dp: int = 1, tp: int = 1):
-    comm = group(pp * dp * tp)
-    return None if comm is None else Grid(dp, pp, tp, comm)
+    yield make
+    for g in grids:
+        g.free()
 
 
 def batch(step, dp_rank=0, dp_size=1, rows=BATCH):
@@ -158,7 +157,7 @@ CASES = [pytest.param(p, s, marks=pytest.mark.mpi(min_size=p)) for p in (2, 4)
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("pp,schedule", CASES)
-def test_schedule_matches_single_rank(pp, schedule, dtype):
+def test_schedule_matches_single_rank(pp, schedule, dtype, grid):
     cfg = config(4 if pp == 2 else 8)
     chunks = 2 if schedule == "interleaved" else 1
     m = 2 * pp
@@ -168,7 +167,7 @@ def test_schedule_matches_single_rank(pp, schedule, dtype):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
-def test_pp2_dp2_matches_single_rank(schedule):
+def test_pp2_dp2_matches_single_rank(schedule, grid):
     chunks = 2 if schedule == "interleaved" else 1
     ok, detail, _, _ = parity(grid(2, dp=2), config(4), "float64", schedule, 2, chunks)
     agree(ok, detail)
@@ -177,7 +176,7 @@ def test_pp2_dp2_matches_single_rank(schedule):
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
-def test_pp2_tp2_matches_single_rank(schedule, sequence_parallel):
+def test_pp2_tp2_matches_single_rank(schedule, sequence_parallel, grid):
     """Tensor-parallel stages (vocabulary-split tied wte on both ends); with clipping, so the norm
     over pp and tp is checked too."""
     chunks = 2 if schedule == "interleaved" else 1
@@ -188,7 +187,7 @@ def test_pp2_tp2_matches_single_rank(schedule, sequence_parallel):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_clipping_matches_single_rank(dtype):
+def test_clipping_matches_single_rank(dtype, grid):
     """The global grad norm over the stages (tied wte counted once) and the clipped updates."""
     ok, detail, _, _ = parity(grid(2), config(4), dtype, "1f1b", 4, clip=0.05)
     agree(ok, detail)
@@ -196,7 +195,7 @@ def test_clipping_matches_single_rank(dtype):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("split", [[1, 3], [3, 1]])
-def test_uneven_partition(split):
+def test_uneven_partition(split, grid):
     g = grid(2)
     ok, detail, stage, _ = parity(g, config(4), "float64", "1f1b", 4, split=split)
     if stage is not None:
@@ -206,7 +205,7 @@ def test_uneven_partition(split):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_microbatches_not_a_multiple_of_pp():
+def test_microbatches_not_a_multiple_of_pp(grid):
     """1F1B and ZB-H1 take any m (here 3 on 2 stages, and m < p on 4); interleaved refuses."""
     ok, detail, _, _ = parity(grid(2), config(4), "float64", "1f1b", 3, rows=6)
     agree(ok, detail)
@@ -222,7 +221,7 @@ def test_microbatches_not_a_multiple_of_pp():
 
 
 @PP4
-def test_fewer_microbatches_than_stages():
+def test_fewer_microbatches_than_stages(grid):
     ok, detail, _, _ = parity(grid(4), config(8), "float64", "zb-h1", 2, rows=4, steps=2)
     agree(ok, detail)
     ok, detail, _, _ = parity(grid(4), config(8), "float64", "1f1b", 2, rows=4, steps=2)
@@ -230,7 +229,7 @@ def test_fewer_microbatches_than_stages():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_refusals():
+def test_refusals(grid):
     g = grid(2)
     msgs = []
     if g is not None:
@@ -256,7 +255,7 @@ def test_refusals():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_ranks_agree_on_shapes_before_sending():
+def test_ranks_agree_on_shapes_before_sending(grid):
     """Stages given different batch shapes refuse together, before any activation is sent."""
     g = grid(2)
     msg = ""
@@ -272,7 +271,7 @@ def test_ranks_agree_on_shapes_before_sending():
 
 # --- memory: stashed activations measured by the executor ----------------------------------------
 @PP4
-def test_peak_stashed_activations():
+def test_peak_stashed_activations(grid):
     g = grid(4)
     detail, ok = "", True
     if g is not None:
@@ -294,7 +293,7 @@ def test_peak_stashed_activations():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_timers_and_bubble_are_reported():
+def test_timers_and_bubble_are_reported(grid):
     g = grid(2)
     ok, detail = True, ""
     if g is not None:
@@ -307,7 +306,7 @@ def test_timers_and_bubble_are_reported():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_poll_wait_mode():
+def test_poll_wait_mode(grid):
     ok, detail, _, _ = parity(grid(2), config(4), "float64", "zb-h1", 4, steps=2, wait="poll")
     agree(ok, detail)
 

@@ -3,7 +3,7 @@
 Multi-rank tests split MPI_COMM_WORLD into groups of the tp (x dp) size they need, so they are
 valid at any world size that the group size divides (2, 4, 8). Every rank computes the unsharded
 reference itself from the same full weights and data (no communication), runs the sharded version
-in its group, and compares its own slices; the verdict is reduced over all ranks (:func:`agree`)
+in its group, and compares its own slices; the verdict is reduced over all ranks (:func:`conftest.agree`)
 so a failure on one rank fails every rank instead of hanging them.
 """
 import os
@@ -15,7 +15,6 @@ from mpi4py import MPI
 
 from mpirt import comm as C
 from mpirt import ops
-from mpirt.comm import Comm
 from mpirt.data import get_batch
 from mpirt.grid import Grid
 from mpirt.nn import ShardSpec
@@ -26,6 +25,8 @@ from mpirt.tensor import Tensor
 from models import GPT, GPTConfig
 from models.gpt import GPTMLP, CausalSelfAttention
 
+from conftest import agree
+
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=16, n_positions=8, vocab_size=37)  # 37: padded at tp 2, 4
 TOKENS = np.random.default_rng(0).integers(0, 37, 4096).astype(np.uint16)
 SEQ, BATCH, STEPS, LR, WD, CLIP = 8, 8, 5, 3e-3, 0.1, 0.5
@@ -34,27 +35,6 @@ LAYER_TOL = 1e-12  # float64 single layers
 
 
 # --- helpers -----------------------------------------------------------------------------------
-def agree(ok: bool, detail: str = "") -> None:
-    """Assert on every rank that ``ok`` holds on every rank (failures name the ranks)."""
-    results = MPI.COMM_WORLD.allgather((bool(ok), detail))
-    bad = {r: d for r, (o, d) in enumerate(results) if not o}
-    assert not bad, f"failed on ranks {sorted(bad)}: {bad}"
-
-
-def group(n: int):
-    """This rank's group of ``n`` consecutive world ranks (an mpi4py communicator), or None for
-    ranks left over when ``n`` does not divide the world size."""
-    world = MPI.COMM_WORLD
-    full = world.size // n * n
-    sub = world.Split(world.rank // n if world.rank < full else MPI.UNDEFINED, world.rank)
-    return None if sub == MPI.COMM_NULL else sub
-
-
-def tp_group(n: int):
-    g = group(n)
-    return None if g is None else Comm(g, "tp")
-
-
 def rel(a, b) -> float:
     """||a - b|| / ||b|| (L2), 0 for two zero arrays."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -126,12 +106,12 @@ def test_activation_formula_is_exact_on_one_rank():
 # --- single layers -------------------------------------------------------------------------------
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("tp", [2, 4])
-def test_communication_functions(tp):
+def test_communication_functions(tp, group):
     """f, g and the sequence gather / reduce-scatter / scatter: forward values, and backward as the
     adjoint of forward (sum over ranks of <F(x), dy> equals sum over ranks of <x, F^T(dy)>)."""
     if MPI.COMM_WORLD.size < tp:
         pytest.skip(f"needs {tp} ranks")
-    comm = tp_group(tp)
+    comm = group(tp, "tp")
     ok, detail = True, ""
     if comm is not None:
         rng = np.random.default_rng(10 + comm.rank)              # different data on every rank
@@ -166,10 +146,10 @@ def test_communication_functions(tp):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("mode", ["plain", "sp", "sp-no-regather", "gather-output"])
-def test_column_parallel_linear(tp, mode):
+def test_column_parallel_linear(tp, mode, group):
     if MPI.COMM_WORLD.size < tp:
         pytest.skip(f"needs {tp} ranks")
-    comm = tp_group(tp)
+    comm = group(tp, "tp")
     ok, detail = True, ""
     if comm is not None:
         rng = np.random.default_rng(1)
@@ -206,10 +186,10 @@ def test_column_parallel_linear(tp, mode):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sp", [False, True])
-def test_row_parallel_linear(tp, sp):
+def test_row_parallel_linear(tp, sp, group):
     if MPI.COMM_WORLD.size < tp:
         pytest.skip(f"needs {tp} ranks")
-    comm = tp_group(tp)
+    comm = group(tp, "tp")
     ok, detail = True, ""
     if comm is not None:
         rng = np.random.default_rng(2)
@@ -258,10 +238,10 @@ def _module_parity(comm, ref, par, x, dy, sp):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sp", [False, True])
-def test_parallel_mlp_and_attention(tp, sp):
+def test_parallel_mlp_and_attention(tp, sp, group):
     if MPI.COMM_WORLD.size < tp:
         pytest.skip(f"needs {tp} ranks")
-    comm = tp_group(tp)
+    comm = group(tp, "tp")
     ok, detail = True, ""
     if comm is not None:
         cfg = GPTConfig(n_layer=2, n_head=4, n_embd=16, n_positions=8, vocab_size=37)
@@ -285,10 +265,10 @@ def test_parallel_mlp_and_attention(tp, sp):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("vocab", [37, 40])
 @pytest.mark.parametrize("sp", [False, True])
-def test_vocab_parallel_embedding(tp, vocab, sp):
+def test_vocab_parallel_embedding(tp, vocab, sp, group):
     if MPI.COMM_WORLD.size < tp:
         pytest.skip(f"needs {tp} ranks")
-    comm = tp_group(tp)
+    comm = group(tp, "tp")
     ok, detail = True, ""
     if comm is not None:
         rng = np.random.default_rng(4)
@@ -316,10 +296,10 @@ def test_vocab_parallel_embedding(tp, vocab, sp):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("vocab", [37, 40])
-def test_vocab_parallel_cross_entropy(tp, vocab):
+def test_vocab_parallel_cross_entropy(tp, vocab, group):
     if MPI.COMM_WORLD.size < tp:
         pytest.skip(f"needs {tp} ranks")
-    comm = tp_group(tp)
+    comm = group(tp, "tp")
     ok, detail = True, ""
     if comm is not None:
         rng = np.random.default_rng(5)
@@ -412,7 +392,7 @@ def tp_run(grid, dtype, sp, steps=STEPS):
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("layout", [(2, 1), (4, 1), (2, 2)], ids=["tp2", "tp4", "tp2xdp2"])
-def test_gpt_matches_single_rank(layout, sp, dtype):
+def test_gpt_matches_single_rank(layout, sp, dtype, group):
     tp, dp = layout
     if MPI.COMM_WORLD.size < tp * dp:
         pytest.skip(f"needs {tp * dp} ranks")
@@ -429,14 +409,15 @@ def test_gpt_matches_single_rank(layout, sp, dtype):
         kinds = {str(a.dtype) for p in model.parameters() for a in (p.data, p.grad)}
         ok = max(errs.values()) <= TOL[dtype] and kinds == {dtype}
         detail = f"{errs} dtypes {kinds}"
+        grid.free()
     agree(ok, detail)
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_hf_state_dict_loads_into_tp_and_back(sp):
+def test_hf_state_dict_loads_into_tp_and_back(sp, group):
     from models.hf import load_hf_gpt2, save_hf_gpt2
-    comm = tp_group(2)
+    comm = group(2, "tp")
     ok, detail = True, ""
     if comm is not None:
         ref = GPT(CFG, dtype="float32", seed=7)
@@ -456,10 +437,10 @@ def test_hf_state_dict_loads_into_tp_and_back(sp):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_parallelize_slices_current_weights_and_logits_gather(sp):
+def test_parallelize_slices_current_weights_and_logits_gather(sp, group):
     """Without a seed, parallelize keeps the model's current (full) weights: logits gathered over
     the vocabulary equal the unsharded model's."""
-    comm = tp_group(2)
+    comm = group(2, "tp")
     ok, detail = True, ""
     if comm is not None:
         ref = GPT(CFG, dtype="float64", seed=3)
@@ -473,10 +454,10 @@ def test_parallelize_slices_current_weights_and_logits_gather(sp):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_dropout_keeps_replicas_identical(sp):
+def test_dropout_keeps_replicas_identical(sp, group):
     """With dropout, replicated activations draw the same mask on every tp rank (else the
     replicas of the replicated parameters drift apart) and split ones draw distinct masks."""
-    comm = tp_group(2)
+    comm = group(2, "tp")
     ok, detail = True, ""
     if comm is not None:
         cfg = GPTConfig(n_layer=2, n_head=4, n_embd=16, n_positions=8, vocab_size=37, embd_pdrop=0.1,
@@ -532,10 +513,10 @@ def _comm_records(model, x, y, comm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_communication_per_layer(tp, sp):
+def test_communication_per_layer(tp, sp, group):
     if MPI.COMM_WORLD.size < tp:
         pytest.skip(f"needs {tp} ranks")
-    comm = tp_group(tp)
+    comm = group(tp, "tp")
     ok, detail = True, ""
     if comm is not None:
         x, y = batch(0)
@@ -562,8 +543,8 @@ def test_communication_per_layer(tp, sp):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_sequence_parallel_without_regather_mirrors_forward():
-    comm = tp_group(2)
+def test_sequence_parallel_without_regather_mirrors_forward(group):
+    comm = group(2, "tp")
     ok, detail = True, ""
     if comm is not None:
         x, y = batch(0)
@@ -578,10 +559,10 @@ def test_sequence_parallel_without_regather_mirrors_forward():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_activation_memory_matches_formula(tp, sp):
+def test_activation_memory_matches_formula(tp, sp, group):
     if MPI.COMM_WORLD.size < tp:
         pytest.skip(f"needs {tp} ranks")
-    comm = tp_group(tp)
+    comm = group(tp, "tp")
     ok, detail = True, ""
     if comm is not None:
         cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, n_positions=16, vocab_size=37)

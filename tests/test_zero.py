@@ -1,6 +1,6 @@
 """ZeRO stages 1-3 (mpirt.parallel.zero) against the single-rank AdamW run on the same global batch,
 plus per-rank memory against the ZeRO formulas. Valid at any world size; verdicts are reduced over
-the ranks (see test_dp.agree)."""
+the ranks (see conftest.agree)."""
 import contextlib
 import gc
 import shutil
@@ -23,7 +23,8 @@ from mpirt.parallel.state import gather_state, scatter_state
 from mpirt.parallel.zero import ZeroOptimizer
 from mpirt.tensor import no_grad
 from models import GPTConfig
-from test_dp import (LR, STEPS, TOL, WD, agree, batch, dp_comm, global_loss, make_model, max_rel_err,
+from conftest import agree
+from test_dp import (LR, STEPS, TOL, WD, batch, dp_comm, global_loss, make_model, max_rel_err,
                      reference_run, rel_err, worst)
 
 STAGES = [1, 2, 3]

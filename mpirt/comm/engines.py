@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 import mpirt.backend as B
 from mpirt.comm.buffers import _contig, _divide, _mpi_op, chunk_bounds
+from mpirt.sysinfo import mapped_libraries
 
 if TYPE_CHECKING:
     from mpirt.comm.core import Comm
@@ -28,16 +29,7 @@ def cuda_aware_mpi() -> bool:
     mpi4py has no wrapper for it, so the symbol is looked up with ctypes in the process, then in
     the ``libmpi*`` mapped into it; any failure (symbol missing, not Linux) answers False.
     """
-    candidates = [None]
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1]
-                base = os.path.basename(path)
-                if base.startswith(("libmpi.so", "libmpi_")) and path not in candidates:
-                    candidates.append(path)
-    except OSError:
-        pass
+    candidates = [None, *mapped_libraries(lambda name: name.startswith(("libmpi.so", "libmpi_")))]
     for path in candidates:
         try:
             fn = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")

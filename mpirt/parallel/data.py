@@ -42,6 +42,24 @@ import numpy as np
 import mpirt.backend as B
 
 
+def broadcast_parameters(params, comm, root: int = 0) -> None:
+    """Give every rank of ``comm`` the weights of rank ``root``, in place: the parameters grouped
+    by dtype (in order of first appearance), one flat broadcast per dtype. Collective; nothing to
+    do on a single rank."""
+    if comm.size == 1:
+        return
+    params = list(params)
+    for dtype in _dtypes_in_order(params):
+        group = [p for p in params if p.dtype == dtype]
+        flat = B.xp.concatenate([p.data.reshape(-1) for p in group])
+        B.synchronize()
+        comm.broadcast(flat, root=root)
+        offset = 0
+        for p in group:
+            p.data[...] = flat[offset:offset + p.size].reshape(p.shape)
+            offset += p.size
+
+
 class _Bucket:
     """A flat gradient buffer and the parameters whose ``.grad`` are views into it."""
 
@@ -91,7 +109,7 @@ class DataParallel:
         self.overlap, self.progress, self.check_every = bool(overlap), progress, int(check_every)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.names = [getattr(p, "name", "") or f"param{i}" for i, p in enumerate(self.params)]
-        self._broadcast_parameters()
+        broadcast_parameters(self.params, comm)
         self.buckets = self._make_buckets(self.params, int(bucket_bytes))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._fired: set[int] = set()   # params whose hook fired since the last finish
@@ -110,20 +128,6 @@ class DataParallel:
             p.register_hook(self._hook)
 
     # --- construction -----------------------------------------------------------------------
-    def _broadcast_parameters(self) -> None:
-        """Give every dp rank dp rank 0's weights (one broadcast per dtype)."""
-        if self.comm.size == 1:
-            return
-        for dtype in _dtypes_in_order(self.params):
-            group = [p for p in self.params if p.dtype == dtype]
-            flat = B.xp.concatenate([p.data.reshape(-1) for p in group])
-            B.synchronize()
-            self.comm.broadcast(flat, root=0)
-            offset = 0
-            for p in group:
-                p.data[...] = flat[offset:offset + p.size].reshape(p.shape)
-                offset += p.size
-
     @staticmethod
     def _make_buckets(params, bucket_bytes: int) -> list[_Bucket]:
         """Parameters in reverse registration order, cut into buckets of ~bucket_bytes per dtype."""
@@ -257,10 +261,14 @@ class DataParallel:
         return self._thread
 
     def close(self) -> None:
-        """Stop the communication thread, if any (it is a daemon thread: optional at exit)."""
+        """Stop the communication thread, if any, and free its communicator (the thread is a
+        daemon: optional at exit, but a closed DataParallel can no longer use progress="thread")."""
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
+        if self._thread_comm is not None:
+            self._thread_comm.free()
+            self._thread_comm = None
 
     # --- replica consistency and accounting ---------------------------------------------------
     def check_replicas(self) -> None:

@@ -32,54 +32,24 @@ activations and their estimated bytes are in :attr:`PipelineStage.stats` after e
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import math
 import time
 
 import numpy as np
 
 import mpirt.backend as B
-from mpirt.nn import Module, Parameter
-from mpirt.optim import clip_coefficient
+from mpirt.nn import Module, graph_parameters
+from mpirt.optim import FlatGrad, global_grad_norm, scale_grads, sum_over
 from mpirt.parallel.partition import layer_costs, partition
 from mpirt.parallel.pipeline_exec import PipelineExecutor
 from mpirt.parallel.schedule_check import check
 from mpirt.parallel.schedules import Schedule, ScheduleError, build, canonical_name
 from mpirt.tensor import Tensor, no_grad
 
-_BLOCKS = {"gpt2": ("models.gpt", "Block"), "mlp": ("models.mlp", "MLPBlock")}
-
-
 # ---------------------------------------------------------------------------------------------
 # this rank's part of the model
 
 class _Blocks(Module):
     """Blocks registered under their global index, so names read ``h.5.attn...``."""
-
-
-def _block_class(cfg):
-    if cfg.model_type in _BLOCKS:
-        module, name = _BLOCKS[cfg.model_type]
-        return getattr(importlib.import_module(module), name)
-    from models import build_model
-    return type(build_model(dataclasses.replace(cfg, n_layer=1)).h[0])
-
-
-def _leaf_params(out: Tensor) -> list:
-    """The Parameters that ``out`` was computed from."""
-    found, seen, stack = {}, set(), [out._ctx]
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        for x in getattr(fn, "inputs", ()):
-            if isinstance(x, Parameter):
-                found[id(x)] = x
-            elif isinstance(x, Tensor):
-                stack.append(x._ctx)
-    return list(found.values())
-
 
 
 class PipelineStage(PipelineExecutor):
@@ -128,7 +98,7 @@ class PipelineStage(PipelineExecutor):
 
     # -- construction ----------------------------------------------------------------------
     def _build(self, seed: int) -> None:
-        from models import build_model
+        from models import block_class, build_model
         from models.gpt import lm_loss, seed_dropouts
 
         cfg, dtype = self.cfg, str(self.dtype)
@@ -142,8 +112,8 @@ class PipelineStage(PipelineExecutor):
             # embed/head come from the model class itself, built without blocks
             shell = build_model(dataclasses.replace(cfg, n_layer=0), dtype=dtype)
             # which parameters do embed and head use? run each once on a dummy input and look
-            e_params = _leaf_params(shell.embed(B.xp.zeros((1, 1), dtype=np.int64)))
-            h_params = _leaf_params(shell.head(Tensor(B.xp.zeros((1, 1, cfg.n_embd), dtype))))
+            e_params = graph_parameters(shell.embed(B.xp.zeros((1, 1), dtype=np.int64)))
+            h_params = graph_parameters(shell.head(Tensor(B.xp.zeros((1, 1, cfg.n_embd), dtype))))
             used = {id(p) for p in (e_params if self.has_embed else []) + (h_params if self.has_head else [])}
             for name, child in list(shell._modules.items()):
                 if any(id(p) in used for p in child.parameters()):
@@ -160,7 +130,7 @@ class PipelineStage(PipelineExecutor):
             names = {id(p): n for n, p in shell.named_parameters()}
             self.tied_names = sorted(names[id(p)] for p in e_params if any(p is q for q in h_params))
             self.shell = shell
-        blocks, cls = _Blocks(), _block_class(cfg)
+        blocks, cls = _Blocks(), block_class(cfg)
         self.blocks = {}
         for lo, hi in self.chunk_bounds:
             for i in range(lo, hi):
@@ -198,10 +168,10 @@ class PipelineStage(PipelineExecutor):
         """Tensor parallelism inside the stage: the model class's plan applied to this stage's
         modules (entries for the head and loss only on the last stage), then the swapped modules
         handed back to the shell whose embed/head run them."""
-        from models import MODELS
+        from models import model_class
         from mpirt.parallel import tensor as TP
 
-        plan = getattr(MODELS.get(self.cfg.model_type), "tp_plan", None)
+        plan = getattr(model_class(self.cfg), "tp_plan", None)
         if plan is None:
             raise NotImplementedError(f"PipelineStage: model_type {self.cfg.model_type!r} has no tp_plan; "
                                       "tensor parallelism needs one")
@@ -236,20 +206,14 @@ class PipelineStage(PipelineExecutor):
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradients over the pipeline and tp (each element once)."""
-        sq = sum(float(B.xp.vdot(p.grad.reshape(-1), p.grad.reshape(-1))) for p in self._counted)
-        if self.tp > 1:
-            sq = self.grid.comm["tp"].allreduce_scalar(sq)
-        return math.sqrt(self.comm.allreduce_scalar(sq) if self.pp > 1 else sq)
+        tp = self.grid.comm["tp"] if self.tp > 1 else None
+        return global_grad_norm(self._counted, sum_over(tp, self.comm))
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale every gradient by ``max_norm / (norm + 1e-6)`` when the global norm exceeds
         ``max_norm`` (as :func:`mpirt.optim.clip_grad_norm`; both tied copies alike); returns the
         norm before clipping (non-finite: nothing is scaled)."""
-        norm = self.grad_norm()
-        coef = clip_coefficient(norm, max_norm)
-        if coef is not None:
-            self.flat_grad *= coef
-        return norm
+        return scale_grads([FlatGrad(self.flat_grad)], self.grad_norm(), max_norm)
 
     def train_step(self, x, y) -> float:
         """Forward and backward of the batch ``(x, y)`` (this dp replica's rows, split into

@@ -36,7 +36,8 @@ import math
 import mpirt.backend as B
 from mpirt.comm import chunk_bounds
 from mpirt.nn import Module
-from mpirt.optim import adamw_update, clip_coefficient
+from mpirt.optim import FlatGrad, adamw_update, global_grad_norm, scale_grads, sum_over
+from mpirt.parallel.data import broadcast_parameters
 from mpirt.parallel.zero3 import plan_units
 from mpirt.tensor import Tensor
 
@@ -104,7 +105,7 @@ class ZeroOptimizer:
         decay = decay or (lambda p: p.ndim >= 2)
         self._decayed = {id(p): bool(decay(p)) for p in self.params}  # before stage 3 empties p.data
         self._shapes = {id(p): tuple(p.shape) for p in self.params}
-        self._broadcast_parameters()
+        broadcast_parameters(self.params, comm)
 
         if stage == 3:
             self.units, groups = plan_units(self, units)
@@ -140,17 +141,6 @@ class ZeroOptimizer:
                 self.grad_shard = xp.zeros(offset, dtype=self.dtype)
 
     # --- construction -----------------------------------------------------------------------
-    def _broadcast_parameters(self) -> None:
-        if self.size == 1:
-            return
-        flat = B.xp.concatenate([p.data.reshape(-1) for p in self.params])
-        B.synchronize()
-        self.comm.broadcast(flat, root=0)
-        offset = 0
-        for p in self.params:
-            p.data[...] = flat[offset:offset + p.size].reshape(p.shape)
-            offset += p.size
-
     def _decay_runs_of_shard(self) -> list[tuple[int, int]]:
         """Maximal [start, stop) runs of the shard that belong to decayed parameters."""
         runs = []
@@ -273,11 +263,8 @@ class ZeroOptimizer:
         scale by ``max_norm / (norm + 1e-6)`` when the norm exceeds ``max_norm``. The norm is the
         sum of squares over this rank's shard, allreduced. Returns the norm before clipping."""
         self.reduce_gradients()
-        norm = math.sqrt(self.comm.allreduce_scalar(float(B.xp.vdot(self.grad_shard, self.grad_shard)), op="sum"))
-        coef = clip_coefficient(norm, max_norm)
-        if coef is not None:
-            (self.flat_grad if self.stage == 1 else self.grad_shard).__imul__(coef)
-        return norm
+        norm = global_grad_norm([FlatGrad(self.grad_shard)], sum_over(self.comm))
+        return scale_grads([FlatGrad(self.flat_grad if self.stage == 1 else self.grad_shard)], norm, max_norm)
 
     def step(self) -> None:
         """One AdamW update of this rank's shard; stages 1-2 then all-gather the parameters."""

@@ -17,7 +17,7 @@ import contextlib
 import numpy as np
 
 import mpirt.backend as B
-from mpirt.nn import Dropout, Parameter
+from mpirt.nn import Dropout, graph_parameters
 from mpirt.tensor import Function, Tensor, enable_grad, no_grad
 
 
@@ -66,7 +66,7 @@ def _discover_unit_params(opt, units) -> list[list]:
         for k, (obj, name) in enumerate(units):
             inp = x if k == 0 else Tensor(x, requires_grad=True)
             out = getattr(obj, name)(inp)
-            used.append(_graph_parameters(out))
+            used.append(graph_parameters(out))
             x = out.data
     _restore_dropouts(saved)
     return used
@@ -138,22 +138,6 @@ class _ZeroUnit(Function):
         _restore_dropouts(after)
         arg_grads = [x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in ins]
         return (*arg_grads, *shard_grads)
-
-
-def _graph_parameters(out: Tensor) -> list:
-    """The Parameters that are leaves of the graph ending at ``out``."""
-    found, seen, stack = [], set(), [out._ctx] if out._ctx is not None else []
-    while stack:
-        fn = stack.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        for x in fn.inputs:
-            if isinstance(x, Parameter) and id(x) not in {id(q) for q in found}:
-                found.append(x)
-            elif isinstance(x, Tensor) and x._ctx is not None:
-                stack.append(x._ctx)
-    return found
 
 
 def _dropout_state(model) -> list:

@@ -2,13 +2,11 @@
 sequence-parallel replicated parameters, global gradient norms and clipping, gathered logits."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 import mpirt.backend as B
 from mpirt.nn import Module, Parameter
-from mpirt.optim import scale_grads
+from mpirt.optim import global_grad_norm, scale_grads, sum_over
 from mpirt.tensor import Tensor
 
 from .comm import GatherLastDim
@@ -88,18 +86,9 @@ def grad_norm(params, comms: dict) -> float:
     gradients are identical, such as dp after averaging). Each element counts once: a parameter
     split over an axis contributes its shard on every rank of that axis; one replicated over it
     only on that axis's rank 0. Padded vocabulary rows have zero gradient."""
-    xp = B.xp
-    sq = 0.0
-    for p in params:
-        if p.grad is None:
-            continue
-        if any(axis not in p.spec.dims and c.rank != 0 for axis, c in comms.items()):
-            continue
-        g = p.grad.reshape(-1)
-        sq += float(xp.vdot(g, g))
-    for c in comms.values():
-        sq = c.allreduce_scalar(sq) if c.size > 1 else sq
-    return math.sqrt(sq)
+    counted = [p for p in params
+               if not any(axis not in p.spec.dims and c.rank != 0 for axis, c in comms.items())]
+    return global_grad_norm(counted, sum_over(*comms.values()))
 
 
 def clip_grad_norm(params, max_norm: float, comms: dict) -> float:

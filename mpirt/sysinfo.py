@@ -1,0 +1,36 @@
+"""What the running process has loaded: the shared libraries mapped into it (Linux ``/proc/self/maps``).
+
+Used to find the OpenBLAS behind NumPy (:mod:`mpirt.distributed`, thread control) and the MPI
+library behind mpi4py (:mod:`mpirt.comm.engines`, CUDA-aware MPI detection) without importing
+anything new.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+
+def mapped_libraries(match: str | Callable[[str], bool]) -> list[str]:
+    """Paths of the files mapped into this process whose file name matches, each once, in map order.
+
+    ``match``: a substring of the file name (case-insensitive), or a predicate on the file name
+    (``os.path.basename`` of the path). ``[]`` where ``/proc/self/maps`` cannot be read (not Linux).
+    """
+    if isinstance(match, str):
+        needle = match.lower()
+
+        def match(name: str) -> bool:
+            return needle in name.lower()
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                if not fields:
+                    continue
+                path = fields[-1]
+                if match(os.path.basename(path)) and path not in paths:
+                    paths.append(path)
+    except OSError:
+        return []
+    return paths
