@@ -14,15 +14,16 @@ from models import build_model
 from models.config import GPTConfig
 
 
-def generate(model, ids: list[int], n_positions: int, *, tokens: int, temperature: float, top_k: int,
+def generate(model, ids: list[int], context: int, *, tokens: int, temperature: float, top_k: int,
              rng: np.random.Generator) -> list[int]:
-    """Extend ``ids`` by ``tokens`` tokens sampled from ``model`` (context cropped to n_positions)."""
+    """Extend ``ids`` by ``tokens`` tokens sampled from ``model``, seeing at most the last
+    ``context`` tokens (the sequence length it was trained on: later positions are untrained)."""
     ids = list(ids)
     model.eval()
     with no_grad():
         for _ in range(tokens):
-            context = B.asarray(np.asarray(ids[-n_positions:], dtype=np.int64)[None, :])
-            logits = B.to_host(model(context).data[0, -1]).astype(np.float64)  # (V,)
+            window = B.asarray(np.asarray(ids[-context:], dtype=np.int64)[None, :])  # (1, T)
+            logits = B.to_host(model(window).data[0, -1]).astype(np.float64)  # (V,)
             if temperature == 0:
                 ids.append(int(logits.argmax()))
                 continue
@@ -54,7 +55,8 @@ def main(argv=None) -> str:
     prompt_ids = data.encode(args.prompt)
     if not prompt_ids:
         parser.exit(2, "error: --prompt encodes to no tokens\n")
-    ids = generate(model, prompt_ids, model_cfg.n_positions, tokens=args.tokens, temperature=args.temperature,
+    context = min(model_cfg.n_positions, meta["config"].get("seq_len", model_cfg.n_positions))
+    ids = generate(model, prompt_ids, context, tokens=args.tokens, temperature=args.temperature,
                    top_k=args.top_k, rng=np.random.default_rng(args.seed))
     text = data.decode(ids)
     sys.stdout.write(text + "\n")
