@@ -68,8 +68,10 @@ def test_checkpoint_saved_on_one_layout_resumes_on_another(tiny_data, tmp_path, 
     out = tmp_path / "run"
     run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={out}", *first, "--stop-after=3",
                ranks=2)
-    losses, _, _ = run(tiny_data, out, *then, f"--init-from={out / 'ckpt'}", ranks=2)
-    np.testing.assert_allclose(losses, reference[0], rtol=1e-10)
+    losses, _, weights = run(tiny_data, out, *then, f"--init-from={out / 'ckpt'}", ranks=2)
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-10)  # steps 1-3 first run, 4-5 resumed
+    for name, w in reference[2].items():
+        np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
 def test_an_error_on_one_rank_stops_every_rank(tiny_data, tmp_path):
