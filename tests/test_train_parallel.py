@@ -46,6 +46,8 @@ def reference(tiny_data, tmp_path_factory):
     (2, ["--pp=2", "--schedule=interleaved", "--microbatches=4"]),
     (2, ["--pp=2", "--schedule=zb", "--microbatches=4"]),
     (4, ["--pp=4", "--schedule=1f1b", "--microbatches=4"]),
+    (4, ["--pp=4", "--schedule=gpipe", "--microbatches=8"]),
+    (4, ["--pp=4", "--schedule=zb", "--microbatches=4"]),
     (4, ["--pp=2", "--dp=2"]),
     (4, ["--pp=2", "--tp=2", "--sequence-parallel"]),
 ], ids=lambda v: v if isinstance(v, int) else " ".join(v))
