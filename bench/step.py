@@ -26,20 +26,12 @@ CASES = {  # name -> (model overrides on the tiny preset, batch, seq_len)
 
 
 def set_threads(n: int) -> None:
-    """Give OpenBLAS (NumPy), mpirt's elementwise pool and PyTorch the same number of threads."""
-    import ctypes
+    """Give PyTorch and mpirt the same number of threads. mpirt's pool runs its GEMMs too, with
+    NumPy's OpenBLAS set to one thread per pool thread (see ``mpirt.threads``)."""
     import torch
     import mpirt.threads
     torch.set_num_threads(n)
     mpirt.threads.set_num_threads(n)
-    for line in open("/proc/self/maps"):
-        if "openblas" in line:
-            lib = ctypes.CDLL(line.split()[-1])
-            for fn in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
-                       "openblas_set_num_threads"):
-                if hasattr(lib, fn):
-                    getattr(lib, fn)(n)
-                    return
 
 
 def time_steps(steps, repeats: int, rounds: int = 3) -> list[float]:

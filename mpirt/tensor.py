@@ -16,7 +16,7 @@ import contextlib
 
 import mpirt.backend as B
 from mpirt.hostalloc import keep_freed_memory
-from mpirt.threads import for_blocks
+from mpirt.threads import LIGHT_BLOCK, for_blocks
 
 keep_freed_memory()  # reuse freed host memory across steps instead of page-faulting it back in
 
@@ -305,7 +305,7 @@ def _accumulate(dst, g) -> None:
     """``dst += g`` on all threads when both are contiguous arrays of one shape, else plainly
     (``g`` may be a broadcast view or of another dtype)."""
     if g.shape == dst.shape and g.flags.c_contiguous and dst.flags.c_contiguous:
-        for_blocks(B.xp.add, dst.reshape(-1), g.reshape(-1), dst.reshape(-1))
+        for_blocks(B.xp.add, dst.reshape(-1), g.reshape(-1), dst.reshape(-1), block=LIGHT_BLOCK)
     else:
         dst += g
 

@@ -1,31 +1,52 @@
-"""Blocked elementwise passes, spread over a small persistent thread pool (NumPy on CPU).
+"""mpirt's CPU threads: one small persistent pool runs both the GEMMs and the elementwise passes.
 
-BLAS runs every GEMM on all cores, but a NumPy ufunc or reduction runs on one. In a training step
-the passes between the GEMMs (layer norm, GELU, softmax, cross-entropy, gradient accumulation,
-AdamW) then leave the other cores idle. NumPy releases the GIL inside ufunc loops and reductions,
-so cutting such a pass into row blocks and handing the blocks to a few threads uses those cores.
+NumPy runs a ufunc or a reduction on one core. NumPy releases the GIL inside ufunc loops,
+reductions and BLAS calls, so cutting a pass into row blocks and handing the blocks to a few
+threads uses every core for the passes between the GEMMs too (layer norm, GELU, softmax,
+cross-entropy, gradient accumulation, AdamW). :func:`for_blocks` does that.
 
-:func:`for_blocks` is the one entry point. Its blocks are also cache-sized (``BLOCK`` elements), so
-a kernel that makes several passes over a block (max, subtract, exp, sum ...) reads it from memory
-once instead of once per pass. On CuPy, for small arrays and with one thread, the kernel runs once
-on the whole arrays: the code that calls it is the same for both backends.
+Why the pool also runs the GEMMs: left multithreaded, OpenBLAS keeps its worker threads spinning
+for a while after each call (busy-waiting, not yielding), and a pool thread woken right after a
+GEMM then finds no free core: measured on 2 cores, a blocked GELU pass ran in 3.5 ms after a GEMM
+with single-threaded OpenBLAS and 6.8 ms with 2-thread OpenBLAS (no faster than on one thread).
+So :func:`set_num_threads` (or the first use) sets NumPy's OpenBLAS to one thread whenever it
+can reach it, and with more than one thread :func:`matmul` splits each product over the pool
+(as fast as OpenBLAS's own threading: 5.8 ms against 5.6 ms for (1024, 512) @ (512, 1536)), while
+:func:`run_tasks` runs two small independent products side by side. Products computed with plain
+``@`` outside mpirt's ops run on one core. Without access to the BLAS library (another BLAS, no
+``/proc``) the BLAS keeps its own threads and products are not split.
+
+Blocks are ``BLOCK`` elements: several passes over one block find it in cache, and blocks are
+long enough that threads rarely wait for the GIL between ufunc calls. Waking a pool thread costs
+about 80 us here, so small work stays on the calling thread. On CuPy, with one thread and for
+arrays of one block, kernels run once on the whole arrays: the calling code is the same for
+every backend.
 
 The thread count defaults to ``MPIRT_NUM_THREADS``, else ``OPENBLAS_NUM_THREADS`` /
-``OMP_NUM_THREADS``, else the usable cores divided by the MPI ranks on this node; set it with
-:func:`set_num_threads` (use the BLAS thread count).
+``OMP_NUM_THREADS``, else the usable cores divided by the MPI ranks on this node.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import mpirt.backend as B
+from mpirt.sysinfo import mapped_libraries
 
-BLOCK = 1 << 16       # elements per block: 256 KiB of float32, several arrays fit in L2
-MIN_PARALLEL = 1 << 17  # below this many elements a dispatch to the pool costs more than it saves
+# Elements per block (1 MiB of float32). Smaller blocks stay in L1/L2 but the threads then spend
+# their time handing the GIL back and forth between short ufunc calls: measured on 2 cores, a
+# GELU pass over 2M elements took 10.4 ms at 16K-element blocks, 4.0 ms at 256K and 7.5 ms whole.
+BLOCK = 1 << 18
+# Waking a pool thread takes about 80 us on these machines (an idle virtual CPU), so a kernel that
+# makes a single cheap pass (an add, a fill, a scale) goes parallel only from 2 blocks of this size.
+LIGHT_BLOCK = 1 << 20
+MIN_SPLIT_MACS = 1 << 24  # smaller products are not worth waking a pool thread (~80 us here)
+MAX_TASK_MACS = 1 << 28   # larger products are split rather than run side by side (run_tasks)
 
 _num_threads: int | None = None
+_split_gemms = False      # True while this pool runs the GEMMs and OpenBLAS is single-threaded
 _pool: ThreadPoolExecutor | None = None
 _in_worker = threading.local()
 
@@ -41,29 +62,56 @@ def default_num_threads() -> int:
 
 
 def num_threads() -> int:
-    """Threads :func:`for_blocks` uses (the calling thread included)."""
-    global _num_threads
+    """Threads the pool uses (the calling thread included)."""
     if _num_threads is None:
-        _num_threads = default_num_threads()
+        set_num_threads(default_num_threads())
     return _num_threads
 
 
 def set_num_threads(n: int) -> None:
-    """Use ``n`` threads (the calling thread included) from now on; 1 turns the pool off."""
-    global _num_threads, _pool
+    """Use ``n`` threads (the calling thread included) for mpirt's GEMMs and passes; 1 turns the
+    pool off. Sets NumPy's OpenBLAS to one thread when it can (see the module docstring)."""
+    global _num_threads, _pool, _split_gemms
     if n < 1:
         raise ValueError(f"set_num_threads: need n >= 1, got {n}")
     if _pool is not None and n != _num_threads:
         _pool.shutdown(wait=True)
         _pool = None
     _num_threads = int(n)
+    set_blas = _openblas_set_num_threads()
+    if set_blas is not None:
+        set_blas(1)
+    _split_gemms = set_blas is not None and n > 1
+
+
+def _openblas_set_num_threads():
+    """The ``set_num_threads`` function of the OpenBLAS that NumPy loaded, or None."""
+    for path in mapped_libraries("openblas"):
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                     "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_int], None
+                return fn
+    return None
 
 
 def _executor() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=num_threads() - 1, thread_name_prefix="mpirt-blocks")
+        _pool = ThreadPoolExecutor(max_workers=num_threads() - 1, thread_name_prefix="mpirt")
     return _pool
+
+
+def _forget_pool_in_child() -> None:
+    """A forked child has none of the parent's threads: it starts its own pool when it needs one."""
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def _drain(kernel, arrays, bounds, next_block, results, worker: bool) -> None:
@@ -78,25 +126,24 @@ def _drain(kernel, arrays, bounds, next_block, results, worker: bool) -> None:
         results[i] = kernel(*(None if a is None else a[lo:hi] for a in arrays))
 
 
-def for_blocks(kernel, *arrays, block: int | None = None) -> list:
+def for_blocks(kernel, *arrays, block: int | None = None, blas: bool = False) -> list:
     """Call ``kernel(*parts)`` on row blocks of ``arrays``; return the kernel's results in block order.
 
     ``arrays`` share their leading dimension (their "rows"); each call gets the same row range
-    ``a[lo:hi]`` of every array (None stays None), about ``block`` elements of the first one. A kernel writes its
-    output into one of the parts (or returns a small per-block result, e.g. a partial sum) and
-    must not touch rows outside its parts. Blocks run in any order on any thread; the returned
-    list is in block order, so reductions over it are deterministic.
+    ``a[lo:hi]`` of every array (None stays None), about ``block`` (default ``BLOCK``) elements
+    of the first one; arrays of at most one block go to the kernel whole, in one call. A kernel
+    writes its output into one of the parts (or returns a small per-block result, e.g. a partial
+    sum) and must not touch rows outside its parts. Blocks run in any order on any thread; the
+    returned list is in block order, so reductions over it are deterministic. A kernel that calls
+    BLAS passes ``blas=True``: it then runs whole unless this pool is running the GEMMs.
     """
     first = arrays[0]
     rows = first.shape[0] if first.ndim else 1
-    threads = num_threads()
-    if (B.name != "numpy" or first.ndim == 0 or rows < 2 or first.size < MIN_PARALLEL
-            or getattr(_in_worker, "active", False)):
+    count = min(rows, -(-first.size // (block or BLOCK)))  # blocks of about `block` elements
+    if (B.name != "numpy" or count < 2 or getattr(_in_worker, "active", False)
+            or (blas and not (num_threads() > 1 and _split_gemms))):
         return [kernel(*arrays)]
-    per_row = max(1, first.size // rows)
-    step = max(1, (block or BLOCK) // per_row)
-    bounds = list(range(0, rows, step)) + [rows]
-    count = len(bounds) - 1
+    bounds = [rows * i // count for i in range(count + 1)]
     results = [None] * count
     lock, cursor = threading.Lock(), iter(range(count))
 
@@ -104,7 +151,7 @@ def for_blocks(kernel, *arrays, block: int | None = None) -> list:
         with lock:
             return next(cursor, None)
 
-    helpers = min(threads, count) - 1
+    helpers = min(num_threads(), count) - 1
     futures = [_executor().submit(_drain, kernel, arrays, bounds, next_block, results, True)
                for _ in range(helpers)]
     try:
@@ -117,9 +164,103 @@ def for_blocks(kernel, *arrays, block: int | None = None) -> list:
     return results
 
 
+def run_tasks(*tasks, macs: int = 0) -> list:
+    """Run independent zero-argument functions concurrently, one per thread, each on one core
+    (GEMMs and passes inside them are not split); return their results in order.
+
+    Two small products of a backward pass (input and weight gradient) run faster side by side,
+    each whole on its own core, than one after the other, each split: one wake-up instead of two,
+    and a small GEMM runs better whole than in halves (tiny GPT: 21 ms against 28 ms per step).
+    Large ones (``macs``, the multiply-adds of the largest task, from ``MAX_TASK_MACS``) run one
+    after the other, each split: side by side they compete for memory bandwidth (the 50257-token
+    head's backward took 466 ms against 391 ms). Sequential with one thread, or when the BLAS
+    keeps its own threads.
+    """
+    if (B.name != "numpy" or len(tasks) < 2 or num_threads() < 2 or not _split_gemms
+            or macs >= MAX_TASK_MACS or getattr(_in_worker, "active", False)):
+        return [t() for t in tasks]
+    futures = [_executor().submit(_serial, t) for t in tasks[1:]]
+    try:
+        first = _serial(tasks[0], caller=True)
+    finally:
+        for f in futures:  # the arrays stay in use until every helper is done
+            f.exception()
+    return [first] + [f.result() for f in futures]
+
+
+def _serial(task, caller: bool = False):
+    """Run ``task`` with this thread's blocked passes and products kept on this thread."""
+    _in_worker.active = True
+    try:
+        return task()
+    finally:
+        if caller:
+            _in_worker.active = False
+
+
+def matmul(a, b, bias=None):
+    """``a @ b (+ bias)`` for ``a`` (..., M, K) and a 2-D ``b`` (K, N), or both batched with one
+    batch shape, split over the pool: by rows of ``a``, by columns of ``b`` when ``b`` is the
+    larger operand (each thread then packs only its part of it), or along K when K is much the
+    longest dimension (partial products added). A ``bias`` (N,) (2-D ``b`` only) is added to each
+    block of the result while it is in cache. CuPy and small products go to ``xp.matmul`` whole."""
+    xp = B.xp
+    if B.name != "numpy" or num_threads() < 2 or not _split_gemms or a.ndim < 2 or b.ndim < 2 \
+            or a.shape[-1] * b.shape[-1] * (a.size // a.shape[-1]) < MIN_SPLIT_MACS \
+            or (b.ndim > 2 and a.shape[:-2] != b.shape[:-2]):
+        out = xp.matmul(a, b)
+        if bias is not None:
+            out += bias
+        return out
+    out_dtype = xp.result_type(a, b)
+    if b.ndim > 2:
+        out = xp.empty((*a.shape[:-1], b.shape[-1]), dtype=out_dtype)
+        for_blocks(lambda ap, bp, op: xp.matmul(ap, bp, out=op), a, b, out,
+                   block=-(-a.size // num_threads()), blas=True)
+        return out
+    a2 = a.reshape(-1, a.shape[-1])
+    (m, k), n = a2.shape, b.shape[1]
+    if k >= 16 * max(m, n):  # a long inner dimension (a vocabulary): split it, add the partials
+        parts = for_blocks(lambda bk, at: xp.matmul(at.T, bk), b, a2.T,
+                           block=-(-b.size // num_threads()), blas=True)
+        out = parts[0]                                      # fresh products: add in place
+        for part in parts[1:]:
+            out += part
+        if bias is not None:
+            out += bias
+        return out.reshape(*a.shape[:-1], n)
+    out = xp.empty((m, n), dtype=out_dtype)
+    if b.size > a2.size:
+        def columns(bt, ot, bias_part):
+            xp.matmul(a2, bt.T, out=ot.T)
+            if bias_part is not None:
+                ot += bias_part[:, None]
+        for_blocks(columns, b.T, out.T, bias, block=-(-b.size // num_threads()), blas=True)
+    else:
+        def rows(ap, op):
+            xp.matmul(ap, b, out=op)
+            if bias is not None:
+                op += bias
+        for_blocks(rows, a2, out, block=-(-a2.size // num_threads()), blas=True)
+    return out.reshape(*a.shape[:-1], b.shape[1])
+
+
+def add_up(parts):
+    """The sum of per-block partial results, added in block order (deterministic)."""
+    total = parts[0].copy()
+    for p in parts[1:]:
+        total += p
+    return total
+
+
+def sum_rows(a):
+    """``a.sum(axis=0)`` of a 2-D array, on all threads."""
+    return add_up(for_blocks(lambda part: part.sum(axis=0), a, block=LIGHT_BLOCK))
+
+
 def fill_zero(a) -> None:
     """``a.fill(0)``, on all threads when ``a`` is a large contiguous NumPy array."""
     if a.flags.c_contiguous:
-        for_blocks(lambda part: part.fill(0), a.reshape(-1))
+        for_blocks(lambda part: part.fill(0), a.reshape(-1), block=LIGHT_BLOCK)
     else:
         a.fill(0)

@@ -202,7 +202,6 @@ def test_cross_entropy_matches_torch_value_and_gradient():
 def test_cross_entropy_chunked_forward_matches_torch(monkeypatch):
     """The forward runs a few rows at a time; force uneven blocks of 2 rows at this tiny size."""
     import mpirt.threads as threads
-    monkeypatch.setattr(threads, "MIN_PARALLEL", 0)
     monkeypatch.setattr(threads, "BLOCK", 2 * 9)
     logits, targets = 4 * normal(7, 9), _rng(2).integers(0, 9, 7)
     targets[3] = -100
@@ -333,6 +332,10 @@ def test_scatter_add_rows_matches_add_at(vocab, n):
     got = scatter_add_rows(ids, rows, vocab)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    base = _rng(5).standard_normal((vocab, 6)).astype(np.float32)  # adds into an existing buffer
+    out = base.copy()
+    assert scatter_add_rows(ids, rows, out=out) is out
+    np.testing.assert_allclose(out, base + want, rtol=1e-5, atol=1e-6)
 
 
 def test_embedding_forward_and_validation():

@@ -5,22 +5,33 @@ The input is GPT-2's ``c_attn`` output, ``qkv`` of shape (B, T, 3C): ``q = qkv[.
 (``D = C // n_head``). The output (B, T, C) has the heads merged back in the same order.
 
 Memory: the forward keeps one (B, H, T, T) array, the probabilities (mask and softmax are done in
-place on the score array); the backward allocates one more, ``dP = dO V^T``, and turns it in place
-into the score gradient ``dS = P * (dP - rowsum(dP * P))``, where ``rowsum(dP * P) = rowsum(dO * O)``
-is taken on the (B, T, C) output instead of the (B, H, T, T) arrays. Heads are never copied out of
-``qkv``: batched matmul on the strided (B, H, T, D) views costs the same as on contiguous copies
-(measured, NumPy + OpenBLAS); the products are copied into the merged (B, T, C) output and
-into one (B, T, 3C) gradient (see :func:`_merge_heads`). The softmax and the score-gradient
-passes run a few heads at a time on all threads (:func:`~mpirt.threads.for_blocks`).
+place on the score array); the backward turns ``dP = dO V^T`` in place into the score gradient
+``dS = P * (dP - rowsum(dP * P))``, where ``rowsum(dP * P) = rowsum(dO * O)`` is taken on the
+(B, T, C) output instead of the (B, H, T, T) arrays. Heads are never copied out of ``qkv``: batched
+matmul on the strided (B, H, T, D) views costs the same as on contiguous copies (measured, NumPy +
+OpenBLAS); the products are copied into the merged (B, T, C) output and into one (B, T, 3C)
+gradient (see :func:`_merge_heads`).
+
+Causality skips work: queries go in chunks of ``QUERY_CHUNK``, and a chunk's scores, products and
+softmax cover only the keys up to its last query. Entries of the probability array above those
+blocks are never written or read. Both passes run a few batch rows at a time on mpirt's threads
+(:func:`~mpirt.threads.for_blocks`), GEMMs included: a block's scores stay in cache from the
+product through the softmax, and the backward holds one chunk's ``dP`` at a time instead of a
+second (B, H, T, T) array.
 """
 from __future__ import annotations
 
 import math
 
 import mpirt.backend as B
-from mpirt.ops.nn import _check_p, dropout_mask
+from mpirt.ops.dropout import _check_p, dropout_mask
 from mpirt.tensor import Function
 from mpirt.threads import for_blocks
+
+# Queries per chunk. Chunk [q0, q1) needs keys [0, q1) only, so n chunks compute (n + 1) / 2n of
+# the (T, T) scores, products and softmax: 5/8 at T = 256. Smaller chunks skip more but make
+# thinner GEMMs and more calls.
+QUERY_CHUNK = 64
 
 
 def _heads(a, n_head):
@@ -36,11 +47,18 @@ def _causal_bias(t, dtype):
     return xp.where(xp.tri(t, t, 0, dtype=bool), 0.0, -math.inf).astype(dtype, copy=False)
 
 
+def _query_chunks(t):
+    """Bounds of the query chunks: chunk ``[q0, q1)`` attends to keys ``[0, q1)`` only."""
+    n = max(1, t // QUERY_CHUNK)
+    return [t * i // n for i in range(n + 1)]
+
+
 def _merge_heads(src, dst, scale=None) -> None:
     """Write (B, H, T, D) ``src`` (times ``scale``) into (B, T, H*D) ``dst``, heads side by side.
 
-    Products go to a contiguous array first and are copied here: NumPy's matmul with a strided
-    ``out=`` takes a slow non-BLAS loop (measured 40x slower at (4, 8, 256, 256) @ (4, 8, 256, 64)).
+    Products go to a contiguous array first and are copied here: NumPy's matmul with this
+    transposed ``out=`` takes a slow non-BLAS loop (measured 40x slower at
+    (4, 8, 256, 256) @ (4, 8, 256, 64)).
     """
     b, h, t, d = src.shape
     view = dst.reshape(b, t, h, d).transpose(0, 2, 1, 3)
@@ -59,68 +77,69 @@ class CausalSelfAttention(Function):
         c = c3 // 3
         if n_head < 1 or c % n_head:
             raise ValueError(f"causal_self_attention: n_head={n_head} does not divide C={c}")
-        d = c // n_head
-        scale = 1.0 / math.sqrt(d)
-        q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], n_head) for i in range(3))
-
-        qs = xp.empty((b, n_head, t, d), dtype=qkv.dtype)           # C-ordered (q * scale would not be)
-        xp.multiply(q, scale, out=qs)                               # scale the small operand
-        p = xp.matmul(qs, k.swapaxes(-1, -2))                       # (B, H, T, T) scores
-        del qs
-        bias = _causal_bias(t, p.dtype)
-
-        def softmax_block(p):                                       # in place, a few heads at a time
-            p += bias                                               # -inf above the diagonal
-            p -= p.max(axis=-1, keepdims=True)
-            xp.exp(p, out=p)
-            p *= 1.0 / p.sum(axis=-1, keepdims=True)
-
-        for_blocks(softmax_block, p.reshape(b * n_head, t, t))
-
-        self.mask = None
-        pv = p
-        if dropout_p > 0:
-            self.mask, self.keep_scale = dropout_mask(p.shape, dropout_p, seed), 1.0 / (1.0 - dropout_p)
-            pv = p * self.mask
-            pv *= self.keep_scale
+        scale = 1.0 / math.sqrt(c // n_head)
+        p = xp.empty((b, n_head, t, t), dtype=qkv.dtype)            # probabilities (lower triangle)
         out = xp.empty((b, t, c), dtype=qkv.dtype)
-        _merge_heads(xp.matmul(pv, v), out)
+        bias, chunks = _causal_bias(t, p.dtype), _query_chunks(t)
+        mask = keep_scale = None
+        if dropout_p > 0:
+            mask, keep_scale = dropout_mask(p.shape, dropout_p, seed), 1.0 / (1.0 - dropout_p)
+
+        def block(p, qkv, out, mask):                               # a few batch rows
+            q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], n_head) for i in range(3))
+            qs = xp.empty(q.shape, dtype=q.dtype)                   # C-ordered (q * scale would not be)
+            xp.multiply(q, scale, out=qs)                           # scale the small operand
+            o = xp.empty(q.shape, dtype=q.dtype)
+            for q0, q1 in zip(chunks, chunks[1:]):                  # keys [0, q1) only
+                s = p[:, :, q0:q1, :q1]
+                xp.matmul(qs[:, :, q0:q1], k[:, :, :q1].swapaxes(-1, -2), out=s)
+                s[..., q0:] += bias[q0:q1, q0:q1]                   # -inf above the diagonal
+                s -= s.max(axis=-1, keepdims=True)
+                xp.exp(s, out=s)
+                s *= 1.0 / s.sum(axis=-1, keepdims=True)            # probabilities, in place
+                if mask is not None:
+                    s = s * mask[:, :, q0:q1, :q1]
+                    s *= keep_scale
+                xp.matmul(s, v[:, :, :q1], out=o[:, :, q0:q1])
+            _merge_heads(o, out)
+
+        for_blocks(block, p, qkv, out, mask, blas=True)
         # out is saved by reference (the next linear layer saves it too); ops never write into it
-        self.qkv, self.p, self.out, self.n_head, self.scale = qkv, p, out, n_head, scale
+        self.qkv, self.p, self.out, self.mask, self.keep_scale = qkv, p, out, mask, keep_scale
+        self.n_head, self.scale, self.chunks = n_head, scale, chunks
         return out
 
     def backward(self, g):
         xp = B.xp
-        qkv, p, h, scale = self.qkv, self.p, self.n_head, self.scale
-        b, t, c3 = qkv.shape
-        c = c3 // 3
-        q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], h) for i in range(3))
-        go = _heads(g, h)                                           # (B, H, T, D)
-        dqkv = xp.empty(qkv.shape, dtype=qkv.dtype)
-        dq, dk, dv = (dqkv[..., i * c:(i + 1) * c] for i in range(3))
+        h, scale, keep_scale, chunks = self.n_head, self.scale, self.keep_scale, self.chunks
+        c = self.qkv.shape[-1] // 3
+        dqkv = xp.empty(self.qkv.shape, dtype=self.qkv.dtype)
 
-        if self.mask is None:
-            _merge_heads(xp.matmul(p.swapaxes(-1, -2), go), dv)    # dV = P^T dO
-            buf = xp.matmul(go, v.swapaxes(-1, -2))                 # dP = dO V^T
-        else:
-            buf = p * self.mask                                     # dropped probabilities
-            buf *= self.keep_scale
-            _merge_heads(xp.matmul(buf.swapaxes(-1, -2), go), dv)
-            xp.matmul(go, v.swapaxes(-1, -2), out=buf)
-            buf *= self.mask
-            buf *= self.keep_scale
-        # rowsum(dP * P) = dO . O per query (FlashAttention's identity; dropout included), a
-        # (B, T, C) product instead of a pass over (B, H, T, T)
-        rowdot = xp.einsum("bthd,bthd->bht", g.reshape(b, t, h, -1), self.out.reshape(b, t, h, -1))
+        def block(p, qkv, g, out, mask, dqkv):                     # a few batch rows
+            q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], h) for i in range(3))
+            go = _heads(g, h)                                       # (b, H, T, D)
+            b, t = g.shape[:2]
+            # rowsum(dP * P) = dO . O per query (FlashAttention's identity; dropout included), a
+            # (B, T, C) product instead of a pass over (B, H, T, T)
+            rowdot = xp.einsum("bthd,bthd->bht", g.reshape(b, t, h, -1), out.reshape(b, t, h, -1))
+            dq = xp.empty(q.shape, dtype=q.dtype)                   # every chunk writes its rows
+            dk, dv = xp.zeros(q.shape, dtype=q.dtype), xp.zeros(q.shape, dtype=q.dtype)
+            for q0, q1 in zip(chunks, chunks[1:]):                  # keys [0, q1) only
+                pj, goj = p[:, :, q0:q1, :q1], go[:, :, q0:q1]
+                pd = pj if mask is None else pj * mask[:, :, q0:q1, :q1] * keep_scale
+                dv[:, :, :q1] += xp.matmul(pd.swapaxes(-1, -2), goj)     # dV = P^T dO
+                ds = xp.matmul(goj, v[:, :, :q1].swapaxes(-1, -2))      # dP = dO V^T
+                if mask is not None:
+                    ds *= mask[:, :, q0:q1, :q1]
+                    ds *= keep_scale
+                ds -= rowdot[:, :, q0:q1, None]
+                ds *= pj                                            # dS (masked entries: P = 0)
+                xp.matmul(ds, k[:, :, :q1], out=dq[:, :, q0:q1])
+                dk[:, :, :q1] += xp.matmul(ds.swapaxes(-1, -2), q[:, :, q0:q1])
+            for i, (grad, factor) in enumerate(((dq, scale), (dk, scale), (dv, None))):
+                _merge_heads(grad, dqkv[..., i * c:(i + 1) * c], factor)
 
-        def score_grad_block(buf, p, rowdot):                       # dS = P * (dP - rowdot)
-            buf -= rowdot[..., None]
-            buf *= p                                                # masked entries: P = 0
-
-        for_blocks(score_grad_block, buf.reshape(b * h, t, t), p.reshape(b * h, t, t),
-                   xp.ascontiguousarray(rowdot).reshape(b * h, t))
-        _merge_heads(xp.matmul(buf, k), dq, scale)
-        _merge_heads(xp.matmul(buf.swapaxes(-1, -2), q), dk, scale)
+        for_blocks(block, self.p, self.qkv, g, self.out, self.mask, dqkv, blas=True)
         return (dqkv,)
 
 
