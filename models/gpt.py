@@ -143,43 +143,22 @@ TP_PLAN = (
 )                                                              # the rest (LayerNorms) is replicated
 
 
-class GPT(Module):
-    """GPT-2 language model (parameter names as Hugging Face's ``GPT2Model``).
+class CausalLM(Module):
+    """What GPT and MLP share: ``embed`` -> the blocks ``h`` -> ``head`` (ln_f and the output
+    projection tied to ``wte``) and the loss. ``head_fn``/``loss_fn`` are swappable per instance
+    (tensor parallelism installs vocab-parallel ones). Subclasses build their modules, then call
+    :meth:`_finish`."""
 
-    Parameters are allocated at construction and named; their values are set by
-    :meth:`Module.initialize` (GPT-2's init: normal(0, initializer_range), the residual projections
-    ``attn.c_proj`` and ``mlp.c_proj`` with std initializer_range / sqrt(2 n_layer), zero biases,
-    LayerNorm ones/zeros). Pass ``seed`` to initialize here; without it the weights stay zero until
-    ``initialize`` or a checkpoint load. Each Dropout module gets its own mask seed, derived from
-    ``seed`` (0 without one) and its name; :func:`seed_dropouts` re-seeds them (e.g. per rank).
-    """
+    head_fn = staticmethod(tied_head)
+    loss_fn = staticmethod(lm_loss)
 
-    def __init__(self, cfg: GPTConfig, dtype="float32", seed: int | None = None):
-        super().__init__()
-        if cfg.n_embd % cfg.n_head:
-            raise ValueError(f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}")
-        self.config = cfg
-        # the output projection and the loss are swappable (tensor parallelism: vocab-parallel)
-        self.head_fn, self.loss_fn = tied_head, lm_loss
-        std = cfg.initializer_range
-        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=std, dtype=dtype)
-        self.wpe = Embedding(cfg.n_positions, cfg.n_embd, std=std, dtype=dtype)
-        self.drop = Dropout(cfg.embd_pdrop)
-        self.h = ModuleList(Block(cfg, dtype) for _ in range(cfg.n_layer))
-        self.ln_f = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, dtype=dtype)
+    def _finish(self, seed: int | None) -> None:
+        """Name the parameters, seed each Dropout, and initialize the weights when ``seed`` is given."""
         for name, p in self.named_parameters():
             p.name = name
         seed_dropouts(self, 0 if seed is None else seed)  # distinct masks per Dropout module
         if seed is not None:
             self.initialize(seed)
-
-    def embed(self, idx):
-        """Token plus position embeddings (then embedding dropout): (B, T) ints -> (B, T, C)."""
-        idx = as_index_array(idx)
-        check_seq_len(self.config, idx)
-        tok = self.wte(idx)                                        # (B, T, C)
-        pos = self.wpe(B.xp.arange(idx.shape[1]))                  # (T, C)
-        return self.drop(tok + pos)
 
     def head(self, x):
         """Final LayerNorm and the tied output projection: (B, T, C) -> logits (B, T, V)."""
@@ -195,6 +174,39 @@ class GPT(Module):
         if targets is None:
             return logits
         return logits, self.loss_fn(logits, targets)
+
+
+class GPT(CausalLM):
+    """GPT-2 language model (parameter names as Hugging Face's ``GPT2Model``).
+
+    Parameters are allocated at construction and named; their values are set by
+    :meth:`Module.initialize` (GPT-2's init: normal(0, initializer_range), the residual projections
+    ``attn.c_proj`` and ``mlp.c_proj`` with std initializer_range / sqrt(2 n_layer), zero biases,
+    LayerNorm ones/zeros). Pass ``seed`` to initialize here; without it the weights stay zero until
+    ``initialize`` or a checkpoint load. Each Dropout module gets its own mask seed, derived from
+    ``seed`` (0 without one) and its name; :func:`seed_dropouts` re-seeds them (e.g. per rank).
+    """
+
+    def __init__(self, cfg: GPTConfig, dtype="float32", seed: int | None = None):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}")
+        self.config = cfg
+        std = cfg.initializer_range
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=std, dtype=dtype)
+        self.wpe = Embedding(cfg.n_positions, cfg.n_embd, std=std, dtype=dtype)
+        self.drop = Dropout(cfg.embd_pdrop)
+        self.h = ModuleList(Block(cfg, dtype) for _ in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, dtype=dtype)
+        self._finish(seed)
+
+    def embed(self, idx):
+        """Token plus position embeddings (then embedding dropout): (B, T) ints -> (B, T, C)."""
+        idx = as_index_array(idx)
+        check_seq_len(self.config, idx)
+        tok = self.wte(idx)                                        # (B, T, C)
+        pos = self.wpe(B.xp.arange(idx.shape[1]))                  # (T, C)
+        return self.drop(tok + pos)
 
     # what the registry (models.MODELS) and the pipeline need to know about the class
     block_class = Block

@@ -17,7 +17,7 @@ import math
 from mpirt import ops
 from mpirt.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList
 from models.config import GPTConfig
-from models.gpt import as_index_array, check_seq_len, lm_loss, seed_dropouts, tied_head
+from models.gpt import CausalLM, as_index_array, check_seq_len
 
 
 class MLPBlock(Module):
@@ -35,7 +35,7 @@ class MLPBlock(Module):
         return x + self.dropout(self.c_proj(ops.gelu(self.c_fc(self.ln(x)))))
 
 
-class MLP(Module):
+class MLP(CausalLM):
     """MLP language model with GPT's interface: ``forward(idx, targets=None)``, ``embed``, ``h``,
     ``head``. Pass ``seed`` to initialize the weights at construction."""
 
@@ -45,31 +45,13 @@ class MLP(Module):
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=cfg.initializer_range, dtype=dtype)
         self.h = ModuleList(MLPBlock(cfg, dtype) for _ in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, dtype=dtype)
-        for name, p in self.named_parameters():
-            p.name = name
-        seed_dropouts(self, 0 if seed is None else seed)  # distinct masks per Dropout module
-        if seed is not None:
-            self.initialize(seed)
+        self._finish(seed)
 
     def embed(self, idx):
         """(B, T) token ids -> (B, T, C)."""
         idx = as_index_array(idx)
         check_seq_len(self.config, idx)
         return self.wte(idx)
-
-    def head(self, x):
-        """(B, T, C) -> logits (B, T, V) through ln_f and the tied embedding."""
-        return tied_head(self.ln_f(x), self.wte.weight)
-
-    def forward(self, idx, targets=None):
-        """Logits (B, T, V), or ``(logits, loss)`` when ``targets`` (B, T; -100 = ignore) is given."""
-        x = self.embed(idx)
-        for block in self.h:
-            x = block(x)
-        logits = self.head(x)
-        if targets is None:
-            return logits
-        return logits, lm_loss(logits, targets)
 
     block_class = MLPBlock  # for the registry (models.MODELS) and the pipeline
 

@@ -257,6 +257,20 @@ class Embedding(Function):
 # ------------------------------------------------------------------------------------------
 # cross-entropy
 # ------------------------------------------------------------------------------------------
+def check_targets(logits, targets, reduction: str):
+    """``targets`` as an integer ``xp`` array shaped like ``logits`` without its class dimension;
+    raises naming what is wrong (shared by the plain and the vocab-parallel cross-entropy)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    targets = B.xp.asarray(targets)
+    if targets.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: targets must be integers, got dtype {targets.dtype}")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"cross_entropy: targets shape {targets.shape} != logits shape "
+                         f"{logits.shape} without its last (class) dimension")
+    return targets
+
+
 class CrossEntropy(Function):
     """Log-softmax + negative log-likelihood in one op.
 
@@ -270,14 +284,7 @@ class CrossEntropy(Function):
 
     def forward(self, logits, targets, ignore_index=-100, reduction="mean"):
         xp = B.xp
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
-        targets = xp.asarray(targets)
-        if targets.dtype.kind not in "iu":
-            raise TypeError(f"cross_entropy: targets must be integers, got dtype {targets.dtype}")
-        if tuple(targets.shape) != tuple(logits.shape[:-1]):
-            raise ValueError(f"cross_entropy: targets shape {targets.shape} != logits shape "
-                             f"{logits.shape} without its last (class) dimension")
+        targets = check_targets(logits, targets, reduction)
         v = logits.shape[-1]
         x = logits.reshape(-1, v)                                   # (N, V)
         n = x.shape[0]

@@ -6,6 +6,7 @@ import math
 
 import mpirt.backend as B
 from mpirt import ops
+from mpirt.ops.nn import check_targets
 from mpirt.tensor import Function, Tensor
 
 from .comm import copy_to_tp
@@ -22,15 +23,8 @@ class VocabParallelCrossEntropy(Function):
     def forward(self, logits, targets, comm=None, start=0, vocab_size=None, ignore_index=-100,
                 reduction="mean"):
         xp = B.xp
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
-        targets = xp.asarray(targets)
-        if targets.dtype.kind not in "iu":
-            raise TypeError(f"cross_entropy: targets must be integers, got dtype {targets.dtype}")
+        targets = check_targets(logits, targets, reduction)
         vl = logits.shape[-1]
-        if tuple(targets.shape) != tuple(logits.shape[:-1]):
-            raise ValueError(f"cross_entropy: targets shape {targets.shape} != logits shape "
-                             f"{logits.shape} without its last (class) dimension")
         x = logits.reshape(-1, vl)
         n = x.shape[0]
         t = targets.reshape(-1).astype(xp.int64)
