@@ -33,6 +33,8 @@ DTYPES = ("float32", "float64")
 BACKENDS = ("auto", "numpy", "cupy")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 MODEL_TYPES = ("gpt2", "mlp")
+RESUME = ("", "auto")
+NAN_POLICIES = ("skip", "stop")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -68,9 +70,22 @@ class TrainConfig:
     eval_batches: int = _opt(8, "batches per evaluation")
     eval_interval: int = _opt(100, "evaluate every N steps; 0 = only at the end")
     log_interval: int = _opt(10, "log metrics every N steps")
-    ckpt_interval: int = _opt(0, "also checkpoint every N steps; 0 = only at the end")
+    ckpt_interval: int = _opt(0, "also checkpoint every N steps; 0 = only by time and at the end")
+    ckpt_minutes: float = _opt(30.0, "also checkpoint when this many minutes passed since the last save; 0 = off")
+    keep_checkpoints: int = _opt(2, "checkpoint versions kept in OUT_DIR/ckpt (the newest K)")
+    resume: str = _opt("", "'auto' = continue from OUT_DIR/ckpt when it holds a checkpoint, else start "
+                           "fresh; empty = never (an OUT_DIR holding another run is refused)")
+    overwrite: bool = _opt(False, "start afresh in an OUT_DIR that holds an earlier run (its files are removed)")
     stop_after: int = _opt(0, "end this run (with a checkpoint) after step N, as a job time limit "
                               "would; the LR schedule still spans --steps; 0 = run to --steps")
+    steps_per_job: int = _opt(0, "train at most N steps in this job, counted from where it resumed; 0 = no limit")
+    time_limit: str = _opt("", "stop with a checkpoint before this wall time ('3h50m', '90m', '1:30:00'; "
+                               "'slurm' = the SLURM job's end time); empty = none")
+    nan_policy: str = _opt("skip", "non-finite loss or gradient norm: " + "|".join(("skip", "stop")) +
+                           " (skip = drop the update, warn, stop after max_skips in a row)")
+    max_skips: int = _opt(10, "consecutive skipped steps after which the run stops (exit 3)")
+    comm_timeout: float = _opt(300.0, "seconds a collective or p2p may wait before the job is ended "
+                                      "naming the operation; 0 = wait forever")
     dtype: str = _opt("float32", "parameter and compute dtype: " + "|".join(DTYPES))
     backend: str = _opt("auto", "array backend: " + "|".join(BACKENDS) + " (auto = cupy if a GPU)")
     progress: bool = _opt(True, "show a progress bar on rank 0")
@@ -114,6 +129,18 @@ class TrainConfig:
         need("log_interval", self.log_interval >= 1, ">= 1")
         need("ckpt_interval", self.ckpt_interval >= 0, ">= 0 (0 = only at the end)")
         need("stop_after", 0 <= self.stop_after <= self.steps, f"in [0, steps={self.steps}]")
+        need("ckpt_minutes", self.ckpt_minutes >= 0, ">= 0 (0 = off)")
+        need("keep_checkpoints", self.keep_checkpoints >= 1, ">= 1")
+        need("resume", self.resume in RESUME, "one of " + ", ".join(map(repr, RESUME)))
+        need("steps_per_job", self.steps_per_job >= 0, ">= 0 (0 = no limit)")
+        need("nan_policy", self.nan_policy in NAN_POLICIES, "one of " + ", ".join(NAN_POLICIES))
+        need("max_skips", self.max_skips >= 1, ">= 1")
+        need("comm_timeout", self.comm_timeout >= 0, ">= 0 (0 = wait forever)")
+        if self.time_limit and self.time_limit != "slurm":
+            try:
+                parse_duration(self.time_limit)
+            except ValueError as err:
+                raise ConfigError(f"time_limit: {err}") from None
         need("dtype", self.dtype in DTYPES, "one of " + ", ".join(DTYPES))
         need("backend", self.backend in BACKENDS, "one of " + ", ".join(BACKENDS))
         need("dp", self.dp >= 0, ">= 0 (0 = derive from the world size)")
@@ -124,6 +151,37 @@ class TrainConfig:
         need("chunks", self.chunks >= 1, ">= 1")
         need("schedule", self.schedule in SCHEDULES, "one of " + ", ".join(SCHEDULES))
         check_model_values(self.model_overrides, prefix="model.")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a wall-time string: ``3h50m``, ``90m``, ``45s``, ``1.5h``, ``2d`` (units may be
+    combined), ``HH:MM:SS``, ``MM:SS`` or plain seconds. ValueError names the text."""
+    t = text.strip().lower()
+    try:
+        if ":" in t:
+            parts = [float(x) for x in t.split(":")]
+            if len(parts) > 3:
+                raise ValueError
+            seconds = sum(v * 60 ** i for i, v in enumerate(reversed(parts)))
+        elif t and t[-1].isdigit():
+            seconds = float(t)
+        else:
+            units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+            seconds, number = 0.0, ""
+            for ch in t:
+                if ch in units and number:
+                    seconds, number = seconds + float(number) * units[ch], ""
+                elif ch.isdigit() or ch == ".":
+                    number += ch
+                else:
+                    raise ValueError
+            if number:
+                raise ValueError
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a duration (e.g. 3h50m, 90m, 1:30:00)") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{text!r} is not a positive duration")
+    return seconds
 
 
 def field_types(cls) -> dict[str, object]:

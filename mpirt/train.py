@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import mpirt.backend as B
-from mpirt import comm
+from mpirt import comm, faults
 from mpirt.checkpoint import is_checkpoint, load_state, read_checkpoint_meta, save_state
 from mpirt.config import ConfigError, parse_args
 from mpirt.data import TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
@@ -173,6 +173,7 @@ def main(argv=None) -> dict:
     val_loss = math.nan
     end_step = cfg.stop_after or cfg.steps
     for step in range(start_step, end_step):
+        faults.inject(ctx.rank, step + 1)
         t0 = time.perf_counter()
         optimizer.lr = cosine_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=min(cfg.warmup_steps, cfg.steps),
                                  total_steps=cfg.steps)

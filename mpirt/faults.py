@@ -1,0 +1,71 @@
+"""Fault injection for the tests of what a job does when something goes wrong.
+
+``MPIRT_FAULT`` (read once per process) lists faults as ``KIND@RANK:STEP`` separated by commas,
+e.g. ``MPIRT_FAULT=stall@1:3`` makes world rank 1 sleep forever at the start of step 3 (counted
+from 1, the step the metrics call ``step``). Kinds:
+
+- ``stall``  sleep (for ``stall=SECONDS@RANK:STEP``, else forever): a hung node or a deadlock;
+- ``exit``   ``sys.exit(3)``: a rank that quits on its own;
+- ``kill``   SIGKILL to itself: a rank killed by the OOM killer or a node failure;
+- ``raise``  a RuntimeError: a bug on one rank;
+- ``signal`` SIGTERM to itself: the scheduler's notice on one rank only.
+
+Without the variable :func:`inject` is one dictionary lookup per step.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import NamedTuple
+
+KINDS = ("stall", "exit", "kill", "raise", "signal")
+
+
+class Fault(NamedTuple):
+    kind: str
+    rank: int
+    step: int
+    seconds: float | None = None
+
+
+def parse(text: str) -> list[Fault]:
+    """The faults of a ``MPIRT_FAULT`` value; ValueError names the bad entry."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        try:
+            what, where = entry.split("@")
+            kind, _, seconds = what.partition("=")
+            rank, step = (int(v) for v in where.split(":"))
+            if kind not in KINDS or (seconds and kind != "stall"):
+                raise ValueError
+            faults.append(Fault(kind, rank, step, float(seconds) if seconds else None))
+        except ValueError:
+            raise ValueError(f"MPIRT_FAULT: cannot read {entry!r}; expected KIND@RANK:STEP with KIND one of "
+                             f"{', '.join(KINDS)} (stall=SECONDS@RANK:STEP for a finite stall)") from None
+    return faults
+
+
+_FAULTS = parse(os.environ.get("MPIRT_FAULT", ""))
+
+
+def inject(rank: int, step: int) -> None:
+    """Trigger the faults listed for world rank ``rank`` at step ``step`` (no-op when none)."""
+    for fault in _FAULTS:
+        if fault.rank != rank or fault.step != step:
+            continue
+        print(f"mpirt.faults: rank {rank} step {step}: injecting {fault.kind}", file=sys.stderr, flush=True)
+        if fault.kind == "stall":
+            if fault.seconds is None:
+                while True:
+                    time.sleep(3600)
+            time.sleep(fault.seconds)
+        elif fault.kind == "exit":
+            sys.exit(3)
+        elif fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "raise":
+            raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+        elif fault.kind == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)
