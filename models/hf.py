@@ -63,8 +63,15 @@ def _safetensors_files(directory: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a {type(weight_map).__name__}")
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index}: not a safetensors index ({e})") from None
+        for key, f in weight_map.items():
+            # a shard outside the directory would load whatever file the index points at
+            if not isinstance(f, str) or not f or Path(f).is_absolute() or ".." in Path(f).parts:
+                raise ValueError(f"{index}: weight_map entry {key!r} -> {f!r} does not name a file "
+                                 f"inside {directory}")
         files = [directory / f for f in dict.fromkeys(weight_map.values())]
         absent = [f.name for f in files if not f.is_file()]
         if absent:

@@ -6,6 +6,7 @@ Layout of a checkpoint root ``directory``::
       latest                  one line: the name of the current version ("step-00000300")
       step-00000300/          one complete checkpoint (a "version")
         meta.json             format, version, step, config, extra, optimizer scalars, tensors, files
+        meta.sha256           "<sha256 of meta.json>  meta.json" (``sha256sum -c`` reads it)
         model.safetensors     parameter name -> array
         optimizer.safetensors "<param name>.<state>" -> array (e.g. "h.0.attn.w.exp_avg")
       .tmp-step-00000400/     a save in progress (or one that crashed): never read, removed later
@@ -15,6 +16,11 @@ to ``<name>`` (atomic) and the root fsynced; then ``latest`` is replaced atomica
 of a fsynced temporary file) and the root fsynced again; finally older versions beyond ``keep`` and
 stale temporaries are removed. A crash at any point leaves ``latest`` naming a complete, checked
 version; a version exists under a ``step-*`` name only once all of its files are on disk.
+
+Integrity: meta.json records the sha256 and size of every tensor file, and ``meta.sha256`` records
+the sha256 of meta.json itself, so an edited meta.json (its step, a shape) or a flipped or
+truncated byte in any file is refused naming the file. :func:`verify_checkpoint` checks all of it
+without reading a tensor into memory; every loader calls it first.
 
 Every tensor in ``meta.json`` records its global shape, dtype, ShardSpec dims and a list of shards
 ``{"file", "key", "start"}`` (where the shard sits in the global tensor). A single-rank save writes
@@ -41,6 +47,7 @@ import mpirt.backend as B
 
 FORMAT, VERSION = "mpirt-checkpoint", 1
 META, MODEL, OPTIM, LATEST = "meta.json", "model.safetensors", "optimizer.safetensors", "latest"
+META_SUM = "meta.sha256"
 _VERSION_RE = re.compile(r"step-(\d+)(?:-(\d+))?")
 
 
@@ -173,7 +180,9 @@ def save_state(directory, weights: dict, optimizer_state: dict | None, *, step: 
     meta["files"][MODEL] = _write_tensors(tmp / MODEL, weights)
     if optimizer_state is not None:
         meta["files"][OPTIM] = _write_tensors(tmp / OPTIM, opt_arrays)
-    _write_bytes(tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode())
+    meta_bytes = json.dumps(meta, indent=1, sort_keys=True).encode()
+    _write_bytes(tmp / META, meta_bytes)
+    _write_bytes(tmp / META_SUM, f"{hashlib.sha256(meta_bytes).hexdigest()}  {META}\n".encode())
     _fsync_dir(tmp)
     os.rename(tmp, root / name)
     _fsync_dir(root)
@@ -189,6 +198,18 @@ def save_state(directory, weights: dict, optimizer_state: dict | None, *, step: 
 
 
 # --- reading -------------------------------------------------------------------------------------
+def looks_like_checkpoint(path) -> bool:
+    """True when ``path`` holds what an mpirt checkpoint is made of (``latest``, ``meta.json``,
+    ``step-*`` versions) or is a save in progress, whether or not it is intact: such a path is
+    meant as a checkpoint, and loading it reports what is wrong instead of "not a checkpoint"."""
+    p = Path(path)
+    if not p.is_dir():
+        return False
+    if p.name.startswith(".tmp-") or (p / META).exists() or (p / LATEST).exists():
+        return True
+    return any(_VERSION_RE.fullmatch(c.name) for c in p.iterdir())
+
+
 def _resolve(path) -> Path:
     """The version directory for ``path``: itself if it holds meta.json, else what ``latest`` names."""
     p = Path(path)
@@ -197,24 +218,54 @@ def _resolve(path) -> Path:
     if (p / META).is_file():
         return p
     if (p / LATEST).is_file():
-        name = (p / LATEST).read_text().strip()
+        try:
+            name = (p / LATEST).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{p / LATEST}: unreadable ({e})") from None
         if not _VERSION_RE.fullmatch(name):
             raise CheckpointError(f"{p / LATEST}: does not name a checkpoint version: {name!r}")
         if not (p / name / META).is_file():
             raise CheckpointError(f"{p / LATEST} names {name}, but {p / name / META} is missing")
         return p / name
-    raise FileNotFoundError(f"no checkpoint at {p} (neither {META} nor {LATEST} there)")
+    if not p.is_dir():
+        raise FileNotFoundError(f"no checkpoint at {p}: no such directory")
+    versions = sorted(c.name for c in p.iterdir() if _VERSION_RE.fullmatch(c.name))
+    if versions:
+        raise CheckpointError(f"{p / LATEST} is missing (versions there: {', '.join(versions)}); "
+                              f"pass one of them to load it")
+    raise FileNotFoundError(f"no checkpoint at {p} (neither {p / META} nor {p / LATEST} exists)")
+
+
+def _check_meta_sum(vdir: Path, raw: bytes) -> None:
+    """Refuse a meta.json whose sha256 is not the one ``meta.sha256`` recorded at save time."""
+    sum_path = vdir / META_SUM
+    try:
+        recorded = sum_path.read_text().split()
+    except FileNotFoundError:
+        raise CheckpointError(f"{sum_path} is missing: {vdir / META} cannot be verified") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{sum_path}: unreadable ({e})") from None
+    if len(recorded) != 2 or recorded[1] != META or not re.fullmatch(r"[0-9a-f]{64}", recorded[0]):
+        raise CheckpointError(f"{sum_path}: corrupted (expected '<sha256>  {META}')")
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != recorded[0]:
+        raise CheckpointError(f"{vdir / META} was edited or corrupted: its sha256 is {digest}, "
+                              f"{sum_path} records {recorded[0]}")
 
 
 def read_checkpoint_meta(directory) -> dict:
-    """The ``meta.json`` of the checkpoint at ``directory`` (a root or a version), plus ``"path"``."""
+    """The ``meta.json`` of the checkpoint at ``directory`` (a root or a version), plus ``"path"``,
+    after checking it against ``meta.sha256``."""
     vdir = _resolve(directory)
+    raw = (vdir / META).read_bytes()
+    _check_meta_sum(vdir, raw)
     try:
-        meta = json.loads((vdir / META).read_text())
+        meta = json.loads(raw)
     except ValueError as e:
-        raise CheckpointError(f"{vdir / META} is not valid JSON: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{vdir / META}: not an mpirt checkpoint (format {meta.get('format')!r})")
+        raise CheckpointError(f"{vdir / META}: not valid JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{vdir / META}: not an mpirt checkpoint (format "
+                              f"{meta.get('format') if isinstance(meta, dict) else None!r})")
     if meta.get("version", 0) > VERSION:
         raise CheckpointError(f"{vdir / META}: format version {meta['version']} is newer than this mpirt reads ({VERSION})")
     meta["path"] = str(vdir)
@@ -231,13 +282,34 @@ def is_checkpoint(path) -> bool:
 
 
 def _verify_files(vdir: Path, meta: dict) -> None:
-    for fname, info in meta["files"].items():
+    """Every file meta.json lists is there with its recorded size and sha256, and every shard
+    names a listed file."""
+    files = meta["files"]
+    for entries in (meta["params"], meta["optimizer_state"]):
+        for name, e in entries.items():
+            unlisted = {sh["file"] for sh in e["shards"]} - set(files)
+            if unlisted:
+                raise CheckpointError(f"{vdir / META}: {name} is stored in {sorted(unlisted)}, which it does not list")
+    for fname, info in files.items():
         path = vdir / fname
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {path} is missing")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"checkpoint file {path} is truncated or corrupted: {size} bytes, "
+                                  f"expected {info['bytes']}")
         digest = _sha256(path)
         if digest != info["sha256"]:
             raise CheckpointError(f"checkpoint file {path} is corrupted: sha256 {digest}, expected {info['sha256']}")
+
+
+def verify_checkpoint(directory) -> dict:
+    """Check the checkpoint at ``directory`` (root or version) end to end without loading a
+    tensor: ``latest``, meta.json against ``meta.sha256``, every file's size and sha256. Returns
+    its meta; CheckpointError (FileNotFoundError when nothing is there) names the file at fault."""
+    meta = read_checkpoint_meta(directory)
+    _verify_files(Path(meta["path"]), meta)
+    return meta
 
 
 def _check_shapes(what: str, entries: dict, expected: dict) -> None:
@@ -279,9 +351,8 @@ def _read_tensors(vdir: Path, entries: dict) -> dict:
 def load_state(directory) -> tuple[dict, dict, dict | None]:
     """Read the checkpoint at ``directory`` (root or version directory) after verifying every
     file's checksum: returns ``(meta, weights, optimizer_state or None)`` with full arrays."""
-    meta = read_checkpoint_meta(directory)
+    meta = verify_checkpoint(directory)
     vdir = Path(meta["path"])
-    _verify_files(vdir, meta)
     weights = _read_tensors(vdir, meta["params"])
     state = None
     if meta["optimizer"] is not None:

@@ -1,6 +1,8 @@
 """Tests of mpirt.checkpoint: round trip, resume == uninterrupted, validation, crash safety."""
 import json
 import pickle
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -8,8 +10,8 @@ from safetensors.numpy import load_file
 
 import mpirt.checkpoint as ckpt
 from mpirt import nn
-from mpirt.checkpoint import (CheckpointError, is_checkpoint, load_checkpoint, read_checkpoint_meta,
-                              save_checkpoint)
+from mpirt.checkpoint import (CheckpointError, is_checkpoint, load_checkpoint, looks_like_checkpoint,
+                              read_checkpoint_meta, save_checkpoint, verify_checkpoint)
 from mpirt.optim import AdamW, SGD, clip_grad_norm, cosine_lr
 from mpirt.tensor import Tensor
 
@@ -82,7 +84,9 @@ def test_round_trip_and_format(tmp_path, monkeypatch):
     vdir = root / "step-00000003"
     assert (root / "latest").read_text().strip() == "step-00000003"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003"]
-    assert sorted(p.name for p in vdir.iterdir()) == ["meta.json", "model.safetensors", "optimizer.safetensors"]
+    assert sorted(p.name for p in vdir.iterdir()) == ["meta.json", "meta.sha256", "model.safetensors",
+                                                      "optimizer.safetensors"]
+    assert (vdir / "meta.sha256").read_text() == f"{ckpt._sha256(vdir / 'meta.json')}  meta.json\n"
     meta = json.loads((vdir / "meta.json").read_text())
     assert meta["format"] == "mpirt-checkpoint" and meta["version"] == 1 and meta["step"] == 3
     assert meta["params"]["fc1.weight"]["shape"] == [4, 8] and meta["params"]["fc1.weight"]["dtype"] == "float32"
@@ -130,6 +134,60 @@ def test_corrupted_file_is_named(tmp_path):
     (root / "step-00000003" / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"model\.safetensors is missing"):
         load_checkpoint(root, model)
+
+
+def test_edited_meta_json_is_refused(tmp_path):
+    root, _, _ = saved(tmp_path)
+    meta_path = root / "step-00000003" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["step"] = 300  # still valid JSON, still a plausible checkpoint
+    meta_path.write_text(json.dumps(meta, indent=1, sort_keys=True))
+    with pytest.raises(CheckpointError, match=r"step-00000003/meta\.json was edited or corrupted"):
+        read_checkpoint_meta(root)
+    (root / "step-00000003" / "meta.sha256").unlink()
+    with pytest.raises(CheckpointError, match=r"meta\.sha256 is missing: .*meta\.json cannot be verified"):
+        read_checkpoint_meta(root)
+
+
+FILES = ["meta.json", "meta.sha256", "model.safetensors", "optimizer.safetensors", "latest"]
+
+
+@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_any_damaged_file_is_named(tmp_path, name, damage):
+    """A flipped byte anywhere (a few positions each) or a truncated file is refused, naming it."""
+    path = tmp_path / "ckpt" / ("latest" if name == "latest" else f"step-00000003/{name}")
+    positions = [0, 1, -2] if damage == "flip" else [None]
+    for pos in positions:
+        shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+        root, _, _ = saved(tmp_path)
+        data = bytearray(path.read_bytes())
+        if damage == "flip":
+            data[pos] ^= 0x01
+        else:
+            del data[len(data) // 2:]
+        path.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match=re.escape(name)):
+            verify_checkpoint(root)
+
+
+def test_missing_pieces_name_what_was_looked_for(tmp_path):
+    root, _, _ = saved(tmp_path)
+    (root / "step-00000003" / "meta.json").unlink()
+    with pytest.raises(CheckpointError, match=r"ckpt/latest names step-00000003, but .*ckpt/step-00000003/meta\.json "
+                                              r"is missing"):
+        verify_checkpoint(root)
+    assert looks_like_checkpoint(root) and not is_checkpoint(root)
+    root, _, _ = saved(tmp_path / "b")
+    (root / "latest").unlink()
+    with pytest.raises(CheckpointError, match=r"ckpt/latest is missing \(versions there: step-00000003\)"):
+        verify_checkpoint(root)
+    (root / "step-00000003" / "meta.json").write_text("{not json")
+    (root / "step-00000003" / "meta.sha256").write_text(f"{ckpt._sha256(root / 'step-00000003' / 'meta.json')}"
+                                                        "  meta.json\n")
+    with pytest.raises(CheckpointError, match=r"step-00000003/meta\.json: not valid JSON"):
+        verify_checkpoint(root / "step-00000003")
+    assert not looks_like_checkpoint(tmp_path / "nothing") and not looks_like_checkpoint(tmp_path)
 
 
 def test_wrong_shape_and_names_are_reported(tmp_path):

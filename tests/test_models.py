@@ -393,6 +393,16 @@ def test_save_into_existing_directory_keeps_other_files(tmp_path):
     np.testing.assert_array_equal(state["h.1.mlp.c_fc.weight"], model.h[1].mlp.c_fc.weight.data)
 
 
+@pytest.mark.parametrize("shard", ["/abs/outside.safetensors", "../outside.safetensors", "sub/../../outside.safetensors"])
+def test_index_pointing_outside_the_directory_is_refused(tmp_path, shard):
+    model = build_model(GPTConfig(**SMALL), seed=1)
+    d = save_hf_gpt2(model, model.config, tmp_path / "hf")
+    (d / "model.safetensors").rename(tmp_path / "outside.safetensors")  # loadable, were it followed
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"wte.weight": shard}}))
+    with pytest.raises(ValueError, match=rf"weight_map entry 'wte.weight' -> '{shard}' does not name a file inside"):
+        load_hf_gpt2(d)
+
+
 def test_bf16_checkpoint_loads_as_float32(hf_dir, tmp_path):
     import torch
     from safetensors.torch import save_file as save_torch
