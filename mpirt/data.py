@@ -2,7 +2,10 @@
 
 On disk a dataset is a directory in nanoGPT's convention: flat uint16 ``train.bin`` and
 ``val.bin``, plus ``meta.json`` = {"vocab_size", "tokenizer", "train_tokens", "val_tokens",
-"format": "uint16", "eos_id"}. ``tokenizer`` is "bytes" (ids are byte values, vocab 256, the
+"format": "uint16", "eos_id", "train_max_id", "val_max_id", "train_mtime_ns", "val_mtime_ns"}.
+The largest id of each split lets a run refuse ids outside its model's vocabulary at start-up
+without reading the data; it is trusted only while the file's mtime is the one recorded with it
+(a file changed since, or a dataset without the record, is scanned instead). ``tokenizer`` is "bytes" (ids are byte values, vocab 256, the
 document separator is byte 0) or the path of a HF ``tokenizers`` JSON file, relative to the
 dataset directory (``prepare`` copies it in as ``tokenizer.json``). A plain nanoGPT directory
 without meta.json loads too, with vocab_size and tokenizer unknown (None).
@@ -27,6 +30,8 @@ MAX_VOCAB = 65536  # ids are stored as uint16: 0..65535
 BYTE_EOS = 0  # document separator of the byte tokenizer (NUL never occurs in text)
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eos|>")
 _CHUNK = 1 << 24  # bytes read at a time when streaming a file
+_SCAN = 1 << 24  # tokens looked at a time when scanning a split for its largest id
+SPLITS = ("train", "val")
 
 
 class TokenDataset:
@@ -46,6 +51,24 @@ class TokenDataset:
         self.train = _open_bin(self.directory / "train.bin", self.meta.get("train_tokens"))
         self.val = _open_bin(self.directory / "val.bin", self.meta.get("val_tokens"))
         self._hf = None
+
+    def max_id(self, split: str) -> int:
+        """The largest token id in ``split`` ("train" or "val"): meta.json's record when the file
+        is unchanged since it was written, else a scan in chunks of bounded memory."""
+        tokens = getattr(self, split)
+        recorded, stamp = self.meta.get(f"{split}_max_id"), self.meta.get(f"{split}_mtime_ns")
+        if recorded is not None and stamp == (self.directory / f"{split}.bin").stat().st_mtime_ns:
+            return int(recorded)
+        return max_token_id(tokens)
+
+    def check_ids(self, vocab_size: int) -> None:
+        """Refuse (ValueError naming the file) a split holding an id ``>= vocab_size``: it would
+        fail at a forward or an evaluation, hours into the run."""
+        for split in SPLITS:
+            top = self.max_id(split)
+            if top >= vocab_size:
+                raise ValueError(f"data: {self.directory / f'{split}.bin'} holds token id {top} >= the model's "
+                                 f"vocab_size {vocab_size}")
 
     def _hf_tokenizer(self):
         if self.tokenizer is None:
@@ -81,6 +104,11 @@ def _open_bin(path, expected):
     if expected is not None and expected != size // 2:
         raise ValueError(f"{path}: meta.json says {expected} tokens, the file holds {size // 2}")
     return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def max_token_id(tokens) -> int:
+    """The largest id of a token array or memmap, read ``_SCAN`` tokens at a time."""
+    return max(int(tokens[i:i + _SCAN].max()) for i in range(0, len(tokens), _SCAN))
 
 
 def _check_layout(batch_size, seq_len, dp_rank, dp_size):
@@ -258,6 +286,10 @@ def prepare(src_dir, out_dir, tokenizer=None, val_fraction=0.05, pattern="*", ex
         meta = {"vocab_size": vocab, "tokenizer": "bytes", "train_tokens": counts["train"],
                 "val_tokens": counts["val"], "format": "uint16", "eos_id": eos,
                 "train_files": docs["train"], "val_files": docs["val"], "source": str(src)}
+        for split in SPLITS:  # the bins are final: record their largest id and the mtime it holds for
+            path = tmp / f"{split}.bin"
+            meta[f"{split}_max_id"] = max_token_id(np.memmap(path, dtype=np.uint16, mode="r"))
+            meta[f"{split}_mtime_ns"] = path.stat().st_mtime_ns
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
             meta["tokenizer"] = "tokenizer.json"

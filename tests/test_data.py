@@ -69,6 +69,7 @@ def test_prepare_single_file_splits_tokens(tmp_path):
     src = write_tree(tmp_path / "one", {"only.txt": "x" * 999, "empty.txt": ""})  # empty skipped
     meta = prepare(src, tmp_path / "ds", val_fraction=0.1)
     assert (meta["train_tokens"], meta["val_tokens"]) == (900, 100)  # 999 bytes + separator
+    assert (meta["train_max_id"], meta["val_max_id"]) == (ord("x"), ord("x"))  # the separator 0 is in val
     ds = TokenDataset(tmp_path / "ds")
     assert ds.decode(ds.train) + ds.decode(ds.val) == "x" * 999 + "\0"
 
@@ -123,6 +124,39 @@ def test_plain_nanogpt_dir_and_file_errors(tmp_path):
     (d / "meta.json").write_text(json.dumps({"train_tokens": 99, "val_tokens": 10}))
     with pytest.raises(ValueError, match="99"):
         TokenDataset(d)
+
+
+def test_token_ids_are_checked_against_the_vocabulary(src, tmp_path, monkeypatch):
+    out = tmp_path / "ds"
+    meta = prepare(src, out, val_fraction=0.2)
+    ds = TokenDataset(out)
+    for split in ("train", "val"):
+        assert meta[f"{split}_max_id"] == int(np.asarray(getattr(ds, split)).max())
+    scanned = []
+    monkeypatch.setattr(data, "max_token_id", lambda t: scanned.append(len(t)) or 0)
+    ds.check_ids(max(meta["train_max_id"], meta["val_max_id"]) + 1)  # from the record: nothing read
+    assert not scanned
+    with pytest.raises(ValueError, match=rf"data: {out / 'train.bin'} holds token id {meta['train_max_id']} "
+                                         rf">= the model's vocab_size {meta['train_max_id']}"):
+        ds.check_ids(meta["train_max_id"])
+    monkeypatch.undo()
+
+    # an id written into val.bin after preparation changes its mtime: the stale record is not trusted
+    val = np.memmap(out / "val.bin", dtype=np.uint16, mode="r+")
+    val[len(val) // 2] = 50300
+    val.flush()
+    del val
+    os.utime(out / "val.bin", ns=(0, meta["val_mtime_ns"] + 10**9))
+    with pytest.raises(ValueError, match=r"val\.bin holds token id 50300 >= the model's vocab_size 50257"):
+        TokenDataset(out).check_ids(50257)
+
+    # a dataset without the record (nanoGPT's, or an older prepare) is scanned in bounded chunks
+    for key in ("val_max_id", "val_mtime_ns"):
+        del meta[key]
+    (out / "meta.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(data, "_SCAN", 7)
+    assert TokenDataset(out).max_id("val") == 50300
+    assert data.max_token_id(np.arange(20, dtype=np.uint16)[::-1]) == 19
 
 
 def test_get_batch_deterministic_and_shifted():
