@@ -31,7 +31,9 @@ from models.config import GPTConfig
 
 DTYPES = ("float32", "float64")
 BACKENDS = ("auto", "numpy", "cupy")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+# Pipeline schedule names are those of mpirt.parallel.schedules (canonical names plus aliases), so
+# `mpirt.train --schedule` and `python -m mpirt.schedule` accept the same set.
+from mpirt.parallel.schedules import SCHEDULES, ScheduleError, canonical_name as _canonical_schedule  # noqa: E402
 MODEL_TYPES = ("gpt2", "mlp")
 RESUME = ("", "auto")
 NAN_POLICIES = ("skip", "stop")
@@ -149,7 +151,10 @@ class TrainConfig:
         need("zero", 0 <= self.zero <= 3, "in 0..3")
         need("microbatches", self.microbatches >= 0, ">= 0")
         need("chunks", self.chunks >= 1, ">= 1")
-        need("schedule", self.schedule in SCHEDULES, "one of " + ", ".join(SCHEDULES))
+        try:  # an alias (zb, interleaved-1f1b, ...) is stored as its canonical name
+            self.schedule = _canonical_schedule(self.schedule)
+        except ScheduleError:
+            need("schedule", False, "one of " + ", ".join(SCHEDULES))
         check_model_values(self.model_overrides, prefix="model.")
 
 

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from mpirt.parallel.schedule_check import default_costs, format_timeline, simulate, theoretical_bubble
-from mpirt.parallel.schedules import B, F, SCHEDULES, W, ScheduleError, build
+from mpirt.parallel.schedules import ALIASES, B, F, SCHEDULES, W, ScheduleError, build, canonical_name
 
 
 def parse_costs(text: str | None, split: bool) -> dict:
@@ -38,14 +38,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mpirt.schedule", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     ap.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step")
-    ap.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}")
+    ap.add_argument("--schedule", default="1f1b",
+                    help=f"one of {', '.join(SCHEDULES)} (the names `mpirt.train --schedule` takes; "
+                         f"also accepted: {', '.join(ALIASES)})")
     ap.add_argument("--chunks", type=int, default=None,
                     help="model chunks per rank (interleaved only; default 2 there, else 1)")
     ap.add_argument("--costs", default=None, help="F,B[,W] time units (default 1,2 or 1,1,1 for zb-h1)")
     args = ap.parse_args(argv)
     try:
-        name = args.schedule
-        chunks = args.chunks if args.chunks is not None else (2 if name.startswith("interleaved") else 1)
+        name = canonical_name(args.schedule)
+        chunks = args.chunks if args.chunks is not None else (2 if name == "interleaved" else 1)
         sched = build(name, args.pp, args.microbatches, chunks)
         costs = parse_costs(args.costs, sched.split_backward)
     except ScheduleError as err:

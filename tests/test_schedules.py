@@ -175,3 +175,41 @@ def test_cli_prints_timeline_and_verdict(capsys):
     assert "W7" in capsys.readouterr().out
     assert cli.main(["--pp", "4", "--microbatches", "6", "--schedule", "interleaved"]) == 2
     assert "multiple of pp" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- one set of names everywhere
+
+def test_schedule_names_agree_between_cli_and_train_config(capsys):
+    """Every spelling ``python -m mpirt.schedule`` accepts, ``mpirt.train --schedule`` accepts too
+    (and the other way round), both mapping it to the same canonical name; unknown names are
+    refused by both."""
+    from mpirt.config import ConfigError, parse_args
+    from mpirt.parallel.schedules import ALIASES, SCHEDULES, canonical_name
+
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert set(ALIASES.values()) <= set(SCHEDULES) and not set(ALIASES) & set(SCHEDULES)
+    known = list(SCHEDULES) + list(ALIASES)
+    candidates = known + [n.upper() for n in known] + ["zb-h2", "pipedream", "1F1B-interleaved", "", "gpipe "]
+    for name in candidates:
+        cli_rc = cli.main(["--pp", "4", "--microbatches", "8", "--schedule", name])
+        err = capsys.readouterr().err
+        assert cli_rc in (0, 2), (name, cli_rc, err)
+        cli_ok = cli_rc == 0
+        try:
+            cfg = parse_args(["--schedule", name])
+            train_ok = True
+        except ConfigError as exc:
+            train_ok = False
+            assert str(exc).startswith("schedule:"), exc
+        assert cli_ok == train_ok == (name.lower() in known), name
+        if train_ok:
+            assert cfg.schedule == canonical_name(name) in SCHEDULES, name
+        else:
+            assert "unknown" in err and ", ".join(SCHEDULES) in err, err
+    # the help texts of both entry points list the canonical names
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert ", ".join(SCHEDULES) in out
+    from mpirt.config import help_text
+    assert "|".join(SCHEDULES) in help_text()

@@ -33,10 +33,12 @@ F, B, W = "F", "B", "W"
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
 COMPUTE = (F, B, W)
 COMM = (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)
+# The schedule names, one set for every entry point (``mpirt.train --schedule``, the config's
+# ``schedule`` key, ``python -m mpirt.schedule``, :func:`build`): the canonical names, which help
+# texts list and which the runtime stores, and other spellings accepted for them (case-insensitive).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved-1f1b": "interleaved",
-            "interleaved_1f1b": "interleaved", "zb-h1": "zb-h1", "zbh1": "zb-h1", "zb_h1": "zb-h1",
-            "zb": "zb-h1", "zero-bubble": "zb-h1"}
+ALIASES = {"interleaved-1f1b": "interleaved", "interleaved_1f1b": "interleaved",
+           "zb": "zb-h1", "zbh1": "zb-h1", "zb_h1": "zb-h1", "zero-bubble": "zb-h1"}
 
 
 class ScheduleError(ValueError):
@@ -113,10 +115,14 @@ class Schedule:
 # generators (compute order only)
 
 def canonical_name(name: str) -> str:
-    try:
-        return _ALIASES[name.lower()]
-    except KeyError:
-        raise ScheduleError(f"schedule: unknown {name!r}; expected one of {', '.join(SCHEDULES)}") from None
+    """The canonical name of schedule ``name`` (one of :data:`SCHEDULES` or an :data:`ALIASES` key,
+    any case); :class:`ScheduleError` for an unknown name, listing the canonical ones."""
+    key = name.lower() if isinstance(name, str) else name
+    if key in SCHEDULES:
+        return key
+    if key in ALIASES:
+        return ALIASES[key]
+    raise ScheduleError(f"schedule: unknown {name!r}; expected one of {', '.join(SCHEDULES)}")
 
 
 def check_shape(name: str, pp: int, microbatches: int, chunks: int = 1) -> None:
