@@ -3,12 +3,14 @@
 On disk a dataset is a directory in nanoGPT's convention: flat uint16 ``train.bin`` and
 ``val.bin``, plus ``meta.json`` = {"vocab_size", "tokenizer", "train_tokens", "val_tokens",
 "format": "uint16", "eos_id", "train_max_id", "val_max_id", "train_mtime_ns", "val_mtime_ns"}.
+``tokenizer`` is "bytes" (ids are byte values, vocab 256, the document separator is byte 0) or
+the path of a HF ``tokenizers`` JSON file, relative to the dataset directory (``prepare`` copies
+it in as ``tokenizer.json``). A plain nanoGPT directory without meta.json loads too, with
+vocab_size and tokenizer unknown (None).
+
 The largest id of each split lets a run refuse ids outside its model's vocabulary at start-up
 without reading the data; it is trusted only while the file's mtime is the one recorded with it
-(a file changed since, or a dataset without the record, is scanned instead). ``tokenizer`` is "bytes" (ids are byte values, vocab 256, the
-document separator is byte 0) or the path of a HF ``tokenizers`` JSON file, relative to the
-dataset directory (``prepare`` copies it in as ``tokenizer.json``). A plain nanoGPT directory
-without meta.json loads too, with vocab_size and tokenizer unknown (None).
+(a file changed since, or a dataset without the record, is scanned instead).
 
 Batches are pure functions of (seed, step, dp_rank): every data-parallel layout sees the same
 global batch, and resuming at step k reproduces batch k. This module never imports mpi4py.

@@ -4,6 +4,11 @@ It installs the abort-on-error hook, learns the world (rank, size, rank and rank
 optionally checks that every rank holds the same config, selects the array backend and binds a
 GPU by local rank, limits BLAS threads per rank, and derives per-rank seeds from one seed.
 
+Same config means same inputs too: a path is only a name, and on a cluster each node may read its
+own copy. :func:`input_fingerprint` condenses what the named files hold (the model TOML, the
+``init_from`` directory, the dataset's meta.json and the sizes of its token files) into a few
+strings that ride along with the config through :func:`check_same_config`.
+
 BLAS threads. NumPy's OpenBLAS starts one thread per core in *every* rank, so k ranks on a node
 oversubscribe its cores k times. The thread variables cannot be set before NumPy loads here (it is
 already imported), so :func:`set_blas_threads` finds the OpenBLAS mapped into the process
@@ -22,6 +27,7 @@ import functools
 import hashlib
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -116,10 +122,75 @@ def check_same_config(comm: C.Comm, cfg) -> str:
             by_hash.setdefault(x, []).append(r)
     parts = []
     for ranks in by_hash.values():
-        keys = diff_configs(dicts[0], dicts[ranks[0]])
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        r = ranks[0]
+        keys = [f"{k} (rank 0: {_shown(dicts[0], k)}, rank {r}: {_shown(dicts[r], k)})"
+                for k in diff_configs(dicts[0], dicts[r])]
+        who = f"rank {r}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
         parts.append(f"{who} differ{'s' if len(ranks) == 1 else ''} from rank 0 in {', '.join(keys)}")
     raise ConfigError("config differs across ranks: " + "; ".join(parts))
+
+
+def _shown(d: dict, dotted: str, limit: int = 80) -> str:
+    """The value at a dotted name of :func:`mpirt.config.diff_configs` (a key may itself hold a
+    dot, as in "dataset train.bin size"), shortened for a one-line message."""
+    while dotted not in d:
+        head, _, dotted = dotted.partition(".")
+        if not dotted or not isinstance(d.get(head), dict):
+            return "(absent)"
+        d = d[head]
+    text = repr(d[dotted])
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def input_fingerprint(cfg, data_dir=None) -> dict:
+    """What the files a :class:`mpirt.config.TrainConfig` names hold, as short comparable strings:
+    the model file (``model`` as a TOML file, or a HF directory's config.json) and the
+    ``init_from`` directory when given, by sha256; the dataset (``data_dir``, default
+    ``cfg.data``) by its meta.json's sha256 and the byte sizes of train.bin and val.bin. Fold it
+    into the config given to :func:`check_same_config` (e.g. under ``"inputs"``) so that ranks
+    reading different copies behind one path are refused naming the file.
+    """
+    out = {}
+    model = Path(cfg.model)
+    if model.is_file() or (model / "config.json").is_file():
+        f = model if model.is_file() else model / "config.json"
+        out["model file"] = f"{f} sha256 {_file_sha(f)}"
+    if cfg.init_from:
+        out["init_from"] = f"{cfg.init_from} {_dir_digest(Path(cfg.init_from))}"
+    data = Path(data_dir or cfg.data)
+    meta = data / "meta.json"
+    out["dataset meta.json"] = f"sha256 {_file_sha(meta)}" if meta.is_file() else "absent"
+    for name in ("train.bin", "val.bin"):
+        path = data / name
+        out[f"dataset {name} size"] = path.stat().st_size if path.is_file() else None
+    return out
+
+
+_SMALL = 1 << 20  # files up to this size are fingerprinted by content, larger ones by size
+
+
+def _file_sha(path: Path) -> str:
+    """The first 16 hex digits of the file's sha256: ample to tell copies apart, short to show."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _dir_digest(directory: Path) -> str:
+    """A digest of a checkpoint or model directory: the names and sizes of its files, the contents
+    of the small ones (meta.json, meta.sha256, latest, config.json, an index), recursively (a
+    checkpoint root holds its versions). Tensor files are covered by size here; their checksums
+    are in meta.json, which is covered by content."""
+    h = hashlib.sha256()
+    files = {p.relative_to(directory): p for p in directory.rglob("*") if p.is_file()}
+    for rel in sorted(r for r in files if not any(part.startswith(".") for part in r.parts)):  # no temporaries
+        size = files[rel].stat().st_size
+        h.update(f"{rel}\0{size}\0".encode())
+        if size <= _SMALL:
+            h.update(files[rel].read_bytes())
+    return "sha256 " + h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------

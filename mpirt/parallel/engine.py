@@ -7,6 +7,7 @@ The training script talks to one interface whatever the layout:
     engine.optimizer.step()
     engine.evaluate(x, y)   -> float     # mean loss of the global batch, no gradients
     engine.full_state() / engine.load_full_state(weights, state)   # layout-independent tensors
+    engine.dropout_state() / engine.load_dropout_state(d)          # where each mask stream stands
 
 :class:`ShardedEngine` runs dp x tp (data parallelism or ZeRO 1-3, tensor/sequence parallelism)
 on one model object; :class:`PipelineEngine` runs a pipeline stage (with dp and tp inside it).
@@ -19,6 +20,7 @@ import numpy as np
 
 import mpirt.backend as B
 from mpirt.data import split_microbatches
+from mpirt.nn import Dropout
 from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.data import DataParallel
@@ -89,6 +91,16 @@ class ShardedEngine:
     def load_full_state(self, weights: dict, state: dict | None) -> None:
         scatter_state(self.model, self.optimizer, weights, state, self.tp_comm)
 
+    def dropout_state(self) -> dict:
+        """``{module name: calls}`` for every Dropout: how far each mask stream has advanced (the
+        call count is part of the mask seed), so that a resumed run draws the masks an
+        uninterrupted one would. Every rank holds every module here, with the same counts."""
+        return {name: m.calls for name, m in _dropouts(self.model).items()}
+
+    def load_dropout_state(self, state: dict) -> None:
+        """Restore the counts saved by :meth:`dropout_state`; modules it does not name keep theirs."""
+        _load_dropouts(_dropouts(self.model), state)
+
     def close(self) -> None:
         if self.ddp:
             self.ddp.close()
@@ -149,8 +161,37 @@ class PipelineEngine:
             state = {k: v for k, v in state.items() if not hasattr(v, "shape") or k.rsplit(".", 1)[0] in names}
         scatter_state(self.model, self.optimizer, weights, state, self.tp_comm)
 
+    def _dropouts(self) -> dict:
+        # the embedding dropout has no parameters, so it stays in the first stage's shell
+        return _dropouts(self.model, self.stage.shell)
+
+    def dropout_state(self) -> dict:
+        """``{module name: calls}`` for every Dropout of the whole model, on every rank (collective
+        over pp: each stage holds only its own modules). See :meth:`ShardedEngine.dropout_state`."""
+        merged: dict = {}
+        for part in self.pp_comm.allgather_object({name: m.calls for name, m in self._dropouts().items()}):
+            for name, calls in part.items():  # the first and last stage's shells both hold ``drop``: only one
+                merged[name] = max(calls, merged.get(name, 0))  # runs it, the other's count stays 0
+        return merged
+
+    def load_dropout_state(self, state: dict) -> None:
+        """Restore this stage's counts from a whole-model :meth:`dropout_state`."""
+        _load_dropouts(self._dropouts(), state)
+
     def close(self) -> None:
         """Nothing to release: the stage owns no communicators of its own."""
+
+
+def _dropouts(*roots) -> dict:
+    """Every Dropout module under the ``roots`` (None skipped), by module name."""
+    return {name: m for root in roots if root is not None
+            for name, m in root.named_modules() if isinstance(m, Dropout)}
+
+
+def _load_dropouts(modules: dict, state: dict) -> None:
+    for name, m in modules.items():
+        if name in state:
+            m.calls = int(state[name])
 
 
 def build_engine(cfg, model_cfg, grid, dropout_seed: int):
