@@ -4,6 +4,15 @@
 rank fails, and :class:`Comm` moves arrays: collectives and point-to-point on NumPy arrays (and
 CuPy arrays) through mpi4py's uppercase buffer methods, never the pickle path.
 
+No hangs. ``start_watchdog(timeout_s)`` (collective) starts a thread per process that ends the
+job with exit code 4 (:data:`EXIT_TIMEOUT`) when a call waits longer than ``timeout_s``, after
+printing the call in the runtime's terms (op, axis, bytes, and the label set with
+``with comm.labelled(label):``, e.g. a pipeline action) and the ranks that never arrived, each
+rank with its ring of recent calls. It also makes a rank that exits on its own (``sys.exit``,
+the end of the program) end the job once another rank waits for it; ``exit_together(code)`` is
+the way for all ranks to leave on purpose, with no abort. A SIGKILLed rank is handled by hydra's
+``mpiexec``, which then kills the others.
+
 Engines (:func:`select_engine`), chosen per call from the array:
 
 - ``"host"``: NumPy arrays go straight to MPI.
@@ -30,7 +39,9 @@ The package, by concern: :mod:`~mpirt.comm.job` (constants, :class:`World`, the 
 :mod:`~mpirt.comm.registry` (:class:`CommStats`, no mpi4py), :mod:`~mpirt.comm.buffers`
 (dtypes, contiguous copies, :func:`chunk_bounds`), :mod:`~mpirt.comm.engines` (engine
 selection, CUDA-aware detection, the NCCL engine), :mod:`~mpirt.comm.handles` (non-blocking
-handles) and :mod:`~mpirt.comm.core` (:class:`Comm`).
+handles), :mod:`~mpirt.comm.core` (:class:`Comm`), :mod:`~mpirt.comm.flight` (in-flight slots
+and the ring of recent calls, no mpi4py) and :mod:`~mpirt.comm.watchdog` (the watchdog thread,
+leaving the job).
 """
 from mpirt.comm.buffers import chunk_bounds
 from mpirt.comm.core import Comm, world_comm
@@ -39,9 +50,11 @@ from mpirt.comm.handles import Handle, test_all, wait_all
 from mpirt.comm.job import (ANY_SOURCE, ANY_TAG, PROC_NULL, CommError, World, first_error, install_abort_on_error,
                             world)
 from mpirt.comm.registry import CommRecord, CommStats, stats
+from mpirt.comm.watchdog import EXIT_TIMEOUT, Watchdog, exit_together, start_watchdog
 
 __all__ = [
-    "ANY_SOURCE", "ANY_TAG", "ENGINES", "PROC_NULL", "Comm", "CommError", "CommRecord", "CommStats",
-    "Handle", "World", "chunk_bounds", "cuda_aware_mpi", "first_error", "install_abort_on_error", "nccl_available",
-    "select_engine", "stats", "test_all", "wait_all", "world", "world_comm",
+    "ANY_SOURCE", "ANY_TAG", "ENGINES", "EXIT_TIMEOUT", "PROC_NULL", "Comm", "CommError", "CommRecord", "CommStats",
+    "Handle", "Watchdog", "World", "chunk_bounds", "cuda_aware_mpi", "exit_together", "first_error",
+    "install_abort_on_error", "nccl_available", "select_engine", "start_watchdog", "stats", "test_all", "wait_all",
+    "world", "world_comm",
 ]

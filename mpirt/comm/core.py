@@ -6,10 +6,11 @@ import numpy as np
 from mpi4py import MPI
 
 import mpirt.backend as B
-from mpirt.comm import buffers
+from mpirt.comm import buffers, flight
 from mpirt.comm.buffers import (_OPS, _REDUCE_TYPES, _contig, _counts, _divide, _mpi_op, _put_back,
                                 _reduce_dtype, _sync)
 from mpirt.comm.engines import _NcclEngine, select_engine
+from mpirt.comm.flight import DONE, new_call
 from mpirt.comm.handles import Handle, _done_handle, _finish_recv, _recv_buffer, _recv_error
 from mpirt.comm.job import PROC_NULL
 from mpirt.comm.registry import _clock, stats
@@ -24,7 +25,8 @@ class Comm:
     """One MPI communicator for arrays: ``Comm(mpi_comm, axis="world")``.
 
     ``rank``, ``size``, ``axis`` (the grid axis it spans, used in the registry) and ``mpi`` (the
-    raw mpi4py communicator).
+    raw mpi4py communicator). Every call is tracked for the watchdog (:mod:`mpirt.comm.flight`):
+    it sits in the communicator's in-flight slot while it runs and in the ring of recent calls.
     """
 
     def __init__(self, mpi_comm, axis: str = "world"):
@@ -33,12 +35,24 @@ class Comm:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self._nccl_engine = None
+        self._ch = flight.Channel(axis, _world_ranks(mpi_comm))
 
     def __repr__(self) -> str:
         return f"Comm(axis={self.axis!r}, rank={self.rank}, size={self.size})"
 
-    def _record(self, op, nbytes, t0, engine="host") -> None:
-        stats.add(op, self.axis, nbytes, _clock() - t0, engine)
+    def labelled(self, label) -> flight.labelled:
+        """``with comm.labelled(label):`` calls started on this communicator inside the block
+        (blocking, or posted and waited on later) carry ``label`` in watchdog reports, e.g. a
+        pipeline action. ``label`` is any object; it is formatted only when a report is written."""
+        return flight.labelled(self._ch, label)
+
+    def _record(self, call, engine="host", nbytes=None) -> None:
+        """Mark ``call`` complete and add it to :data:`stats` (``nbytes`` when the recorded size
+        differs from the size the call started with)."""
+        t1 = _clock()
+        call[DONE] = t1
+        stats.add(call[flight.OP], self.axis, call[flight.NBYTES] if nbytes is None else nbytes,
+                  t1 - call[flight.T0], engine)
 
     def _engine(self, x, p2p=False) -> str:
         return select_engine(x, p2p)
@@ -54,24 +68,27 @@ class Comm:
         """Reduce ``x`` over the ranks (``op`` = sum | avg | max | min; avg = sum / size in x's
         dtype, floor division for integers). Returns a new array, or ``out`` (any layout, cast to
         its dtype); ``out=x`` works in place (MPI_IN_PLACE)."""
-        t0 = _clock()
-        engine = "host" if not hasattr(x, "__cuda_array_interface__") else self._engine(x)
-        if engine == "host":
-            mtype = _REDUCE_TYPES.get(x.dtype)
-            if out is x and mtype is not None and op in _OPS and x.flags.c_contiguous:  # the hot path
-                self.mpi.Allreduce(MPI.IN_PLACE, [x, mtype], _OPS[op])
-                if op == "avg":
-                    _divide(x, self.size)
-                result = x
+        call = new_call(self._ch, "allreduce", x.nbytes, -1, _clock())
+        try:
+            engine = "host" if not hasattr(x, "__cuda_array_interface__") else self._engine(x)
+            if engine == "host":
+                mtype = _REDUCE_TYPES.get(x.dtype)
+                if out is x and mtype is not None and op in _OPS and x.flags.c_contiguous:  # the hot path
+                    self.mpi.Allreduce(MPI.IN_PLACE, [x, mtype], _OPS[op])
+                    if op == "avg":
+                        _divide(x, self.size)
+                    result = x
+                else:
+                    result = self._allreduce(x, op, out)
+            elif engine == "nccl":
+                result = self._nccl().allreduce(x, op, out)
+            elif engine == "staged":
+                result = _put_back(self._allreduce(B.to_host(x), op, None), x, out)
             else:
                 result = self._allreduce(x, op, out)
-        elif engine == "nccl":
-            result = self._nccl().allreduce(x, op, out)
-        elif engine == "staged":
-            result = _put_back(self._allreduce(B.to_host(x), op, None), x, out)
-        else:
-            result = self._allreduce(x, op, out)
-        stats.add("allreduce", self.axis, x.nbytes, _clock() - t0, engine)
+        finally:
+            self._ch.cur = None
+        self._record(call, engine)
         return result
 
     def _allreduce(self, x, op, out):
@@ -102,43 +119,49 @@ class Comm:
         and returns ``x``. ``x`` should be C-contiguous: otherwise (or for float16) a contiguous
         copy is reduced and copied back into ``x`` at completion. Do not touch ``x`` meanwhile."""
         engine = self._engine(x)
-        rec = ("iallreduce", self.axis, x.nbytes, engine)
-        if engine == "nccl":
-            return Handle(None, lambda _: B.synchronize(), rec, self._nccl().allreduce(x, op, x))
-        mop = _mpi_op(op, "iallreduce")
-        rdtype, mtype = _reduce_dtype(x.dtype, "iallreduce")
-        buf = _contig(B.to_host(x) if engine == "staged" else x, rdtype)
-        _sync(buf)
-        req = self.mpi.Iallreduce(MPI.IN_PLACE, [buf, mtype], mop)
+        call = new_call(self._ch, "iallreduce", x.nbytes, -1, _clock())
+        try:
+            if engine == "nccl":
+                return Handle(None, lambda _: B.synchronize(), engine, self._nccl().allreduce(x, op, x), call)
+            mop = _mpi_op(op, "iallreduce")
+            rdtype, mtype = _reduce_dtype(x.dtype, "iallreduce")
+            buf = _contig(B.to_host(x) if engine == "staged" else x, rdtype)
+            _sync(buf)
+            req = self.mpi.Iallreduce(MPI.IN_PLACE, [buf, mtype], mop)
+        finally:
+            self._ch.cur = None
 
         def finish(_status):
             if op == "avg":
                 _divide(buf, self.size)
             if buf is not x:
                 x[...] = buffers._xp(x).asarray(buf)
-        return Handle(req, finish, rec, x)
+        return Handle(req, finish, engine, x, call)
 
     def reduce_scatter(self, x, op: str = "sum", out=None):
         """Reduce ``x`` (flattened) over the ranks and return this rank's chunk of the flat
         result, chunks following :func:`chunk_bounds` ``(x.size, size)``. ``out``: a preallocated
         1-D array of the chunk's length."""
-        t0 = _clock()
-        engine = "host" if not hasattr(x, "__cuda_array_interface__") else self._engine(x)
-        mtype = _REDUCE_TYPES.get(x.dtype)
-        if (engine == "host" and out is not None and mtype is not None and op in _OPS and  # the hot path
-                x.size % self.size == 0 and out.size * self.size == x.size and out.ndim == 1 and
-                out.dtype == x.dtype and x.flags.c_contiguous and out.flags.c_contiguous):
-            self.mpi.Reduce_scatter_block([x, mtype], [out, mtype], _OPS[op])
-            if op == "avg":
-                _divide(out, self.size)
-            result = out
-        elif engine == "nccl":
-            result = self._nccl().reduce_scatter(x, op, out)
-        elif engine == "staged":
-            result = _put_back(self._reduce_scatter(B.to_host(x), op, None), x, out)
-        else:
-            result = self._reduce_scatter(x, op, out)
-        self._record("reduce_scatter", x.nbytes, t0, engine)
+        call = new_call(self._ch, "reduce_scatter", x.nbytes, -1, _clock())
+        try:
+            engine = "host" if not hasattr(x, "__cuda_array_interface__") else self._engine(x)
+            mtype = _REDUCE_TYPES.get(x.dtype)
+            if (engine == "host" and out is not None and mtype is not None and op in _OPS and  # the hot path
+                    x.size % self.size == 0 and out.size * self.size == x.size and out.ndim == 1 and
+                    out.dtype == x.dtype and x.flags.c_contiguous and out.flags.c_contiguous):
+                self.mpi.Reduce_scatter_block([x, mtype], [out, mtype], _OPS[op])
+                if op == "avg":
+                    _divide(out, self.size)
+                result = out
+            elif engine == "nccl":
+                result = self._nccl().reduce_scatter(x, op, out)
+            elif engine == "staged":
+                result = _put_back(self._reduce_scatter(B.to_host(x), op, None), x, out)
+            else:
+                result = self._reduce_scatter(x, op, out)
+        finally:
+            self._ch.cur = None
+        self._record(call, engine)
         return result
 
     def _reduce_scatter(self, x, op, out):
@@ -169,15 +192,18 @@ class Comm:
         """Concatenate every rank's ``x`` along axis 0 (leading sizes may differ; trailing shapes
         and dtypes must agree). Without ``counts`` (each rank's leading size, the same list on
         every rank) one small Allgather exchanges them first. ``out``: preallocated result."""
-        t0 = _clock()
-        engine = self._engine(x)
-        if engine == "nccl":
-            result = self._nccl().allgather(x, counts, out)
-        elif engine == "staged":
-            result = _put_back(self._allgather(B.to_host(x), counts, None), x, out)
-        else:
-            result = self._allgather(x, counts, out)
-        self._record("allgather", result.nbytes, t0, engine)
+        call = new_call(self._ch, "allgather", x.nbytes, -1, _clock())
+        try:
+            engine = self._engine(x)
+            if engine == "nccl":
+                result = self._nccl().allgather(x, counts, out)
+            elif engine == "staged":
+                result = _put_back(self._allgather(B.to_host(x), counts, None), x, out)
+            else:
+                result = self._allgather(x, counts, out)
+        finally:
+            self._ch.cur = None
+        self._record(call, engine, result.nbytes)
         return result
 
     def _row_counts(self, x, counts) -> list[int]:
@@ -228,26 +254,29 @@ class Comm:
         ``chunk`` may be a view of ``out``: when it is exactly this rank's chunk of ``out`` the
         gather runs in place (MPI_IN_PLACE), any other overlap is gathered from a copy.
         Recorded in :data:`stats` as ``allgather``."""
-        t0 = _clock()
-        engine = "host" if not hasattr(chunk, "__cuda_array_interface__") else self._engine(chunk)
-        if engine == "host" and out is not None and np.may_share_memory(chunk, out):
-            if self._is_own_chunk(chunk, n, out):
+        call = new_call(self._ch, "allgather", chunk.nbytes, -1, _clock())
+        try:
+            engine = "host" if not hasattr(chunk, "__cuda_array_interface__") else self._engine(chunk)
+            shared = engine == "host" and out is not None and np.may_share_memory(chunk, out)
+            if shared and self._is_own_chunk(chunk, n, out):
                 result = self._allgather_flat_in_place(n, out)
-                self._record("allgather", result.nbytes, t0, engine)
-                return result
-            chunk = chunk.copy()
-        if (engine == "host" and out is not None and n % self.size == 0 and  # the hot path
-                chunk.size * self.size == n and out.size == n and out.dtype == chunk.dtype and
-                chunk.flags.c_contiguous and out.flags.c_contiguous):
-            self.mpi.Allgather([chunk, MPI.BYTE], [out, MPI.BYTE])
-            result = out
-        elif engine == "nccl":
-            result = self._nccl().allgather_flat(chunk, n, out)
-        elif engine == "staged":
-            result = _put_back(self._allgather_flat(B.to_host(chunk), n, None), chunk, out)
-        else:
-            result = self._allgather_flat(chunk, n, out)
-        self._record("allgather", result.nbytes, t0, engine)
+            else:
+                if shared:
+                    chunk = chunk.copy()
+                if (engine == "host" and out is not None and n % self.size == 0 and  # the hot path
+                        chunk.size * self.size == n and out.size == n and out.dtype == chunk.dtype and
+                        chunk.flags.c_contiguous and out.flags.c_contiguous):
+                    self.mpi.Allgather([chunk, MPI.BYTE], [out, MPI.BYTE])
+                    result = out
+                elif engine == "nccl":
+                    result = self._nccl().allgather_flat(chunk, n, out)
+                elif engine == "staged":
+                    result = _put_back(self._allgather_flat(B.to_host(chunk), n, None), chunk, out)
+                else:
+                    result = self._allgather_flat(chunk, n, out)
+        finally:
+            self._ch.cur = None
+        self._record(call, engine, result.nbytes)
         return result
 
     def _is_own_chunk(self, chunk, n, out) -> bool:
@@ -287,23 +316,39 @@ class Comm:
 
     def broadcast(self, x, root: int = 0):
         """Copy ``x`` of rank ``root`` into ``x`` on every rank, in place; returns ``x``."""
-        t0 = _clock()
-        engine = self._engine(x)
-        if engine == "nccl":
-            self._nccl().broadcast(x, root)
-        else:
-            buf = _contig(B.to_host(x) if engine == "staged" else x)
-            _sync(buf)
-            self.mpi.Bcast([buf, MPI.BYTE], root)
-            if buf is not x:
-                x[...] = buffers._xp(x).asarray(buf)
-        self._record("broadcast", x.nbytes, t0, engine)
+        call = new_call(self._ch, "broadcast", x.nbytes, -1, _clock())
+        try:
+            engine = self._engine(x)
+            if engine == "nccl":
+                self._nccl().broadcast(x, root)
+            else:
+                buf = _contig(B.to_host(x) if engine == "staged" else x)
+                _sync(buf)
+                self.mpi.Bcast([buf, MPI.BYTE], root)
+                if buf is not x:
+                    x[...] = buffers._xp(x).asarray(buf)
+        finally:
+            self._ch.cur = None
+        self._record(call, engine)
         return x
 
     def barrier(self) -> None:
-        t0 = _clock()
-        self.mpi.Barrier()
-        self._record("barrier", 0, t0)
+        call = new_call(self._ch, "barrier", 0, -1, _clock())
+        try:
+            self.mpi.Barrier()
+        finally:
+            self._ch.cur = None
+        self._record(call)
+
+    def ibarrier(self) -> Handle:
+        """Start a barrier; the handle completes once every rank has started it. Waiting on it
+        by polling ``test()`` (with sleeps) keeps a rank that arrives early off the CPU."""
+        call = new_call(self._ch, "ibarrier", 0, -1, _clock())
+        try:
+            req = self.mpi.Ibarrier()
+        finally:
+            self._ch.cur = None
+        return Handle(req, None, "host", None, call)
 
     # -- point to point ------------------------------------------------------------------------
 
@@ -311,65 +356,83 @@ class Comm:
         """Blocking send of ``x``'s bytes to ``dest`` (PROC_NULL: nothing happens)."""
         if dest == PROC_NULL:
             return
-        t0 = _clock()
-        engine = self._engine(x, p2p=True)
-        buf = _contig(B.to_host(x) if engine == "staged" else x)
-        _sync(buf)
-        self.mpi.Send([buf, MPI.BYTE], dest, tag)
-        self._record("send", x.nbytes, t0, engine)
+        call = new_call(self._ch, "send", x.nbytes, dest, _clock())
+        try:
+            engine = self._engine(x, p2p=True)
+            buf = _contig(B.to_host(x) if engine == "staged" else x)
+            _sync(buf)
+            self.mpi.Send([buf, MPI.BYTE], dest, tag)
+        finally:
+            self._ch.cur = None
+        self._record(call, engine)
 
     def recv(self, out, source: int, tag: int = 0):
         """Blocking receive into the preallocated ``out``; the message must fill it exactly, else
         :class:`CommError` names the source, tag and sizes. Returns ``out`` (PROC_NULL: unchanged)."""
         if source == PROC_NULL:
             return out
-        t0 = _clock()
-        engine = self._engine(out, p2p=True)
-        buf = _recv_buffer(out, engine)
-        status = MPI.Status()
-        _sync(buf)
+        call = new_call(self._ch, "recv", out.nbytes, source, _clock())
         try:
+            engine = self._engine(out, p2p=True)
+            buf = _recv_buffer(out, engine)
+            status = MPI.Status()
+            _sync(buf)
             self.mpi.Recv([buf, MPI.BYTE], source, tag, status)
         except MPI.Exception as err:
             raise _recv_error(err, out, source, tag) from err
+        finally:
+            self._ch.cur = None
         _finish_recv(status, buf, out, source, tag)
-        self._record("recv", out.nbytes, t0, engine)
+        self._record(call, engine)
         return out
 
     def isend(self, x, dest: int, tag: int = 0) -> Handle:
         """Start sending ``x``; keep ``x`` unchanged until the handle completes."""
-        engine = "host" if dest == PROC_NULL else self._engine(x, p2p=True)
-        rec = ("isend", self.axis, x.nbytes, engine)
         if dest == PROC_NULL:
-            return _done_handle(x, rec)
-        buf = _contig(B.to_host(x) if engine == "staged" else x)
-        _sync(buf)
-        return Handle(self.mpi.Isend([buf, MPI.BYTE], dest, tag), None, rec, x, keep=buf)
+            return _done_handle(x)
+        engine = self._engine(x, p2p=True)
+        call = new_call(self._ch, "isend", x.nbytes, dest, _clock())
+        try:
+            buf = _contig(B.to_host(x) if engine == "staged" else x)
+            _sync(buf)
+            req = self.mpi.Isend([buf, MPI.BYTE], dest, tag)
+        finally:
+            self._ch.cur = None
+        return Handle(req, None, engine, x, call, keep=buf)
 
     def irecv(self, out, source: int, tag: int = 0) -> Handle:
         """Start receiving into ``out``; ``wait()`` returns ``out`` (checks the size like :meth:`recv`)."""
-        engine = "host" if source == PROC_NULL else self._engine(out, p2p=True)
-        rec = ("irecv", self.axis, out.nbytes, engine)
         if source == PROC_NULL:
-            return _done_handle(out, rec)
-        buf = _recv_buffer(out, engine)
-        _sync(buf)
-        req = self.mpi.Irecv([buf, MPI.BYTE], source, tag)
-        return Handle(req, lambda status: _finish_recv(status, buf, out, source, tag), rec, out,
+            return _done_handle(out)
+        engine = self._engine(out, p2p=True)
+        call = new_call(self._ch, "irecv", out.nbytes, source, _clock())
+        try:
+            buf = _recv_buffer(out, engine)
+            _sync(buf)
+            req = self.mpi.Irecv([buf, MPI.BYTE], source, tag)
+        finally:
+            self._ch.cur = None
+        return Handle(req, lambda status: _finish_recv(status, buf, out, source, tag), engine, out, call,
                       status=MPI.Status(), keep=buf, recv=(out, source, tag))
 
     # -- small Python objects (pickle path; never for arrays) ----------------------------------
 
     def allgather_object(self, obj) -> list:
-        t0 = _clock()
-        result = self.mpi.allgather(obj)
-        self._record("allgather_object", 0, t0)
+        call = new_call(self._ch, "allgather_object", 0, -1, _clock())
+        try:
+            result = self.mpi.allgather(obj)
+        finally:
+            self._ch.cur = None
+        self._record(call)
         return result
 
     def broadcast_object(self, obj, root: int = 0):
-        t0 = _clock()
-        result = self.mpi.bcast(obj, root=root)
-        self._record("broadcast_object", 0, t0)
+        call = new_call(self._ch, "broadcast_object", 0, -1, _clock())
+        try:
+            result = self.mpi.bcast(obj, root=root)
+        finally:
+            self._ch.cur = None
+        self._record(call)
         return result
 
     def allreduce_scalar(self, value, op: str = "sum"):
@@ -386,3 +449,16 @@ class Comm:
     def free(self) -> None:
         if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
             self.mpi.Free()
+
+
+def _world_ranks(mpi_comm) -> tuple[int, ...]:
+    """The world rank of each member of ``mpi_comm``, in its rank order."""
+    world = MPI.COMM_WORLD
+    if mpi_comm == world:
+        return tuple(range(world.Get_size()))
+    group, world_group = mpi_comm.Get_group(), world.Get_group()
+    try:
+        return tuple(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world_group))
+    finally:
+        group.Free()
+        world_group.Free()

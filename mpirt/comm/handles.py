@@ -1,12 +1,11 @@
 """Handles for non-blocking calls, and the receive-side checks shared by ``recv`` and ``irecv``."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from mpi4py import MPI
 
 from mpirt.comm import buffers
+from mpirt.comm.flight import CHAN, DONE, NBYTES, OP, POLLED, SINCE, T0
 from mpirt.comm.job import CommError
 from mpirt.comm.registry import _clock, stats
 
@@ -14,14 +13,17 @@ from mpirt.comm.registry import _clock, stats
 class Handle:
     """A pending non-blocking operation. ``test()`` drives MPI progress and says whether it is done
     (MPICH progresses requests only inside MPI calls); ``wait()`` completes it and returns the
-    result array. Keeps the buffers alive until completion."""
+    result array. Keeps the buffers alive until completion.
 
-    __slots__ = ("_req", "_finish", "_rec", "_t0", "_status", "_result", "_done", "_keep", "_recv")
+    For the watchdog, ``wait()`` puts the call (see :mod:`mpirt.comm.flight`) in its
+    communicator's in-flight slot, and so does an unsuccessful ``test()``, which also notes the
+    time of the test, so a polling loop is watched like a blocking wait."""
 
-    def __init__(self, req, finish, rec, result, status=None, keep=None, recv=None):
-        self._req, self._finish, self._rec = req, finish, rec
+    __slots__ = ("_req", "_finish", "_engine", "_call", "_status", "_result", "_done", "_keep", "_recv")
+
+    def __init__(self, req, finish, engine, result, call, status=None, keep=None, recv=None):
+        self._req, self._finish, self._engine, self._call = req, finish, engine, call
         self._result, self._status, self._keep, self._recv = result, status, keep, recv
-        self._t0 = _clock()
         self._done = False
 
     @property
@@ -32,22 +34,37 @@ class Handle:
         """Drive progress; True once the operation has completed (then the result is ready)."""
         if self._done:
             return True
+        call = self._call
         try:
             if self._req is not None and not self._req.Test(self._status):
+                now = _clock()
+                ch = call[CHAN]
+                if ch.cur is not call:  # a new polling run starts here
+                    call[SINCE] = now
+                    ch.cur = call
+                call[POLLED] = now
                 return False
         except MPI.Exception as err:
             raise self._error(err) from err
+        if call[CHAN].cur is call:
+            call[CHAN].cur = None
         self._complete()
         return True
 
     def wait(self):
         """Complete the operation and return its result array."""
         if not self._done:
+            call = self._call
+            ch = call[CHAN]
+            call[SINCE], call[POLLED] = _clock(), None
+            ch.cur = call
             try:
                 if self._req is not None:
                     self._req.Wait(self._status)
             except MPI.Exception as err:
                 raise self._error(err) from err
+            finally:
+                ch.cur = None
             self._complete()
         return self._result
 
@@ -58,14 +75,16 @@ class Handle:
         self._done = True
         if self._finish is not None:
             self._finish(self._status)
-        op, axis, nbytes, engine = self._rec
-        stats.add(op, axis, nbytes, time.perf_counter() - self._t0, engine)
+        call = self._call
+        t1 = call[DONE] = _clock()
+        stats.add(call[OP], call[CHAN].axis, call[NBYTES], t1 - call[T0], self._engine)
         self._req = self._finish = self._keep = None
 
 
-def _done_handle(result, rec) -> Handle:
-    h = Handle(None, None, rec, result)
-    h._complete()
+def _done_handle(result) -> Handle:
+    """A completed handle for a call that moves nothing (a PROC_NULL peer); not recorded."""
+    h = Handle(None, None, "host", result, None)
+    h._done = True
     return h
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from mpirt.comm import flight
+
 PROC_NULL = MPI.PROC_NULL
 ANY_SOURCE = MPI.ANY_SOURCE
 ANY_TAG = MPI.ANY_TAG
@@ -35,7 +37,8 @@ def world() -> World:
 
 
 def install_abort_on_error() -> None:
-    """Make an uncaught exception on any rank print its traceback and abort the whole job.
+    """Make an uncaught exception on any rank print its traceback, then its ring of recent
+    communication calls (:func:`mpirt.comm.flight.dump`), and abort the whole job.
 
     Without this, the other ranks would wait forever in their next collective.
     """
@@ -45,8 +48,11 @@ def install_abort_on_error() -> None:
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
+        alone = MPI.COMM_WORLD.size == 1
+        if not alone and flight.ring:
+            sys.stderr.write(flight.dump(MPI.COMM_WORLD.rank) + "\n")
         sys.stderr.flush()
-        if MPI.COMM_WORLD.size > 1:
+        if not alone:
             MPI.COMM_WORLD.Abort(1)
 
     hook.mpirt_abort = True

@@ -12,15 +12,29 @@ stashed activations and their estimated bytes land in ``stats`` after each step.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 import mpirt.backend as B
 from mpirt.nn import Parameter
-from mpirt.parallel.schedules import F, W, Schedule
+from mpirt.parallel.schedules import F, W, Action, Schedule
 from mpirt.tensor import Tensor
 
 TAG_ACT, TAG_GRAD, TAG_TIED = 11, 12, 13
+
+
+class WaitLabel(NamedTuple):
+    """A send or receive action as the communication watchdog names it, e.g. ``pp rank 2: recv
+    grad mb=5 chunk 0 from pp rank 3``; built per action, formatted only in a report."""
+
+    rank: int       # this rank's pp rank
+    action: Action
+
+    def __str__(self) -> str:
+        a = self.action
+        verb, prep = ("send", "to") if a.is_send else ("recv", "from")
+        return f"pp rank {self.rank}: {verb} {a.kind} mb={a.mb} chunk {a.chunk} {prep} pp rank {a.peer}"
 
 
 def _array_bytes(out: Tensor, skip=()) -> int:
@@ -90,7 +104,8 @@ class PipelineExecutor:
                 heads[key] = i + 1
                 buf = self._buffer(a.kind)
                 tag = TAG_ACT if a.kind == "act" else TAG_GRAD
-                posted[key] = (a, comm.irecv(buf, a.peer, tag), buf)
+                with comm.labelled(WaitLabel(rank, a)):
+                    posted[key] = (a, comm.irecv(buf, a.peer, tag), buf)
 
         stash, inbox, outbox, wpasses, sends = {}, {}, {}, {}, []
         losses = [0.0] * self.m
@@ -131,7 +146,8 @@ class PipelineExecutor:
                 post(pk)
             elif a.is_send:
                 data = outbox.pop((a.kind,) + key)
-                sends.append(comm.isend(data, a.peer, TAG_ACT if a.kind == "act" else TAG_GRAD))
+                with comm.labelled(WaitLabel(rank, a)):
+                    sends.append(comm.isend(data, a.peer, TAG_ACT if a.kind == "act" else TAG_GRAD))
             else:
                 t0 = time.perf_counter()
                 if a.op == F:
@@ -201,8 +217,9 @@ class PipelineExecutor:
         for name in self.tied_names:
             g = named[name].grad
             other = B.xp.empty_like(g)
-            hs = self.comm.isend(g, peer, TAG_TIED)
-            hr = self.comm.irecv(other, peer, TAG_TIED)
+            with self.comm.labelled(f"pp rank {self.rank}: tied gradient sum of {name} with pp rank {peer}"):
+                hs = self.comm.isend(g, peer, TAG_TIED)
+                hr = self.comm.irecv(other, peer, TAG_TIED)
             self._wait(hr)
             self._wait(hs)
             g += other  # a + b == b + a exactly: both copies get the same bits
@@ -210,7 +227,10 @@ class PipelineExecutor:
     def _share_loss(self, loss: float) -> float:
         buf = np.array([loss if self.has_head else 0.0], dtype=np.float64)
         if self.pp > 1:
-            self.comm.broadcast(buf, root=self.pp - 1)
+            with self.comm.labelled(f"pp rank {self.rank}: loss from pp rank {self.pp - 1}"):
+                self.comm.broadcast(buf, root=self.pp - 1)
         if self.grid.dp > 1:
-            self.grid.comm["dp"].allreduce(buf, op="avg", out=buf)
+            dp = self.grid.comm["dp"]
+            with dp.labelled(f"pp rank {self.rank}: loss average over dp"):
+                dp.allreduce(buf, op="avg", out=buf)
         return float(buf[0])
