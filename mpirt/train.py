@@ -129,6 +129,7 @@ def main(argv=None) -> dict:
         sys.exit(2)
 
     ctx = init_distributed(cfg.seed, cfg.backend, config=cfg.to_dict())  # all ranks: same config
+    comm.start_watchdog(cfg.comm_timeout)  # a stuck call, or a rank exiting alone, ends the job
     grid = Grid(layout["dp"], layout["pp"], layout["tp"])
     dp = grid.sizes["dp"]
     is_main = ctx.rank == 0
