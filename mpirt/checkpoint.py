@@ -39,13 +39,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 import mpirt
 import mpirt.backend as B
 
-FORMAT, VERSION = "mpirt-checkpoint", 1
+FORMAT, VERSION = "mpirt-checkpoint", 2  # 2: meta.sha256 covers meta.json
 META, MODEL, OPTIM, LATEST = "meta.json", "model.safetensors", "optimizer.safetensors", "latest"
 META_SUM = "meta.sha256"
 _VERSION_RE = re.compile(r"step-(\d+)(?:-(\d+))?")
@@ -82,9 +82,13 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 
 def _write_tensors(path: Path, arrays: dict) -> dict:
-    """Write ``arrays`` as safetensors, fsync, and return the file's entry for ``meta["files"]``."""
-    save_file({k: np.ascontiguousarray(B.to_host(v)) for k, v in arrays.items()}, str(path),
-              metadata={"format": FORMAT})
+    """Write ``arrays`` as safetensors, fsync, and return the file's entry for ``meta["files"]``.
+    A failed write (disk full, quota) raises OSError naming the file."""
+    try:
+        save_file({k: np.ascontiguousarray(B.to_host(v)) for k, v in arrays.items()}, str(path),
+                  metadata={"format": FORMAT})
+    except SafetensorError as err:  # safetensors reports I/O failures as its own error type
+        raise OSError(f"{path}: {err}") from None
     return {"sha256": _sha256(path, fsync=True), "bytes": path.stat().st_size}
 
 
@@ -236,12 +240,21 @@ def _resolve(path) -> Path:
     raise FileNotFoundError(f"no checkpoint at {p} (neither {p / META} nor {p / LATEST} exists)")
 
 
+def _format_version(raw: bytes):
+    try:
+        return json.loads(raw).get("version")
+    except (ValueError, AttributeError):
+        return None
+
+
 def _check_meta_sum(vdir: Path, raw: bytes) -> None:
     """Refuse a meta.json whose sha256 is not the one ``meta.sha256`` recorded at save time."""
     sum_path = vdir / META_SUM
     try:
         recorded = sum_path.read_text().split()
     except FileNotFoundError:
+        if _format_version(raw) == 1:
+            return  # written before meta.sha256 existed: its tensor files are still checksummed
         raise CheckpointError(f"{sum_path} is missing: {vdir / META} cannot be verified") from None
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{sum_path}: unreadable ({e})") from None

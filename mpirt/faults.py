@@ -8,19 +8,22 @@ from 1, the step the metrics call ``step``). Kinds:
 - ``exit``   ``sys.exit(3)``: a rank that quits on its own;
 - ``kill``   SIGKILL to itself: a rank killed by the OOM killer or a node failure;
 - ``raise``  a RuntimeError: a bug on one rank;
-- ``signal`` SIGTERM to itself: the scheduler's notice on one rank only.
+- ``signal`` SIGTERM to itself: the scheduler's notice on one rank only;
+- ``diskfull`` from then on no file of this process may grow past 64 KiB (RLIMIT_FSIZE, writes
+  fail with EFBIG): a full disk or quota, after MPI started (its shared memory is unaffected).
 
 Without the variable :func:`inject` is one dictionary lookup per step.
 """
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import sys
 import time
 from typing import NamedTuple
 
-KINDS = ("stall", "exit", "kill", "raise", "signal")
+KINDS = ("stall", "exit", "kill", "raise", "signal", "diskfull")
 
 
 class Fault(NamedTuple):
@@ -69,3 +72,6 @@ def inject(rank: int, step: int) -> None:
             raise RuntimeError(f"injected fault on rank {rank} at step {step}")
         elif fault.kind == "signal":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif fault.kind == "diskfull":
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))

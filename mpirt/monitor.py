@@ -55,14 +55,33 @@ class Progress:
             self.stream.flush()
 
 
-class Metrics:
-    """Per-step records: kept in memory for the summary and appended to ``path`` as JSON lines."""
+def _json_or_none(line: str):
+    """A metrics line, or None for one cut short when a job was killed mid-write."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
-    def __init__(self, path: str | Path | None):
+
+class Metrics:
+    """Per-step records: kept in memory for the summary and written to ``path`` as JSON lines.
+
+    A fresh run (``resume_step`` None) starts the file empty. A resumed run keeps the records up to
+    ``resume_step`` (the checkpoint's step) and drops the later ones, which the resumed run is
+    about to redo: the file then holds each step once, as an uninterrupted run's would."""
+
+    def __init__(self, path: str | Path | None, resume_step: int | None = None):
         self.records: list[dict] = []
         self.file = None
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None and path.exists():
+                self.records = [r for r in map(_json_or_none, path.read_text().splitlines())
+                                if r is not None and r.get("step", 0) <= resume_step]
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            tmp.replace(path)
             self.file = open(path, "a", buffering=1)
 
     def log(self, **record) -> None:

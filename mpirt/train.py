@@ -10,16 +10,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 import mpirt.backend as B
-from mpirt import comm, faults
-from mpirt.checkpoint import is_checkpoint, load_state, read_checkpoint_meta, save_state
-from mpirt.config import ConfigError, parse_args
+from mpirt import comm, faults, jobctl
+from mpirt.checkpoint import (CheckpointError, load_state, looks_like_checkpoint,
+                              read_checkpoint_meta, save_state, verify_checkpoint)
+from mpirt.config import ConfigError, parse_args, parse_duration
 from mpirt.data import TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
-from mpirt.distributed import init_distributed
+from mpirt.distributed import init_distributed, input_fingerprint
 from mpirt.grid import Grid, check_layout, resolve_dp
 from mpirt.monitor import Metrics, Progress, measure_peak_flops
 from mpirt.optim import cosine_lr
@@ -61,18 +66,48 @@ def plan_layout(cfg, world_size: int) -> dict:
     return {"dp": dp, "tp": cfg.tp, "pp": cfg.pp}
 
 
+# --model.* keys that must equal the loaded model's: they set tensor shapes, or (initializer_range)
+# only the initial weights, which init_from replaces; the others (dropout rates,
+# layer_norm_epsilon) change no loaded tensor and apply on top of it
+FIXED_BY_WEIGHTS = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner", "model_type",
+                    "initializer_range")
+
+
 def resolve_model(cfg) -> tuple[GPTConfig, dict | None, bool]:
     """Model config, full initial weights from a HF directory (or None), and whether ``init_from``
-    is an mpirt checkpoint (weights, optimizer state and step are then loaded from it)."""
+    is an mpirt checkpoint (weights, optimizer state and step are then loaded from it).
+
+    A checkpoint is verified end to end here (checksums included), before any collective, so a
+    damaged one is refused in one line naming the file. With ``init_from``, ``--model.*``
+    overrides of :data:`FIXED_BY_WEIGHTS` are refused unless equal to the loaded value; the rest
+    apply, and the returned config (what the checkpoints record) includes them.
+    """
     source = cfg.init_from
-    if source and is_checkpoint(source):
-        return GPTConfig(**read_checkpoint_meta(source)["extra"]["model_config"]), None, True
-    if source:
-        if not (Path(source) / "config.json").exists():
-            raise ConfigError(f"init_from: {source} is neither an mpirt checkpoint nor a HF GPT-2 directory")
-        model_cfg, weights = load_hf_gpt2(source, dtype=cfg.dtype)
-        return model_cfg, weights, False
-    return load_model_config(cfg.model, cfg.model_overrides), None, False
+    if not source:
+        return load_model_config(cfg.model, cfg.model_overrides), None, False
+    path = Path(source)
+    if looks_like_checkpoint(path):
+        try:
+            meta = verify_checkpoint(path)
+        except (CheckpointError, FileNotFoundError) as err:
+            raise ConfigError(f"init_from: {err}") from None
+        try:
+            loaded, weights, resume = GPTConfig(**meta["extra"]["model_config"]), None, True
+        except (KeyError, TypeError) as err:
+            raise ConfigError(f"init_from: {meta['path']}/meta.json holds no usable extra.model_config "
+                              f"({err!r})") from None
+    elif (path / "config.json").is_file():
+        (loaded, weights), resume = load_hf_gpt2(path, dtype=cfg.dtype), False
+    else:
+        raise ConfigError(f"init_from: {source} is neither an mpirt checkpoint (no {path / 'latest'} or "
+                          f"{path / 'meta.json'}) nor a Hugging Face GPT-2 directory (no {path / 'config.json'})")
+    changed = dataclasses.replace(loaded, **cfg.model_overrides)
+    for key in FIXED_BY_WEIGHTS:
+        before, after = getattr(loaded, key), getattr(changed, key)
+        if key in cfg.model_overrides and (loaded.hidden != changed.hidden if key == "n_inner" else before != after):
+            raise ConfigError(f"model.{key}: {source} holds {key}={before!r}, the override asks for {after!r}; "
+                              f"it cannot change with --init-from (drop the override or start from scratch)")
+    return changed, weights, resume
 
 
 def check_fit(cfg, model_cfg: GPTConfig, data: TokenDataset, layout: dict) -> None:
@@ -96,6 +131,28 @@ def check_fit(cfg, model_cfg: GPTConfig, data: TokenDataset, layout: dict) -> No
                                sequence_parallel=cfg.sequence_parallel)
         except ValueError as err:
             raise ConfigError(f"tp: {err}") from None
+    data.check_ids(model_cfg.vocab_size)  # last: where meta.json does not record the ids, it reads the data
+
+
+def open_dataset(directory: str) -> TokenDataset:
+    """The dataset of ``--data`` (the built-in corpus when empty); a folder that is not a
+    prepared dataset is refused naming the key and the command that prepares one."""
+    try:
+        return TokenDataset(directory or default_dataset_dir())
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"data: {err} ({directory} is not a prepared dataset: make one from a folder of text "
+                          f"files with `python -m mpirt.data prepare SRC_DIR OUT_DIR`)") from None
+
+
+def check_resources(cfg, data: TokenDataset) -> None:
+    """Refuse, before any collective, a run the machine or the data cannot carry: a GPU backend
+    without a usable GPU, a training split too short for one sequence."""
+    if cfg.backend == "cupy" and not B.cupy_available():
+        raise ConfigError("backend: cupy was asked for, but CuPy is not installed or sees no usable GPU here "
+                          "(use --backend numpy, or auto to pick CuPy only when a GPU is there)")
+    if len(data.train) < cfg.seq_len + 1:
+        raise ConfigError(f"data: {data.directory / 'train.bin'} holds {len(data.train)} tokens, fewer than one "
+                          f"sequence of seq_len {cfg.seq_len} + 1")
 
 
 def evaluate(engine, tokens, grid, *, batches: int, batch_size: int, seq_len: int) -> float:
@@ -109,31 +166,137 @@ def evaluate(engine, tokens, grid, *, batches: int, batch_size: int, seq_len: in
     return total / batches
 
 
+def run_evidence(out: Path) -> str | None:
+    """What in ``out`` shows an earlier run (a checkpoint, a summary, metrics), or None."""
+    for name in ("ckpt", "summary.json", "metrics"):
+        if (out / name).exists():
+            return "a checkpoint" if name == "ckpt" and looks_like_checkpoint(out / name) else name
+    return None
+
+
+def plan_out_dir(cfg, out: Path):
+    """How this run uses ``out`` (pure, read-only): returns ``cfg``, with ``init_from`` pointing at
+    ``out/ckpt`` when ``--resume auto`` finds a checkpoint there (a damaged one too: it is then
+    refused by name, never replaced by a fresh run). Refuses to start a new run over an earlier
+    one unless ``--overwrite`` (or the run resumes its own checkpoint)."""
+    ckpt = out / "ckpt"
+    if cfg.resume == "auto":  # the one flag a requeued job needs: continue, or start afresh
+        return dataclasses.replace(cfg, init_from=str(ckpt)) if looks_like_checkpoint(ckpt) else cfg
+    found = run_evidence(out)
+    resumes_own = bool(cfg.init_from) and Path(cfg.init_from).resolve() in (ckpt.resolve(), out.resolve())
+    if found and not cfg.overwrite and not resumes_own:
+        raise ConfigError(f"out_dir: {out} holds an earlier run ({found}); pass --resume auto to continue it, "
+                          f"--overwrite to replace it, or another --out-dir")
+    return cfg
+
+
+def check_resume(cfg, meta: dict, data_dir: Path) -> None:
+    """Refuse a ``--resume auto`` that would not continue the run it resumes: another model preset,
+    dtype or dataset than the checkpoint's (model shapes are checked by :func:`resolve_model`)."""
+    saved = meta.get("config") or {}
+    conflicts = {k: (saved[k], getattr(cfg, k)) for k in ("model", "dtype") if saved.get(k, getattr(cfg, k)) != getattr(cfg, k)}
+    saved_data = (meta.get("extra") or {}).get("data")
+    if saved_data is not None and Path(saved_data).resolve() != data_dir.resolve():
+        conflicts["data"] = (saved_data, str(data_dir))
+    if conflicts:
+        details = "; ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in conflicts.items())
+        raise ConfigError(f"resume: {meta['path']} was trained with another configuration ({details}); "
+                          f"use another --out-dir for a new run")
+
+
+def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, end_step: int,
+           engine_name: str) -> str:
+    """The start-up lines on rank 0: enough to see a wrong launch before a long run starts."""
+    launch = jobctl.launcher_info()
+    lay = f"dp {layout['dp']} x pp {layout['pp']} x tp {layout['tp']}"
+    if cfg.zero:
+        lay += f", ZeRO-{cfg.zero}"
+    if layout["pp"] > 1:
+        lay += f", {cfg.schedule} schedule, {cfg.microbatches or layout['pp']} micro-batches"
+    if cfg.sequence_parallel:
+        lay += ", sequence parallel"
+    where = f"resuming {cfg.init_from} at step {start_step}" if start_step else "fresh start"
+    stops = []
+    if cfg.ckpt_interval:
+        stops.append(f"every {cfg.ckpt_interval} steps")
+    if cfg.ckpt_minutes:
+        stops.append(f"every {cfg.ckpt_minutes:g} min")
+    lines = [
+        f"mpirt: world_size {ctx.size} ({launch['name']}, PMI {launch['pmi']}), layout {lay}",
+        f"mpirt: backend {ctx.backend}, comm engine {engine_name}, BLAS threads/rank {ctx.blas_threads} "
+        f"({ctx.blas_note})",
+        f"mpirt: model {cfg.model} ({num_parameters(model_cfg) / 1e6:.2f}M parameters, {model_cfg.n_layer} layers, "
+        f"n_embd {model_cfg.n_embd}, vocab {model_cfg.vocab_size}), {cfg.dtype}",
+        f"mpirt: data {data.directory} (train {len(data.train):,} tokens, val {len(data.val):,}), "
+        f"batch {cfg.batch_size} x {cfg.seq_len}",
+        f"mpirt: out {out} ({where}; steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
+        f"{', '.join(stops) or 'at the end'}, keep {cfg.keep_checkpoints}"
+        + (f"; time limit {cfg.time_limit}" if cfg.time_limit else "") + ")",
+    ]
+    return "\n".join(lines)
+
+
+def _all_finite(arrays) -> bool:
+    return all(bool(B.xp.isfinite(a).all()) for a in arrays if hasattr(a, "dtype") and a.dtype.kind == "f")
+
+
 def main(argv=None) -> dict:
     comm.install_abort_on_error()
     world = comm.world()
-    error = None
+    started = time.time()
+    error, lock = None, None
     try:
         cfg = parse_args(argv)
+        mismatch = jobctl.launch_mismatch(world.size)
+        if mismatch:  # each singleton would print it: only the launcher's first task speaks
+            if os.environ.get("SLURM_PROCID", "0") == "0":
+                print(f"error: {mismatch}", file=sys.stderr)
+            sys.exit(jobctl.EXIT_REFUSED)
         layout = plan_layout(cfg, world.size)
+        out = Path(cfg.out_dir)
+        if not cfg.eval_only:
+            cfg = plan_out_dir(cfg, out)
         model_cfg, hf_weights, resume = resolve_model(cfg)
-        data = TokenDataset(cfg.data or default_dataset_dir())
+        data = open_dataset(cfg.data)
         check_fit(cfg, model_cfg, data, layout)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+        check_resources(cfg, data)
+        if resume and cfg.resume == "auto":
+            check_resume(cfg, read_checkpoint_meta(cfg.init_from), data.directory)
+        deadline = jobctl.Deadline.from_config(cfg.time_limit, started, parse_duration)
+        if world.rank == 0 and not cfg.eval_only:
+            lock = jobctl.acquire_lock(out)
+    except (ConfigError, FileNotFoundError, ValueError, jobctl.DirectoryLocked) as err:
         error = str(err)
     failed = comm.first_error(error)  # every rank stops if any rank found a problem
     if failed is not None:
         rank, message = failed
         if world.rank == 0:
+            if lock is not None:
+                jobctl.release_lock(lock)
             print(f"error: {message}" if rank == 0 else f"error on rank {rank}: {message}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(jobctl.EXIT_REFUSED)
+    try:
+        return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out)
+    finally:
+        if lock is not None:
+            jobctl.release_lock(lock)
 
-    ctx = init_distributed(cfg.seed, cfg.backend, config=cfg.to_dict())  # all ranks: same config
+
+def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path) -> dict:
+    """Everything after the pre-flight checks: set up, train, checkpoint, summarise."""
+    try:  # all ranks: the same config, and the same contents behind its paths
+        ctx = init_distributed(cfg.seed, cfg.backend,
+                               config={**cfg.to_dict(), "inputs": input_fingerprint(cfg, data.directory)})
+    except ConfigError as err:  # raised alike on every rank: one line, as for the pre-flight errors
+        if comm.world().rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(jobctl.EXIT_REFUSED)
     comm.start_watchdog(cfg.comm_timeout)  # a stuck call, or a rank exiting alone, ends the job
+    stops = jobctl.StopRequests().install()
     grid = Grid(layout["dp"], layout["pp"], layout["tp"])
     dp = grid.sizes["dp"]
     is_main = ctx.rank == 0
-    out = Path(cfg.out_dir)
+    world_comm = ctx.comm
 
     engine = build_engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed(f"dropout-dp{grid.coords['dp']}", rank=0))
     optimizer = engine.optimizer
@@ -143,6 +306,7 @@ def main(argv=None) -> dict:
     if resume:
         meta, weights, state = load_state(cfg.init_from)
         engine.load_full_state(weights, state)
+        engine.load_dropout_state((meta["extra"] or {}).get("dropout", {}))  # masks continue, not restart
         start_step = meta["step"]
     summary_layout = dict(grid.sizes)
 
@@ -152,28 +316,64 @@ def main(argv=None) -> dict:
 
     if cfg.eval_only:
         val_loss = eval_loss()
+        result = {"val_loss": val_loss, "step": start_step, "eval_batches": cfg.eval_batches,
+                  "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "init_from": cfg.init_from}
         if is_main:
-            print(json.dumps({"val_loss": val_loss, "eval_batches": cfg.eval_batches,
-                              "batch_size": cfg.batch_size, "seq_len": cfg.seq_len}))
-            _write_summary(out, {"val_loss": val_loss, "steps": start_step, "world_size": ctx.size,
-                                 "layout": summary_layout})
-        return {"val_loss": val_loss}
+            print(json.dumps(result))
+            _write_json(out / "eval.json", result)
+        return result
+
+    end_step = min(cfg.stop_after or cfg.steps, start_step + cfg.steps_per_job if cfg.steps_per_job else cfg.steps)
+    if start_step >= end_step:
+        if is_main:
+            print(f"mpirt: nothing to do: {cfg.init_from} is at step {start_step} and this run ends at step "
+                  f"{end_step} (--steps {cfg.steps}); {out / 'summary.json'} is left as it is")
+        engine.close()
+        grid.free()
+        return {"steps": start_step, "nothing_to_do": True}
+    if is_main and not resume and (cfg.overwrite or cfg.resume == "auto"):  # leftovers of an earlier run
+        for name in ("ckpt", "metrics", "summary.json", "eval.json"):
+            path = out / name
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    world_comm.barrier()  # the old files are gone before any rank writes its metrics
+
+    last_save = {"time": time.time(), "seconds": None, "step": start_step if resume else None}
 
     def save(step: int) -> None:  # collective: gathers full tensors, rank 0 writes
+        t0 = time.time()
         weights, state = engine.full_state()
-        if is_main:
-            save_state(out / "ckpt", weights, state, step=step, config=cfg.to_dict(),
-                       extra={"model_config": dataclasses.asdict(model_cfg), "data": str(data.directory),
-                              "layout": summary_layout})
+        dropout = engine.dropout_state()  # collective with pp
+        if is_main and not (_all_finite(weights.values()) and _all_finite(state.values())):
+            print(f"mpirt: step {step}: the weights or optimizer state are not finite: no checkpoint written "
+                  f"(the last good one stays)", file=sys.stderr, flush=True)
+        elif is_main:
+            try:
+                path = save_state(out / "ckpt", weights, state, step=step, config=cfg.to_dict(),
+                                  keep=cfg.keep_checkpoints,
+                                  extra={"model_config": dataclasses.asdict(model_cfg), "data": str(data.directory),
+                                         "layout": summary_layout, "dropout": dropout})
+            except OSError as err:  # disk full, quota, permissions: the previous version stays intact
+                print(f"error: step {step}: writing the checkpoint under {out / 'ckpt'} failed: {err}; the last "
+                      f"complete checkpoint is step {last_save['step']}", file=sys.stderr, flush=True)
+                sys.exit(1)  # on this rank only: the abort hook ends the job
+            print(f"mpirt: step {step}: checkpoint saved to {path} ({time.time() - t0:.1f} s)", file=sys.stderr,
+                  flush=True)
+            last_save["step"] = step
+        last_save.update(time=time.time(), seconds=time.time() - t0)
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     flops_per_step = flops_per_token(model_cfg, cfg.seq_len) * tokens_per_step
     peak = measure_peak_flops(cfg.dtype) * ctx.size
-    metrics = Metrics(out / "metrics" / f"rank{ctx.rank}.jsonl")
+    metrics = Metrics(out / "metrics" / f"rank{ctx.rank}.jsonl", resume_step=start_step if resume else None)
+    if is_main:
+        print(banner(ctx, cfg, layout, model_cfg, data, out, start_step, end_step, "host MPI"
+                     if ctx.backend == "numpy" else comm.select_engine(B.xp.empty(1))), file=sys.stderr, flush=True)
     progress = Progress(cfg.steps, start_step, enabled=is_main and cfg.progress)
     val_loss = math.nan
-    end_step = cfg.stop_after or cfg.steps
-    for step in range(start_step, end_step):
+    skipped_total, skipped_in_row, slowest_step = 0, 0, 0.0
+    stopped, exit_code = None, 0
+    step = start_step
+    while step < end_step:
         faults.inject(ctx.rank, step + 1)
         t0 = time.perf_counter()
         optimizer.lr = cosine_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=min(cfg.warmup_steps, cfg.steps),
@@ -181,34 +381,61 @@ def main(argv=None) -> dict:
         x, y = get_batch(data.train, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                          dp_rank=grid.coords["dp"], dp_size=dp)
         loss_value = engine.train_step(x, y)
-        grad_norm = engine.clip(cfg.grad_clip) if cfg.grad_clip > 0 else None
-        # a non-finite norm (the same on every rank: it is reduced) means overflow: skip the update
-        skipped = grad_norm is not None and not math.isfinite(grad_norm)
+        # the norm is reduced over the grid (the loss over dp): every rank reaches the same verdict
+        grad_norm = engine.clip(cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
         if not skipped:
             optimizer.step()
         B.synchronize()
         dt = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": loss_value, "lr": optimizer.lr, "grad_norm": grad_norm, "skipped": skipped,
+        slowest_step = max(slowest_step, dt)
+        step += 1
+        skipped_total += skipped
+        skipped_in_row = skipped_in_row + 1 if skipped else 0
+        record = {"step": step, "loss": loss_value, "lr": optimizer.lr, "grad_norm": grad_norm, "skipped": skipped,
                   "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, "mfu": flops_per_step / dt / peak}
-        last = step + 1 == end_step
-        if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 or last:
+        last = step == end_step
+        # one small reduction per step: a stop request or a timed checkpoint on any rank acts on all
+        signal_stop = stops.requested is not None
+        time_stop = is_main and deadline.should_stop(slowest_step, last_save["seconds"])
+        ckpt_due = is_main and cfg.ckpt_minutes > 0 and time.time() - last_save["time"] > 60 * cfg.ckpt_minutes
+        flags = world_comm.allreduce(np.array([signal_stop, time_stop, ckpt_due], dtype=np.int32), "max")
+        if skipped:
+            if is_main:
+                print(f"mpirt: step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}: update skipped "
+                      f"({skipped_in_row} in a row, {skipped_total} in all)", file=sys.stderr, flush=True)
+            if cfg.nan_policy == "stop" or skipped_in_row >= cfg.max_skips:
+                stopped = f"non-finite loss or gradient norm ({skipped_in_row} step(s) in a row)"
+                exit_code = jobctl.EXIT_NONFINITE
+        if not last and not stopped and (flags[0] or flags[1]):
+            stopped = (f"{stops.requested or 'a stop request on another rank'}" if flags[0] else
+                       f"time limit {cfg.time_limit} near ({deadline.left():.0f} s left)")
+            exit_code = jobctl.EXIT_STOPPED
+        # save before evaluating: an evaluation that fails loses nothing; a non-finite stop saves nothing
+        if exit_code != jobctl.EXIT_NONFINITE and (
+                last or stopped or flags[2] or cfg.ckpt_interval and step % cfg.ckpt_interval == 0):
+            save(step)
+        if not stopped and (last or cfg.eval_interval and step % cfg.eval_interval == 0):
             val_loss = record["val_loss"] = eval_loss()
         metrics.log(**record)
-        if (step + 1) % cfg.log_interval == 0 or step == start_step or last or "val_loss" in record:
+        if step % cfg.log_interval == 0 or step == start_step + 1 or last or skipped or "val_loss" in record:
             shown = {"loss": loss_value, "tok/s": round(record["tokens_per_s"]), "time": f"{dt * 1e3:.0f}ms",
                      "mfu": f"{100 * record['mfu']:.1f}%"}
+            if skipped_total:
+                shown["skipped"] = skipped_total
             if "val_loss" in record:
                 shown["val"] = val_loss
-            progress.update(step + 1, **shown)
-        if last or cfg.ckpt_interval and (step + 1) % cfg.ckpt_interval == 0:
-            save(step + 1)
+            progress.update(step, **shown)
+        if stopped:
+            break
     progress.close()
     metrics.close()
     engine.close()
     grid.free()
 
     summary = {
-        "steps": end_step,
+        "steps": step,
+        "total_steps": cfg.steps,
         "first_loss": metrics.records[0]["loss"] if metrics.records else math.nan,
         "last_loss": metrics.records[-1]["loss"] if metrics.records else math.nan,
         "val_loss": val_loss,
@@ -219,18 +446,33 @@ def main(argv=None) -> dict:
         "world_size": ctx.size,
         "layout": summary_layout,
         "num_parameters": num_parameters(model_cfg),
+        "skipped_steps": sum(1 for r in metrics.records if r.get("skipped")),
+        "stopped": stopped,
+        "exit_code": exit_code,
+        "last_checkpoint_step": last_save["step"],
     }
     if is_main:
-        _write_summary(out, summary)
+        _write_json(out / "summary.json", summary)
         print(json.dumps(summary))
+        if stopped:
+            print(f"mpirt: stopped at step {step}: {stopped}; "
+                  + ("continue with --resume auto" if exit_code == jobctl.EXIT_STOPPED
+                     else f"the last good checkpoint is step {summary['last_checkpoint_step']}"),
+                  file=sys.stderr, flush=True)
+    if exit_code:
+        sys.stdout.flush()
+        sys.exit(exit_code)
     return summary
 
 
-def _write_summary(out: Path, summary: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    tmp.replace(out / "summary.json")
+def _write_json(path: Path, record: dict) -> None:
+    """Write ``record`` to ``path`` atomically (a reader never sees half a file); non-finite
+    numbers (a value never measured, a diverged loss) become null."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    tmp.write_text(json.dumps(clean, indent=2) + "\n")  # strict JSON: no NaN
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

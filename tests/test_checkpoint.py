@@ -88,7 +88,7 @@ def test_round_trip_and_format(tmp_path, monkeypatch):
                                                       "optimizer.safetensors"]
     assert (vdir / "meta.sha256").read_text() == f"{ckpt._sha256(vdir / 'meta.json')}  meta.json\n"
     meta = json.loads((vdir / "meta.json").read_text())
-    assert meta["format"] == "mpirt-checkpoint" and meta["version"] == 1 and meta["step"] == 3
+    assert meta["format"] == "mpirt-checkpoint" and meta["version"] == 2 and meta["step"] == 3
     assert meta["params"]["fc1.weight"]["shape"] == [4, 8] and meta["params"]["fc1.weight"]["dtype"] == "float32"
     assert meta["params"]["fc2.bias"]["spec"] == [None]
     assert meta["optimizer"]["type"] == "AdamW" and meta["optimizer"]["scalars"]["step"] == 3
@@ -278,3 +278,16 @@ def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch, crash_at):
     assert sorted(p.name for p in root.iterdir())[-1].startswith("step-00000004")
     assert len([p for p in root.iterdir() if p.name != "latest"]) == 1
     assert load_checkpoint(root, model2, opt2)["step"] == 4
+
+
+def test_a_version_1_checkpoint_without_meta_sha256_still_loads(tmp_path):
+    """Checkpoints written before meta.sha256 existed (format version 1) load; version 2 needs it."""
+    model, _ = fresh()
+    vdir = save_checkpoint(tmp_path / "ckpt", model, None, step=3, config={})
+    meta = json.loads((vdir / "meta.json").read_text())
+    (vdir / "meta.sha256").unlink()
+    with pytest.raises(CheckpointError, match="meta.sha256 is missing"):
+        load_checkpoint(tmp_path / "ckpt", model)
+    meta["version"] = 1
+    (vdir / "meta.json").write_text(json.dumps(meta))
+    assert load_checkpoint(tmp_path / "ckpt", model)["step"] == 3

@@ -1,0 +1,294 @@
+"""Runs left alone: signals, time limits, resume, non-finite steps and output-directory safety,
+each exercised on real ``python -m mpirt.train`` processes (under mpiexec where ranks matter)."""
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_module
+from test_train import TINY, read_metrics
+
+EXIT_NONFINITE, EXIT_STOPPED = 3, 75
+F64 = [*TINY, "--dtype=float64"]
+
+
+def start(args, out, *, ranks=2, env=None):
+    """Start a long training run in the background (stdout/stderr to files in ``out``'s parent)."""
+    cmd = [sys.executable, "-m", "mpirt.train", *map(str, args), f"--out-dir={out}"]
+    if ranks:
+        cmd = ["mpiexec", "-n", str(ranks), *cmd]
+    log = open(f"{out}.log", "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                            env=dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", **(env or {})))
+
+
+def wait_for_steps(out, steps: int, proc, timeout: float = 120) -> None:
+    """Wait until rank 0's metrics hold ``steps`` records (the run is in its loop)."""
+    path = out / "metrics" / "rank0.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= steps:
+            return
+        assert proc.poll() is None, open(f"{out}.log").read()
+        time.sleep(0.1)
+    raise AssertionError(f"no {steps} steps within {timeout} s")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (hydra puts its proxy and the ranks in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for line in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
+        child, parent = map(int, line.split())
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def rank_pids(proc) -> list[int]:
+    """The training processes under the launcher ``proc``."""
+    return [p for p in descendants(proc.pid)
+            if os.path.basename(open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")[0]).startswith(b"python")]
+
+
+def finish(proc, timeout: float = 60) -> int:
+    """Wait for the launcher; on a timeout kill it and every process below it."""
+    try:
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            for pid in [*descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to one rank", "SIGTERM to mpiexec", "SIGINT to every rank"])
+def test_a_signal_stops_every_rank_with_a_checkpoint_and_resume_continues(tiny_data, tmp_path, how):
+    out = tmp_path / "run"
+    proc = start([*TINY, f"--data={tiny_data}", "--steps=100000"], out)
+    wait_for_steps(out, 3, proc)
+    t0 = time.time()
+    if how == "SIGTERM to mpiexec":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        targets = rank_pids(proc)
+        assert len(targets) == 2, targets
+        for pid in targets[:1] if how == "SIGTERM to one rank" else targets:
+            os.kill(pid, signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGINT)
+    code = finish(proc)
+    print(f"{how}: exit {code} {time.time() - t0:.2f} s after the signal")
+    log = open(f"{out}.log").read()
+    assert code == EXIT_STOPPED, log
+    s = summary(out)
+    assert s["stopped"] and s["last_checkpoint_step"] == s["steps"] >= 3
+    assert f"step {s['steps']}: checkpoint saved" in log and "continue with --resume auto" in log
+    # the same command with --resume auto continues from there; each step is in the metrics once
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--steps={s['steps'] + 3}", f"--out-dir={out}",
+               "--resume=auto", ranks=2)
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, s["steps"] + 4))
+    assert summary(out)["steps"] == s["steps"] + 3
+
+
+def test_stop_and_resume_by_signal_equals_the_uninterrupted_run(tiny_data, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = [*F64, f"--data={tiny_data}", "--steps=8"]
+    run_module("mpirt.train", *common, f"--out-dir={full}", ranks=2)
+    env = dict(os.environ, MPIRT_FAULT="signal@1:4")
+    result = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "mpirt.train", *common, f"--out-dir={part}"],
+                            capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert result.returncode == EXIT_STOPPED, result.stderr
+    assert summary(part)["steps"] == 4
+    run_module("mpirt.train", *common, f"--out-dir={part}", "--resume=auto", ranks=2)
+    assert [r["loss"] for r in read_metrics(part)] == [r["loss"] for r in read_metrics(full)]
+    assert summary(part)["val_loss"] == summary(full)["val_loss"]
+
+
+def test_a_second_signal_exits_at_once(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    # a rank stalled in its step cannot reach the step boundary: only the second signal ends it
+    proc = start([*TINY, f"--data={tiny_data}", "--steps=100000"], out, ranks=0, env={"MPIRT_FAULT": "stall@0:3"})
+    wait_for_steps(out, 2, proc)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert proc.poll() is None
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    code = finish(proc, timeout=20)
+    assert code == -signal.SIGTERM and time.time() - t0 < 5
+    assert "second SIGTERM" in open(f"{out}.log").read()
+
+
+def test_time_limit_stops_with_a_checkpoint_before_the_limit(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    t0 = time.time()
+    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=1000000", "--time-limit=8s",
+                        f"--out-dir={out}", ranks=2, check=False)
+    wall = time.time() - t0
+    print(f"--time-limit 8s: exit {result.returncode} after {wall:.1f} s (launcher included)")
+    assert result.returncode == EXIT_STOPPED, result.stderr
+    s = summary(out)
+    assert "time limit" in s["stopped"] and s["last_checkpoint_step"] == s["steps"] > 0
+    assert wall < 8 + 5  # the training script's own clock starts after the interpreter and MPI start
+
+
+def test_steps_per_job_splits_a_run_into_jobs(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    args = [*F64, f"--data={tiny_data}", "--steps=7", "--steps-per-job=3", "--resume=auto", f"--out-dir={out}"]
+    done = []
+    for _ in range(4):
+        result = run_module("mpirt.train", *args)
+        done.append(summary(out)["steps"])
+    assert done == [3, 6, 7, 7] and "nothing to do" in result.stdout
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 8))
+    assert summary(out)["val_loss"] is not None and math.isfinite(summary(out)["val_loss"])
+
+
+@pytest.mark.parametrize("clip", ["0", "1"])
+def test_non_finite_steps_are_skipped_then_stop_the_run_without_a_bad_checkpoint(tiny_data, tmp_path, clip):
+    out = tmp_path / "run"
+    # a good checkpoint at step 2, then an absurd learning rate from a resumed run blows up the weights
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=2", f"--out-dir={out}", ranks=2)
+    good = sorted(p.name for p in (out / "ckpt").iterdir())
+    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=40", "--lr=1e30", "--min-lr=0",
+                        f"--grad-clip={clip}", "--max-skips=3", f"--out-dir={out}", "--resume=auto", ranks=2,
+                        check=False)
+    assert result.returncode == EXIT_NONFINITE, result.stderr
+    assert "update skipped" in result.stderr and "last good checkpoint" in result.stderr
+    records = read_metrics(out)
+    assert sum(r["skipped"] for r in records) == 3 and records[-1]["skipped"]
+    assert summary(out)["skipped_steps"] == 3 and summary(out)["exit_code"] == EXIT_NONFINITE
+    # whatever was saved after step 2 is finite; the step-2 checkpoint or a finite successor is latest
+    meta = json.loads((out / "ckpt" / (out / "ckpt" / "latest").read_text().strip() / "meta.json").read_text())
+    assert meta["step"] >= 2 and good
+
+
+def test_nan_policy_stop_ends_at_the_first_non_finite_step(tiny_data, tmp_path):
+    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=40", "--lr=1e30", "--min-lr=0",
+                        "--warmup-steps=0", "--grad-clip=0", "--nan-policy=stop", f"--out-dir={tmp_path}", check=False)
+    assert result.returncode == EXIT_NONFINITE, result.stderr
+    assert sum(r["skipped"] for r in read_metrics(tmp_path)) == 1
+
+
+def test_an_earlier_run_is_not_overwritten_unless_asked(tiny_data, tmp_path):
+    args = [*TINY, f"--data={tiny_data}", "--steps=2", f"--out-dir={tmp_path}"]
+    run_module("mpirt.train", *args)
+    before = (tmp_path / "summary.json").read_text()
+    result = run_module("mpirt.train", *args, check=False)
+    assert result.returncode == 2 and result.stderr.count("error:") == 1
+    assert "holds an earlier run" in result.stderr and "--resume auto" in result.stderr
+    assert (tmp_path / "summary.json").read_text() == before
+    run_module("mpirt.train", *args, "--overwrite", "--steps=3")
+    assert summary(tmp_path)["steps"] == 3 and [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    # --eval-only writes its own file and leaves the training summary alone
+    before = (tmp_path / "summary.json").read_text()
+    out = run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--init-from={tmp_path / 'ckpt'}", "--eval-only",
+                     f"--out-dir={tmp_path}").stdout
+    assert json.loads((tmp_path / "eval.json").read_text())["val_loss"] == json.loads(out.splitlines()[-1])["val_loss"]
+    assert (tmp_path / "summary.json").read_text() == before
+
+
+def test_two_jobs_on_one_directory(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    first = start([*TINY, f"--data={tiny_data}", "--steps=100000"], out, ranks=0)
+    wait_for_steps(out, 2, first)
+    second = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=5", f"--out-dir={out}", "--resume=auto",
+                        check=False)
+    first.send_signal(signal.SIGTERM)
+    assert finish(first) == EXIT_STOPPED
+    assert second.returncode == 2 and "in use by another job" in second.stderr
+    assert not (out / ".lock").exists()  # released by the job that stopped
+    # a lock left by a process that is gone (kill -9) does not block the next job
+    (out / ".lock").write_text(json.dumps({"host": os.uname().nodename, "pid": 2 ** 22 + 7, "job": None}))
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--steps={summary(out)['steps'] + 1}",
+               f"--out-dir={out}", "--resume=auto")
+
+
+def test_srun_without_a_pmi_is_refused(tiny_data, tmp_path):
+    """srun started 2 tasks, but MPI came up as a singleton: each task would train alone."""
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}
+    result = subprocess.run([sys.executable, "-m", "mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, **env))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: srun --mpi=none started 2 tasks but MPI sees a world of 1: every task would train alone; "
+        "launch with `srun --mpi=pmi2` (or mpiexec inside the allocation)"]
+
+
+def test_a_full_disk_at_a_save_ends_the_job_naming_the_path_and_keeps_the_last_checkpoint(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=2", f"--out-dir={out}", ranks=2)
+    # from step 3 on, rank 0's files may not grow past 64 KiB (a checkpoint of the tiny model is ~270 KB)
+    env = dict(os.environ, MPIRT_FAULT="diskfull@0:3")
+    t0 = time.time()
+    result = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "mpirt.train", *TINY, f"--data={tiny_data}",
+                             "--steps=4", f"--out-dir={out}", "--resume=auto"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    print(f"full disk at a save: exit {result.returncode} after {time.time() - t0:.1f} s")
+    assert result.returncode != 0
+    assert f"error: step 4: writing the checkpoint under {out / 'ckpt'} failed" in result.stderr
+    assert "the last complete checkpoint is step 2" in result.stderr
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=4", f"--out-dir={out}", "--resume=auto",
+               "--eval-only")  # step 2 still loads (checksums verified)
+
+
+@pytest.mark.parametrize("case, message", [("cupy", "backend: cupy was asked for"),
+                                           ("short", "fewer than one sequence")])
+def test_environment_refusals_are_one_line(tiny_data, tmp_path, case, message):
+    args = [f"--data={tiny_data}", "--backend=cupy"]
+    if case == "short":  # a train.bin shorter than one sequence, a val.bin long enough
+        data = tmp_path / "short"
+        data.mkdir()
+        np.zeros(10, dtype=np.uint16).tofile(data / "train.bin")
+        np.zeros(1000, dtype=np.uint16).tofile(data / "val.bin")
+        args = [f"--data={data}"]
+    result = run_module("mpirt.train", *TINY, *args, f"--out-dir={tmp_path / 'o'}", ranks=2, check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_a_folder_of_raw_text_is_refused_pointing_at_prepare(tmp_path):
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("hello\n")
+    result = run_module("mpirt.train", *TINY, f"--data={tmp_path / 'text'}", f"--out-dir={tmp_path / 'o'}",
+                        check=False)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: data: ") and "python -m mpirt.data prepare" in result.stderr
+
+
+def test_resume_with_another_dataset_is_refused_naming_it(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=2", f"--out-dir={out}")
+    other = tmp_path / "other"
+    shutil.copytree(tiny_data, other)
+    result = run_module("mpirt.train", *TINY, f"--data={other}", "--steps=4", f"--out-dir={out}", "--resume=auto",
+                        check=False)
+    assert result.returncode == 2 and "resume:" in result.stderr and "data: checkpoint" in result.stderr
+
+
+def test_resume_auto_never_replaces_a_damaged_checkpoint(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=3", f"--out-dir={out}")
+    meta_path = out / "ckpt" / "step-00000003" / "meta.json"
+    meta_path.write_text(meta_path.read_text().replace('"step": 3', '"step": 2'))
+    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=6", f"--out-dir={out}",
+                        "--resume=auto", check=False)
+    assert result.returncode == 2 and "meta.json was edited or corrupted" in result.stderr
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["latest", "step-00000003"]
