@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import statistics
 import sys
 import time
@@ -30,12 +31,26 @@ def measure_peak_flops(dtype: str = "float32", n: int = 2048, seconds: float = 0
     return 2.0 * n ** 3 / best
 
 
-class Progress:
-    """A one-line progress display: redrawn in place on a terminal, a line per update otherwise."""
+def format_seconds(seconds: float) -> str:
+    """``75.2`` -> ``1m15s``; ``4000`` -> ``1h06m``; under a minute with one decimal."""
+    if not math.isfinite(seconds):
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
 
-    def __init__(self, total: int, start: int = 0, stream=sys.stderr, enabled: bool = True):
-        self.total, self.done, self.stream, self.enabled = total, start, stream, enabled
+
+class Progress:
+    """A one-line progress display: redrawn in place on a terminal, a line per update otherwise
+    (a log file never gets control characters). Shows the elapsed time of this run and the time
+    left at its pace so far to ``total`` (or to ``end`` when this job ends earlier)."""
+
+    def __init__(self, total: int, start: int = 0, stream=sys.stderr, enabled: bool = True, end: int | None = None):
+        self.total, self.start, self.done, self.stream, self.enabled = total, start, start, stream, enabled
+        self.end = total if end is None else end
         self.tty = hasattr(stream, "isatty") and stream.isatty()
+        self.t0 = time.perf_counter()
 
     def update(self, step: int, **fields) -> None:
         """Show ``step`` of ``total`` with ``fields`` (name -> number or text)."""
@@ -44,8 +59,11 @@ class Progress:
         self.done = step
         width = 24
         filled = int(width * step / max(self.total, 1))
+        elapsed = time.perf_counter() - self.t0
+        left = elapsed / (step - self.start) * (self.end - step) if step > self.start else math.inf
         parts = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} {parts}"
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} {parts} "
+                f"| {format_seconds(elapsed)} elapsed, {format_seconds(left)} left")
         self.stream.write(("\r" + line + "\033[K") if self.tty else line + "\n")
         self.stream.flush()
 
@@ -53,6 +71,11 @@ class Progress:
         if self.enabled and self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _json_or_none(line: str):

@@ -26,7 +26,7 @@ from mpirt.config import ConfigError, parse_args, parse_duration
 from mpirt.data import TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.distributed import init_distributed, input_fingerprint
 from mpirt.grid import Grid, check_layout, resolve_dp
-from mpirt.monitor import Metrics, Progress, measure_peak_flops
+from mpirt.monitor import Metrics, Progress, format_seconds, measure_peak_flops, peak_rss_bytes
 from mpirt.optim import cosine_lr
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.engine import build_engine
@@ -144,6 +144,16 @@ def open_dataset(directory: str) -> TokenDataset:
                           f"files with `python -m mpirt.data prepare SRC_DIR OUT_DIR`)") from None
 
 
+def vocab_from_data(cfg, model_cfg, data: TokenDataset, tp: int):
+    """A model trained from scratch takes its vocabulary size from the dataset's meta.json unless
+    ``--model.vocab_size`` is given: the dataset's size rounded up to a multiple of 64 (fast
+    GEMM shapes, as nanoGPT pads GPT-2's 50257 to 50304) and of tp (whole vocabulary shards)."""
+    if "vocab_size" in cfg.model_overrides or not data.vocab_size:
+        return model_cfg
+    step = math.lcm(64, tp)
+    return dataclasses.replace(model_cfg, vocab_size=-(-data.vocab_size // step) * step)
+
+
 def check_resources(cfg, data: TokenDataset) -> None:
     """Refuse, before any collective, a run the machine or the data cannot carry: a GPU backend
     without a usable GPU, a training split too short for one sequence."""
@@ -256,8 +266,10 @@ def main(argv=None) -> dict:
         out = Path(cfg.out_dir)
         if not cfg.eval_only:
             cfg = plan_out_dir(cfg, out)
-        model_cfg, hf_weights, resume = resolve_model(cfg)
         data = open_dataset(cfg.data)
+        model_cfg, hf_weights, resume = resolve_model(cfg)
+        if not (resume or hf_weights is not None):
+            model_cfg = vocab_from_data(cfg, model_cfg, data, layout["tp"])
         check_fit(cfg, model_cfg, data, layout)
         check_resources(cfg, data)
         if resume and cfg.resume == "auto":
@@ -276,14 +288,15 @@ def main(argv=None) -> dict:
             print(f"error: {message}" if rank == 0 else f"error on rank {rank}: {message}", file=sys.stderr)
         sys.exit(jobctl.EXIT_REFUSED)
     try:
-        return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out)
+        return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started)
     finally:
         if lock is not None:
             jobctl.release_lock(lock)
 
 
-def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path) -> dict:
-    """Everything after the pre-flight checks: set up, train, checkpoint, summarise."""
+def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path, started: float) -> dict:
+    """Everything after the pre-flight checks (begun at ``started``, epoch seconds): set up, train,
+    checkpoint, summarise."""
     try:  # all ranks: the same config, and the same contents behind its paths
         ctx = init_distributed(cfg.seed, cfg.backend,
                                config={**cfg.to_dict(), "inputs": input_fingerprint(cfg, data.directory)})
@@ -368,7 +381,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path)
     if is_main:
         print(banner(ctx, cfg, layout, model_cfg, data, out, start_step, end_step, "host MPI"
                      if ctx.backend == "numpy" else comm.select_engine(B.xp.empty(1))), file=sys.stderr, flush=True)
-    progress = Progress(cfg.steps, start_step, enabled=is_main and cfg.progress)
+    progress = Progress(cfg.steps, start_step, enabled=is_main and cfg.progress, end=end_step)
     val_loss = math.nan
     skipped_total, skipped_in_row, slowest_step = 0, 0, 0.0
     stopped, exit_code = None, 0
@@ -433,6 +446,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path)
     engine.close()
     grid.free()
 
+    peaks = world_comm.allgather_object(peak_rss_bytes())
     summary = {
         "steps": step,
         "total_steps": cfg.steps,
@@ -443,6 +457,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path)
         "step_time_s": metrics.median("step_time_s"),
         "mfu": metrics.median("mfu"),
         "peak_flops": peak,
+        "wall_time_s": time.time() - started,
+        "peak_memory_bytes": max(peaks),
+        "peak_memory_bytes_per_rank": peaks,
         "world_size": ctx.size,
         "layout": summary_layout,
         "num_parameters": num_parameters(model_cfg),
@@ -453,16 +470,32 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path)
     }
     if is_main:
         _write_json(out / "summary.json", summary)
-        print(json.dumps(summary))
-        if stopped:
-            print(f"mpirt: stopped at step {step}: {stopped}; "
-                  + ("continue with --resume auto" if exit_code == jobctl.EXIT_STOPPED
-                     else f"the last good checkpoint is step {summary['last_checkpoint_step']}"),
-                  file=sys.stderr, flush=True)
+        print(end_block(summary, out, start_step), file=sys.stderr, flush=True)
     if exit_code:
-        sys.stdout.flush()
-        sys.exit(exit_code)
+        comm.exit_together(exit_code)
     return summary
+
+
+def end_block(summary: dict, out: Path, start_step: int) -> str:
+    """The closing lines on rank 0: how the run went and where its files are."""
+    s = summary
+    lines = [f"mpirt: {'stopped' if s['stopped'] else 'done'} at step {s['steps']} of {s['total_steps']} "
+             f"({s['steps'] - start_step} this run) in {format_seconds(s['wall_time_s'])}, world {s['world_size']}"
+             + (f": {s['stopped']}" if s["stopped"] else ""),
+             f"mpirt:   loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, val "
+             + (f"{s['val_loss']:.4f}" if math.isfinite(s["val_loss"]) else "not measured")
+             + (f", {s['skipped_steps']} steps skipped (non-finite)" if s["skipped_steps"] else ""),
+             f"mpirt:   {s['tokens_per_s']:,.0f} tokens/s, step {1e3 * s['step_time_s']:.1f} ms (median), "
+             f"MFU {100 * s['mfu']:.1f}%, peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB (largest rank)",
+             f"mpirt:   checkpoint " + (f"{out / 'ckpt'} (step {s['last_checkpoint_step']})"
+                                       if s["last_checkpoint_step"] is not None else "none")
+             + f", summary {out / 'summary.json'}, metrics {out / 'metrics'}/"]
+    if s["stopped"]:
+        lines.append("mpirt:   " + ("continue with the same command and --resume auto"
+                                     if s["exit_code"] == jobctl.EXIT_STOPPED else
+                                     f"nothing was saved after the failure: the last good checkpoint is step "
+                                     f"{s['last_checkpoint_step']}; fix the cause (e.g. a lower --lr) before resuming"))
+    return "\n".join(lines)
 
 
 def _write_json(path: Path, record: dict) -> None:

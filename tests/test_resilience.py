@@ -97,7 +97,7 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_resume_continues(tiny_d
     assert code == EXIT_STOPPED, log
     s = summary(out)
     assert s["stopped"] and s["last_checkpoint_step"] == s["steps"] >= 3
-    assert f"step {s['steps']}: checkpoint saved" in log and "continue with --resume auto" in log
+    assert f"step {s['steps']}: checkpoint saved" in log and "continue with the same command and --resume auto" in log
     # the same command with --resume auto continues from there; each step is in the metrics once
     run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--steps={s['steps'] + 3}", f"--out-dir={out}",
                "--resume=auto", ranks=2)
@@ -292,3 +292,18 @@ def test_resume_auto_never_replaces_a_damaged_checkpoint(tiny_data, tmp_path):
                         "--resume=auto", check=False)
     assert result.returncode == 2 and "meta.json was edited or corrupted" in result.stderr
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["latest", "step-00000003"]
+
+
+def test_the_vocabulary_comes_from_the_dataset_unless_set(tiny_data, tmp_path):
+    """A dataset with 300 token ids (meta.json) trains a preset of vocab 256 from scratch: the model
+    takes 320 (300 rounded up to a multiple of 64); --model.vocab_size wins when given."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps(dict(meta, vocab_size=300)))
+    run_module("mpirt.train", *TINY, f"--data={data}", "--steps=1", f"--out-dir={tmp_path / 'a'}")
+    saved = json.loads((tmp_path / "a" / "ckpt" / "step-00000001" / "meta.json").read_text())
+    assert saved["extra"]["model_config"]["vocab_size"] == 320 and saved["params"]["wte.weight"]["shape"][0] == 320
+    run_module("mpirt.train", *TINY, f"--data={data}", "--steps=1", "--model.vocab_size=400", f"--out-dir={tmp_path / 'b'}")
+    saved = json.loads((tmp_path / "b" / "ckpt" / "step-00000001" / "meta.json").read_text())
+    assert saved["extra"]["model_config"]["vocab_size"] == 400
