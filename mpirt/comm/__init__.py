@@ -5,13 +5,14 @@ rank fails, and :class:`Comm` moves arrays: collectives and point-to-point on Nu
 CuPy arrays) through mpi4py's uppercase buffer methods, never the pickle path.
 
 No hangs. ``start_watchdog(timeout_s)`` (collective) starts a thread per process that ends the
-job with exit code 4 (:data:`EXIT_TIMEOUT`) when a call waits longer than ``timeout_s``, after
-printing the call in the runtime's terms (op, axis, bytes, and the label set with
+job with exit code 4 (:data:`EXIT_TIMEOUT`) when a call waits longer than ``timeout_s`` (0: no
+timeout), after printing the call in the runtime's terms (op, axis, bytes, and the label set with
 ``with comm.labelled(label):``, e.g. a pipeline action) and the ranks that never arrived, each
-rank with its ring of recent calls. It also makes a rank that exits on its own (``sys.exit``,
-the end of the program) end the job once another rank waits for it; ``exit_together(code)`` is
-the way for all ranks to leave on purpose, with no abort. A SIGKILLed rank is handled by hydra's
-``mpiexec``, which then kills the others.
+rank with its ring of recent calls. It also makes a rank that exits on its own (``sys.exit``, the
+end of the program) end the job once another rank waits for it; ``exit_together(code)`` is the way
+for all ranks to leave on purpose, with no abort. A SIGKILLed rank is handled by hydra's
+``mpiexec``, which then kills the others. The abort hook prints the ring too. The bookkeeping
+costs about 0.3 us per call (a list, a ring append, two slot writes; no lock).
 
 Engines (:func:`select_engine`), chosen per call from the array:
 
@@ -39,9 +40,9 @@ The package, by concern: :mod:`~mpirt.comm.job` (constants, :class:`World`, the 
 :mod:`~mpirt.comm.registry` (:class:`CommStats`, no mpi4py), :mod:`~mpirt.comm.buffers`
 (dtypes, contiguous copies, :func:`chunk_bounds`), :mod:`~mpirt.comm.engines` (engine
 selection, CUDA-aware detection, the NCCL engine), :mod:`~mpirt.comm.handles` (non-blocking
-handles), :mod:`~mpirt.comm.core` (:class:`Comm`), :mod:`~mpirt.comm.flight` (in-flight slots
-and the ring of recent calls, no mpi4py) and :mod:`~mpirt.comm.watchdog` (the watchdog thread,
-leaving the job).
+handles), :mod:`~mpirt.comm.core` (:class:`Comm`, its collectives), :mod:`~mpirt.comm.p2p` (its
+point-to-point calls), :mod:`~mpirt.comm.flight` (in-flight slots and the ring of recent calls,
+no mpi4py) and :mod:`~mpirt.comm.watchdog` (the watchdog thread, leaving the job).
 """
 from mpirt.comm.buffers import chunk_bounds
 from mpirt.comm.core import Comm, world_comm

@@ -107,7 +107,7 @@ def describe(call: list) -> str:
     what = f"{call[OP]} on axis {ch.axis}, {call[NBYTES]} bytes"
     peer = call[PEER]
     if peer >= 0:
-        world = f" = world rank {ch.world[peer]}" if peer < len(ch.world) else ""
+        world = f" = world rank {ch.world[peer]}" if ch.axis != "world" and peer < len(ch.world) else ""
         what += f", {'to' if call[OP] in SENDS else 'from'} {ch.axis} rank {peer}{world}"
     else:
         what += f", collective #{call[COUNT]} on this communicator"

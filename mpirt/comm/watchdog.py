@@ -237,7 +237,8 @@ def _missing(call: list, answers: dict, me: int) -> list[str]:
     def who(r, i):
         got = answers.get(r)
         doing = got["state"] if got else f"did not answer within {REPLY_S:g} s"
-        return f"  world rank {r} ({ch.axis} rank {i}): {doing}"
+        axis_rank = f" ({ch.axis} rank {i})" if ch.axis != "world" else ""
+        return f"  world rank {r}{axis_rank}: {doing}"
 
     if call[PEER] >= 0:
         return [f"  waiting for {ch.axis} rank {call[PEER]}:", who(ch.world[call[PEER]], call[PEER])]
