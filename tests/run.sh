@@ -1,12 +1,31 @@
 #!/usr/bin/env bash
-# The whole test suite: the single-process tier, then the multi-rank tier under mpiexec at 2, 4 and
-# 8 ranks. `python -m mpi4py` aborts every rank when one fails, and `timeout` bounds a hang.
-set -euo pipefail
+# The whole test suite, tier by tier: the single-process tier; the multi-rank tier under mpiexec at
+# 2, 4 and 8 ranks (`python -m mpi4py` aborts every rank when one fails, `timeout` bounds a hang);
+# then the real-SLURM tier (tests/slurm/run.sh). Each tier prints one rank's pytest output; the
+# other ranks' go to files, shown only when the tier fails. A table of every tier ends the run,
+# and the exit code is non-zero when any tier failed. Extra arguments go to every pytest call.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-python -m pytest -q -p no:cacheprovider tests "$@"
+results=$(mktemp -d "${TMPDIR:-/tmp}/mpirt-tests.XXXXXX")
+failed=0
+
+tier() {  # tier NAME COMMAND...: run one tier, record its exit code and seconds
+    local name=$1 start=$SECONDS rc
+    shift
+    echo "=== tier $name ==="
+    "$@"
+    rc=$?
+    echo "$name $rc $((SECONDS - start))" >>"$results/tiers"
+    [ "$rc" = 0 ] || failed=1
+}
+
+tier single python -m pytest -q -p no:cacheprovider --junitxml="$results/single/rank0.xml" tests "$@"
 for n in 2 4 8; do
-    echo "=== multi-rank tier: $n ranks ==="
-    timeout 1200 mpiexec -n "$n" python -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi -m mpi \
-        tests "$@"
+    tier "mpi-$n" timeout 1200 mpiexec -n "$n" bash tests/rank_output.sh "$results/mpi-$n" \
+        python -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests "$@"
 done
+tier slurm bash tests/slurm/run.sh "$@"
+
+python tests/tier_report.py "$results"
+exit "$failed"
