@@ -1,0 +1,282 @@
+"""mpirt.slurm and the job scripts in slurm/, without SLURM: rendering, validation, shell safety,
+and the script's own logic (stop notice, requeue, MPICH cleanup) run against stub srun/scancel/
+scontrol on PATH. tests/slurm/ runs the same scripts on a real SLURM."""
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mpirt.slurm import TEMPLATES, JobSpec, SlurmScriptError, epilog, main, render
+
+ROOT = Path(__file__).resolve().parents[1]
+PWN = "PWNED"
+# each tries to run `touch PWNED` in the directory the script runs in
+PAYLOADS = ["$(touch PWNED)", "`touch PWNED`", "x; touch PWNED", "x' ; touch PWNED ; '", 'x" ; touch PWNED ; "',
+            "x && touch PWNED", "x | touch PWNED", "${IFS}$(touch${IFS}PWNED)", "x\ntouch PWNED", "-x $(touch PWNED)"]
+STUB = r'''#!/bin/bash
+# records its arguments (NUL-separated) and acts as told by STUB_* variables
+name=$(basename "$0")
+printf '%s\0' "$@" >"$STUB_LOG/$name.args"
+[ "$name" = srun ] || exit 0
+out=""
+while [ $# -gt 0 ]; do [ "$1" = --out-dir ] && out=$2; shift; done
+for _ in $(seq "${STUB_TENTHS:-0}"); do sleep 0.1; done
+if [ -n "${STUB_CKPT:-}" ]; then mkdir -p "$out/ckpt" && echo "$STUB_CKPT" >"$out/ckpt/latest"; fi
+exit "${STUB_RC:-0}"
+'''
+
+
+def bash_n(path: Path) -> None:
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, f"bash -n {path}: {result.stderr}"
+
+
+@pytest.fixture
+def job_env(tmp_path):
+    """A directory to run job scripts in: stubs on PATH, a site env, an empty venv, SLURM's variables."""
+    stubs, log, shm = tmp_path / "stubs", tmp_path / "log", tmp_path / "shm"
+    for d in (stubs, log, shm, tmp_path / "venv" / "bin", tmp_path / "run"):
+        d.mkdir(parents=True)
+    for name in ("srun", "scancel", "scontrol"):
+        (stubs / name).write_text(STUB)
+        (stubs / name).chmod(0o755)
+    (tmp_path / "venv" / "bin" / "activate").write_text("")
+    (tmp_path / "site.env").write_text(f"MPIRT_VENV={tmp_path / 'venv'}\n")
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "STUB_LOG": str(log), "MPIRT_SITE_ENV": str(tmp_path / "site.env"),
+           "MPIRT_SHM_DIR": str(shm), "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "SLURM_NTASKS": "2",
+           "SLURM_CPUS_PER_TASK": "3", "SLURM_SUBMIT_DIR": str(tmp_path), "HOME": str(tmp_path)}
+    return tmp_path, env
+
+
+def start(script_text: str, where: Path, env: dict, *args, **extra) -> subprocess.Popen:
+    script = where / "job.sbatch"
+    script.write_text(script_text)
+    return subprocess.Popen(["bash", str(script), *args], cwd=where, env={**env, **extra},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_job(script_text: str, where: Path, env: dict, *args, **extra) -> tuple[int, str]:
+    proc = start(script_text, where, env, *args, **extra)
+    out, _ = proc.communicate(timeout=60)
+    return proc.returncode, out
+
+
+def stub_args(where: Path, name: str) -> list[str] | None:
+    path = where / "log" / f"{name}.args"
+    return path.read_text().split("\0")[:-1] if path.exists() else None
+
+
+def cpu_spec(**kw) -> JobSpec:
+    return dataclasses.replace(JobSpec(ntasks_per_node=2), **kw)
+
+
+# --- the checked-in files -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_checked_in_template_is_the_renderer_output(name):
+    spec = dataclasses.replace(TEMPLATES[name][1], template=name)
+    assert (ROOT / "slurm" / f"{name}.sbatch").read_text() == render(spec), \
+        f"slurm/{name}.sbatch is stale: python -m mpirt.slurm --template {name} -o slurm/{name}.sbatch"
+
+
+def test_checked_in_epilog_is_the_renderer_output():
+    assert (ROOT / "slurm" / "epilog-mpich-shm.sh").read_text() == epilog(), \
+        "slurm/epilog-mpich-shm.sh is stale: python -m mpirt.slurm --epilog -o slurm/epilog-mpich-shm.sh"
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "slurm").iterdir()))
+def test_checked_in_scripts_pass_bash_n(path):
+    bash_n(ROOT / "slurm" / path)
+
+
+@pytest.mark.parametrize("flags, train", [
+    (["--template", "multi_node", "--partition", "gpu,gpu-long", "--account", "proj_1", "--run-dir", "/scratch/r 1"], []),
+    (["--template", "preemptible", "--time", "2-00:00", "--notice", "300", "--mpi", "pmix_v4", "--run-dir", "r"], []),
+    (["--nodes", "2", "--ntasks-per-node", "4", "--dp", "2", "--tp", "2", "--pp", "2", "--model", "gpt2",
+      "--data", "/data/owt", "--run-dir", "runs/a", "--no-exclusive"], ["--lr", "3e-4", "--microbatches", "4"]),
+    (["--template", "cpu", "--notice", "0", "--mem", "500G", "--exclusive", "--site-env", "/etc/mpirt/site.env"], []),
+])
+def test_rendered_scripts_pass_bash_n(tmp_path, flags, train):
+    out = tmp_path / "job.sbatch"
+    assert main([*flags, "-o", str(out), "--", *train]) == 0
+    bash_n(out)
+    assert all(a in out.read_text() for a in train)
+
+
+# --- validation -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, flag", [
+    (["--time", "1:2:3:4"], "--time"), (["--time", "0"], "--time"), (["--time", "1h"], "--time"),
+    (["--nodes", "0"], "--nodes"), (["--nodes", "two"], "--nodes"), (["--gpus-per-node", "-1"], "--gpus-per-node"),
+    (["--cpus-per-task", "0"], "--cpus-per-task"), (["--notice", "-5"], "--notice"),
+    (["--partition", "gpu long"], "--partition"), (["--account", "a/b"], "--account"),
+    (["--job-name", "-x"], "--job-name"), (["--mem", "10X"], "--mem"), (["--output", "a b.out"], "--output"),
+    (["--mpi", "none"], "--mpi"), (["--mpi", "openmpi"], "--mpi"), (["--run-dir", "--lr"], "--run-dir"),
+    (["--run-dir", "a\tb"], "--run-dir"), (["--model", "x\ny"], "--model"), (["--data", "d\r"], "--data"),
+    (["--ntasks-per-node", "4", "--dp", "3"], "--dp/--tp/--pp"),
+    (["--nodes", "2", "--ntasks-per-node", "2", "--tp", "3"], "--dp/--tp/--pp"),
+    (["--gpus-per-node", "8", "--ntasks-per-node", "4"], "--ntasks-per-node"),
+])
+def test_bad_values_are_refused_naming_the_flag(capsys, flags, flag):
+    with pytest.raises(SystemExit) as exit_:
+        main(flags)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: {flag}" in err or f"argument {flag}" in err, err
+
+
+@pytest.mark.parametrize("field", ["time", "partition", "account", "job_name", "mem", "output", "mpi"])
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_injection_into_sbatch_lines_is_refused(field, payload):
+    with pytest.raises(SlurmScriptError, match="^--" + field.replace("_", "-")):
+        render(cpu_spec(**{field: payload}))
+
+
+# --- the script body, run with stub srun/scancel/scontrol -----------------------------------------
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_injection_into_quoted_fields_stays_text(job_env, payload):
+    """Every text field of the body carries the payload; bash -n passes; the stub srun receives each
+    as one literal argument and nothing runs `touch`."""
+    where, env = job_env
+    safe = payload.replace("\n", " ")  # paths refuse control characters; train args may hold any text
+    site = where / f"site {safe.replace('/', '_')}"
+    site.mkdir()
+    (site / "site.env").write_text((where / "site.env").read_text())
+    spec = cpu_spec(model=safe, data=safe, run_dir="r" + safe, train_args=[payload, "--lr", payload],
+                    site_env=str(site / "site.env"))
+    text = render(spec)
+    (where / "check.sbatch").write_text(text)
+    bash_n(where / "check.sbatch")
+    env.pop("MPIRT_SITE_ENV")
+    rc, out = run_job(text, where, env, payload, "--seed=1")
+    assert rc == 0, out
+    assert not (where / PWN).exists() and not (where / "run" / PWN).exists(), out
+    assert stub_args(where, "srun") == [
+        "--mpi=pmi2", "--kill-on-bad-exit=1", "--cpu-bind=cores", "python", "-m", "mpirt.train",
+        "--out-dir", "r" + safe, "--resume", "auto", "--time-limit", "slurm",
+        "--model", safe, "--data", safe, payload, "--lr", payload, payload, "--seed=1"]
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_template_run_dir_argument_stays_text(job_env, payload):
+    where, env = job_env
+    text = render(dataclasses.replace(TEMPLATES["cpu"][1], template="cpu"))
+    rc, out = run_job(text, where, env, "r" + payload, payload)
+    assert rc == 0, out
+    assert not (where / PWN).exists(), out
+    args = stub_args(where, "srun")
+    assert args[args.index("--out-dir") + 1] == "r" + payload and args[-1] == payload
+
+
+def test_template_needs_a_run_directory(job_env):
+    where, env = job_env
+    text = render(dataclasses.replace(TEMPLATES["cpu"][1], template="cpu"))
+    for args in ([], ["--steps", "10"]):
+        rc, out = run_job(text, where, env, *args)
+        assert rc == 2 and "give the run directory first" in out, out
+    assert stub_args(where, "srun") is None
+
+
+def test_missing_site_env_is_named(job_env):
+    where, env = job_env
+    rc, out = run_job(render(cpu_spec(run_dir="r")), where, env, MPIRT_SITE_ENV=str(where / "nope.env"))
+    assert rc == 2 and f"site env file {where / 'nope.env'} not found" in out, out
+
+
+def test_srun_gets_the_mpi_type_and_cpus(job_env):
+    where, env = job_env
+    (where / "site.env").write_text(f"MPIRT_VENV={where / 'venv'}\nMPI_TYPE=pmix\n")
+    (where / "stubs" / "srun").write_text(STUB.replace("exit \"${STUB_RC:-0}\"",
+                                                       'echo "cpus=$SRUN_CPUS_PER_TASK omp=$OMP_NUM_THREADS"'))
+    rc, out = run_job(render(cpu_spec(run_dir="r")), where, env)
+    assert rc == 0 and "cpus=3 omp=3" in out, out
+    assert stub_args(where, "srun")[0] == "--mpi=pmix"
+    rc, out = run_job(render(cpu_spec(run_dir="r", mpi="pmi2")), where, env)
+    assert stub_args(where, "srun")[0] == "--mpi=pmi2"  # the flag given at render time wins
+    (where / "site.env").write_text(f"MPIRT_VENV={where / 'venv'}\nMPI_TYPE=none\n")
+    rc, out = run_job(render(cpu_spec(run_dir="r")), where, env)
+    assert rc == 2 and "MPI_TYPE=none" in out, out
+
+
+@pytest.mark.parametrize("preemptible, rc, ckpt, requeued", [
+    (True, 75, "step-00000010", True),   # stopped with a new checkpoint: continue in a requeued job
+    (True, 75, "", False),               # no progress: requeueing would loop
+    (True, 0, "step-00000010", False),   # finished
+    (True, 1, "step-00000010", False),   # failed
+    (False, 75, "step-00000010", False),  # not requeueable: the user resubmits
+])
+def test_requeue_only_after_a_stop_with_a_new_checkpoint(job_env, preemptible, rc, ckpt, requeued):
+    where, env = job_env
+    code, out = run_job(render(cpu_spec(run_dir=str(where / "run"), preemptible=preemptible)), where, env,
+                        STUB_RC=str(rc), STUB_CKPT=ckpt)
+    assert code == rc, out
+    assert (stub_args(where, "scontrol") == ["requeue", "4242"]) is requeued, out
+
+
+def wait_started(proc: subprocess.Popen, where: Path) -> None:
+    end = time.time() + 20
+    while stub_args(where, "srun") is None:
+        assert proc.poll() is None and time.time() < end, "the stub srun did not start"
+        time.sleep(0.05)
+    time.sleep(0.2)  # past `step=$!` and into the wait loop
+
+
+def test_term_to_the_batch_shell_is_not_forwarded(job_env):
+    """SLURM TERMs the ranks itself; the script must neither pass on a second TERM nor requeue."""
+    where, env = job_env
+    proc = start(render(cpu_spec(run_dir=str(where / "run"), preemptible=True)), where, env,
+                 STUB_TENTHS="20", STUB_RC="75", STUB_CKPT="step-00000007")
+    wait_started(proc, where)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 75, out
+    assert stub_args(where, "scancel") is None and stub_args(where, "scontrol") is None, out
+
+
+def test_usr1_notice_asks_the_ranks_to_stop_then_requeues(job_env):
+    where, env = job_env
+    proc = start(render(cpu_spec(run_dir=str(where / "run"), preemptible=True)), where, env,
+                 STUB_TENTHS="20", STUB_RC="75", STUB_CKPT="step-00000007")
+    wait_started(proc, where)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 75, out
+    assert stub_args(where, "scancel") == ["--signal=TERM", "4242"], out
+    assert stub_args(where, "scontrol") == ["requeue", "4242"], out
+
+
+# --- MPICH shared-memory cleanup ------------------------------------------------------------------
+def test_epilog_removes_only_unused_mpich_files_of_the_job_owner(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for name in ("mpich_shm_stale_0", "mpich_shm_open_0", "mpich_shm_mapped_0", "other_file"):
+        (shm / name).write_bytes(b"\0" * 4096)
+    holders = [subprocess.Popen(["sleep", "60"], stdin=(shm / "mpich_shm_open_0").open("rb")),
+               subprocess.Popen([sys.executable, "-c", "import mmap, sys, time\n"
+                                 f"f = open({str(shm / 'mpich_shm_mapped_0')!r}, 'rb')\n"
+                                 "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); f.close()\n"
+                                 "print('mapped', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)]
+    kept = ["mpich_shm_mapped_0", "mpich_shm_open_0", "other_file"]
+    if os.geteuid() == 0:  # another user's file: only that user's jobs may remove it
+        (shm / "mpich_shm_nobody_0").write_bytes(b"x")
+        os.chown(shm / "mpich_shm_nobody_0", 65534, 65534)
+        kept.append("mpich_shm_nobody_0")
+    try:
+        assert holders[1].stdout.readline().strip() == "mapped"
+        script = tmp_path / "epilog.sh"
+        script.write_text(epilog())
+        env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_UID": str(os.geteuid()), "MPIRT_SHM_DIR": str(shm)}
+        result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+        assert sorted(p.name for p in shm.iterdir()) == sorted(kept), result.stdout
+        assert f"removed stale MPICH shared memory {shm}/mpich_shm_stale_0" in result.stdout
+        # without SLURM_JOB_UID it removes nothing and still exits 0 (a failing Epilog drains the node)
+        env.pop("SLURM_JOB_UID")
+        assert subprocess.run(["bash", str(script)], env=env, timeout=30).returncode == 0
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait()
