@@ -86,8 +86,9 @@ class TrainConfig:
     nan_policy: str = _opt("skip", "non-finite loss or gradient norm: " + "|".join(("skip", "stop")) +
                            " (skip = drop the update, warn, stop after max_skips in a row)")
     max_skips: int = _opt(10, "consecutive skipped steps after which the run stops (exit 3)")
-    comm_timeout: float = _opt(300.0, "seconds a collective or p2p may wait before the job is ended "
-                                      "naming the operation; 0 = wait forever")
+    comm_timeout: float = _opt(-1.0, "seconds a collective or p2p may wait before the job is ended naming "
+                                     "the operation; -1 = auto (300 s plus writing a checkpoint at 50 MB/s); "
+                                     "0 = no timeout (a rank exiting alone still ends the job)")
     dtype: str = _opt("float32", "parameter and compute dtype: " + "|".join(DTYPES))
     backend: str = _opt("auto", "array backend: " + "|".join(BACKENDS) + " (auto = cupy if a GPU)")
     progress: bool = _opt(True, "show a progress bar on rank 0")
@@ -137,7 +138,7 @@ class TrainConfig:
         need("steps_per_job", self.steps_per_job >= 0, ">= 0 (0 = no limit)")
         need("nan_policy", self.nan_policy in NAN_POLICIES, "one of " + ", ".join(NAN_POLICIES))
         need("max_skips", self.max_skips >= 1, ">= 1")
-        need("comm_timeout", self.comm_timeout >= 0, ">= 0 (0 = wait forever)")
+        need("comm_timeout", self.comm_timeout >= 0 or self.comm_timeout == -1, ">= 0, or -1 for auto")
         if self.time_limit and self.time_limit != "slurm":
             try:
                 parse_duration(self.time_limit)

@@ -154,6 +154,15 @@ def vocab_from_data(cfg, model_cfg, data: TokenDataset, tp: int):
     return dataclasses.replace(model_cfg, vocab_size=-(-data.vocab_size // step) * step)
 
 
+def comm_timeout(cfg, model_cfg) -> float:
+    """The watchdog's timeout: ``--comm-timeout``, or for -1 (auto) 300 s plus the time rank 0 may
+    spend writing a checkpoint (weights and both AdamW moments at 50 MB/s) while the others wait
+    for it in their next collective."""
+    if cfg.comm_timeout >= 0:
+        return cfg.comm_timeout
+    return 300.0 + 3 * num_parameters(model_cfg) * (8 if cfg.dtype == "float64" else 4) / 50e6
+
+
 def check_resources(cfg, data: TokenDataset) -> None:
     """Refuse, before any collective, a run the machine or the data cannot carry: a GPU backend
     without a usable GPU, a training split too short for one sequence."""
@@ -234,7 +243,7 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
     lines = [
         f"mpirt: world_size {ctx.size} ({launch['name']}, PMI {launch['pmi']}), layout {lay}",
         f"mpirt: backend {ctx.backend}, comm engine {engine_name}, BLAS threads/rank {ctx.blas_threads} "
-        f"({ctx.blas_note})",
+        f"({ctx.blas_note}), comm timeout " + (f"{comm_timeout(cfg, model_cfg):.0f} s" if comm_timeout(cfg, model_cfg) else "off"),
         f"mpirt: model {cfg.model} ({num_parameters(model_cfg) / 1e6:.2f}M parameters, {model_cfg.n_layer} layers, "
         f"n_embd {model_cfg.n_embd}, vocab {model_cfg.vocab_size}), {cfg.dtype}",
         f"mpirt: data {data.directory} (train {len(data.train):,} tokens, val {len(data.val):,}), "
@@ -304,7 +313,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         if comm.world().rank == 0:
             print(f"error: {err}", file=sys.stderr)
         sys.exit(jobctl.EXIT_REFUSED)
-    comm.start_watchdog(cfg.comm_timeout)  # a stuck call, or a rank exiting alone, ends the job
+    comm.start_watchdog(comm_timeout(cfg, model_cfg))  # a stuck call, or a rank exiting alone, ends the job
     stops = jobctl.StopRequests().install()
     grid = Grid(layout["dp"], layout["pp"], layout["tp"])
     dp = grid.sizes["dp"]
