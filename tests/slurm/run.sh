@@ -14,6 +14,13 @@ USER_NAME=${MPIRT_SLURM_USER:-mpirtci}       # the non-root user that submits th
 SECONDS=0
 
 die() { echo "slurm tier: FAILED: $*" >&2; exit 1; }
+running() {  # the PIDs of processes named $1 (procps may be missing on a minimal image)
+    local comm
+    for comm in /proc/[0-9]*/comm; do
+        [ "$(cat "$comm" 2>/dev/null)" = "$1" ] && basename "$(dirname "$comm")"
+    done
+    return 0
+}
 say() { echo "slurm tier: $*"; }
 
 stop_daemons() {  # stop what this tier started, by the PIDs in their pid files (newest first)
@@ -43,7 +50,8 @@ fi
 exec 9>/tmp/mpirt-slurm-tier.lock
 flock -n 9 || die "another run of this tier is in progress (/tmp/mpirt-slurm-tier.lock)"
 for daemon in slurmctld slurmd; do
-    if pid=$(pgrep -x "$daemon"); then
+    pid=$(running "$daemon")
+    if [ -n "$pid" ]; then
         die "a $daemon is already running (pid $pid): this tier starts its own cluster; stop that one first"
     fi
 done
@@ -139,7 +147,7 @@ EOF
 export SLURM_CONF=$D/slurm.conf
 
 # --- daemons ---------------------------------------------------------------------------------------
-if pgrep -x munged >/dev/null; then
+if [ -n "$(running munged)" ]; then
     say "using the munged that is already running"
 else
     mkdir -p /run/munge /var/lib/munge /var/log/munge
