@@ -35,7 +35,7 @@ from mpi4py import MPI  # noqa: E402
 from mpirt.comm import Comm  # noqa: E402
 from mpirt.optim import AdamW  # noqa: E402
 from mpirt.parallel.data import DataParallel  # noqa: E402
-from models import GPT, GPTConfig  # noqa: E402
+from mpirt.models import GPT, GPTConfig  # noqa: E402
 
 
 def torch_gpt(cfg: GPTConfig):

@@ -49,7 +49,7 @@ from mpirt.optim import AdamW  # noqa: E402
 from mpirt.parallel.pipeline import PipelineStage  # noqa: E402
 from mpirt.parallel.schedule_check import simulate, theoretical_bubble  # noqa: E402
 from mpirt.parallel.schedules import F, W, build  # noqa: E402
-from models import GPTConfig  # noqa: E402
+from mpirt.models import GPTConfig  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 

@@ -56,7 +56,7 @@ def time_steps(steps, repeats: int, rounds: int = 3) -> list[float]:
 
 def mpirt_step(cfg, batch, seq_len, x, y):
     from mpirt.optim import AdamW
-    from models import build_model
+    from mpirt.modeling import build_model
     model = build_model(cfg, seed=0)
     opt = AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     model.zero_grad()
@@ -128,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     import dataclasses
-    from models.presets import load_model_config
+    from mpirt.models.presets import load_model_config
 
     rows = []
     for name in args.cases.split(","):

@@ -45,7 +45,7 @@ from mpirt.comm import Comm  # noqa: E402
 from mpirt.optim import AdamW  # noqa: E402
 from mpirt.parallel import tensor as TP  # noqa: E402
 from mpirt.tensor import Function  # noqa: E402
-from models import GPT, GPTConfig  # noqa: E402
+from mpirt.models import GPT, GPTConfig  # noqa: E402
 
 BUS = {"allreduce": lambda t: 2 * (t - 1) / t, "allgather": lambda t: (t - 1) / t,
        "reduce_scatter": lambda t: (t - 1) / t}

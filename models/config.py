@@ -1,4 +1,4 @@
-"""Model configuration shared by every model in ``models``.
+"""Model configuration of GPT-2 and the MLP model (``model_type`` "gpt2" or "mlp").
 
 Field names follow Hugging Face GPT-2's ``config.json`` so that a GPT-2 directory's config maps onto
 this dataclass key for key.

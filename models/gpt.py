@@ -16,82 +16,14 @@ pipeline stage can run just its part.
 from __future__ import annotations
 
 import math
-import zlib
 
 import mpirt.backend as B
 from mpirt import ops
-from mpirt.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList, ShardSpec
-from mpirt.tensor import Tensor
-from models.config import GPTConfig
-
-
-def as_index_array(idx, name: str = "idx"):
-    """``idx`` (Tensor, xp array or nested list) as an integer xp array."""
-    a = idx.data if isinstance(idx, Tensor) else B.xp.asarray(idx)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
-    return a
-
-
-def check_seq_len(cfg: GPTConfig, idx) -> None:
-    """Refuse a batch whose sequence length exceeds the model's position table."""
-    if idx.ndim != 2:
-        raise ValueError(f"idx: expected shape (batch, seq_len), got {tuple(idx.shape)}")
-    if idx.shape[1] > cfg.n_positions:
-        raise ValueError(f"sequence length {idx.shape[1]} exceeds n_positions={cfg.n_positions}")
-
-
-def tied_head(x, wte_weight):
-    """Logits ``x @ wte_weight^T``: (B, T, C) -> (B, T, V), as one GEMM over all tokens.
-
-    A plain matmul through a transpose (not ``ops.linear``): the weight gradient then flows back
-    through the transpose to the shared embedding table, also when a zero-bubble schedule defers
-    weight gradients (those only reach leaf weights).
-    """
-    b, t, c = x.shape
-    logits = ops.matmul(ops.reshape(x, (b * t, c)), ops.transpose(wte_weight, (1, 0)))  # (B*T, V)
-    return ops.reshape(logits, (b, t, wte_weight.shape[0]))
-
-
-def lm_loss(logits, targets):
-    """Mean cross-entropy of (B, T, V) logits against (B, T) targets; -100 entries are ignored."""
-    t = as_index_array(targets, "targets")
-    if tuple(t.shape) != tuple(logits.shape[:2]):
-        raise ValueError(f"targets: shape {tuple(t.shape)} does not match logits {tuple(logits.shape[:2])}")
-    v = logits.shape[-1]
-    return ops.cross_entropy(ops.reshape(logits, (-1, v)), t.reshape(-1), ignore_index=-100)
-
-
-def seed_dropouts(model: Module, seed: int) -> None:
-    """Give every Dropout module of ``model`` its own seed, derived from ``seed`` and its name,
-    and restart its call counter (so two layers never draw the same mask)."""
-    for name, m in model.named_modules():
-        if isinstance(m, Dropout):
-            m.seed = zlib.crc32(f"{seed}:{name}".encode())
-            m.calls = 0
-
-
-class CausalSelfAttention(Module):
-    """Fused qkv projection, causal multi-head attention, output projection."""
-
-    def __init__(self, cfg: GPTConfig, dtype="float32"):
-        super().__init__()
-        c = cfg.n_embd
-        self.n_head = cfg.n_head
-        self.c_attn = Linear(c, 3 * c, std=cfg.initializer_range, dtype=dtype)
-        self.c_proj = Linear(c, c, std=cfg.initializer_range / math.sqrt(2 * cfg.n_layer), dtype=dtype)
-        self.attn_dropout = Dropout(cfg.attn_pdrop)  # its p/seed/calls drive the fused attention op
-        self.resid_dropout = Dropout(cfg.resid_pdrop)
-
-    def forward(self, x):
-        qkv = self.c_attn(x)                                       # (B, T, 3C)
-        d = self.attn_dropout
-        if self.training and d.p > 0.0:
-            d.calls += 1
-            y = ops.causal_self_attention(qkv, self.n_head, dropout_p=d.p, seed=(d.seed, d.calls))
-        else:
-            y = ops.causal_self_attention(qkv, self.n_head)        # (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+from mpirt.modeling import LayerCost, as_index_array, register
+from mpirt.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList
+from mpirt.models.config import GPTConfig
+from mpirt.models.lm import (ATTENTION_PLAN, COLUMN, ROW, VOCAB_HEAD_PLAN, VOCAB_TABLE, CausalSelfAttention,
+                             PreNormBlock, TiedLM, check_seq_len, stack_costs)
 
 
 class GPTMLP(Module):
@@ -108,7 +40,7 @@ class GPTMLP(Module):
         return self.dropout(self.c_proj(ops.gelu(self.c_fc(x))))
 
 
-class Block(Module):
+class Block(PreNormBlock):
     """Pre-LayerNorm transformer block."""
 
     def __init__(self, cfg: GPTConfig, dtype="float32"):
@@ -119,64 +51,19 @@ class Block(Module):
         self.ln_2 = LayerNorm(cfg.n_embd, eps=eps, dtype=dtype)
         self.mlp = GPTMLP(cfg, dtype)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
 
-
-# Tensor-parallel plan, read by mpirt.parallel.tensor.parallelize(model, tp_comm, sequence_parallel):
-# (module pattern, kind, ShardSpec per parameter); "*" is one path segment; first match wins.
-_COLUMN = {"weight": ShardSpec((None, "tp")), "bias": ShardSpec(("tp",))}
-_ROW = {"weight": ShardSpec(("tp", None)), "bias": ShardSpec((None,))}
 TP_PLAN = (
-    ("wte", "vocab", {"weight": ShardSpec(("tp", None))}),   # rows (vocabulary, padded) split
+    VOCAB_TABLE,
     ("wpe", "positions", {}),                                  # replicated; sequence chunk under SP
-    ("h.*.attn.c_attn", "column",                             # q | k | v each split: whole heads
-     {"weight": ShardSpec((None, "tp"), blocks=(1, 3)), "bias": ShardSpec(("tp",), blocks=(3,))}),
-    ("h.*.attn.c_proj", "row", _ROW),
-    ("h.*.attn", "heads", {}),                                 # n_head -> n_head / tp
-    ("h.*.attn.attn_dropout", "sharded_dropout", {}),
-    ("h.*.mlp.c_fc", "column", _COLUMN),
-    ("h.*.mlp.c_proj", "row", _ROW),
-    ("head_fn", "vocab_head", {}),                             # logits stay split over the vocabulary
-    ("loss_fn", "vocab_loss", {}),                             # cross-entropy without gathering them
+    *ATTENTION_PLAN,
+    ("h.*.mlp.c_fc", "column", COLUMN),
+    ("h.*.mlp.c_proj", "row", ROW),
+    *VOCAB_HEAD_PLAN,
 )                                                              # the rest (LayerNorms) is replicated
 
 
-class CausalLM(Module):
-    """What GPT and MLP share: ``embed`` -> the blocks ``h`` -> ``head`` (ln_f and the output
-    projection tied to ``wte``) and the loss. ``head_fn``/``loss_fn`` are swappable per instance
-    (tensor parallelism installs vocab-parallel ones). Subclasses build their modules, then call
-    :meth:`_finish`."""
-
-    head_fn = staticmethod(tied_head)
-    loss_fn = staticmethod(lm_loss)
-
-    def _finish(self, seed: int | None) -> None:
-        """Name the parameters, seed each Dropout, and initialize the weights when ``seed`` is given."""
-        for name, p in self.named_parameters():
-            p.name = name
-        seed_dropouts(self, 0 if seed is None else seed)  # distinct masks per Dropout module
-        if seed is not None:
-            self.initialize(seed)
-
-    def head(self, x):
-        """Final LayerNorm and the tied output projection: (B, T, C) -> logits (B, T, V)."""
-        return self.head_fn(self.ln_f(x), self.wte.weight)
-
-    def forward(self, idx, targets=None):
-        """Logits (B, T, V) for token ids ``idx`` (B, T); with ``targets`` (B, T), also the mean
-        cross-entropy over the targets that are not -100: returns ``(logits, loss)``."""
-        x = self.embed(idx)
-        for block in self.h:
-            x = block(x)
-        logits = self.head(x)
-        if targets is None:
-            return logits
-        return logits, self.loss_fn(logits, targets)
-
-
-class GPT(CausalLM):
+@register
+class GPT(TiedLM):
     """GPT-2 language model (parameter names as Hugging Face's ``GPT2Model``).
 
     Parameters are allocated at construction and named; their values are set by
@@ -187,10 +74,14 @@ class GPT(CausalLM):
     ``seed`` (0 without one) and its name; :func:`seed_dropouts` re-seeds them (e.g. per rank).
     """
 
+    model_type = "gpt2"
+    config_class = GPTConfig
+    block_class = Block
+    tp_plan = TP_PLAN
+
     def __init__(self, cfg: GPTConfig, dtype="float32", seed: int | None = None):
         super().__init__()
-        if cfg.n_embd % cfg.n_head:
-            raise ValueError(f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}")
+        self.check_config(cfg)
         self.config = cfg
         std = cfg.initializer_range
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=std, dtype=dtype)
@@ -208,19 +99,44 @@ class GPT(CausalLM):
         pos = self.wpe(B.xp.arange(idx.shape[1]))                  # (T, C)
         return self.drop(tok + pos)
 
-    # what the registry (models.MODELS) and the pipeline need to know about the class
-    block_class = Block
-    tp_plan = TP_PLAN
+    @classmethod
+    def check_config(cls, cfg: GPTConfig) -> None:
+        """Whole heads: ``n_head`` must divide ``n_embd``."""
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_head: must divide n_embd={cfg.n_embd}, got {cfg.n_head}")
 
-    @staticmethod
-    def num_parameters_of(cfg: GPTConfig) -> int:
+    @classmethod
+    def num_parameters_of(cls, cfg: GPTConfig) -> int:
         """Parameters of the model ``cfg`` describes (module-level :func:`num_parameters`)."""
         return num_parameters(cfg)
 
-    @staticmethod
-    def flops_per_token_of(cfg: GPTConfig, seq_len: int) -> float:
+    @classmethod
+    def flops_per_token_of(cls, cfg: GPTConfig, seq_len: int) -> float:
         """Training FLOPs per token of the model ``cfg`` describes (module-level :func:`flops_per_token`)."""
         return flops_per_token(cfg, seq_len)
+
+    @classmethod
+    def layer_costs_of(cls, cfg: GPTConfig, seq_len: int) -> list:
+        """Per layer: ``6 x`` the multiply-adds of every weight matrix plus attention's ``12 C T``;
+        the embedding costs its two lookups and scatter-adds (``2 C`` per table) and holds both
+        tables; the head costs the tied projection (``6 V C``) and holds its own copy of ``wte``."""
+        c, h, v = cfg.n_embd, cfg.hidden, cfg.vocab_size
+        mat = 4 * c * c + 2 * c * h
+        return stack_costs(cfg, LayerCost("embed", 4.0 * c, (v + cfg.n_positions) * c),
+                           LayerCost("", 6.0 * mat + 12.0 * c * seq_len, mat + 3 * c + c + h + c + 4 * c),
+                           LayerCost("head", 6.0 * v * c + 10.0 * c, v * c + 2 * c))
+
+    @classmethod
+    def read_hf_config(cls, path) -> dict:
+        """GPTConfig field values from a Hugging Face GPT-2 ``config.json`` (see :mod:`.presets`)."""
+        from mpirt.models.presets import _read_hf
+        return _read_hf(path)
+
+    @classmethod
+    def load_hf(cls, directory, dtype="float32"):
+        """``(GPTConfig, full weights)`` of a Hugging Face GPT-2 directory (:func:`.hf.load_hf_gpt2`)."""
+        from mpirt.models.hf import load_hf_gpt2
+        return load_hf_gpt2(directory, dtype=dtype)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at ``seq_len`` (see the module-level :func:`flops_per_token`)."""

@@ -28,9 +28,9 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.config import GPTConfig
-from models.gpt import param_shapes
-from models.presets import _read_hf
+from mpirt.models.config import GPTConfig
+from mpirt.models.gpt import param_shapes
+from mpirt.models.presets import _read_hf
 from mpirt.config import ConfigError
 
 SINGLE_FILE = "model.safetensors"

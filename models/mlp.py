@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 
 from mpirt import ops
+from mpirt.modeling import LayerCost, register
 from mpirt.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList
-from models.config import GPTConfig
-from models.gpt import CausalLM, as_index_array, check_seq_len
+from mpirt.models.config import GPTConfig
+from mpirt.models.lm import TiedLM, stack_costs
 
 
 class MLPBlock(Module):
@@ -35,9 +36,14 @@ class MLPBlock(Module):
         return x + self.dropout(self.c_proj(ops.gelu(self.c_fc(self.ln(x)))))
 
 
-class MLP(CausalLM):
+@register
+class MLP(TiedLM):
     """MLP language model with GPT's interface: ``forward(idx, targets=None)``, ``embed``, ``h``,
     ``head``. Pass ``seed`` to initialize the weights at construction."""
+
+    model_type = "mlp"
+    config_class = GPTConfig
+    block_class = MLPBlock
 
     def __init__(self, cfg: GPTConfig, dtype="float32", seed: int | None = None):
         super().__init__()
@@ -47,23 +53,24 @@ class MLP(CausalLM):
         self.ln_f = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, dtype=dtype)
         self._finish(seed)
 
-    def embed(self, idx):
-        """(B, T) token ids -> (B, T, C)."""
-        idx = as_index_array(idx)
-        check_seq_len(self.config, idx)
-        return self.wte(idx)
-
-    block_class = MLPBlock  # for the registry (models.MODELS) and the pipeline
-
-    @staticmethod
-    def num_parameters_of(cfg: GPTConfig) -> int:
+    @classmethod
+    def num_parameters_of(cls, cfg: GPTConfig) -> int:
         """Parameters of the model ``cfg`` describes (module-level :func:`num_parameters`)."""
         return num_parameters(cfg)
 
-    @staticmethod
-    def flops_per_token_of(cfg: GPTConfig, seq_len: int = 0) -> float:
+    @classmethod
+    def flops_per_token_of(cls, cfg: GPTConfig, seq_len: int = 0) -> float:
         """Training FLOPs per token of the model ``cfg`` describes (module-level :func:`flops_per_token`)."""
         return flops_per_token(cfg, seq_len)
+
+    @classmethod
+    def layer_costs_of(cls, cfg: GPTConfig, seq_len: int) -> list:
+        """Per block ``6 x`` its two weight matrices; the embedding one lookup and scatter-add;
+        the head the tied projection (``6 V C``) and its own copy of ``wte``."""
+        c, h, v = cfg.n_embd, cfg.hidden, cfg.vocab_size
+        mat = 2 * c * h
+        return stack_costs(cfg, LayerCost("embed", 2.0 * c, v * c), LayerCost("", 6.0 * mat, mat + h + c + 2 * c),
+                           LayerCost("head", 6.0 * v * c + 10.0 * c, v * c + 2 * c))
 
     def flops_per_token(self, seq_len: int) -> float:
         return flops_per_token(self.config, seq_len)

@@ -5,7 +5,8 @@
 Precedence: command line > CONFIG.toml > dataclass defaults. Keys are the ``TrainConfig`` field
 names; on the command line dashes and underscores are alike (``--batch-size 8`` ==
 ``--batch_size=8``). The architecture comes from ``model`` (a preset name, a model TOML file or a
-Hugging Face GPT-2 directory) plus per-field overrides of ``models.config.GPTConfig``: a ``[model]``
+Hugging Face GPT-2 directory) plus per-field overrides of its model config (the fields of the
+registered model types, :func:`mpirt.modeling.config_fields`): a ``[model]``
 table in the TOML file or ``--model.n_layer=2`` on the command line. Since TOML cannot hold both
 ``model = "gpt2"`` and a ``[model]`` table, ``name = "gpt2"`` inside the table sets ``model`` too.
 """
@@ -27,14 +28,13 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from models.config import GPTConfig
+from mpirt import modeling
 
 DTYPES = ("float32", "float64")
 BACKENDS = ("auto", "numpy", "cupy")
 # Pipeline schedule names are those of mpirt.parallel.schedules (canonical names plus aliases), so
 # `mpirt.train --schedule` and `python -m mpirt.schedule` accept the same set.
 from mpirt.parallel.schedules import SCHEDULES, ScheduleError, canonical_name as _canonical_schedule  # noqa: E402
-MODEL_TYPES = ("gpt2", "mlp")
 RESUME = ("", "auto")
 NAN_POLICIES = ("skip", "stop")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -101,7 +101,7 @@ class TrainConfig:
     chunks: int = _opt(2, "virtual pipeline stages per rank for the interleaved schedule")
     schedule: str = _opt("1f1b", "pipeline schedule: " + "|".join(SCHEDULES))
     model_overrides: dict = field(default_factory=dict, metadata={
-        "help": "GPTConfig fields overriding the model, from [model] / --model.<field>=value"})
+        "help": "model config fields overriding the model, from [model] / --model.<field>=value"})
 
     def to_dict(self) -> dict:
         """A JSON-able copy (for summary.json, checkpoint metadata and config_hash)."""
@@ -197,7 +197,6 @@ def field_types(cls) -> dict[str, object]:
 
 
 _TYPES = {k: t for k, t in field_types(TrainConfig).items() if k != "model_overrides"}
-_MODEL_TYPES = field_types(GPTConfig)
 
 
 def convert_value(key: str, value, typ, *, text: bool = False, where: str = ""):
@@ -235,18 +234,18 @@ def unknown_key_error(key: str, known, where: str = "") -> ConfigError:
 
 
 def check_model_values(values: dict, prefix: str = "", where: str = "") -> None:
-    """Range-check the GPTConfig fields present in ``values``; errors name ``prefix + key``."""
+    """Range-check the model config fields present in ``values``; errors name ``prefix + key``."""
     for key, v in values.items():
         if key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner"):
             ok, rule = (v >= 1 if v is not None else key == "n_inner"), ">= 1"
         elif key.endswith("_pdrop"):
             ok, rule = 0 <= v < 1, "in [0, 1)"
-        elif key == "layer_norm_epsilon":
+        elif key in ("layer_norm_epsilon", "rms_norm_eps", "rope_theta"):
             ok, rule = v > 0, "> 0"
         elif key == "initializer_range":
             ok, rule = v >= 0, ">= 0"
         elif key == "model_type":
-            ok, rule = v in MODEL_TYPES, "one of " + ", ".join(MODEL_TYPES)
+            ok, rule = v in modeling.model_types(), "one of " + ", ".join(modeling.model_types())
         else:
             continue
         if not ok:
@@ -259,10 +258,10 @@ def _assign(values: dict, model: dict, key: str, value, *, text: bool, where: st
         values[key] = convert_value(key, value, _TYPES[key], text=text, where=where)
     elif key == "model.name":
         values["model"] = convert_value(key, value, str, text=text, where=where)
-    elif key.startswith("model.") and key[6:] in _MODEL_TYPES:
-        model[key[6:]] = convert_value(key, value, _MODEL_TYPES[key[6:]], text=text, where=where)
+    elif key.startswith("model.") and key[6:] in modeling.config_fields():
+        model[key[6:]] = convert_value(key, value, modeling.config_fields()[key[6:]], text=text, where=where)
     else:
-        known = [*_TYPES, "model.name", *(f"model.{k}" for k in _MODEL_TYPES)]
+        known = [*_TYPES, "model.name", *(f"model.{k}" for k in modeling.config_fields())]
         raise unknown_key_error(key, known, where)
 
 
@@ -293,7 +292,7 @@ def help_text() -> str:
             continue
         default = json.dumps(f.default)
         lines.append(f"  --{f.name:<17} {default:<10} {f.metadata['help']}")
-    fields = textwrap.fill(", ".join(_MODEL_TYPES), 96, initial_indent=" " * 4,
+    fields = textwrap.fill(", ".join(modeling.config_fields()), 96, initial_indent=" " * 4,
                            subsequent_indent=" " * 4)
     lines += ["", "  --model.<field>=VALUE  override one model field (or a [model] table in the",
               "                         TOML file; --model.name=X is --model=X). Fields:", fields]

@@ -294,6 +294,18 @@ class LayerNorm(Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+class RMSNorm(Module):
+    """RMS normalisation over the last dimension, with a weight (no bias, no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype="float32"):
+        super().__init__()
+        self.eps = eps
+        self.weight = Parameter((dim,), init="ones", dtype=dtype)
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
 class Dropout(Module):
     """Inverted dropout whose masks are reproducible: call ``n`` of a run uses seed (seed, n).
 

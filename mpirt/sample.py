@@ -10,8 +10,7 @@ import mpirt.backend as B
 from mpirt.checkpoint import is_checkpoint, load_checkpoint, read_checkpoint_meta
 from mpirt.data import TokenDataset
 from mpirt.tensor import no_grad
-from models import build_model
-from models.config import GPTConfig
+from mpirt.modeling import build_model, config_from_dict
 
 
 def generate(model, ids: list[int], context: int, *, tokens: int, temperature: float, top_k: int,
@@ -48,7 +47,7 @@ def main(argv=None) -> str:
     if not is_checkpoint(args.ckpt):
         parser.exit(2, f"error: --ckpt {args.ckpt} is not an mpirt checkpoint\n")
     meta = read_checkpoint_meta(args.ckpt)
-    model_cfg = GPTConfig(**meta["extra"]["model_config"])
+    model_cfg = config_from_dict(meta["extra"]["model_config"])
     data = TokenDataset(args.data or meta["extra"]["data"])
     model = build_model(model_cfg, dtype=meta["config"]["dtype"], seed=0)
     load_checkpoint(args.ckpt, model)

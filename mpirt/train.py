@@ -31,10 +31,8 @@ from mpirt.optim import cosine_lr
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.engine import build_engine
 from mpirt.parallel.schedules import check_shape
-from models import flops_per_token, num_parameters
-from models.config import GPTConfig
-from models.hf import load_hf_gpt2
-from models.presets import load_model_config
+from mpirt.modeling import apply_overrides, config_from_dict, flops_per_token, load_hf, load_model_config, \
+    num_parameters
 
 
 def plan_layout(cfg, world_size: int) -> dict:
@@ -73,7 +71,7 @@ FIXED_BY_WEIGHTS = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", 
                     "initializer_range")
 
 
-def resolve_model(cfg) -> tuple[GPTConfig, dict | None, bool]:
+def resolve_model(cfg) -> tuple[object, dict | None, bool]:
     """Model config, full initial weights from a HF directory (or None), and whether ``init_from``
     is an mpirt checkpoint (weights, optimizer state and step are then loaded from it).
 
@@ -92,25 +90,25 @@ def resolve_model(cfg) -> tuple[GPTConfig, dict | None, bool]:
         except (CheckpointError, FileNotFoundError) as err:
             raise ConfigError(f"init_from: {err}") from None
         try:
-            loaded, weights, resume = GPTConfig(**meta["extra"]["model_config"]), None, True
+            loaded, weights, resume = config_from_dict(meta["extra"]["model_config"]), None, True
         except (KeyError, TypeError) as err:
             raise ConfigError(f"init_from: {meta['path']}/meta.json holds no usable extra.model_config "
                               f"({err!r})") from None
     elif (path / "config.json").is_file():
-        (loaded, weights), resume = load_hf_gpt2(path, dtype=cfg.dtype), False
+        (loaded, weights), resume = load_hf(path, dtype=cfg.dtype), False
     else:
         raise ConfigError(f"init_from: {source} is neither an mpirt checkpoint (no {path / 'latest'} or "
                           f"{path / 'meta.json'}) nor a Hugging Face GPT-2 directory (no {path / 'config.json'})")
-    changed = dataclasses.replace(loaded, **cfg.model_overrides)
+    changed = apply_overrides(loaded, cfg.model_overrides)
     for key in FIXED_BY_WEIGHTS:
-        before, after = getattr(loaded, key), getattr(changed, key)
+        before, after = getattr(loaded, key, None), getattr(changed, key, None)
         if key in cfg.model_overrides and (loaded.hidden != changed.hidden if key == "n_inner" else before != after):
             raise ConfigError(f"model.{key}: {source} holds {key}={before!r}, the override asks for {after!r}; "
                               f"it cannot change with --init-from (drop the override or start from scratch)")
     return changed, weights, resume
 
 
-def check_fit(cfg, model_cfg: GPTConfig, data: TokenDataset, layout: dict) -> None:
+def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> None:
     """Refuse a run whose data, sequence length or tp does not fit the model, naming the numbers."""
     if cfg.seq_len > model_cfg.n_positions:
         raise ConfigError(f"seq_len: {cfg.seq_len} exceeds the model's n_positions {model_cfg.n_positions}")

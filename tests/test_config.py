@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from models.config import GPTConfig
-from models.presets import gpt_param_count, load_model_config, preset_names
+from mpirt.models.config import GPTConfig
+from mpirt.models.presets import gpt_param_count, load_model_config, preset_names
 from mpirt.config import ConfigError, TrainConfig, config_hash, diff_configs, help_text, parse_args
 
 

@@ -15,7 +15,7 @@ from mpirt.comm import Comm
 from mpirt.data import get_batch, split_microbatches
 from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel.data import DataParallel
-from models import GPT, GPTConfig
+from mpirt.models import GPT, GPTConfig
 
 from conftest import agree
 

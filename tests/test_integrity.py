@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_module
-from models import GPTConfig, build_model
-from models.hf import save_hf_gpt2
+from mpirt.modeling import build_model
+from mpirt.models import GPTConfig
+from mpirt.models.hf import save_hf_gpt2
 from mpirt.config import ConfigError, parse_args
 from mpirt.distributed import input_fingerprint
 from mpirt.train import resolve_model

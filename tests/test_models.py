@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from models import GPT, MLP, GPTConfig, build_model
-from models.gpt import flops_per_token, param_shapes, seed_dropouts
-from models.hf import load_hf_gpt2, load_into, save_hf_gpt2
-from models.mlp import num_parameters as mlp_num_parameters
-from models.presets import gpt_param_count
+from mpirt.modeling import build_model, seed_dropouts
+from mpirt.models import GPT, MLP, GPTConfig
+from mpirt.models.gpt import flops_per_token, param_shapes
+from mpirt.models.hf import load_hf_gpt2, load_into, save_hf_gpt2
+from mpirt.models.mlp import num_parameters as mlp_num_parameters
+from mpirt.models.presets import gpt_param_count
 from mpirt.config import ConfigError
 from mpirt.tensor import Tensor
 
@@ -102,11 +103,11 @@ def test_build_model_registry():
 
 
 def test_registry_dispatches_counts_and_blocks_by_model_type():
-    """models.num_parameters / flops_per_token / block_class go through MODELS; an unknown
+    """mpirt.modeling.num_parameters / flops_per_token / block_class go through MODELS; an unknown
     model_type is one ValueError naming it, whichever entry point meets it."""
-    from models import block_class, flops_per_token as model_flops, num_parameters as model_params
-    from models.gpt import Block
-    from models.mlp import MLPBlock
+    from mpirt.modeling import block_class, flops_per_token as model_flops, num_parameters as model_params
+    from mpirt.models.gpt import Block
+    from mpirt.models.mlp import MLPBlock
     gpt_cfg = GPTConfig(**SMALL)
     mlp_cfg = GPTConfig(model_type="mlp", n_layer=2, n_embd=16, n_inner=24, vocab_size=13, n_positions=8)
     assert model_params(gpt_cfg) == GPT(gpt_cfg).num_parameters()
@@ -116,7 +117,7 @@ def test_registry_dispatches_counts_and_blocks_by_model_type():
     assert block_class(gpt_cfg) is Block and block_class(mlp_cfg) is MLPBlock
     bad = GPTConfig(model_type="rnn")
     for fn in (build_model, model_params, block_class, lambda c: model_flops(c, 8)):
-        with pytest.raises(ValueError, match="model_type: unknown model 'rnn'; expected one of gpt2, mlp"):
+        with pytest.raises(ValueError, match="model_type: unknown model 'rnn'; expected one of gpt2, llama, mlp"):
             fn(bad)
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import mpirt
 from mpirt import ops
+from mpirt.ops.attention import rotary_tables
 from mpirt.ops.nn import scatter_add_rows
 from mpirt.tensor import Tensor, no_grad
 from mpirt.testing import gradcheck
@@ -54,6 +55,7 @@ CASES = {
     "log": ("log", lambda a: a.log(), [positive(2, 3)]),
     "tanh": ("tanh", lambda a: a.tanh(), [normal(2, 3)]),
     "relu": ("relu", lambda a: a.relu(), [away_from_zero(3, 4)]),
+    "swiglu": ("swiglu", lambda a, b: ops.swiglu(a, b), [2 * normal(2, 3, 4), normal(2, 3, 4, seed=1)]),
     "sum_all": ("sum", lambda a: a.sum(), [normal(2, 3, 4)]),
     "sum_axis": ("sum", lambda a: a.sum(axis=1), [normal(2, 3, 4)]),
     "sum_tuple_keepdims": ("sum", lambda a: a.sum(axis=(0, 2), keepdims=True), [normal(2, 3, 4)]),
@@ -88,6 +90,7 @@ CASES = {
     "layer_norm": ("layer_norm", lambda x, w, b: ops.layer_norm(x, w, b),
                    [normal(2, 3, 6), 1 + 0.5 * normal(6, seed=1), normal(6, seed=2)]),
     "layer_norm_no_affine": ("layer_norm", lambda x: ops.layer_norm(x, None, None, eps=1e-3), [normal(4, 5)]),
+    "rms_norm": ("rms_norm", lambda x, w: ops.rms_norm(x, w, eps=1e-5), [normal(2, 3, 6), 1 + 0.5 * normal(6, seed=1)]),
     "embedding_repeats": ("embedding", lambda w: ops.embedding(np.array([[1, 3, 1], [0, 1, 3]]), w), [normal(5, 4)]),
     "embedding_tensor_ids": ("embedding", lambda w: ops.embedding(Tensor(np.array([2, 2, 2, 0])), w), [normal(3, 2)]),
     "cross_entropy": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t),
@@ -103,6 +106,8 @@ CASES = {
     "attention_T1": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, n_head=2), [normal(2, 1, 24)]),
     "attention_dropout": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, 2, dropout_p=0.3, seed=3),
                           [normal(1, 4, 12)]),
+    "rotary": ("rotary_embedding", lambda qkv: ops.rotary_embedding(qkv, *rotary_tables(5, 4, 10.0, np.float64)),
+               [normal(2, 5, 24)]),                      # C = 8: two heads of D = 4 in each of q, k, v
 }
 
 
@@ -181,6 +186,46 @@ def test_layer_norm_matches_torch():
     got = ops.layer_norm(Tensor(x), Tensor(w), Tensor(b), eps=1e-5).data
     want = F.layer_norm(_torch(x), (8,), _torch(w), _torch(b), eps=1e-5).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_rms_norm_and_swiglu_match_torch():
+    x, w = normal(2, 3, 8), normal(8, seed=1)
+    got = ops.rms_norm(Tensor(x), Tensor(w), eps=1e-5).data
+    np.testing.assert_allclose(got, F.rms_norm(_torch(x), (8,), _torch(w), eps=1e-5).numpy(), rtol=1e-12)
+    a, b = 4 * normal(3, 5, seed=2), normal(3, 5, seed=3)
+    np.testing.assert_allclose(ops.swiglu(Tensor(a), Tensor(b)).data, (F.silu(_torch(a)) * _torch(b)).numpy(),
+                               rtol=1e-12)
+
+
+def _torch_rotate(x, cos, sin):
+    """Hugging Face Llama's ``apply_rotary_pos_emb`` on (B, H, T, D) with (T, D/2) tables."""
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+def test_rotary_attention_matches_torch_reference():
+    """Rotary q and k, then mpirt's fused causal attention, against HF Llama's rotation and
+    PyTorch's SDPA: outputs and the gradient of the fused qkv."""
+    b, t, h, d = 2, 7, 3, 4
+    qkv, dy = normal(b, t, 3 * h * d), normal(b, t, h * d, seed=1)
+    cos, sin = rotary_tables(t, d, 500.0, np.float64)
+    x = Tensor(qkv.copy(), requires_grad=True)
+    y = ops.causal_self_attention(ops.rotary_embedding(x, cos, sin), n_head=h)
+    y.backward(dy)
+    tx = _torch(qkv, grad=True)
+    q, k, v = (part.reshape(b, t, h, d).transpose(1, 2) for part in tx.split(h * d, dim=-1))
+    tc, ts = torch.from_numpy(cos), torch.from_numpy(sin)
+    ty = F.scaled_dot_product_attention(_torch_rotate(q, tc, ts), _torch_rotate(k, tc, ts), v, is_causal=True)
+    ty = ty.transpose(1, 2).reshape(b, t, h * d)
+    ty.backward(torch.from_numpy(dy))
+    np.testing.assert_allclose(y.data, ty.detach().numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(x.grad, tx.grad.numpy(), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="does not fit tables"):
+        ops.rotary_embedding(Tensor(qkv), *rotary_tables(t, 3 * h * d, 500.0, np.float64))
+    with pytest.raises(ValueError, match="must be even"):
+        rotary_tables(t, 5, 500.0, np.float64)
 
 
 def test_cross_entropy_matches_torch_value_and_gradient():
@@ -357,7 +402,7 @@ def _reference_grads(build, arrays):
     return [t.grad for t in ts]
 
 
-@pytest.mark.parametrize("kind", ["linear", "embedding", "layer_norm"])
+@pytest.mark.parametrize("kind", ["linear", "embedding", "layer_norm", "rms_norm"])
 def test_deferred_weight_gradient(kind):
     if kind == "linear":
         arrays = [normal(2, 3, 4), normal(4, 5, seed=1), normal(5, seed=2)]
@@ -366,9 +411,12 @@ def test_deferred_weight_gradient(kind):
         ids = np.array([[0, 2, 2], [3, 0, 1]])
         arrays = [normal(2, 3, 3), normal(4, 3, seed=1)]
         build = lambda x, w: ops.embedding(ids, w) * x  # noqa: E731  (x: an input that is not a weight)
-    else:
+    elif kind == "layer_norm":
         arrays = [normal(3, 6), normal(6, seed=1), normal(6, seed=2)]
         build = lambda x, w, b: ops.layer_norm(x, w, b) * x  # noqa: E731
+    else:
+        arrays = [normal(3, 6), normal(6, seed=1)]
+        build = lambda x, w: ops.rms_norm(x, w) * x  # noqa: E731
     want = _reference_grads(build, arrays)
     ts = [Tensor(a.copy(), requires_grad=True) for a in arrays]
     fired = []

@@ -18,7 +18,7 @@ from mpirt.parallel.pipeline import PipelineStage
 from mpirt.parallel.schedule_check import simulate
 from mpirt.parallel.schedules import ScheduleError, build
 from mpirt.tensor import no_grad
-from models import GPT, GPTConfig
+from mpirt.models import GPT, GPTConfig
 
 from conftest import agree
 

@@ -9,7 +9,7 @@ import pytest
 
 import mpirt.ops.attention as attention
 import mpirt.threads as threads
-from models import GPT, GPTConfig
+from mpirt.models import GPT, GPTConfig
 from mpirt import ops
 from mpirt.hostalloc import keep_freed_memory
 from mpirt.optim import adamw_update

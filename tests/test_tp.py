@@ -22,8 +22,8 @@ from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.data import DataParallel
 from mpirt.tensor import Tensor
-from models import GPT, GPTConfig
-from models.gpt import GPTMLP, CausalSelfAttention
+from mpirt.models import GPT, GPTConfig
+from mpirt.models.gpt import GPTMLP, CausalSelfAttention
 
 from conftest import agree
 
@@ -416,7 +416,7 @@ def test_gpt_matches_single_rank(layout, sp, dtype, group):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_hf_state_dict_loads_into_tp_and_back(sp, group):
-    from models.hf import load_hf_gpt2, save_hf_gpt2
+    from mpirt.models.hf import load_hf_gpt2, save_hf_gpt2
     comm = group(2, "tp")
     ok, detail = True, ""
     if comm is not None:

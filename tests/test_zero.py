@@ -22,7 +22,7 @@ from mpirt.parallel.data import DataParallel
 from mpirt.parallel.state import gather_state, scatter_state
 from mpirt.parallel.zero import ZeroOptimizer
 from mpirt.tensor import no_grad
-from models import GPTConfig
+from mpirt.models import GPTConfig
 from conftest import agree
 from test_dp import (LR, STEPS, TOL, WD, batch, dp_comm, global_loss, make_model, max_rel_err,
                      reference_run, rel_err, worst)

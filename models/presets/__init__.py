@@ -1,8 +1,9 @@
 """Model presets and model-config loading.
 
 A model is named by a preset (``models/presets/<name>.toml``), a path to a model TOML file (keys =
-``GPTConfig`` fields), or a Hugging Face GPT-2 directory holding ``config.json``. A preset name
-wins over a same-named directory; write ``./gpt2`` to mean the directory.
+fields of the config class of its ``model_type``, default ``gpt2``), or a Hugging Face directory
+holding ``config.json`` (of a model type that reads them: GPT-2). A preset name wins over a
+same-named directory; write ``./gpt2`` to mean the directory.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from models.config import GPTConfig
+from mpirt import modeling
 from mpirt.config import ConfigError, check_model_values, convert_value, field_types, \
     unknown_key_error
+from mpirt.models.config import GPTConfig
 
 PRESET_DIR = Path(__file__).parent
 HF_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh-approximate GELU mpirt implements
@@ -31,31 +33,48 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
 
 
-def load_model_config(name_or_path: str, overrides: dict | None = None) -> GPTConfig:
-    """Resolve a preset name, model TOML file or HF GPT-2 directory to a checked GPTConfig.
+def _fields_of(model_type, where: str = "") -> dict:
+    """Field name -> type of the config class of ``model_type`` (ConfigError for an unknown one)."""
+    try:
+        return field_types(modeling.config_class(model_type))
+    except ValueError as err:
+        raise ConfigError(f"{err}{where}") from None
 
-    ``overrides`` (GPTConfig field -> value, e.g. TrainConfig.model_overrides) are applied last.
-    Raises ConfigError naming the bad key (and the file it came from).
+
+def load_model_config(name_or_path: str, overrides: dict | None = None):
+    """Resolve a preset name, model TOML file or HF directory to a checked model config (the
+    config class of its ``model_type``).
+
+    ``overrides`` (field -> value, e.g. TrainConfig.model_overrides) are applied last; a field the
+    model type does not have is refused. Raises ConfigError naming the bad key (and the file it
+    came from).
     """
     path = Path(name_or_path)
     if name_or_path in preset_names():
         values = _read_toml(PRESET_DIR / f"{name_or_path}.toml")
     elif (path / "config.json").is_file():
-        values = _read_hf(path / "config.json")
+        try:
+            values = modeling.hf_model_class(path).read_hf_config(path / "config.json")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     elif path.is_file():
         values = _read_toml(path)
     else:
         raise ConfigError(f"model: {name_or_path!r} is not a preset ({', '.join(preset_names())}),"
                           " a model TOML file or a directory with a config.json")
-    for key, value in (overrides or {}).items():
-        if key not in _FIELDS:
-            raise unknown_key_error(f"model.{key}", [f"model.{k}" for k in _FIELDS])
-        values[key] = convert_value(f"model.{key}", value, _FIELDS[key])
-    check_model_values(overrides or {}, prefix="model.")
-    cfg = GPTConfig(**values)
-    if cfg.model_type == "gpt2" and cfg.n_embd % cfg.n_head:
-        raise ConfigError(f"n_head: must divide n_embd={cfg.n_embd}, got {cfg.n_head}"
-                          f" (model {name_or_path!r})")
+    overrides = overrides or {}
+    fields = _fields_of(overrides.get("model_type", values.get("model_type", "gpt2")), " (model.model_type)")
+    for key, value in overrides.items():
+        if key not in fields:
+            raise unknown_key_error(f"model.{key}", [f"model.{k}" for k in fields],
+                                    f" for model_type {values.get('model_type', 'gpt2')!r}")
+        values[key] = convert_value(f"model.{key}", value, fields[key])
+    check_model_values(overrides, prefix="model.")
+    cfg = modeling.config_from_dict(values)
+    try:
+        modeling.check_config(cfg)
+    except ValueError as err:
+        raise ConfigError(f"{err} (model {name_or_path!r})") from None
     return cfg
 
 
@@ -65,11 +84,12 @@ def _read_toml(path: Path) -> dict:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"model: cannot read {path}: {e}") from None
+    fields = _fields_of(data.get("model_type", "gpt2"), where)
     values = {}
     for key, value in data.items():
-        if key not in _FIELDS:
-            raise unknown_key_error(key, _FIELDS, where)
-        values[key] = convert_value(key, value, _FIELDS[key], where=where)
+        if key not in fields:
+            raise unknown_key_error(key, fields, where)
+        values[key] = convert_value(key, value, fields[key], where=where)
     check_model_values(values, where=where)
     return values
 

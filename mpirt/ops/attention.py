@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import mpirt.backend as B
 from mpirt.ops.dropout import _check_p, dropout_mask
 from mpirt.tensor import Function
@@ -153,3 +155,71 @@ def causal_self_attention(qkv, n_head, dropout_p=0.0, seed=None):
     """
     _check_p(dropout_p, "causal_self_attention", "dropout_p")
     return CausalSelfAttention.apply(qkv, n_head=n_head, dropout_p=dropout_p, seed=seed)
+
+
+# ------------------------------------------------------------------------------------------
+# rotary position embeddings (RoPE) on the fused qkv, before the attention op
+# ------------------------------------------------------------------------------------------
+_ROTARY_CACHE: dict = {}
+
+
+def rotary_tables(t: int, head_dim: int, theta: float, dtype):
+    """``(cos, sin)``, each (T, D/2): ``angle[p, i] = p * theta^(-2i/D)`` for positions ``p < T``.
+    Computed in float64 on the host, cast to ``dtype`` on the current backend, cached per shape."""
+    if head_dim % 2:
+        raise ValueError(f"rotary embeddings: head dimension {head_dim} must be even")
+    key = (t, head_dim, float(theta), str(dtype), B.xp.__name__)
+    if key not in _ROTARY_CACHE:
+        inv_freq = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # (D/2,)
+        angle = np.outer(np.arange(t, dtype=np.float64), inv_freq)                             # (T, D/2)
+        _ROTARY_CACHE[key] = tuple(B.xp.asarray(f(angle), dtype=dtype) for f in (np.cos, np.sin))
+    return _ROTARY_CACHE[key]
+
+
+def _rotate(src, dst, cos, sin, sign: float) -> None:
+    """``dst = rotate(src)`` per head, halves ``(x1, x2)`` of each (…, D) head vector:
+    ``(x1 cos - s x2 sin, x2 cos + s x1 sin)`` with ``s = sign`` (-1: the inverse rotation)."""
+    h = src.shape[-1] // 2
+    x1, x2 = src[..., :h], src[..., h:]
+    B.xp.multiply(x1, cos, out=dst[..., :h])
+    dst[..., :h] -= sign * (x2 * sin)
+    B.xp.multiply(x2, cos, out=dst[..., h:])
+    dst[..., h:] += sign * (x1 * sin)
+
+
+class RotaryEmbedding(Function):
+    """q and k of a fused qkv rotated by position (GPT-NeoX / Llama "rotate half" form); v copied.
+
+    The rotation is orthogonal, so the backward is the inverse rotation of the incoming gradient;
+    nothing but the tables is saved.
+    """
+
+    def forward(self, qkv, cos, sin):
+        t, c3 = qkv.shape[1:]
+        half = cos.shape[-1]
+        if c3 % 3 or (c3 // 3) % (2 * half) or cos.shape != (t, half) or sin.shape != cos.shape:
+            raise ValueError(f"rotary_embedding: qkv (B, T, 3C) {qkv.shape} does not fit tables of shape "
+                             f"{cos.shape} (T, D/2) with D dividing C")
+        self.cos, self.sin = cos[:, None, :], sin[:, None, :]     # (T, 1, D/2): broadcast over heads
+        return self._apply(qkv, 1.0)
+
+    def backward(self, g):
+        return (self._apply(g, -1.0),)
+
+    def _apply(self, a, sign: float):
+        b, t, c3 = a.shape
+        d = 2 * self.cos.shape[-1]
+        n_qk = 2 * c3 // (3 * d)                                   # heads of q and k together
+        src = a.reshape(b, t, c3 // d, d)                          # (B, T, 3H, D): q, k, v heads
+        out = B.xp.empty(src.shape, dtype=a.dtype)
+        _rotate(src[:, :, :n_qk], out[:, :, :n_qk], self.cos, self.sin, sign)
+        out[:, :, n_qk:] = src[:, :, n_qk:]                        # v passes through
+        return out.reshape(a.shape)
+
+
+def rotary_embedding(qkv, cos, sin):
+    """Rotary position embeddings on a fused ``qkv`` (B, T, 3C): every head of q and k (head size
+    ``D = 2 * cos.shape[-1]``) is rotated by its position, v is unchanged. ``cos``/``sin`` are
+    (T, D/2) arrays (:func:`rotary_tables`), constants. Works on a tp rank's local qkv too
+    (``[q_r | k_r | v_r]``, whole heads)."""
+    return RotaryEmbedding.apply(qkv, cos=cos, sin=sin)

@@ -122,6 +122,41 @@ class Relu(Function):
         return (g * self.mask,)
 
 
+class SwiGLU(Function):
+    """``silu(a) * b`` (SwiGLU's gate times its linear unit), one pass each way; saves a and b."""
+
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return _silu(a) * b
+
+    def backward(self, g):
+        a, b = self.a, self.b
+        sig = _sigmoid(a)
+        ga = gb = None
+        if self.needs_input_grad[0]:        # d silu / da = sig * (1 + a (1 - sig))
+            ga = a * (1.0 - sig)
+            ga += 1.0
+            ga *= sig
+            ga *= b
+            ga *= g
+        if self.needs_input_grad[1]:
+            gb = a * sig
+            gb *= g
+        return ga, gb
+
+
+def _sigmoid(a):
+    """``1 / (1 + exp(-a))`` as ``(1 + tanh(a / 2)) / 2``: no overflow for large ``|a|``."""
+    out = B.xp.tanh(a * 0.5)
+    out += 1.0
+    out *= 0.5
+    return out
+
+
+def _silu(a):
+    return a * _sigmoid(a)
+
+
 def _normalize_axes(axis, ndim):
     if axis is None:
         return tuple(range(ndim))
@@ -183,6 +218,12 @@ def exp(a): return Exp.apply(a)
 def log(a): return Log.apply(a)
 def tanh(a): return Tanh.apply(a)
 def relu(a): return Relu.apply(a)
+
+
+def swiglu(a, b):
+    """``silu(a) * b`` with ``silu(a) = a * sigmoid(a)``: Llama's gated MLP unit, ``a`` the gate
+    projection and ``b`` the up projection (same shape)."""
+    return SwiGLU.apply(a, b)
 
 
 def sum(a, axis=None, keepdims=False):  # noqa: A001

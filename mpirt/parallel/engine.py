@@ -20,6 +20,7 @@ import numpy as np
 
 import mpirt.backend as B
 from mpirt.data import split_microbatches
+from mpirt.modeling import build_model
 from mpirt.nn import Dropout
 from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel import tensor as TP
@@ -28,7 +29,6 @@ from mpirt.parallel.pipeline import PipelineStage
 from mpirt.parallel.state import gather_state, scatter_state
 from mpirt.parallel.zero import ZeroOptimizer
 from mpirt.tensor import no_grad
-from models import build_model
 
 
 class ShardedEngine:

@@ -1,7 +1,9 @@
-"""Pipeline partitioning: the per-layer cost model and the contiguous split of the layers
+"""Pipeline partitioning: the contiguous split of the layers
 ``[embed, h.0, ..., h.{L-1}, head]`` into ``S = pp * chunks`` virtual stages.
 
     bounds = partition(layer_costs(model_cfg, seq_len), stages=pp * chunks)   # [(lo, hi), ...]
+
+The costs per layer come from the model type (``layer_costs_of``, :func:`mpirt.modeling.layer_costs`).
 
 :func:`partition` either validates a user ``split`` (blocks per stage) or finds the split that
 minimises the most expensive stage (embed counted on the first, head on the last). Pure Python:
@@ -9,36 +11,9 @@ no MPI, no arrays; :class:`mpirt.parallel.pipeline.PipelineStage` uses it to pic
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from mpirt.modeling import LayerCost, layer_costs
 
-@dataclass(frozen=True)
-class LayerCost:
-    """Training FLOPs per token (forward + backward) and parameter count of one layer."""
-
-    name: str
-    flops: float
-    params: int
-
-
-def layer_costs(cfg, seq_len: int | None = None) -> list:
-    """Costs of ``[embed, h.0, ..., h.{L-1}, head]``: ``6 x`` the multiply-adds of every weight
-    matrix, plus attention's ``12 C T`` for GPT blocks; the embedding costs its lookup and
-    scatter-add (``2 C`` per table) and holds the tables; the head costs the tied projection
-    (``6 V C``) and holds its own copy of ``wte``."""
-    c, h, v, t = cfg.n_embd, cfg.hidden, cfg.vocab_size, seq_len or cfg.n_positions
-    if cfg.model_type == "gpt2":
-        mat = 4 * c * c + 2 * c * h
-        block = LayerCost("", 6.0 * mat + 12.0 * c * t, mat + 3 * c + c + h + c + 4 * c)
-        embed = LayerCost("embed", 4.0 * c, (v + cfg.n_positions) * c)
-    elif cfg.model_type == "mlp":
-        mat = 2 * c * h
-        block = LayerCost("", 6.0 * mat, mat + h + c + 2 * c)
-        embed = LayerCost("embed", 2.0 * c, v * c)
-    else:
-        raise ValueError(f"layer_costs: no cost model for model_type {cfg.model_type!r}; pass split=")
-    blocks = [dataclasses.replace(block, name=f"h.{i}") for i in range(cfg.n_layer)]
-    return [embed, *blocks, LayerCost("head", 6.0 * v * c + 10.0 * c, v * c + 2 * c)]
+__all__ = ["LayerCost", "layer_costs", "partition"]  # the costs come from the model type (mpirt.modeling)
 
 
 def partition(costs: list, stages: int, split=None, balance: str = "flops") -> list:

@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 import mpirt.backend as B
+from mpirt.modeling import block_class, build_model, check_config, lm_loss, model_class, seed_dropouts
 from mpirt.nn import Module, graph_parameters
 from mpirt.optim import FlatGrad, global_grad_norm, scale_grads, sum_over
 from mpirt.parallel.partition import layer_costs, partition
@@ -55,7 +56,7 @@ class _Blocks(Module):
 class PipelineStage(PipelineExecutor):
     """This rank's stage of a pipeline-parallel model and the executor of its schedule.
 
-    ``model_cfg``: a :class:`models.config.GPTConfig` (GPT or MLP); ``grid``: a
+    ``model_cfg``: the config of any registered model type (:mod:`mpirt.modeling`); ``grid``: a
     :class:`mpirt.grid.Grid` (tp > 1 makes every stage tensor parallel through the model's
     ``tp_plan``, :func:`mpirt.parallel.tensor.parallelize`; ``sequence_parallel`` then splits the
     activations between stages along the sequence too); ``schedule``: a name (gpipe, 1f1b,
@@ -98,12 +99,8 @@ class PipelineStage(PipelineExecutor):
 
     # -- construction ----------------------------------------------------------------------
     def _build(self, seed: int) -> None:
-        from models import block_class, build_model
-        from models.gpt import lm_loss, seed_dropouts
-
         cfg, dtype = self.cfg, str(self.dtype)
-        if cfg.model_type == "gpt2" and cfg.n_embd % cfg.n_head:
-            raise ValueError(f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}")
+        check_config(cfg)  # middle stages build blocks only, never the model that would check it
         self.lm_loss = lm_loss
         model = Module()
         model.config = cfg
@@ -168,7 +165,6 @@ class PipelineStage(PipelineExecutor):
         """Tensor parallelism inside the stage: the model class's plan applied to this stage's
         modules (entries for the head and loss only on the last stage), then the swapped modules
         handed back to the shell whose embed/head run them."""
-        from models import model_class
         from mpirt.parallel import tensor as TP
 
         plan = getattr(model_class(self.cfg), "tp_plan", None)

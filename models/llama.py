@@ -1,0 +1,133 @@
+"""A Llama-style decoder: RMSNorm, rotary positions, SwiGLU MLP, no biases, tied output head.
+
+    x = wte[idx]                                      # (B, T, C), no position table
+    for block in h:
+        x = x + attn(ln_1(x))                         # RMSNorm -> fused qkv -> rotary q, k -> causal attention -> c_proj
+        x = x + mlp(ln_2(x))                          # RMSNorm -> down_proj(silu(gate_proj x) * up_proj x)
+    logits = ln_f(x) @ wte.weight^T                   # (B, T, V), head tied to wte (as Llama 3.2 1B/3B)
+
+Names follow mpirt's GPT-2 where the parts are shared (``wte``, ``h.N.attn.c_attn``/``c_proj``,
+``ln_1``, ``ln_2``, ``ln_f``) and Hugging Face Llama's for the MLP (``gate_proj``, ``up_proj``,
+``down_proj``). Rotary embeddings use the "rotate half" layout of each head (GPT-NeoX, HF Llama).
+There is no grouped-query attention: q, k and v have ``n_head`` heads each. Tensor parallelism
+splits the heads (q | k | v blocks of ``c_attn``), ``gate_proj``/``up_proj`` by columns and
+``down_proj`` by rows; the RMSNorms are replicated (sequence-split under sequence parallelism).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mpirt import ops
+from mpirt.modeling import LayerCost, register
+from mpirt.nn import Dropout, Embedding, Linear, Module, ModuleList, RMSNorm
+from mpirt.models.lm import (ATTENTION_PLAN, COLUMN, ROW, VOCAB_HEAD_PLAN, VOCAB_TABLE, CausalSelfAttention,
+                             PreNormBlock, TiedLM, stack_costs)
+
+
+@dataclass
+class LlamaConfig:
+    """Architecture of a Llama-style decoder (fields named as :class:`~mpirt.models.config.GPTConfig`
+    where they mean the same)."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    n_positions: int = 256
+    vocab_size: int = 256
+    n_inner: int | None = None          # SwiGLU hidden size; None: 8/3 n_embd rounded up to 64
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    attn_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
+    initializer_range: float = 0.02
+    model_type: str = "llama"
+
+    @property
+    def hidden(self) -> int:
+        """Hidden size of the SwiGLU MLP."""
+        return self.n_inner if self.n_inner is not None else 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+
+class LlamaMLP(Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases."""
+
+    def __init__(self, cfg: LlamaConfig, dtype="float32"):
+        super().__init__()
+        c, h, std = cfg.n_embd, cfg.hidden, cfg.initializer_range
+        self.gate_proj = Linear(c, h, bias=False, std=std, dtype=dtype)
+        self.up_proj = Linear(c, h, bias=False, std=std, dtype=dtype)
+        self.down_proj = Linear(h, c, bias=False, std=std / math.sqrt(2 * cfg.n_layer), dtype=dtype)
+        self.dropout = Dropout(cfg.resid_pdrop)
+
+    def forward(self, x):
+        return self.dropout(self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x))))  # (B, T, H / tp) inside
+
+
+class LlamaBlock(PreNormBlock):
+    """Pre-RMSNorm block: rotary bias-free attention, SwiGLU MLP."""
+
+    def __init__(self, cfg: LlamaConfig, dtype="float32"):
+        super().__init__()
+        self.ln_1 = RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.attn = CausalSelfAttention(cfg, dtype, bias=False, rope_theta=cfg.rope_theta)
+        self.ln_2 = RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+
+
+TP_PLAN = (
+    VOCAB_TABLE,
+    *ATTENTION_PLAN,
+    ("h.*.mlp.gate_proj", "column", COLUMN),
+    ("h.*.mlp.up_proj", "column", COLUMN),
+    ("h.*.mlp.down_proj", "row", ROW),
+    *VOCAB_HEAD_PLAN,
+)                                                              # the rest (RMSNorms) is replicated
+
+
+@register
+class Llama(TiedLM):
+    """Llama-style language model. Init: normal(0, initializer_range), the residual projections
+    ``attn.c_proj`` and ``mlp.down_proj`` with std initializer_range / sqrt(2 n_layer), RMSNorm
+    weights one. Pass ``seed`` to initialize at construction."""
+
+    model_type = "llama"
+    config_class = LlamaConfig
+    block_class = LlamaBlock
+    tp_plan = TP_PLAN
+
+    def __init__(self, cfg: LlamaConfig, dtype="float32", seed: int | None = None):
+        super().__init__()
+        self.check_config(cfg)
+        self.config = cfg
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=cfg.initializer_range, dtype=dtype)
+        self.h = ModuleList(LlamaBlock(cfg, dtype) for _ in range(cfg.n_layer))
+        self.ln_f = RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps, dtype=dtype)
+        self._finish(seed)
+
+    @classmethod
+    def check_config(cls, cfg: LlamaConfig) -> None:
+        """Whole heads of an even size (rotary embeddings rotate pairs)."""
+        if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+            raise ValueError(f"n_head: must divide n_embd={cfg.n_embd} into heads of an even size, got {cfg.n_head}")
+
+    @classmethod
+    def num_parameters_of(cls, cfg: LlamaConfig) -> int:
+        """``V C`` (tied table) + per block ``4 C^2 + 3 C H + 2 C`` + ``C`` (final norm)."""
+        c, h = cfg.n_embd, cfg.hidden
+        return cfg.vocab_size * c + cfg.n_layer * (4 * c * c + 3 * c * h + 2 * c) + c
+
+    @classmethod
+    def flops_per_token_of(cls, cfg: LlamaConfig, seq_len: int) -> float:
+        """``6 N + 12 L C T``, as GPT-2's (N includes the tied table once: the head's GEMM)."""
+        return 6.0 * cls.num_parameters_of(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
+
+    @classmethod
+    def layer_costs_of(cls, cfg: LlamaConfig, seq_len: int) -> list:
+        """Per block ``6 x`` its weight matrices plus attention's ``12 C T``; the embedding one
+        lookup and scatter-add; the head the tied projection and its own copy of ``wte``."""
+        c, h, v = cfg.n_embd, cfg.hidden, cfg.vocab_size
+        mat = 4 * c * c + 3 * c * h
+        return stack_costs(cfg, LayerCost("embed", 2.0 * c, v * c),
+                           LayerCost("", 6.0 * mat + 12.0 * c * seq_len, mat + 2 * c),
+                           LayerCost("head", 6.0 * v * c + 6.0 * c, v * c + c))
