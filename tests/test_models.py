@@ -1,5 +1,7 @@
 """Models: GPT-2 names and shapes as Hugging Face, parameter count, registry, gradients, learning,
-and Hugging Face GPT-2 checkpoint parity in both directions (through safetensors)."""
+Hugging Face GPT-2 checkpoint parity in both directions (through safetensors), and the Llama-style
+model against Hugging Face's LlamaForCausalLM."""
+import dataclasses
 import json
 import math
 import shutil
@@ -8,8 +10,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from mpirt import modeling
 from mpirt.modeling import build_model, seed_dropouts
-from mpirt.models import GPT, MLP, GPTConfig
+from mpirt.models import GPT, MLP, GPTConfig, Llama, LlamaConfig
 from mpirt.models.gpt import flops_per_token, param_shapes
 from mpirt.models.hf import load_hf_gpt2, load_into, save_hf_gpt2
 from mpirt.models.mlp import num_parameters as mlp_num_parameters
@@ -185,9 +188,13 @@ def test_ignore_index_targets():
 
 # ------------------------------------------------------------------ gradients and learning
 
-def test_gpt_gradients_match_finite_differences():
-    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, n_positions=6, vocab_size=11)
-    model = GPT(cfg, dtype="float64", seed=3)
+TINY = {"gpt2": GPTConfig(n_layer=1, n_head=2, n_embd=8, n_positions=6, vocab_size=11),
+        "llama": LlamaConfig(n_layer=1, n_head=2, n_embd=8, n_positions=6, vocab_size=11, n_inner=12)}
+
+
+@pytest.mark.parametrize("model_type", TINY)
+def test_gradients_match_finite_differences(model_type):
+    model = build_model(TINY[model_type], dtype="float64", seed=3)
     randomize(model, 3)
     rng = np.random.default_rng(0)
     idx = rng.integers(0, 11, (2, 4))
@@ -213,9 +220,11 @@ def test_gpt_gradients_match_finite_differences():
             assert abs(p.grad[index] - numeric) <= 1e-7 + 1e-5 * abs(numeric), (name, index, p.grad[index], numeric)
 
 
-def test_deferred_weight_gradients_equal_immediate():
+@pytest.mark.parametrize("model_type", TINY)
+def test_deferred_weight_gradients_equal_immediate(model_type):
     """A zero-bubble schedule defers weight gradients; the tied head must not lose its share."""
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, n_positions=8, vocab_size=11), dtype="float64", seed=0)
+    cfg = dataclasses.replace(TINY[model_type], n_layer=2, n_positions=8)
+    model = build_model(cfg, dtype="float64", seed=0)
     randomize(model, 0)
     idx = np.random.default_rng(0).integers(0, 11, (2, 5))
     model.zero_grad()
@@ -248,10 +257,12 @@ def test_mlp_learns_a_fixed_batch():
     assert losses[0] > 2.0 and losses[-1] < 0.5 * losses[0], losses
 
 
-def test_gpt_learns_a_fixed_batch():
-    model = build_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=16, vocab_size=16), seed=0)
+@pytest.mark.parametrize("config, lr", [(GPTConfig, 1.0), (LlamaConfig, 0.3)], ids=["gpt2", "llama"])
+def test_attention_model_learns_a_fixed_batch(config, lr):
+    """(Llama's RMSNorm rescales the 0.02-std embeddings to unit size: plain SGD needs a smaller lr.)"""
+    model = build_model(config(n_layer=1, n_head=2, n_embd=16, n_positions=16, vocab_size=16), seed=0)
     seq = np.random.default_rng(1).integers(0, 16, (2, 13))
-    losses = _sgd_run(model, seq[:, :-1], seq[:, 1:], steps=30, lr=1.0)
+    losses = _sgd_run(model, seq[:, :-1], seq[:, 1:], steps=30, lr=lr)
     assert losses[-1] < 0.7 * losses[0], losses
 
 
@@ -468,3 +479,79 @@ def test_hf_checkpoint_errors(hf_dir, tmp_path):
     small = GPT(GPTConfig(**{**SMALL, "n_layer": 1}))
     with pytest.raises(ValueError, match="n_layer: model 1 vs checkpoint 2"):
         load_into(small, path)
+
+
+# ------------------------------------------------------------------ the Llama-style model
+
+def hf_llama(cfg: LlamaConfig):
+    """A Hugging Face LlamaForCausalLM (float64, eager attention) of ``cfg``'s architecture."""
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+    hf = HFLlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.hidden,
+                       num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+                       max_position_embeddings=cfg.n_positions, rms_norm_eps=cfg.rms_norm_eps,
+                       rope_theta=cfg.rope_theta, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf._attn_implementation = "eager"
+    return LlamaForCausalLM(hf).double().eval()
+
+
+def to_hf_llama(model) -> dict:
+    """mpirt Llama weights under Hugging Face names: (in, out) Linear weights transposed, the fused
+    c_attn split into q, k and v."""
+    import torch
+    c = model.config.n_embd
+    p = {n: q.data for n, q in model.named_parameters()}
+    out = {"model.embed_tokens.weight": p["wte.weight"], "model.norm.weight": p["ln_f.weight"]}
+    for i in range(model.config.n_layer):
+        h, layer = f"h.{i}.", f"model.layers.{i}."
+        qkv = p[h + "attn.c_attn.weight"]
+        out.update({layer + "input_layernorm.weight": p[h + "ln_1.weight"],
+                    layer + "post_attention_layernorm.weight": p[h + "ln_2.weight"],
+                    **{layer + f"self_attn.{x}_proj.weight": qkv[:, k * c:(k + 1) * c].T for k, x in enumerate("qkv")},
+                    layer + "self_attn.o_proj.weight": p[h + "attn.c_proj.weight"].T,
+                    **{layer + f"mlp.{x}.weight": p[h + f"mlp.{x}.weight"].T for x in ("gate_proj", "up_proj", "down_proj")}})
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
+
+
+def test_llama_logits_equal_hugging_face_llama():
+    """Same weights, same logits as transformers' LlamaForCausalLM (tied head, no biases, rotary
+    "rotate half", SwiGLU). Hugging Face builds its rotary tables in float32: agreement ~1e-6."""
+    import torch
+    cfg = LlamaConfig(n_layer=2, n_head=4, n_embd=32, n_positions=16, vocab_size=37, n_inner=48, rope_theta=500.0)
+    model = Llama(cfg, dtype="float64", seed=0)
+    randomize(model, 1)
+    hf = hf_llama(cfg)
+    result = hf.load_state_dict(to_hf_llama(model), strict=False)
+    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # tied to embed_tokens
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    idx = np.random.default_rng(2).integers(0, 37, (2, 16))
+    with torch.no_grad():
+        want = hf(torch.from_numpy(idx)).logits.numpy()
+    np.testing.assert_allclose(model(idx).data, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+def test_llama_structure_count_registry_and_preset():
+    cfg = LlamaConfig(n_layer=3, n_head=4, n_embd=32, n_positions=16, vocab_size=37)
+    model = build_model(cfg, seed=0)
+    names = [n for n, _ in model.named_parameters()]
+    assert type(model) is Llama and not [n for n in names if n.endswith(".bias")]
+    assert names[:3] == ["wte.weight", "h.0.ln_1.weight", "h.0.attn.c_attn.weight"] and names[-1] == "ln_f.weight"
+    assert cfg.hidden == 128 and LlamaConfig(n_embd=128).hidden == 384  # 8/3 C rounded up to 64
+    n = model.num_parameters()
+    assert n == Llama.num_parameters_of(cfg) == 37 * 32 + 3 * (4 * 32 * 32 + 3 * 32 * 128 + 2 * 32) + 32
+    assert modeling.flops_per_token(cfg, 16) == 6 * n + 12 * 3 * 32 * 16
+    costs = modeling.layer_costs(cfg, 16)
+    assert [c.name for c in costs] == ["embed", "h.0", "h.1", "h.2", "head"]
+    assert sum(c.params for c in costs) == n + 37 * 32  # the head holds its own copy of wte
+    assert modeling.block_class(cfg) is type(model.h[0])
+    p = dict(model.named_parameters())
+    assert (p["h.1.ln_2.weight"].data == 1).all()
+    assert abs(p["h.2.mlp.down_proj.weight"].data.std() - 0.02 / math.sqrt(6)) < 0.002
+    preset = modeling.load_model_config("llama-tiny", {"n_layer": 2})
+    assert (preset.model_type, preset.n_layer, preset.n_embd) == ("llama", 2, 128)
+    assert modeling.config_from_dict(dataclasses.asdict(preset)) == preset
+    with pytest.raises(ConfigError, match=r"model\.layer_norm_epsilon: unknown key for model_type 'llama'.*rms_norm_eps"):
+        modeling.load_model_config("llama-tiny", {"layer_norm_epsilon": 1e-5})
+    with pytest.raises(ConfigError, match="n_head: must divide n_embd=32 into heads of an even size"):
+        modeling.load_model_config("llama-tiny", {"n_embd": 32, "n_head": 32})

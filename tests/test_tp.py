@@ -22,7 +22,7 @@ from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.data import DataParallel
 from mpirt.tensor import Tensor
-from mpirt.models import GPT, GPTConfig
+from mpirt.models import GPT, GPTConfig, Llama, LlamaConfig
 from mpirt.models.gpt import GPTMLP, CausalSelfAttention
 
 from conftest import agree
@@ -258,6 +258,33 @@ def test_parallel_mlp_and_attention(tp, sp, group):
                 "attn": _module_parity(comm, attn, pattn, x, dy, sp)}
         worst = max(v for e in errs.values() for v in e.values())
         ok, detail = worst <= LAYER_TOL, f"worst {worst:.2e}: {errs}"
+    agree(ok, detail)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_llama_block_sharded_by_its_plan_equals_unsharded(tp, sp, group):
+    """The Llama block (RMSNorm, rotary bias-free attention, SwiGLU) made tensor parallel by the
+    model's own tp_plan: output, input gradient and every parameter's gradient slice equal the
+    unsharded block's (float64)."""
+    if MPI.COMM_WORLD.size < tp:
+        pytest.skip(f"needs {tp} ranks")
+    comm = group(tp, "tp")
+    ok, detail = True, ""
+    if comm is not None:
+        cfg = LlamaConfig(n_layer=1, n_head=4, n_embd=16, n_positions=8, vocab_size=37, n_inner=24)
+        rng = np.random.default_rng(5)
+        x, dy = rng.standard_normal((2, 8, 16)), rng.standard_normal((2, 8, 16))
+        ref = Llama(cfg, dtype="float64")
+        for n, p in ref.named_parameters():  # RMSNorm gains away from 1, projections O(1)
+            p.data[...] = rng.standard_normal(p.shape) * 0.3 + (1.0 if "ln_" in n else 0.0)
+        par = Llama(cfg, dtype="float64")
+        TP.parallelize(par, comm, sequence_parallel=sp)
+        errs = _module_parity(comm, ref.h[0], par.h[0], x, dy, sp)
+        every = {"d" + n for n, _ in ref.h[0].named_parameters()} | {"y", "dx"}
+        worst = max(errs.values())
+        ok, detail = worst <= LAYER_TOL and set(errs) == every, f"worst {worst:.2e}: {errs}"
     agree(ok, detail)
 
 

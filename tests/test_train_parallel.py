@@ -63,6 +63,32 @@ def test_parallel_layout_matches_single_rank(tiny_data, tmp_path, reference, ran
         np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
+@pytest.fixture(scope="module")
+def llama_reference(tiny_data, tmp_path_factory):
+    return run(tiny_data, tmp_path_factory.mktemp("llama-single"), "--model=llama-tiny")
+
+
+@pytest.mark.parametrize("ranks, layout", [
+    (2, ["--dp=2"]),
+    (2, ["--dp=2", "--zero=1"]),
+    (2, ["--dp=2", "--zero=3"]),
+    (2, ["--tp=2"]),
+    (2, ["--tp=2", "--sequence-parallel"]),
+    (2, ["--pp=2", "--schedule=1f1b"]),
+    (8, ["--dp=2", "--pp=2", "--tp=2"]),
+], ids=lambda v: v if isinstance(v, int) else " ".join(v))
+def test_llama_layout_matches_single_rank(tiny_data, tmp_path, llama_reference, ranks, layout):
+    """The second architecture (mpirt.models.llama) on the layouts, with no Llama-specific code in
+    mpirt/parallel: the single-rank Llama curve, validation loss and final weights."""
+    losses, summary, weights = run(tiny_data, tmp_path, "--model=llama-tiny", *layout, ranks=ranks)
+    ref_losses, ref_summary, ref_weights = llama_reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
+    assert summary["val_loss"] == pytest.approx(ref_summary["val_loss"], rel=1e-10)
+    assert weights.keys() == ref_weights.keys() and "h.3.mlp.gate_proj.weight" in weights
+    for name, w in ref_weights.items():
+        np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
 @pytest.mark.parametrize("first, then", [(["--tp=2"], ["--dp=2", "--zero=2"]), (["--pp=2"], ["--tp=2"])],
                          ids=["tp2-then-zero2", "pp2-then-tp2"])
 def test_checkpoint_saved_on_one_layout_resumes_on_another(tiny_data, tmp_path, reference, first, then):
