@@ -3,15 +3,15 @@
 For allreduce, reduce_scatter, allgather (float32) and a send/recv ping-pong between ranks 0 and 1,
 at sizes from 8 B to 64 MiB, both implementations run on the same preallocated arrays in one run,
 called alternately (mpirt, raw, raw, mpirt, ...) so that both see the same machine load. Every
-call is timed; the table shows the median call time on the slowest rank (the median resists the
-preemptions of a busy machine). Bytes follow nccl-tests: the array for allreduce,
+call is timed; the table shows, over the repeats, the median [min-max] of each repeat's median call
+on the slowest rank, and the machine load with a warning when it was too high (bench/common.py). Bytes follow nccl-tests: the array for allreduce,
 the full input for reduce_scatter, the full output for allgather, the message for p2p.
 
     algbw = bytes / time            busbw = algbw * factor
     factor: allreduce 2(n-1)/n, reduce_scatter and allgather (n-1)/n, p2p 1
 
     mpiexec -n 2 python bench/collectives.py [--min-bytes 8] [--max-bytes 64M] [--factor 2]
-                                             [--repeats 11] [--json bench/results/collectives.json]
+                                             [--repeats 5] [--quiet-wait 300]
 
 mpirt's calls are the ones its parallel code makes: ``allreduce(x, out=x)`` in place,
 ``reduce_scatter(x, out=chunk)``, ``allgather_flat(chunk, n, out=full)`` and ``send``/``recv``;
@@ -20,8 +20,6 @@ raw mpi4py uses the same MPI calls on the same buffers.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -31,6 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common as BC  # noqa: E402
 from mpirt import comm as C  # noqa: E402
 
 W = MPI.COMM_WORLD
@@ -112,23 +111,23 @@ def run(op: str, nbytes: int, comm: C.Comm, repeats: int, budget: float) -> dict
     # choose the loop length from a few timed pairs so that all repeats take about ``budget`` s
     probe = W.bcast(sum(map(statistics.median, time_pairs(mine, raw, 4))), root=0)
     iters = 2 * int(min(500, max(2, budget / repeats / 2 / max(probe, 1e-7))))
-    t_mine, t_raw = [], []
+    per_repeat = {"mpirt": [], "raw": []}                   # each repeat's median call
     for _ in range(repeats):
         a, b = time_pairs(mine, raw, iters)
-        t_mine += a
-        t_raw += b
-    # the median call on each rank, then the slowest rank
-    both = np.array([statistics.median(t_mine), statistics.median(t_raw)])
-    W.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
-    tm, tr = both.tolist()
+        per_repeat["mpirt"].append(statistics.median(a))
+        per_repeat["raw"].append(statistics.median(b))
+    per_repeat = BC.slowest_rank(per_repeat, W)             # the slowest rank's, per repeat
     if op == "p2p":  # one round trip is two messages
-        tm, tr = tm / 2, tr / 2
+        per_repeat = {k: [t / 2 for t in v] for k, v in per_repeat.items()}
+    tm, tr = (statistics.median(per_repeat[k]) for k in ("mpirt", "raw"))
     f = bus_factor(op, comm.size)
     row = {"op": op, "bytes": nbytes, "iters": iters, "ranks": comm.size,
+           "mpirt_s": BC.spread(per_repeat["mpirt"]), "raw_s": BC.spread(per_repeat["raw"]),
            "mpirt_us": tm * 1e6, "raw_us": tr * 1e6,
            "mpirt_algbw": nbytes / tm / 1e9, "raw_algbw": nbytes / tr / 1e9}
     row["mpirt_busbw"], row["raw_busbw"] = row["mpirt_algbw"] * f, row["raw_algbw"] * f
     row["ratio"] = row["mpirt_busbw"] / row["raw_busbw"]
+    row["time_ratio"] = BC.paired_ratio(per_repeat["mpirt"], per_repeat["raw"])  # mpirt/raw time
     return row
 
 
@@ -140,7 +139,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5, help="barrier-separated loops of calls")
     ap.add_argument("--budget", type=float, default=0.4, help="seconds per (op, size), both implementations")
     ap.add_argument("--ops", default=",".join(OPS))
-    ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "collectives.json"))
+    ap.add_argument("--quiet-wait", type=float, default=0.0,
+                    help="wait up to this many seconds for a quiet machine before starting")
+    ap.add_argument("--name", default="collectives", help="results file name under bench/results")
     args = ap.parse_args(argv)
     if W.size < 2:
         sys.exit("run under mpiexec with at least 2 ranks: mpiexec -n 2 python bench/collectives.py")
@@ -150,31 +151,29 @@ def main(argv=None) -> None:
     while s <= parse_size(args.max_bytes):
         sizes.append(s)
         s *= args.factor
-    rows = []
-    header = (f"{'op':<15}{'bytes':>11}{'mpirt us':>11}{'raw us':>11}{'mpirt algbw':>13}{'raw algbw':>11}"
-              f"{'mpirt busbw':>13}{'raw busbw':>11}{'ratio':>7}")
     if W.rank == 0:
-        print(f"# {W.size} ranks, float32, median call; bandwidths in GB/s; "
-              f"ratio = mpirt/raw busbw; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus"
-              f"\n{header}", flush=True)
-    for op in args.ops.split(","):
-        for nbytes in sizes:
-            row = run(op, nbytes, comm, args.repeats, args.budget)
-            rows.append(row)
-            if W.rank == 0:
-                print(f"{op:<15}{nbytes:>11}{row['mpirt_us']:>11.1f}{row['raw_us']:>11.1f}"
-                      f"{row['mpirt_algbw']:>13.3f}{row['raw_algbw']:>11.3f}{row['mpirt_busbw']:>13.3f}"
-                      f"{row['raw_busbw']:>11.3f}{row['ratio']:>7.2f}", flush=True)
+        BC.wait_for_quiet(args.quiet_wait)
+    W.Barrier()
+    load = BC.LoadMonitor().start()
+    rows = [run(op, nbytes, comm, args.repeats, args.budget) for op in args.ops.split(",") for nbytes in sizes]
+    load.stop(W.allreduce(load.own_since_start()))
     if W.rank == 0:
         big = [r["ratio"] for r in rows if r["bytes"] >= 2**20]
-        summary = {"ranks": W.size, "loadavg_end": os.getloadavg()[0], "min_ratio_ge_1MiB": min(big) if big else None,
+        summary = {"ranks": W.size, "min_ratio_ge_1MiB": min(big) if big else None,
                    "median_ratio_ge_1MiB": statistics.median(big) if big else None}
-        print(f"# mpirt/raw busbw at >= 1 MiB: min {summary['min_ratio_ge_1MiB']:.3f}, "
-              f"median {summary['median_ratio_ge_1MiB']:.3f}")
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"summary": summary, "rows": rows,
-                                    "mpi": MPI.Get_library_version().splitlines()[0]}, indent=1) + "\n")
+        table = [[r["op"], r["bytes"], BC.fmt_spread(r["mpirt_s"], 1e6), BC.fmt_spread(r["raw_s"], 1e6),
+                  f"{r['mpirt_algbw']:.3f}", f"{r['raw_algbw']:.3f}", f"{r['mpirt_busbw']:.3f}",
+                  f"{r['raw_busbw']:.3f}", f"{r['ratio']:.2f}", BC.fmt_ratio(r["time_ratio"])] for r in rows]
+        header = ["op", "bytes", "mpirt us", "raw us", "mpirt algbw", "raw algbw", "mpirt busbw", "raw busbw",
+                  "ratio", "time ratio"]
+        notes = [f"{W.size} ranks, float32; call times: median [min-max] over {args.repeats} repeats of each "
+                 "repeat's median call (slowest rank), mpirt and raw alternated call by call; bandwidths in "
+                 "GB/s from the medians; ratio = mpirt/raw busbw; time ratio = mpirt/raw per repeat",
+                 (f"mpirt/raw busbw at >= 1 MiB: min {summary['min_ratio_ge_1MiB']:.3f}, median "
+                  f"{summary['median_ratio_ge_1MiB']:.3f}") if big else "no sizes >= 1 MiB",
+                 f"MPI: {MPI.Get_library_version().splitlines()[0]}"]
+        BC.write_results(args.name, "Collectives: mpirt Comm against raw mpi4py", header, table, load,
+                         {"summary": summary, "rows": rows}, notes)
 
 
 if __name__ == "__main__":

@@ -4,24 +4,22 @@ against PyTorch DDP (gloo), same GPT, same global batch, float32, one thread per
     mpiexec -n 2 python bench/dp.py [--layers 4 --embd 256 --batch 8 --seq 64 --repeats 12]
 
 A step is forward, backward, gradient averaging, AdamW and zero_grad, started together on all
-ranks (a barrier before each, not timed). Configurations run interleaved, round by round, and
-medians are reported. For mpirt, the *exposed* communication is the time spent waiting in
-``DataParallel.finish()``; the *allreduce time* is finish()'s time without overlap (every bucket
+ranks (a barrier before each, not timed); configurations take turns step by step. For mpirt,
+the *exposed* communication is the time spent waiting in ``DataParallel.finish()``; the *allreduce time* is finish()'s time without overlap (every bucket
 allreduced, blocking, after backward). ``hidden = 1 - exposed / allreduce`` (the brief's figure);
 ``hidden_incl_tests`` also counts the time spent inside the progress ``test()`` calls made from the
 gradient hooks as exposed (with ``progress="test"`` the reduction work happens in those calls on
 the main thread), and ``saved`` = (step without overlap - step with overlap) / allreduce time is
-what overlap actually gains on the step. Prints a table and writes JSON (rank 0).
+what overlap actually gains on the step. Prints a table with the spread (median [min-max]) and
+the machine load, and writes bench/results/dp.{md,json} (rank 0; bench/common.py).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -29,6 +27,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import common as BC  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
@@ -139,7 +138,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=2.0, help="bucket size for mpirt and DDP")
     parser.add_argument("--repeats", type=int, default=20, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "dp.json"))
+    parser.add_argument("--quiet-wait", type=float, default=0.0,
+                        help="wait up to this many seconds for a quiet machine before starting")
+    parser.add_argument("--name", default="dp", help="results file name under bench/results")
     args = parser.parse_args()
 
     import torch
@@ -163,69 +164,61 @@ def main() -> None:
         "mpirt no overlap": MpirtRunner(cfg, comm, x, y, False, "test", bucket_bytes),
         "torch DDP (gloo)": TorchRunner(cfg, x, y, args.bucket_mb),
     }
-    times = {k: [] for k in runners}
-    for r in range(args.warmup + args.repeats):
-        for name, runner in runners.items():
-            world.Barrier()
-            t0 = time.perf_counter()
-            runner.step()
-            dt = time.perf_counter() - t0
-            if r >= args.warmup:
-                times[name].append(dt)
+    if world.rank == 0:
+        BC.wait_for_quiet(args.quiet_wait)
+    world.Barrier()
+    load = BC.LoadMonitor().start()
+    # a step ends when its slowest rank ends: every figure below is per round the slowest rank's
+    times = BC.slowest_rank(BC.alternate({k: r.step for k, r in runners.items()}, args.repeats,
+                                         warmup=args.warmup, before=world.Barrier), world)
     # the allreduce alone (no compute), for reference: all buckets, blocking
     ref = runners["mpirt no overlap"].dp
-    alone = []
-    for _ in range(args.repeats):
-        world.Barrier()
-        t0 = time.perf_counter()
+
+    def allreduce_alone():
         for b in ref.buckets:
             comm.allreduce(b.flat, op="avg", out=b.flat)
-        alone.append(time.perf_counter() - t0)
+    alone = BC.slowest_rank(BC.alternate({"alone": allreduce_alone}, args.repeats, before=world.Barrier),
+                            world)["alone"]
+    waits = BC.slowest_rank({k: r.waits[-args.repeats:] for k, r in runners.items() if r.waits}, world)
+    tests = BC.slowest_rank({k: r.tests[-args.repeats:] for k, r in runners.items() if r.tests}, world)
+    load.stop(world.allreduce(load.own_since_start()))
 
-    # each figure is the worst rank's median (a step ends when the slowest rank ends)
-    def med(v):
-        return world.allreduce(statistics.median(v), op=MPI.MAX)
-
-    step = {k: med(v) for k, v in times.items()}
-    wait = {k: med(r.waits[args.warmup:]) for k, r in runners.items() if r.waits}
-    tests = {k: med(r.tests[args.warmup:]) for k, r in runners.items() if r.tests}
-    allreduce_s = wait["mpirt no overlap"]
-    torch_s = step["torch DDP (gloo)"]
+    med = statistics.median
+    allreduce_s = med(waits["mpirt no overlap"])
     n_params = runners["mpirt no overlap"].model.num_parameters()
-    result = {"config": {**vars(args), "dp": comm.size, "params": n_params,
-                         "grad_bytes": 4 * n_params, "buckets": len(ref.buckets),
-                         "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0]},
-              "allreduce_alone_s": med(alone), "allreduce_in_step_s": allreduce_s, "rows": []}
+    data = {"config": {**vars(args), "dp": comm.size, "params": n_params, "grad_bytes": 4 * n_params,
+                       "buckets": len(ref.buckets)},
+            "allreduce_alone_s": BC.spread(alone), "allreduce_in_step_s": allreduce_s, "seconds": times,
+            "rows": []}
+    rows = []
     for name in runners:
-        row = {"name": name, "step_s": step[name], "vs_torch_ddp": step[name] / torch_s}
-        if name in wait:
-            row["exposed_wait_s"] = wait[name]
-            row["hook_test_s"] = tests[name]
+        row = {"name": name, "step_s": BC.spread(times[name]),
+               "vs_torch_ddp": BC.paired_ratio(times[name], times["torch DDP (gloo)"])}
+        if name in waits:
+            row["exposed_wait_s"], row["hook_test_s"] = BC.spread(waits[name]), BC.spread(tests[name])
             if name != "mpirt no overlap":
-                row["hidden"] = 1 - wait[name] / allreduce_s
-                row["hidden_incl_tests"] = 1 - (wait[name] + tests[name]) / allreduce_s
-                row["saved"] = (step["mpirt no overlap"] - step[name]) / allreduce_s
-        result["rows"].append(row)
+                wait, test = med(waits[name]), med(tests[name])
+                row["hidden"] = 1 - wait / allreduce_s
+                row["hidden_incl_tests"] = 1 - (wait + test) / allreduce_s
+                row["saved"] = (med(times["mpirt no overlap"]) - med(times[name])) / allreduce_s
+        data["rows"].append(row)
 
+        def pct(k):
+            return f"{100 * row[k]:.0f}%" if k in row else ""
+        rows.append([name, BC.fmt_spread(row["step_s"]), BC.fmt_ratio(row["vs_torch_ddp"]),
+                     BC.fmt_spread(row["exposed_wait_s"]) if name in waits else "",
+                     BC.fmt_spread(row["hook_test_s"]) if name in waits else "",
+                     pct("hidden"), pct("hidden_incl_tests"), pct("saved")])
     if comm.rank == 0:
-        c = result["config"]
-        print(f"dp={comm.size}: GPT {args.layers}x{args.embd} vocab {args.vocab}, {n_params:,} params "
-              f"({c['grad_bytes'] / 2**20:.1f} MiB grads, {c['buckets']} buckets of {args.bucket_mb} MiB), "
-              f"global batch {args.batch}x{args.seq}, float32, 1 thread/rank; {os.cpu_count()} cpus, "
-              f"load average {os.getloadavg()[0]:.1f}")
-        print(f"allreduce of all buckets alone {1e3 * result['allreduce_alone_s']:.1f} ms, "
-              f"after backward {1e3 * allreduce_s:.1f} ms")
-        print(f"{'configuration':30} {'step ms':>8} {'/DDP':>6} {'wait ms':>8} {'tests ms':>9} {'hidden':>7} "
-              f"{'+tests':>7} {'saved':>6}")
-        for row in result["rows"]:
-            def f(k, scale=1e3, fmt="8.1f"):
-                return format(row[k] * scale, fmt) if k in row else " " * int(fmt.split(".")[0])
-            print(f"{row['name']:30} {1e3 * row['step_s']:8.1f} {row['vs_torch_ddp']:6.2f} {f('exposed_wait_s')} "
-                  f"{f('hook_test_s', fmt='9.1f')} {f('hidden', 100, '6.0f')}% {f('hidden_incl_tests', 100, '6.0f')}% "
-                  f"{f('saved', 100, '5.0f')}%")
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+        c = data["config"]
+        notes = [f"dp={comm.size}: GPT {args.layers}x{args.embd} vocab {args.vocab}, {n_params:,} params "
+                 f"({c['grad_bytes'] / 2**20:.1f} MiB grads, {c['buckets']} buckets of {args.bucket_mb} MiB), "
+                 f"global batch {args.batch}x{args.seq}, float32, 1 thread/rank; median [min-max] of "
+                 f"{args.repeats} steps (slowest rank per step), configurations alternated step by step",
+                 f"allreduce of all buckets alone {BC.fmt_spread(data['allreduce_alone_s'])} ms, "
+                 f"after backward {1e3 * allreduce_s:.1f} ms"]
+        header = ["configuration", "step ms", "/DDP", "wait ms", "tests ms", "hidden", "+tests", "saved"]
+        BC.write_results(args.name, "Data-parallel step: mpirt against PyTorch DDP", header, rows, load, data, notes)
     for r in runners.values():
         if isinstance(r, MpirtRunner):
             r.dp.close()

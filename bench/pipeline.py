@@ -7,8 +7,8 @@ done, so that they take no CPU), each schedule (gpipe, 1f1b, interleaved with 2 
 each number of micro-batches m, a compute-dominated MLP language model (wide blocks, tiny
 vocabulary; float32, one BLAS thread per rank) is trained for ``warmup + repeats`` steps, each
 started together on the pipeline ranks (a barrier before it, not timed); the schedules of one
-(pp, m) take their steps in turn, round by round, so that outside load hits them alike. Reported
-(medians over the repeats):
+(pp, m) take their steps in turn, step by step, so that outside load hits them alike. Reported
+(medians over the repeats; the step time also with its spread):
 
 - ``bubble``: idle time over step time, from the executor's per-rank timers: ``1 - compute_r /
   step``, with ``compute_r`` rank r's time in F/B/W and ``step`` the longest rank's schedule wall
@@ -24,12 +24,12 @@ started together on the pipeline ranks (a barrier before it, not timed); the sch
 Ranks that share cores distort idle time: when more pipeline ranks compute at once than there are
 cores, each op slows down; ``--wait poll`` (default) makes a waiting rank sleep between MPI tests
 instead of spinning on a core. The header prints the core count; judge pp > cores accordingly.
-Prints a table and writes JSON (rank 0).
+Prints a table with the machine load (bench/common.py) and writes bench/results/pipeline.{md,json}
+(rank 0).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,6 +41,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import common as BC  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mpirt.comm import Comm, world_comm  # noqa: E402
@@ -63,7 +64,7 @@ def wait_sleeping(comm: Comm, source: int, tag: int = 77) -> None:
 
 
 def run_round_robin(g, cfg, names, m, args) -> list:
-    """Train one stage per schedule, their steps interleaved round by round (so that load from
+    """Train one stage per schedule, their steps taking turns (bench/common.py: so that load from
     elsewhere on the machine hits every schedule alike); returns the per-schedule summaries."""
     pp = g.comm["pp"]
     stages, opts, steps = {}, {}, {}
@@ -74,17 +75,19 @@ def run_round_robin(g, cfg, names, m, args) -> list:
         steps[name] = []
     rng = np.random.default_rng(0)
     rows = args.rows * m
-    for i in range(args.warmup + args.repeats):
-        x = rng.integers(0, cfg.vocab_size, (rows, args.seq))
-        y = rng.integers(0, cfg.vocab_size, (rows, args.seq))
-        for name in names:
-            pp.barrier()
+    x = rng.integers(0, cfg.vocab_size, (rows, args.seq))
+    y = rng.integers(0, cfg.vocab_size, (rows, args.seq))
+
+    def contender(name):
+        def step():
             t0 = time.perf_counter()
             stages[name].train_step(x, y)
             wall = time.perf_counter() - t0
             opts[name].step()
-            if i >= args.warmup:
-                steps[name].append(dict(stages[name].stats, wall_s=wall))
+            steps[name].append(dict(stages[name].stats, wall_s=wall))
+        return step
+    BC.alternate({name: contender(name) for name in names}, args.repeats, warmup=args.warmup, before=pp.barrier)
+    steps = {name: s[args.warmup:] for name, s in steps.items()}
     return [summarize(g, name, m, steps[name], rows, args) for name in names]
 
 
@@ -97,6 +100,7 @@ def summarize(g, name, m, steps, rows, args) -> dict:
     mine["peak_stash"] = steps[-1]["peak_stash"]
     mine["peak_stash_bytes"] = steps[-1]["peak_stash_bytes"]
     every = g.comm["pp"].allgather_object(mine)
+    per_rank = g.comm["pp"].allgather_object([s["step_s"] for s in steps])
     p = g.pp
     sched = build(name, p, m, chunks)
     op_cost = [e["op_s"] for e in every]
@@ -109,7 +113,8 @@ def summarize(g, name, m, steps, rows, args) -> dict:
         "schedule": name, "pp": p, "microbatches": m, "chunks": chunks,
         "bubble": statistics.mean(idle), "bubble_per_rank": idle,
         "theory": theory, "model": model.bubble, "model_step_s": model.makespan,
-        "step_s": step, "wall_s": max(e["wall_s"] for e in every),
+        "step_s": step, "step_spread_s": BC.spread(max(ts) for ts in zip(*per_rank)),
+        "wall_s": max(e["wall_s"] for e in every),
         "tokens_per_s": rows * args.seq / max(e["wall_s"] for e in every),
         "op_s": mean_op,
         "peak_stash": [e["peak_stash"] for e in every], "peak_stash_bytes": [e["peak_stash_bytes"] for e in every],
@@ -130,20 +135,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--wait", choices=["poll", "block"], default="poll")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "pipeline.json"))
+    ap.add_argument("--quiet-wait", type=float, default=0.0,
+                    help="wait up to this many seconds for a quiet machine before starting")
+    ap.add_argument("--name", default="pipeline", help="results file name under bench/results")
     args = ap.parse_args()
 
     world = world_comm()
     cfg = GPTConfig(n_layer=args.layers, n_head=1, n_embd=args.embd, n_inner=args.hidden, n_positions=args.seq,
                     vocab_size=args.vocab, model_type="mlp")
-    cores = len(os.sched_getaffinity(0))
     results = []
     if world.rank == 0:
-        print(f"pipeline bench: MLP n_layer={args.layers} n_embd={args.embd} hidden={args.hidden} vocab={args.vocab} "
-              f"T={args.seq}, {args.rows} rows/micro-batch, float32, world {world.size} ranks on {cores} cores, "
-              f"wait={args.wait}, median of {args.repeats}")
-        print(f"{'pp':>2} {'m':>3} {'schedule':<12} {'bubble':>7} {'theory':>7} {'model':>7} {'step ms':>8} "
-              f"{'tok/s':>8} {'F/B/W ms':>15} {'peak stash':>11} {'stash MB':>9} {'vs 1f1b':>7}")
+        BC.wait_for_quiet(args.quiet_wait)
+    world.barrier()
+    load = BC.LoadMonitor().start()
     for p in args.pp:
         if p > world.size:
             continue
@@ -155,32 +159,33 @@ def main() -> None:
             continue
         g = Grid(1, p, 1, sub)
         for m in args.microbatches:
-            row = {}
             names = [n for n in args.schedules if not (n == "interleaved" and (m % p or args.layers < 2 * p))]
-            for r in run_round_robin(g, cfg, names, m, args):
-                name = r["schedule"]
-                row[name] = r
+            row = {r["schedule"]: r for r in run_round_robin(g, cfg, names, m, args)}
+            for r in row.values():
+                if "1f1b" in row:
+                    r["vs_1f1b"] = r["step_s"] / row["1f1b"]["step_s"]
                 results.append(r)
-                if world.rank == 0:
-                    ratio = r["step_s"] / row["1f1b"]["step_s"] if "1f1b" in row else float("nan")
-                    ops = "/".join(f"{1e3 * r['op_s'].get(k, 0):.1f}" for k in (F, "B", W))
-                    print(f"{p:>2} {m:>3} {name:<12} {100 * r['bubble']:>6.1f}% {100 * r['theory']:>6.1f}% "
-                          f"{100 * r['model']:>6.1f}% {1e3 * r['step_s']:>8.1f} {r['tokens_per_s']:>8.0f} {ops:>15} "
-                          f"{max(r['peak_stash']):>11} {max(r['peak_stash_bytes']) / 2**20:>9.1f} "
-                          f"{ratio:>7.2f}", flush=True)
-            if "zb-h1" in row and "1f1b" in row:
-                row["zb-h1"]["vs_1f1b"] = row["zb-h1"]["step_s"] / row["1f1b"]["step_s"]
         g.free()
         sub.free()
         if world.rank == 0:
             for r in range(p, world.size):
                 world.send(np.zeros(1), r, 77)
+    load.stop(world.mpi.allreduce(load.own_since_start()))
     if world.rank == 0:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"world_size": world.size, "cores": cores, "model": vars(args) | {"type": "mlp"}}
-        out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-        print(f"wrote {out}")
+        table = [[r["pp"], r["microbatches"], r["schedule"], f"{100 * r['bubble']:.1f}%",
+                  f"{100 * r['theory']:.1f}%", f"{100 * r['model']:.1f}%", BC.fmt_spread(r["step_spread_s"]),
+                  f"{r['tokens_per_s']:.0f}", "/".join(f"{1e3 * r['op_s'].get(k, 0):.1f}" for k in (F, "B", W)),
+                  max(r["peak_stash"]), f"{max(r['peak_stash_bytes']) / 2**20:.1f}",
+                  f"{r['vs_1f1b']:.2f}" if "vs_1f1b" in r else ""] for r in results]
+        header = ["pp", "m", "schedule", "bubble", "theory", "model", "step ms", "tok/s", "F/B/W ms",
+                  "peak stash", "stash MB", "vs 1f1b"]
+        notes = [f"MLP n_layer={args.layers} n_embd={args.embd} hidden={args.hidden} vocab={args.vocab} "
+                 f"T={args.seq}, {args.rows} rows/micro-batch, float32, world {world.size} ranks on "
+                 f"{BC.cores()} cores, wait={args.wait}; step: median [min-max] of {args.repeats} "
+                 "(slowest rank), schedules alternated step by step; other columns: medians"]
+        BC.write_results(args.name, "Pipeline schedules against their theory", header, table, load,
+                         {"world_size": world.size, "model": vars(args) | {"type": "mlp"}, "results": results},
+                         notes)
 
 
 if __name__ == "__main__":

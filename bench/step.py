@@ -1,28 +1,29 @@
-"""One GPT training step (forward, backward, AdamW) in mpirt and in PyTorch CPU eager, side by side.
+"""One GPT training step (forward, backward, AdamW) in mpirt and in PyTorch CPU eager, side by side,
+and against its GEMM floor.
 
 Same shapes, float32, same thread count, same global batch; PyTorch uses
-``F.scaled_dot_product_attention`` and ``torch.optim.AdamW``. Prints a table (median step time,
-tokens/s, mpirt/PyTorch ratio) and writes JSON.
+``F.scaled_dot_product_attention`` and ``torch.optim.AdamW``. The GEMM floor is every linear
+product of the step (qkv, proj, fc, fc2, the tied head; forward and both backward products) on
+the GEMM library mpirt chose, split over its pool as in the step (:mod:`bench.gemm`); the
+attention's batched products are not in it. The three contenders alternate step by step
+(bench/common.py); the table gives median [min-max] ms and the per-step ratios' median
+[min-max], and warns when the machine was too loaded for the figures to mean anything.
 
-    python bench/step.py [--threads N] [--repeats 12] [--json bench/results/step.json]
+    python bench/step.py [--threads N] [--repeats 12] [--cases tiny,d512] [--quiet-wait 300]
 """
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
-import statistics
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-CASES = {  # name -> (model overrides on the tiny preset, batch, seq_len)
-    "tiny": ({}, 8, 128),
-    "d512": ({"n_layer": 4, "n_head": 8, "n_embd": 512, "n_positions": 256, "vocab_size": 50257}, 4, 256),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common as BC  # noqa: E402
+from gemm import CASES, case_config, step_gemms, step_products  # noqa: E402
 
 
 def set_threads(n: int) -> None:
@@ -32,26 +33,6 @@ def set_threads(n: int) -> None:
     import mpirt.threads
     torch.set_num_threads(n)
     mpirt.threads.set_num_threads(n)
-
-
-def time_steps(steps, repeats: int, rounds: int = 3) -> list[float]:
-    """Median seconds per call of each function in ``steps``.
-
-    The contenders take turns, ``rounds`` times: a pause (BLAS and OpenMP worker threads spin for
-    a while after their last call and would steal a core from the next contender), one untimed
-    warm-up call, then ``repeats // rounds`` timed calls. Turns spread background load on a
-    shared machine over all contenders.
-    """
-    times = [[] for _ in steps]
-    for _ in range(rounds):
-        for step, ts in zip(steps, times):
-            time.sleep(0.3)
-            step()
-            for _ in range(max(1, repeats // rounds)):
-                t0 = time.perf_counter()
-                step()
-                ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
 
 
 def mpirt_step(cfg, batch, seq_len, x, y):
@@ -121,40 +102,52 @@ def torch_step(cfg, batch, seq_len, x, y):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=None, help="default: what training uses here")
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "step.json"))
+    parser.add_argument("--pause", type=float, default=0.05,
+                        help="seconds of sleep before each step (spinning thread pools settle)")
+    parser.add_argument("--quiet-wait", type=float, default=0.0,
+                        help="wait up to this many seconds for a quiet machine before starting")
+    parser.add_argument("--name", default="step", help="results file name under bench/results")
     args = parser.parse_args()
-    set_threads(args.threads)
-    import dataclasses
-    from mpirt.models.presets import load_model_config
+    import mpirt.threads
+    from mpirt import blas
+    threads = args.threads or mpirt.threads.default_num_threads()
+    set_threads(threads)
+    gemm_library = blas.describe()
 
-    rows = []
+    BC.wait_for_quiet(args.quiet_wait)
+    load = BC.LoadMonitor().start()
+    rows, data = [], {"threads": threads, "gemm": gemm_library, "cases": {}}
     for name in args.cases.split(","):
-        overrides, batch, seq_len = CASES[name]
-        cfg = load_model_config("tiny", overrides)
+        cfg, batch, seq_len = case_config(name)
         rng = np.random.default_rng(0)
         x = rng.integers(0, cfg.vocab_size, (batch, seq_len), dtype=np.int64)
         y = rng.integers(0, cfg.vocab_size, (batch, seq_len), dtype=np.int64)
         m_step, n_params = mpirt_step(cfg, batch, seq_len, x, y)
-        t_step = torch_step(cfg, batch, seq_len, x, y)
-        t_mpirt, t_torch = time_steps([m_step, t_step], args.repeats)
+        products = step_products(cfg, batch, seq_len)
+        times = BC.alternate({"mpirt": m_step, "torch": torch_step(cfg, batch, seq_len, x, y),
+                              "floor": lambda: step_gemms(products)}, args.repeats,
+                             before=lambda: time.sleep(args.pause))
+        s = {k: BC.spread(v) for k, v in times.items()}
+        vs_torch = BC.paired_ratio(times["mpirt"], times["torch"])
+        vs_floor = BC.paired_ratio(times["mpirt"], times["floor"])
         tokens = batch * seq_len
-        rows.append({"case": name, "params": n_params, "batch": batch, "seq_len": seq_len,
-                     "config": dataclasses.asdict(cfg), "threads": args.threads,
-                     "mpirt_step_s": t_mpirt, "torch_step_s": t_torch,
-                     "mpirt_tokens_per_s": tokens / t_mpirt, "torch_tokens_per_s": tokens / t_torch,
-                     "ratio": t_mpirt / t_torch})
-    print(f"{'case':6} {'params':>10} {'B x T':>9} {'mpirt ms':>9} {'torch ms':>9} {'mpirt tok/s':>12} "
-          f"{'torch tok/s':>12} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['case']:6} {r['params']:>10,} {r['batch']:>4} x {r['seq_len']:<4}"
-              f"{1e3 * r['mpirt_step_s']:>9.1f} {1e3 * r['torch_step_s']:>9.1f} "
-              f"{r['mpirt_tokens_per_s']:>12,.0f} {r['torch_tokens_per_s']:>12,.0f} {r['ratio']:>6.2f}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"wrote {args.json}", file=sys.stderr)
+        rows.append([name, f"{n_params:,}", f"{batch} x {seq_len}", BC.fmt_spread(s["mpirt"]),
+                     BC.fmt_spread(s["torch"]), BC.fmt_spread(s["floor"]), BC.fmt_ratio(vs_torch),
+                     BC.fmt_ratio(vs_floor), f"{tokens / s['mpirt']['median']:,.0f}",
+                     f"{tokens / s['torch']['median']:,.0f}"])
+        data["cases"][name] = {"params": n_params, "batch": batch, "seq_len": seq_len, "config": dataclasses.asdict(cfg), "seconds": times,
+                               "mpirt_vs_torch": vs_torch, "mpirt_vs_floor": vs_floor}
+    load.stop()
+    header = ["case", "params", "B x T", "mpirt ms", "torch ms", "GEMM floor ms", "mpirt/torch",
+              "mpirt/floor", "mpirt tok/s", "torch tok/s"]
+    notes = [f"float32, {threads} threads each; median [min-max] of {args.repeats} steps, the three "
+             "alternated step by step; ratios: median [min-max] of the per-round ratios.",
+             f"mpirt GEMM: {gemm_library}"]
+    BC.write_results(args.name, "One GPT training step: mpirt, PyTorch eager, GEMM floor", header, rows,
+                     load, data, notes)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ step time, bytes moved per transformer layer per step against the theory, memory
 For each tp, ranks 0..tp-1 form the tp group and train; the other ranks wait without spinning
 (a non-blocking barrier polled with sleeps), so tp ranks share the machine's cores alone. A step is
 forward, backward, the sequence-parallel gradient sum, AdamW and zero_grad (float32, one BLAS
-thread per rank); the median over ``--repeats`` timed steps after ``--warmup`` is reported.
+thread per rank). The configurations take turns step by step (bench/common.py); the median
+[min-max] over ``--repeats`` timed steps after ``--warmup`` is reported, with the machine load.
 
 Bytes moved per layer: the registry (``mpirt.comm.stats``) records every tp collective of one
 step; identity Functions placed around each transformer block mark where its forward and
@@ -19,12 +20,12 @@ in backward (Megatron's choice, which saves their memory).
 
 Memory per rank: parameters, gradients and AdamW state (this rank's shards) and the activations
 saved for backward (:func:`mpirt.parallel.tensor.saved_activation_bytes`) against
-:func:`mpirt.parallel.tensor.activation_bytes`. Prints a table and writes JSON (rank 0).
+:func:`mpirt.parallel.tensor.activation_bytes`. Prints a table and writes bench/results/tp.{md,json}
+(rank 0).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -37,6 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import common as BC  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
@@ -93,55 +95,57 @@ def idle_until_released(world):
         time.sleep(0.002)
 
 
-def run_config(cfg, args, tp, sp, world):
-    active = world.rank < tp
-    sub = world.Split(0 if active else MPI.UNDEFINED, world.rank)
-    out = None
-    if active:
-        comm = Comm(sub, "tp")
-        rng = np.random.default_rng(0)
-        x = rng.integers(0, cfg.vocab_size, (args.batch, args.seq))
-        y = rng.integers(0, cfg.vocab_size, (args.batch, args.seq))
-        model = GPT(cfg, dtype="float32")
-        model = TP.parallelize(model, comm, sequence_parallel=sp, seed=1) if tp > 1 else model.initialize(1)
-        opt = AdamW(model.parameters(), lr=1e-4)
-        log = []
-        mark_blocks(model, log)
-        times = []
-        for i in range(args.warmup + args.repeats):
-            sub.Barrier()
-            log.clear()
-            C.stats.reset()
-            t0 = time.perf_counter()
-            _, loss = model(x, y)
-            if i == 0:
-                act = TP.saved_activation_bytes(loss)
-            loss.backward()
-            if tp > 1:
-                TP.sync_sequence_parallel_grads(model, comm)
-            opt.step()
-            opt.zero_grad()
-            dt = time.perf_counter() - t0
-            if i >= args.warmup:
-                times.append(dt)
-        records = list(C.stats.records)
-        moved, layer_ops = per_layer_bytes(log, records, tp, cfg.n_layer) if tp > 1 else (0.0, [])
+class Config:
+    """One (tp, sp) configuration: ranks ``0..tp-1`` train, the others idle through its steps."""
+
+    def __init__(self, cfg, args, tp, sp, world):
+        self.cfg, self.args, self.tp, self.sp = cfg, args, tp, sp
+        self.active = world.rank < tp
+        self.sub = world.Split(0 if self.active else MPI.UNDEFINED, world.rank)
+        self.act, self.records, self.log = None, [], []
+        if self.active:
+            self.comm = Comm(self.sub, "tp")
+            rng = np.random.default_rng(0)
+            self.x = rng.integers(0, cfg.vocab_size, (args.batch, args.seq))
+            self.y = rng.integers(0, cfg.vocab_size, (args.batch, args.seq))
+            model = GPT(cfg, dtype="float32")
+            self.model = TP.parallelize(model, self.comm, sequence_parallel=sp, seed=1) if tp > 1 \
+                else model.initialize(1)
+            self.opt = AdamW(self.model.parameters(), lr=1e-4)
+            mark_blocks(self.model, self.log)
+
+    def step(self) -> None:
+        """One training step on the active ranks (the caller starts all ranks together)."""
+        if not self.active:
+            return
+        self.log.clear()
+        C.stats.reset()
+        _, loss = self.model(self.x, self.y)
+        if self.act is None:
+            self.act = TP.saved_activation_bytes(loss)
+        loss.backward()
+        if self.tp > 1:
+            TP.sync_sequence_parallel_grads(self.model, self.comm)
+        self.opt.step()
+        self.opt.zero_grad()
+        self.records = list(C.stats.records)
+
+    def summary(self, seconds: list[float]) -> dict:
+        """This configuration's row (computed on the active ranks)."""
+        cfg, args, tp, sp = self.cfg, self.args, self.tp, self.sp
+        moved, layer_ops = per_layer_bytes(self.log, self.records, tp, cfg.n_layer) if tp > 1 else (0.0, [])
         b, s, h, it = args.batch, args.seq, cfg.n_embd, 4
         theory = 8 * b * s * h * (tp - 1) / tp * it
         theory_sp = theory + 2 * b * s * h * (tp - 1) / tp * it if sp else theory
-        state = sum(p.data.nbytes + p.grad.nbytes for p in model.parameters())
-        state += sum(a.nbytes for st in opt.state for a in st.values())
+        state = sum(p.data.nbytes + p.grad.nbytes for p in self.model.parameters())
+        state += sum(a.nbytes for st in self.opt.state for a in st.values())
         predicted = TP.activation_bytes(n_layer=cfg.n_layer, n_embd=h, n_head=cfg.n_head, hidden=cfg.hidden,
                                         vocab_size=cfg.vocab_size, batch=b, seq_len=s, tp=tp, sequence_parallel=sp)
-        step = statistics.median(times)
-        step = sub.allreduce(step, op=MPI.MAX)
-        out = {"tp": tp, "sp": sp, "step_ms": step * 1e3, "tokens_per_s": b * s / step,
-               "layer_bytes": moved, "layer_bytes_theory": theory_sp, "layer_bytes_8bsh": theory,
-               "layer_ops": layer_ops, "state_bytes": state, "act_bytes": act, "act_bytes_formula": predicted,
-               "comm_s_per_step": sum(r.seconds for r in records if r.axis == "tp")}
-        sub.Free()
-    idle_until_released(world)
-    return world.bcast(out, root=0)
+        step = statistics.median(seconds)
+        return {"tp": tp, "sp": sp, "step_s": BC.spread(seconds), "tokens_per_s": b * s / step,
+                "layer_bytes": moved, "layer_bytes_theory": theory_sp, "layer_bytes_8bsh": theory,
+                "layer_ops": layer_ops, "state_bytes": state, "act_bytes": self.act, "act_bytes_formula": predicted,
+                "comm_s_per_step": sum(r.seconds for r in self.records if r.axis == "tp")}
 
 
 def main() -> None:
@@ -154,36 +158,49 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "tp.json"))
+    parser.add_argument("--quiet-wait", type=float, default=0.0,
+                        help="wait up to this many seconds for a quiet machine before starting")
+    parser.add_argument("--name", default="tp", help="results file name under bench/results")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, n_positions=args.seq,
                     vocab_size=args.vocab)
     sizes = [t for t in (1, 2, 4, 8) if t <= world.size]
-    rows = []
-    for tp in sizes:
-        for sp in ([False] if tp == 1 else [False, True]):
-            rows.append(run_config(cfg, args, tp, sp, world))
+    configs = {f"tp={tp} sp={'yes' if sp else 'no'}": Config(cfg, args, tp, sp, world)
+               for tp in sizes for sp in ([False] if tp == 1 else [False, True])}
     if world.rank == 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        print(f"GPT L={cfg.n_layer} h={cfg.n_embd} heads={cfg.n_head} V={cfg.vocab_size}, b={args.batch} "
-              f"s={args.seq}, float32; {world.size} ranks on {cores} cores ({socket.gethostname()})")
-        print(f"{'tp':>3} {'sp':>3} {'step ms':>9} {'tok/s':>8} {'comm ms':>8} {'layer MB':>9} {'theory MB':>10} "
-              f"{'8bsh MB':>8} {'state MB':>9} {'act MB':>8} {'formula':>8}")
+        BC.wait_for_quiet(args.quiet_wait)
+    world.Barrier()
+    load = BC.LoadMonitor().start()
+    # configurations take turns step by step; idle ranks sleep until the step's ranks are done
+    times = BC.alternate({k: c.step for k, c in configs.items()}, args.repeats, warmup=args.warmup,
+                         before=lambda: idle_until_released(world))
+    idle_until_released(world)
+    times = BC.slowest_rank(times, world)
+    load.stop(world.allreduce(load.own_since_start()))
+    rows = [world.bcast(c.summary(times[k]) if c.active and c.sub.rank == 0 else None, root=0)
+            for k, c in configs.items()]
+    for c in configs.values():
+        if c.active:
+            c.sub.Free()
+    if world.rank == 0:
+        cores = BC.cores()
         mb = 1 / 2**20
-        for r in rows:
-            print(f"{r['tp']:>3} {'yes' if r['sp'] else 'no':>3} {r['step_ms']:>9.1f} {r['tokens_per_s']:>8.0f} "
-                  f"{r['comm_s_per_step'] * 1e3:>8.1f} {r['layer_bytes'] * mb:>9.3f} {r['layer_bytes_theory'] * mb:>10.3f} "
-                  f"{r['layer_bytes_8bsh'] * mb:>8.3f} {r['state_bytes'] * mb:>9.2f} {r['act_bytes'] * mb:>8.2f} "
-                  f"{r['act_bytes_formula'] * mb:>8.2f}")
-        for r in rows:
-            if r["tp"] > 1:
-                print(f"tp={r['tp']} sp={r['sp']}: one layer's tp collectives per step: {r['layer_ops']}")
-        result = {"config": vars(args), "world_size": world.size, "cores": cores, "host": socket.gethostname(),
-                  "rows": rows}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+        table = [[r["tp"], "yes" if r["sp"] else "no", BC.fmt_spread(r["step_s"]), f"{r['tokens_per_s']:.0f}",
+                  f"{r['comm_s_per_step'] * 1e3:.1f}", f"{r['layer_bytes'] * mb:.3f}",
+                  f"{r['layer_bytes_theory'] * mb:.3f}", f"{r['layer_bytes_8bsh'] * mb:.3f}",
+                  f"{r['state_bytes'] * mb:.2f}", f"{r['act_bytes'] * mb:.2f}", f"{r['act_bytes_formula'] * mb:.2f}"]
+                 for r in rows]
+        notes = [f"GPT L={cfg.n_layer} h={cfg.n_embd} heads={cfg.n_head} V={cfg.vocab_size}, b={args.batch} "
+                 f"s={args.seq}, float32; {world.size} ranks on {cores} cores ({socket.gethostname()}); "
+                 f"step: median [min-max] of {args.repeats}, configurations alternated step by step"]
+        notes += [f"tp={r['tp']} sp={r['sp']}: one layer's tp collectives per step: {r['layer_ops']}"
+                  for r in rows if r["tp"] > 1]
+        header = ["tp", "sp", "step ms", "tok/s", "comm ms", "layer MB", "theory MB", "8bsh MB", "state MB",
+                  "act MB", "formula MB"]
+        BC.write_results(args.name, "Tensor parallelism: step time, bytes per layer, memory per rank", header,
+                         table, load, {"config": vars(args), "world_size": world.size, "rows": rows,
+                                       "seconds": times}, notes)
 
 
 if __name__ == "__main__":

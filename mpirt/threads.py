@@ -13,8 +13,10 @@ So :func:`set_num_threads` (or the first use) sets NumPy's OpenBLAS to one threa
 can reach it, and with more than one thread :func:`matmul` splits each product over the pool
 (as fast as OpenBLAS's own threading: 5.8 ms against 5.6 ms for (1024, 512) @ (512, 1536)), while
 :func:`run_tasks` runs two small independent products side by side. Products computed with plain
-``@`` outside mpirt's ops run on one core. Without access to the BLAS library (another BLAS, no
-``/proc``) the BLAS keeps its own threads and products are not split.
+``@`` outside mpirt's ops run on one core. 2-D products run on the GEMM library that
+:mod:`mpirt.blas` found fastest here (OpenBLAS, BLIS or MKL, single-threaded). Without access
+to NumPy's OpenBLAS (another BLAS, no ``/proc``) it keeps its own threads and products are not
+split.
 
 Blocks are ``BLOCK`` elements: several passes over one block find it in cache, and blocks are
 long enough that threads rarely wait for the GIL between ufunc calls. Waking a pool thread costs
@@ -33,6 +35,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import mpirt.backend as B
+from mpirt import blas
 from mpirt.sysinfo import mapped_libraries
 
 # Elements per block (1 MiB of float32). Smaller blocks stay in L1/L2 but the threads then spend
@@ -198,17 +201,28 @@ def _serial(task, caller: bool = False):
             _in_worker.active = False
 
 
+def _gemm(a, b, out=None):
+    """A 2-D product on the GEMM library :mod:`mpirt.blas` chose (``xp.matmul`` on CuPy)."""
+    if B.name != "numpy":
+        return B.xp.matmul(a, b, out=out)
+    return blas.gemm(a, b, out)
+
+
 def matmul(a, b, bias=None):
     """``a @ b (+ bias)`` for ``a`` (..., M, K) and a 2-D ``b`` (K, N), or both batched with one
     batch shape, split over the pool: by rows of ``a``, by columns of ``b`` when ``b`` is the
     larger operand (each thread then packs only its part of it), or along K when K is much the
     longest dimension (partial products added). A ``bias`` (N,) (2-D ``b`` only) is added to each
-    block of the result while it is in cache. CuPy and small products go to ``xp.matmul`` whole."""
+    block of the result while it is in cache. 2-D products run on the GEMM library that
+    :mod:`mpirt.blas` chose; batched ones on ``xp.matmul``. CuPy and small products run whole."""
     xp = B.xp
     if B.name != "numpy" or num_threads() < 2 or not _split_gemms or a.ndim < 2 or b.ndim < 2 \
             or a.shape[-1] * b.shape[-1] * (a.size // a.shape[-1]) < MIN_SPLIT_MACS \
             or (b.ndim > 2 and a.shape[:-2] != b.shape[:-2]):
-        out = xp.matmul(a, b)
+        if b.ndim == 2 and a.ndim >= 2:
+            out = _gemm(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[1])
+        else:
+            out = xp.matmul(a, b)
         if bias is not None:
             out += bias
         return out
@@ -221,7 +235,7 @@ def matmul(a, b, bias=None):
     a2 = a.reshape(-1, a.shape[-1])
     (m, k), n = a2.shape, b.shape[1]
     if k >= 16 * max(m, n):  # a long inner dimension (a vocabulary): split it, add the partials
-        parts = for_blocks(lambda bk, at: xp.matmul(at.T, bk), b, a2.T,
+        parts = for_blocks(lambda bk, at: _gemm(at.T, bk), b, a2.T,
                            block=-(-b.size // num_threads()), blas=True)
         out = parts[0]                                      # fresh products: add in place
         for part in parts[1:]:
@@ -232,13 +246,13 @@ def matmul(a, b, bias=None):
     out = xp.empty((m, n), dtype=out_dtype)
     if b.size > a2.size:
         def columns(bt, ot, bias_part):
-            xp.matmul(a2, bt.T, out=ot.T)
+            _gemm(a2, bt.T, ot.T)
             if bias_part is not None:
                 ot += bias_part[:, None]
         for_blocks(columns, b.T, out.T, bias, block=-(-b.size // num_threads()), blas=True)
     else:
         def rows(ap, op):
-            xp.matmul(ap, b, out=op)
+            _gemm(ap, b, op)
             if bias is not None:
                 op += bias
         for_blocks(rows, a2, out, block=-(-a2.size // num_threads()), blas=True)
