@@ -10,8 +10,8 @@ What a rendered job does (the shell body, :data:`BODY`):
 
 - sources the site's env file (``$MPIRT_SITE_ENV``, default ``slurm/site.env`` in the submit
   directory: modules, virtual environment, ``MPI_TYPE``, NCCL/UCX settings) and the venv;
-- removes the job owner's MPICH shared-memory files that no process uses (a killed MPICH job
-  leaves them, and a requeued job, which keeps its job id, then fails in ``MPI_Init``);
+- removes the job owner's MPICH shared-memory files that no process uses, on every node (a killed
+  MPICH job leaves them, and a requeued job, which keeps its job id, then fails in ``MPI_Init``);
 - starts the ranks with ``srun --mpi=$MPI_TYPE --kill-on-bad-exit=1`` (without ``--mpi`` a site
   with ``MpiDefault=none`` starts N singletons that each train alone) and
   ``SRUN_CPUS_PER_TASK`` exported (``srun`` in SLURM 22.05 does not inherit ``--cpus-per-task``);
@@ -119,7 +119,8 @@ if [ -z "$RUN_DIR" ]; then
 fi
 
 site_env=${MPIRT_SITE_ENV:-$SITE_ENV}
-[ -r "$site_env" ] || die "site env file $site_env not found: copy slurm/site.env.example there and adapt it, or set MPIRT_SITE_ENV"
+[ -r "$site_env" ] ||
+    die "site env file $site_env not found: copy slurm/site.env.example there and adapt it, or set MPIRT_SITE_ENV"
 set +u  # module and venv scripts often read unset variables
 . "$site_env"
 venv=${MPIRT_VENV:-${SLURM_SUBMIT_DIR:-$PWD}/.venv}
@@ -127,21 +128,29 @@ venv=${MPIRT_VENV:-${SLURM_SUBMIT_DIR:-$PWD}/.venv}
 . "$venv/bin/activate"
 set -u
 MPI_TYPE=${MPI_TYPE_FLAG:-${MPI_TYPE:-pmi2}}
-[ "$MPI_TYPE" != none ] || die "MPI_TYPE=none starts every rank as a world of its own: use pmi2 (MPICH) or pmix (Open MPI)"
+[ "$MPI_TYPE" != none ] ||
+    die "MPI_TYPE=none starts every rank as a world of its own: use pmi2 (MPICH) or pmix (Open MPI)"
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}          # BLAS threads per rank
 export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}       # srun in SLURM 22.05 does not inherit it
 
 CLEAN_SHM_FUNCTION
-mpirt_clean_shm "$(id -u)" "${MPIRT_SHM_DIR:-/dev/shm}"
+# one task per node: a killed job leaves its files on every node it ran on
+srun --mpi=none --nodes="${SLURM_NNODES:-1}" --ntasks="${SLURM_NNODES:-1}" --ntasks-per-node=1 --cpus-per-task=1 \
+    bash -c "$(declare -f mpirt_clean_shm)"'; mpirt_clean_shm "$@"' mpirt_clean_shm \
+    "$(id -u)" "${MPIRT_SHM_DIR:-/dev/shm}" ||
+    say "could not clean stale MPICH files in /dev/shm on every node; starting anyway"
 
 notice="" got_term="" step=""
-ask_stop() { [ -n "$step" ] && say "$1: asking the ranks to stop with a checkpoint" && scancel --signal=TERM "${SLURM_JOB_ID:-}"; }
+ask_stop() {
+    [ -n "$step" ] && say "$1: asking the ranks to stop with a checkpoint" && scancel --signal=TERM "${SLURM_JOB_ID:-}"
+}
 trap 'notice=1; ask_stop "time limit near" || true' USR1
 trap 'got_term=1; say "TERM: the ranks got their own from SLURM"' TERM
 ckpt_before=$(cat "$RUN_DIR/ckpt/latest" 2>/dev/null || true)
-say "run directory $RUN_DIR, ${SLURM_NNODES:-?} node(s), ${SLURM_NTASKS:-?} ranks, srun --mpi=$MPI_TYPE, restart ${SLURM_RESTART_COUNT:-0}"
-srun --mpi="$MPI_TYPE" --kill-on-bad-exit=1 --cpu-bind=cores \
-    python -m mpirt.train --out-dir "$RUN_DIR" --resume auto --time-limit slurm ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@" &
+say "run directory $RUN_DIR, ${SLURM_NNODES:-?} node(s), ${SLURM_NTASKS:-?} ranks," \
+    "srun --mpi=$MPI_TYPE, restart ${SLURM_RESTART_COUNT:-0}"
+srun --mpi="$MPI_TYPE" --kill-on-bad-exit=1 --cpu-bind=cores python -m mpirt.train \
+    --out-dir "$RUN_DIR" --resume auto --time-limit slurm ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@" &
 step=$!
 [ -z "$notice" ] || ask_stop "time limit near" || true
 while kill -0 "$step" 2>/dev/null; do wait "$step" || true; done  # a trapped signal ends a wait early
@@ -180,8 +189,9 @@ def validate(spec: JobSpec) -> None:
                       ("dp", 0), ("tp", 1), ("pp", 1), ("notice", 0)):
         v = getattr(spec, name)
         _need(_is_int(v) and v >= low, "--" + name.replace("_", "-"), f"an integer >= {low}", v)
-    _need(isinstance(spec.time, str) and bool(_TIME.fullmatch(spec.time)) and any(c in "123456789" for c in spec.time),
-          "--time", "a SLURM time limit: MIN, MIN:SEC, H:MM:SS, D-H, D-H:MM or D-H:MM:SS, not zero", spec.time)
+    _need(isinstance(spec.time, str) and bool(_TIME.fullmatch(spec.time))
+          and any(c in "123456789" for c in spec.time), "--time",
+          "a SLURM time limit: MIN, MIN:SEC, H:MM:SS, D-H, D-H:MM or D-H:MM:SS, not zero", spec.time)
     for flag, value, pattern, rule in (
             ("--partition", spec.partition, _PARTITION, "partition names (letters, digits, _.+-; commas between)"),
             ("--account", spec.account, _NAME, "a name of letters, digits and _.+-"),
@@ -193,7 +203,8 @@ def validate(spec: JobSpec) -> None:
     if spec.mpi:
         _need(spec.mpi != "none", "--mpi", "a PMI the MPI library speaks (pmi2, pmix, ...); 'none' starts "
               "every rank as a world of its own", spec.mpi)
-        _need(bool(MPI_TYPES.fullmatch(spec.mpi)), "--mpi", "one of pmi2, pmix, pmix_v2..pmix_v5, cray_shasta", spec.mpi)
+        _need(bool(MPI_TYPES.fullmatch(spec.mpi)), "--mpi", "one of pmi2, pmix, pmix_v2..pmix_v5, cray_shasta",
+              spec.mpi)
     for flag, value in (("--run-dir", spec.run_dir), ("--model", spec.model), ("--data", spec.data),
                         ("--site-env", spec.site_env)):
         _need(isinstance(value, str) and not any(ord(c) < 32 or c == "\x7f" for c in value), flag,
@@ -226,7 +237,8 @@ def render(spec: JobSpec) -> str:
     lines = [
         "#!/bin/bash",
         f"# mpirt training job: {kind}.",
-        f"# {spec.nodes} node(s) x {spec.ntasks_per_node} ranks = {world} ranks{gpus}, {spec.cpus_per_task} CPUs per rank.",
+        f"# {spec.nodes} node(s) x {spec.ntasks_per_node} ranks = {world} ranks{gpus}, "
+        f"{spec.cpus_per_task} CPUs per rank.",
         f"# Written by `{generated}`: regenerate rather than edit.",
         "# Site settings (modules, virtual environment, MPI_TYPE, NCCL/UCX) live in one env file:",
         "# slurm/site.env in the submit directory, or $MPIRT_SITE_ENV (see slurm/site.env.example).",
@@ -298,7 +310,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Write an sbatch script for mpirt.train. Arguments after `--` go to mpirt.train.",
         epilog="templates: " + "; ".join(f"{k}: {v[0]}" for k, v in TEMPLATES.items()))
     add = ap.add_argument
-    add("--template", choices=sorted(TEMPLATES), metavar="NAME", help="start from a checked-in template's settings: " + ", ".join(TEMPLATES))
+    add("--template", choices=sorted(TEMPLATES), metavar="NAME",
+        help="start from a checked-in template's settings: " + ", ".join(TEMPLATES))
     add("--epilog", action="store_true", help="print the Epilog script that removes stale MPICH files instead")
     add("-o", "--out", metavar="FILE", help="write the script here (default: standard output)")
     g = ap.add_argument_group("resources (#SBATCH lines)")
@@ -328,6 +341,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """``python -m mpirt.slurm``: print or write (``-o``) a job script or the Epilog; exit 2 naming
+    the flag of a bad value."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = []
     if "--" in argv:

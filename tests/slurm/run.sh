@@ -110,7 +110,8 @@ as_user "$ROOT/.venv/bin/python" -c "import mpirt, mpi4py, pytest" \
 # --- configuration ---------------------------------------------------------------------------------
 node=$(slurmd -C | head -1) || die "slurmd -C failed"
 memory=$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$node")
-node=$(sed -e 's/NodeName=[^ ]*/NodeName=localhost/' -e "s/RealMemory=[0-9]*/RealMemory=$((memory * 85 / 100))/" <<<"$node")
+node=$(sed -e 's/NodeName=[^ ]*/NodeName=localhost/' \
+    -e "s/RealMemory=[0-9]*/RealMemory=$((memory * 85 / 100))/" <<<"$node")
 cat >"$D/slurm.conf" <<EOF
 # One node on localhost, written by tests/slurm/run.sh. MpiDefault=none as in SLURM's own default:
 # the job templates must choose the PMI themselves.

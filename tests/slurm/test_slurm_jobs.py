@@ -100,6 +100,23 @@ def output(jid: str, name: str) -> str:
     return (WORK / f"{name}-{jid}.out").read_text()
 
 
+def shown(info: dict, text: str) -> str:
+    """An assertion message: the job's state and the end of its output, in full."""
+    lines = [line for line in text.splitlines() if "injecting stall" not in line]
+    return f"job {info.get('JobId')}: {info.get('JobState')} exit {info.get('ExitCode')} restarts " \
+           f"{info.get('Restarts')}\n" + "\n".join(lines[-60:])
+
+
+def wait_steps(jid: str, name: str, run_dir: Path, n: int) -> None:
+    """Wait until the running job logged ``n`` steps; fail at once, with its output, if it ended."""
+    def trained():
+        info = job(jid)
+        if info["JobState"] in FINAL:
+            raise AssertionError("the job ended before training " + shown(info, output(jid, name)))
+        return (run_dir / "metrics" / "rank0.jsonl").exists() and len(metric_steps(run_dir)) >= n
+    wait_for(trained, 60, f"{n} training steps")
+
+
 def metric_steps(run_dir: Path) -> list[int]:
     lines = (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()
     return [json.loads(line)["step"] for line in lines if line.strip()]
@@ -125,8 +142,8 @@ def test_cpu_template_trains_on_a_world_of_two(data, site_env):
                  sbatch=["--ntasks-per-node=2", "--cpus-per-task=1", "--time=5", "--job-name=cpu2"])
     info = wait_done(jid)
     text = output(jid, "cpu2")
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
-    assert "world_size 2" in text and "srun --mpi=pmi2" in text, text
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", shown(info, text)
+    assert "world_size 2" in text and "srun --mpi=pmi2" in text, shown(info, text)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 6 and summary["layout"]["dp"] == 2, summary
     assert latest_step(run_dir) == 6
@@ -147,15 +164,14 @@ def test_cancel_saves_then_requeue_resumes(data, site_env):
         jid = submit(script)
     finally:
         del os.environ["MPIRT_FAULT"]
-    wait_for(lambda: (run_dir / "metrics" / "rank0.jsonl").exists() and len(metric_steps(run_dir)) >= 4, 60,
-             "4 training steps")
+    wait_steps(jid, "cancel", run_dir, 4)
     t0 = time.time()
     run("scancel", jid)
     info = wait_done(jid, timeout=60)
     stop_s = time.time() - t0
     text = output(jid, "cancel")
-    assert info["JobState"] == "CANCELLED", info
-    assert "exit 75" in text and "requeueing" not in text, text
+    assert info["JobState"] == "CANCELLED", shown(info, text)
+    assert "exit 75" in text and "requeueing" not in text, shown(info, text)
     saved = latest_step(run_dir)
     assert 4 <= saved < steps and max(metric_steps(run_dir)) == saved, (saved, metric_steps(run_dir))
 
@@ -175,8 +191,8 @@ def test_cancel_saves_then_requeue_resumes(data, site_env):
         stale.unlink(missing_ok=True)
         busy.unlink()
     text = output(jid, "cancel")
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text)
-    assert f"removed stale MPICH shared memory {stale}" in text, text
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", shown(info, text)
+    assert f"removed stale MPICH shared memory {stale}" in text, shown(info, text)
     assert metric_steps(run_dir) == list(range(1, steps + 1))  # each step once, none lost
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["world_size"] == 2, summary
@@ -197,16 +213,16 @@ def test_time_limit_notice_stops_and_requeues_itself(data, site_env):
         jid = submit(script)
     finally:
         del os.environ["MPIRT_FAULT"]
-    wait_for(lambda: (run_dir / "metrics" / "rank0.jsonl").exists() and len(metric_steps(run_dir)) >= 4, 60,
-             "4 training steps")
+    wait_steps(jid, "notice", run_dir, 4)
     t0 = time.time()
     run("scancel", "--batch", "--signal=USR1", jid)
     wait_for(lambda: job(jid)["Restarts"] == "1", 60, "the job to requeue itself")
     stop_s = time.time() - t0
     info = wait_done(jid, timeout=90)
     text = output(jid, "notice")
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text)
-    assert "time limit near" in text and "exit 75" in text and "requeueing to continue from step-" in text, text
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", shown(info, text)
+    assert "time limit near" in text and "exit 75" in text and "requeueing to continue from step-" in text, \
+        shown(info, text)
     saved = int(re.search(r"requeueing to continue from step-0*(\d+)", text).group(1))
     assert 4 <= saved < steps
     assert metric_steps(run_dir) == list(range(1, steps + 1))
@@ -224,9 +240,9 @@ def test_job_stops_itself_before_its_time_limit(data, site_env):
     jid = submit(script)
     info = wait_done(jid, timeout=150)
     text = output(jid, "limit")
-    assert info["JobState"] == "FAILED" and info["ExitCode"] == "75:0", (info, text)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "75:0", shown(info, text)
     left = re.search(r"time limit slurm near \((\d+) s left\)", text)
-    assert left and "exit 75" in text, text
+    assert left and "exit 75" in text, shown(info, text)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_code"] == 75 and summary["last_checkpoint_step"] == summary["steps"] == latest_step(run_dir)
     report("--time=1, stopped by --time-limit slurm", run_time=info["RunTime"], time_limit=info["TimeLimit"],
