@@ -15,7 +15,7 @@ the shard that belong to decayed parameters, exactly as AdamW applies it per par
   The full gradient exists only between :meth:`zero_grad` and :meth:`step` (backward accumulates
   into it), then it is released (``p.grad`` becomes None). Persistent: 4N + (4 + 8)N/dp.
 * Stage 3: the parameters themselves are sharded. Groups follow the model's *units*: for a model
-  with the ``embed`` / ``h`` / ``head`` interface of :mod:`models` the units are ``embed``, each
+  with the ``embed`` / ``h`` / ``head`` interface of :mod:`mpirt.modeling` the units are ``embed``, each
   block and ``head``, and a group is the set of parameters used by the same units (so GPT's tied
   ``wte`` is its own group, gathered by both ``embed`` and ``head``). Each unit's call gathers
   its groups, runs and frees them; its backward gathers them again, recomputes the unit (stage 3

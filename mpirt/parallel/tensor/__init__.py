@@ -38,7 +38,7 @@ Cross-entropy on vocabulary-split logits ``z`` never gathers them:
 (allreduce max), and ``sum_v exp`` and ``z_{i,y_i}`` (only the owner of ``y_i`` contributes) summed
 over ranks (one allreduce of a (2, N) array). The gradient ``softmax - onehot`` is local.
 
-A model opts in with a *plan* (``model.tp_plan``; see :data:`KINDS` and ``models/gpt.py``), and
+A model opts in with a *plan* (``model.tp_plan``; see :data:`KINDS` and ``mpirt.models.gpt``), and
 :func:`parallelize` swaps its modules for the parallel ones and gives every parameter its
 :class:`~mpirt.nn.ShardSpec` and its slice. The tp Comm is always passed explicitly.
 
