@@ -209,6 +209,8 @@ def plan_blas_threads(threads: int | None, local_size: int, env=None,
             return None, f"left to the user's {var}={env[var]}"
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if cpus < (os.cpu_count() or cpus):  # bound by the launcher (srun --cpu-bind): already this rank's share
+            return cpus, f"{cpus} cpus bound to this rank"
     n = max(1, cpus // max(1, local_size))
     return n, f"{cpus} cpus // {local_size} ranks on the node"
 

@@ -76,26 +76,27 @@ class Deadline:
 
     ``should_stop(step_s, save_s)`` is true once the time left cannot hold two more of the slowest
     step seen, one save as long as the slowest seen (a step's worth before the first), and a
-    second of slack."""
+    second of slack; and never later than ``reserve`` seconds before the end: a tenth of the
+    limit, at most 30 s (room for a slow filesystem and a scheduler that is on time)."""
 
-    def __init__(self, end: float | None):
+    def __init__(self, end: float | None, reserve: float = 0.0):
         self.end = end  # epoch seconds, or None for no limit
+        self.reserve = reserve
 
     @classmethod
     def from_config(cls, time_limit: str, start: float, parse_duration) -> "Deadline":
         """``time_limit``: "" (none), "slurm" (the job's end time), or a duration from ``start``."""
         if not time_limit:
             return cls(None)
-        if time_limit == "slurm":
-            return cls(slurm_end_time())
-        return cls(start + parse_duration(time_limit))
+        end = slurm_end_time() if time_limit == "slurm" else start + parse_duration(time_limit)
+        return cls(end, min(30.0, 0.1 * (end - start)) if end is not None else 0.0)
 
     def left(self, now: float | None = None) -> float:
         return float("inf") if self.end is None else self.end - (time.time() if now is None else now)
 
     def should_stop(self, step_s: float, save_s: float | None, now: float | None = None) -> bool:
         margin = 2 * step_s + (step_s if save_s is None else save_s) + 1.0
-        return self.left(now) < margin
+        return self.left(now) < max(margin, self.reserve)
 
 
 # --- launcher ---------------------------------------------------------------------------------------

@@ -126,6 +126,14 @@ def test_derive_seed_is_reproducible_and_distinct():
     assert D.derive_seed(7, 3, "data") == seeds[(3, "data")] != D.derive_seed(8, 3, "data")
 
 
+def test_plan_blas_threads_takes_a_launcher_binding_as_this_ranks_share():
+    """Under ``srun --cpu-bind`` the affinity mask is already this rank's cores: not divided again."""
+    code = "from mpirt.distributed import plan_blas_threads as p; print(p(None, 2, env={}))"
+    out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "(1, '1 cpus bound to this rank')"
+
+
 def test_plan_blas_threads():
     assert D.plan_blas_threads(3, 4, env={}) == (3, "threads=3 argument")
     assert D.plan_blas_threads(None, 4, env={}, cpus=16)[0] == 4

@@ -1,0 +1,79 @@
+"""Unit tests of mpirt.jobctl: the wall-time rule, the launcher seen, the output-directory lock."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from mpirt import jobctl
+from mpirt.config import parse_duration
+
+
+def test_deadline_keeps_room_for_two_steps_a_save_and_a_reserve():
+    d = jobctl.Deadline.from_config("100s", start=1000.0, parse_duration=parse_duration)
+    assert d.end == 1100.0 and d.reserve == 10.0  # a tenth of the limit
+    assert not d.should_stop(step_s=1.0, save_s=2.0, now=1089.0)
+    assert d.should_stop(step_s=1.0, save_s=2.0, now=1090.5)     # the reserve
+    assert not d.should_stop(step_s=10.0, save_s=20.0, now=1058.0)  # 42 s left, 2 x 10 + 20 + 1 = 41 needed
+    assert d.should_stop(step_s=10.0, save_s=20.0, now=1060.0)
+    assert jobctl.Deadline.from_config("4h", 0.0, parse_duration).reserve == 30.0
+    assert not jobctl.Deadline.from_config("", 0.0, parse_duration).should_stop(1e9, 1e9)
+
+
+def test_slurm_end_time_prefers_the_environment():
+    assert jobctl.slurm_end_time({"SLURM_JOB_END_TIME": "1800000000"}) == 1.8e9
+    assert jobctl.slurm_end_time({}) is None
+
+
+@pytest.mark.parametrize("env, name, tasks", [
+    ({"PMI_RANK": "0", "PMI_SIZE": "4"}, "mpiexec (hydra)", 4),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2", "SLURM_STEP_ID": "0", "SLURM_MPI_TYPE": "pmi2"}, "srun --mpi=pmi2", 2),
+    ({"OMPI_COMM_WORLD_SIZE": "8"}, "Open MPI mpiexec", 8),
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}, "srun --mpi=none", 2),
+    ({}, "none (singleton)", None),
+])
+def test_launcher_info(env, name, tasks):
+    info = jobctl.launcher_info(env)
+    assert (info["name"], info["tasks"]) == (name, tasks)
+
+
+def test_launch_mismatch_only_for_a_world_of_one_under_a_multi_task_launcher():
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}
+    assert "started 2 tasks but MPI sees a world of 1" in jobctl.launch_mismatch(1, env)
+    assert jobctl.launch_mismatch(2, {"PMI_SIZE": "2", "PMI_RANK": "0"}) is None
+    assert jobctl.launch_mismatch(1, {}) is None
+
+
+def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one_or_the_same_job(tmp_path):
+    path = jobctl.acquire_lock(tmp_path)
+    holder = json.loads(path.read_text())
+    assert holder["pid"] == os.getpid()
+    # another live process on this host holds it
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path.write_text(json.dumps(dict(holder, pid=other.pid, job=None)))
+        with pytest.raises(jobctl.DirectoryLocked, match=f"in use by another job \\(pid {other.pid}"):
+            jobctl.acquire_lock(tmp_path, env={})
+        # the same SLURM job (a requeue keeps the job id) takes its own lock over
+        path.write_text(json.dumps(dict(holder, pid=other.pid, job="77")))
+        jobctl.acquire_lock(tmp_path, env={"SLURM_JOB_ID": "77"})
+    finally:
+        other.kill()
+        other.wait()
+    # a holder that no longer exists
+    path.write_text(json.dumps(dict(holder, pid=other.pid, job=None)))
+    jobctl.acquire_lock(tmp_path, env={})
+    jobctl.release_lock(path)
+    assert not path.exists()
+
+
+def test_stop_requests_note_the_first_signal():
+    stops = jobctl.StopRequests().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stops.requested == "SIGTERM"
+    finally:
+        for sig in jobctl.STOP_SIGNALS:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
