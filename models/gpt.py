@@ -23,7 +23,7 @@ from mpirt.modeling import LayerCost, as_index_array, register
 from mpirt.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList
 from mpirt.models.config import GPTConfig
 from mpirt.models.lm import (ATTENTION_PLAN, COLUMN, ROW, VOCAB_HEAD_PLAN, VOCAB_TABLE, CausalSelfAttention,
-                             PreNormBlock, TiedLM, check_seq_len, stack_costs)
+                             PreNormBlock, TiedLM, activation_bytes, check_seq_len, stack_costs)
 
 
 class GPTMLP(Module):
@@ -78,6 +78,7 @@ class GPT(TiedLM):
     config_class = GPTConfig
     block_class = Block
     tp_plan = TP_PLAN
+    attention_core = "attn.core"
 
     def __init__(self, cfg: GPTConfig, dtype="float32", seed: int | None = None):
         super().__init__()
@@ -125,6 +126,11 @@ class GPT(TiedLM):
         return stack_costs(cfg, LayerCost("embed", 4.0 * c, (v + cfg.n_positions) * c),
                            LayerCost("", 6.0 * mat + 12.0 * c * seq_len, mat + 3 * c + c + h + c + 4 * c),
                            LayerCost("head", 6.0 * v * c + 10.0 * c, v * c + 2 * c))
+
+    @classmethod
+    def activation_bytes_of(cls, cfg: GPTConfig, **kwargs) -> dict:
+        """:func:`~mpirt.models.lm.activation_bytes` with biased projections and learned positions."""
+        return activation_bytes(cfg, row_bias=True, positions=True, **kwargs)
 
     @classmethod
     def read_hf_config(cls, path) -> dict:

@@ -22,7 +22,7 @@ from mpirt import ops
 from mpirt.modeling import LayerCost, register
 from mpirt.nn import Dropout, Embedding, Linear, Module, ModuleList, RMSNorm
 from mpirt.models.lm import (ATTENTION_PLAN, COLUMN, ROW, VOCAB_HEAD_PLAN, VOCAB_TABLE, CausalSelfAttention,
-                             PreNormBlock, TiedLM, stack_costs)
+                             PreNormBlock, TiedLM, activation_bytes, stack_costs)
 
 
 @dataclass
@@ -95,6 +95,7 @@ class Llama(TiedLM):
     config_class = LlamaConfig
     block_class = LlamaBlock
     tp_plan = TP_PLAN
+    attention_core = "attn.core"
 
     def __init__(self, cfg: LlamaConfig, dtype="float32", seed: int | None = None):
         super().__init__()
@@ -121,6 +122,12 @@ class Llama(TiedLM):
     def flops_per_token_of(cls, cfg: LlamaConfig, seq_len: int) -> float:
         """``6 N + 12 L C T``, as GPT-2's (N includes the tied table once: the head's GEMM)."""
         return 6.0 * cls.num_parameters_of(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
+
+    @classmethod
+    def activation_bytes_of(cls, cfg: LlamaConfig, **kwargs) -> dict:
+        """:func:`~mpirt.models.lm.activation_bytes` without biases, qkv kept twice (before and
+        after the rotary embedding), no position table."""
+        return activation_bytes(cfg, qkv_arrays=2, row_bias=False, **kwargs)
 
     @classmethod
     def layer_costs_of(cls, cfg: LlamaConfig, seq_len: int) -> list:

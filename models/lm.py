@@ -41,6 +41,51 @@ def stack_costs(cfg, embed: LayerCost, block: LayerCost, head: LayerCost) -> lis
     return [embed, *(dataclasses.replace(block, name=f"h.{i}") for i in range(cfg.n_layer)), head]
 
 
+def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
+                     itemsize: int = 4, qkv_arrays: int = 1, row_bias: bool = True, positions: bool = False) -> dict:
+    """Bytes one micro-batch keeps alive for backward, per rank, in a model built from this module's
+    pre-norm block (see ``CausalLM.activation_bytes_of``; docs/architecture.md derives it).
+
+    With ``u = b s h``, ``p = t`` under sequence parallelism (else 1), ``f`` the MLP width, ``a``
+    the heads, a block keeps (elements; the autograd holds every op's inputs until backward):
+
+    - ``(6u + 2bs) / p``: the block input and the mid residual, each norm's normalised input and
+      output, and its 1/rms per row;
+    - per output projection (attention's and the MLP's): at t = 1 its output ``u``; at t > 1 the
+      partial sum ``u``, the reduced ``u/p`` and, with a bias added after the reduction, ``u/p``;
+    - ``(qkv_arrays * 3u + u + 3bsf) / t``: qkv (twice with rotary: before and after), the
+      attention output, the MLP's three hidden arrays (GELU: input, derivative, output; SwiGLU:
+      gate, up, product);
+    - the attention core: ``a b s^2 / t`` (probabilities) plus ``a b s^2 / t`` bytes of mask with
+      attention dropout: what selective recomputation drops;
+    - with residual dropout, twice ``u/p`` elements plus ``u/p`` bytes of mask.
+
+    Full recomputation keeps the block input, ``u/p``. Outside the blocks: the embedding (at t > 1
+    its partial lookup ``u`` too; ``positions``: the position rows and the sum), the final norm
+    ``2u/p + bs/p``, logits and the loss's probabilities ``2 b s V'/t`` (``V'`` padded to a multiple
+    of t), token ids and targets (int64).
+    Returns ``{"block", "core", "input", "embed", "head"}`` in bytes.
+    """
+    b, s, h, t, a, f = batch, seq_len, cfg.n_embd, tp, cfg.n_head, cfg.hidden
+    p = t if sequence_parallel else 1
+    u, e = b * s * h, itemsize
+    attn_p, resid_p = getattr(cfg, "attn_pdrop", 0.0), getattr(cfg, "resid_pdrop", 0.0)
+    row = u if t == 1 else u + u / p + (u / p if row_bias else 0)
+    block = e * ((6 * u + 2 * b * s) / p + 2 * row + (qkv_arrays * 3 * u + u + 3 * b * s * f) / t)
+    core = (e + (attn_p > 0)) * a * b * s * s / t
+    if resid_p > 0:
+        block += 2 * (e + 1) * u / p
+    embed = e * ((u if t > 1 else 0) + u / p) + 8 * b * s
+    if positions:
+        embed += e * (s * h + u) / p + 8 * s
+        if getattr(cfg, "embd_pdrop", 0.0) > 0:
+            embed += (e + 1) * u / p
+    v = -(-cfg.vocab_size // t) * t
+    head = e * ((2 * u + b * s) / p + 2 * b * s * v / t) + 9 * b * s
+    return {"block": int(block + core), "core": int(core), "input": int(e * u / p), "embed": int(embed),
+            "head": int(head)}
+
+
 class TiedLM(CausalLM):
     """A :class:`~mpirt.modeling.CausalLM` whose head is the final norm ``ln_f`` and the output
     projection tied to the token table ``wte``. Subclasses build ``wte``, ``h`` and ``ln_f``, then
@@ -95,13 +140,16 @@ class CausalSelfAttention(Module):
             head_dim = qkv.shape[-1] // (3 * self.n_head)          # n_head is the local count under tp
             cos, sin = rotary_tables(qkv.shape[1], head_dim, self.rope_theta, B.xp.dtype(qkv.dtype))
             qkv = ops.rotary_embedding(qkv, cos, sin)
+        return self.resid_dropout(self.c_proj(self.core(qkv)))
+
+    def core(self, qkv):
+        """The attention core, (B, T, 3C) -> (B, T, C): scores, softmax, dropout on the
+        probabilities, their product with v. No parameters: selective recomputation reruns it."""
         d = self.attn_dropout
         if self.training and d.p > 0.0:
             d.calls += 1
-            y = ops.causal_self_attention(qkv, self.n_head, dropout_p=d.p, seed=(d.seed, d.calls))
-        else:
-            y = ops.causal_self_attention(qkv, self.n_head)        # (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+            return ops.causal_self_attention(qkv, self.n_head, dropout_p=d.p, seed=(d.seed, d.calls))
+        return ops.causal_self_attention(qkv, self.n_head)
 
 
 # Tensor-parallel plan entries, read by mpirt.parallel.tensor.parallelize(model, tp_comm, ...):

@@ -36,6 +36,8 @@ BACKENDS = ("auto", "numpy", "cupy")
 # `mpirt.train --schedule` and `python -m mpirt.schedule` accept the same set.
 from mpirt.parallel.schedules import SCHEDULES, ScheduleError, canonical_name as _canonical_schedule  # noqa: E402
 RESUME = ("", "auto")
+from mpirt.memory import parse_size  # noqa: E402
+from mpirt.recompute import MODES as RECOMPUTE, parse_layers  # noqa: E402
 NAN_POLICIES = ("skip", "stop")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -100,6 +102,12 @@ class TrainConfig:
     microbatches: int = _opt(0, "pipeline microbatches per step; 0 = derive from pp")
     chunks: int = _opt(2, "virtual pipeline stages per rank for the interleaved schedule")
     schedule: str = _opt("1f1b", "pipeline schedule: " + "|".join(SCHEDULES))
+    recompute: str = _opt("none", "activation recomputation: " + "|".join(RECOMPUTE) + " (full: each block's "
+                                  "forward again in backward; selective: only its attention core)")
+    recompute_layers: str = _opt("", "blocks that recompute: global indices and ranges ('0-3,8'; a pipeline "
+                                     "stage takes those it holds); empty = every block")
+    memory_budget: str = _opt("", "per-rank memory budget ('1.5GiB', '800MB'): refuse a layout predicted not "
+                                  "to fit, stop (exit 5) when a rank's measured peak exceeds it; empty = none")
     model_overrides: dict = field(default_factory=dict, metadata={
         "help": "model config fields overriding the model, from [model] / --model.<field>=value"})
 
@@ -156,6 +164,12 @@ class TrainConfig:
             self.schedule = _canonical_schedule(self.schedule)
         except ScheduleError:
             need("schedule", False, "one of " + ", ".join(SCHEDULES))
+        need("recompute", self.recompute in RECOMPUTE, "one of " + ", ".join(RECOMPUTE))
+        for key, parse in (("recompute_layers", parse_layers), ("memory_budget", parse_size)):
+            try:
+                parse(getattr(self, key))
+            except ValueError as err:
+                raise ConfigError(f"{key}: {err}") from None
         check_model_values(self.model_overrides, prefix="model.")
 
 

@@ -15,11 +15,15 @@ A registered class provides:
   ``model.h[i]`` (each a ``block_class(cfg, dtype)``), ``model.embed(idx)`` (B, T) -> (B, T, C) and
   ``model.head(x)`` (B, T, C) -> logits; ``model.loss_fn(logits, targets)`` (default
   :func:`lm_loss`) and ``model(idx, targets) -> (logits, loss)``.
+- ``attention_core`` (optional): the dotted path, inside a block, of the method computing the
+  attention core from its Tensor inputs without parameters of its own (``"attn.core"``: scores,
+  softmax, dropout, probabilities times v); ``--recompute selective`` reruns it in backward.
 - ``tp_plan`` (optional): the tensor-parallel plan, ``(module pattern, kind, {param: ShardSpec})``
   entries read by :func:`mpirt.parallel.tensor.parallelize`.
 - from the config alone: ``num_parameters_of(cfg)``, ``flops_per_token_of(cfg, seq_len)``,
-  ``layer_costs_of(cfg, seq_len)`` (per-layer :class:`LayerCost` for the pipeline split) and
-  ``check_config(cfg)``.
+  ``layer_costs_of(cfg, seq_len)`` (per-layer :class:`LayerCost` for the pipeline split),
+  ``activation_bytes_of(cfg, ...)`` (activations kept per micro-batch: the memory prediction)
+  and ``check_config(cfg)``.
 - optionally Hugging Face interop: ``read_hf_config(path)`` (a ``config.json`` -> config field
   values) and ``load_hf(directory, dtype)`` -> ``(cfg, full weights)``.
 
@@ -90,6 +94,7 @@ class CausalLM(Module):
     config_class: typing.ClassVar[type] = type(None)
     block_class: typing.ClassVar[type] = Module
     tp_plan: typing.ClassVar[tuple | None] = None
+    attention_core: typing.ClassVar[str] = ""
     loss_fn = staticmethod(lm_loss)
 
     @classmethod
@@ -109,6 +114,15 @@ class CausalLM(Module):
     @classmethod
     def layer_costs_of(cls, cfg, seq_len: int) -> list:
         """:class:`LayerCost` of ``[embed, h.0 .. h.{L-1}, head]`` (the pipeline's balance)."""
+        raise NotImplementedError
+
+    @classmethod
+    def activation_bytes_of(cls, cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
+                            itemsize: int = 4) -> dict:
+        """Bytes of activations one micro-batch of ``batch`` rows keeps alive for backward, per tp
+        rank: ``{"block": per block without recomputation, "core": what selective recomputation
+        of one block drops, "input": what full recomputation keeps of a block, "embed", "head"}``
+        (the memory prediction, :mod:`mpirt.memory`)."""
         raise NotImplementedError
 
     def embed(self, idx):
@@ -247,3 +261,13 @@ def apply_overrides(cfg, overrides: dict):
     if bad:
         raise ValueError(f"model.{bad[0]}: model_type {cfg.model_type!r} has no field {bad[0]!r}")
     return dataclasses.replace(cfg, **overrides)
+
+
+def attention_core(cfg) -> str:
+    """Path inside a block of the model's attention core (``""``: none; see :class:`CausalLM`)."""
+    return model_class(cfg).attention_core
+
+
+def activation_bytes(cfg, **kwargs) -> dict:
+    """Activations kept per micro-batch, per tp rank (:meth:`CausalLM.activation_bytes_of`)."""
+    return model_class(cfg).activation_bytes_of(cfg, **kwargs)

@@ -161,11 +161,15 @@ class Tensor:
         self._hooks.append(hook)
 
     # --- autograd ---------------------------------------------------------------------------
-    def backward(self, grad=None, *, defer_weight_grad: bool = False, retain_graph: bool = False):
+    def backward(self, grad=None, *, defer_weight_grad: bool = False, retain_graph: bool = False,
+                 leaf_grads: dict | None = None):
         """Back-propagate from this tensor, seeded with ``grad`` (default 1 for a scalar).
 
         With ``defer_weight_grad`` the weight-gradient passes of weight Functions are not run;
         the returned :class:`WeightGradPass` runs them later. Otherwise returns ``None``.
+        With ``leaf_grads`` (a dict) the leaf gradients are summed into it, ``id(leaf) -> array``,
+        instead of into ``leaf.grad``, and no hooks fire: a recomputed sub-graph
+        (:mod:`mpirt.recompute`) hands its gradients back to the enclosing backward this way.
         """
         if grad is None:
             if self.data.size != 1:
@@ -175,7 +179,7 @@ class Tensor:
             raise ValueError(f"backward: seed gradient shape {tuple(grad.shape)} != tensor shape {self.shape}")
         if not self.requires_grad:
             raise RuntimeError("backward: tensor does not require grad")
-        engine = _Backward(self, retain_graph)
+        engine = _Backward(self, retain_graph, leaf_grads)
         engine.run(grad, defer_weight_grad)
         return WeightGradPass(engine) if defer_weight_grad else None
 
@@ -212,8 +216,8 @@ class Tensor:
 class _Backward:
     """One reverse pass over the graph rooted at a tensor."""
 
-    def __init__(self, root: Tensor, retain_graph: bool):
-        self.root, self.retain_graph = root, retain_graph
+    def __init__(self, root: Tensor, retain_graph: bool, leaf_grads: dict | None = None):
+        self.root, self.retain_graph, self.leaf_grads = root, retain_graph, leaf_grads
         self.order = self._topological_order(root)
         # Leaf -> number of graph edges into it that have not delivered their gradient yet.
         self.leaf_pending: dict[int, int] = {}
@@ -286,6 +290,12 @@ class _Backward:
 
     def _deliver(self, leaf: Tensor, g) -> None:
         """Accumulate ``g`` into ``leaf.grad`` in place; fire hooks once all edges delivered."""
+        if self.leaf_grads is not None:
+            if g is not None:
+                g = g.dense() if isinstance(g, SparseGrad) else g
+                key = id(leaf)
+                self.leaf_grads[key] = g if key not in self.leaf_grads else self.leaf_grads[key] + g
+            return
         if g is not None:
             if leaf.grad is None:  # a copy: g may alias a saved array or another gradient
                 leaf.grad = g.dense().astype(leaf.dtype, copy=False) if isinstance(g, SparseGrad) \

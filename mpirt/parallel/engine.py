@@ -20,7 +20,8 @@ import numpy as np
 
 import mpirt.backend as B
 from mpirt.data import split_microbatches
-from mpirt.modeling import build_model
+from mpirt import recompute
+from mpirt.modeling import attention_core, build_model
 from mpirt.nn import Dropout
 from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel import tensor as TP
@@ -43,6 +44,9 @@ class ShardedEngine:
         if tp > 1:
             TP.parallelize(self.model, self.tp_comm, sequence_parallel=cfg.sequence_parallel, seed=cfg.seed)
         TP.reseed_dropouts(self.model, dropout_seed, grid.coords["tp"], cfg.sequence_parallel)
+        if cfg.zero < 3:  # ZeRO-3 already reruns every block in backward (its units keep only their inputs)
+            recompute.apply(dict(enumerate(self.model.h)), cfg.recompute, cfg.recompute_layers,
+                            attention_core(model_cfg))
         betas = (cfg.beta1, cfg.beta2)
         self.ddp = None
         if cfg.zero:
@@ -117,6 +121,7 @@ class PipelineEngine:
                                    seed=cfg.seed, seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
         self.model = self.stage.model
         TP.reseed_dropouts(self.model, dropout_seed, grid.coords["tp"], cfg.sequence_parallel)
+        recompute.apply(self.stage.blocks, cfg.recompute, cfg.recompute_layers, attention_core(model_cfg))
         self.optimizer = AdamW(self.stage.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                weight_decay=cfg.weight_decay)
 
