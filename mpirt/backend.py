@@ -86,3 +86,24 @@ def current_stream_ptr() -> int:
         return 0
     import cupy
     return cupy.cuda.get_current_stream().ptr
+
+
+def device_info() -> dict | None:
+    """Name, PCI bus id and total memory (bytes) of this process's GPU; None on NumPy."""
+    if name != "cupy":
+        return None
+    import cupy
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    label = props["name"]
+    return {"name": label.decode() if isinstance(label, bytes) else str(label), "pci_bus_id": dev.pci_bus_id,
+            "total_memory": int(dev.mem_info[1])}
+
+
+def pool_bytes() -> tuple[int, int]:
+    """(bytes in use, bytes held) of CuPy's default memory pool; (0, 0) on NumPy."""
+    if name != "cupy":
+        return 0, 0
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    return int(pool.used_bytes()), int(pool.total_bytes())

@@ -94,6 +94,11 @@ class TrainConfig:
     dtype: str = _opt("float32", "parameter and compute dtype: " + "|".join(DTYPES))
     backend: str = _opt("auto", "array backend: " + "|".join(BACKENDS) + " (auto = cupy if a GPU)")
     progress: bool = _opt(True, "show a progress bar on rank 0")
+    monitor: bool = _opt(True, "per-step breakdown (compute, comm per axis, bubble, memory), stragglers, trace, "
+                               "GPU sampling, TensorBoard; false = loss, time and MFU only")
+    trace_steps: int = _opt(4, "steps written to OUT_DIR/trace.json (Chrome/Perfetto), from the run's second; 0 = none")
+    peak_flops: float = _opt(0.0, "peak FLOP/s per rank for MFU; 0 = auto (GPU data sheet, CPU vendor-style, else "
+                                  "measured on the training's GEMM path)")
     dp: int = _opt(0, "data-parallel size; 0 = world size / (tp * pp)")
     tp: int = _opt(1, "tensor-parallel size")
     pp: int = _opt(1, "pipeline-parallel size")
@@ -138,6 +143,8 @@ class TrainConfig:
         need("eval_batches", self.eval_batches >= 1, ">= 1")
         need("eval_interval", self.eval_interval >= 0, ">= 0 (0 = only at the end)")
         need("log_interval", self.log_interval >= 1, ">= 1")
+        need("trace_steps", self.trace_steps >= 0, ">= 0 (0 = no trace)")
+        need("peak_flops", self.peak_flops >= 0, ">= 0 (0 = auto)")
         need("ckpt_interval", self.ckpt_interval >= 0, ">= 0 (0 = only at the end)")
         need("stop_after", 0 <= self.stop_after <= self.steps, f"in [0, steps={self.steps}]")
         need("ckpt_minutes", self.ckpt_minutes >= 0, ">= 0 (0 = off)")

@@ -10,9 +10,12 @@ from 1, the step the metrics call ``step``). Kinds:
 - ``raise``  a RuntimeError: a bug on one rank;
 - ``signal`` SIGTERM to itself: the scheduler's notice on one rank only;
 - ``diskfull`` from then on no file of this process may grow past 64 KiB (RLIMIT_FSIZE, writes
-  fail with EFBIG): a full disk or quota, after MPI started (its shared memory is unaffected).
+  fail with EFBIG): a full disk or quota, after MPI started (its shared memory is unaffected);
+- ``slow``   ``slow=SECONDS@RANK:STEP``: from step STEP on, every step of that rank sleeps
+  SECONDS inside its compute (:func:`slowdown`, which the training loop calls within the step):
+  a straggler (a slower node, a throttled GPU) that the others then wait for.
 
-Without the variable :func:`inject` is one dictionary lookup per step.
+Without the variable :func:`inject` and :func:`slowdown` are one loop over an empty list.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import sys
 import time
 from typing import NamedTuple
 
-KINDS = ("stall", "exit", "kill", "raise", "signal", "diskfull")
+KINDS = ("stall", "exit", "kill", "raise", "signal", "diskfull", "slow")
 
 
 class Fault(NamedTuple):
@@ -41,12 +44,12 @@ def parse(text: str) -> list[Fault]:
             what, where = entry.split("@")
             kind, _, seconds = what.partition("=")
             rank, step = (int(v) for v in where.split(":"))
-            if kind not in KINDS or (seconds and kind != "stall"):
+            if kind not in KINDS or (seconds and kind not in ("stall", "slow")) or (kind == "slow" and not seconds):
                 raise ValueError
             faults.append(Fault(kind, rank, step, float(seconds) if seconds else None))
         except ValueError:
             raise ValueError(f"MPIRT_FAULT: cannot read {entry!r}; expected KIND@RANK:STEP with KIND one of "
-                             f"{', '.join(KINDS)} (stall=SECONDS@RANK:STEP for a finite stall)") from None
+                             f"{', '.join(KINDS)} (stall=SECONDS@RANK:STEP for a finite stall, slow=SECONDS@RANK:STEP)") from None
     return faults
 
 
@@ -56,7 +59,7 @@ _FAULTS = parse(os.environ.get("MPIRT_FAULT", ""))
 def inject(rank: int, step: int) -> None:
     """Trigger the faults listed for world rank ``rank`` at step ``step`` (no-op when none)."""
     for fault in _FAULTS:
-        if fault.rank != rank or fault.step != step:
+        if fault.rank != rank or fault.step != step or fault.kind == "slow":
             continue
         print(f"mpirt.faults: rank {rank} step {step}: injecting {fault.kind}", file=sys.stderr, flush=True)
         if fault.kind == "stall":
@@ -75,3 +78,12 @@ def inject(rank: int, step: int) -> None:
         elif fault.kind == "diskfull":
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
             resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def slowdown(rank: int, step: int) -> float:
+    """Sleep for the ``slow`` faults of world rank ``rank`` active at step ``step``; returns the
+    seconds slept (0.0 when none)."""
+    seconds = sum((f.seconds for f in _FAULTS if f.kind == "slow" and f.rank == rank and step >= f.step), 0.0)
+    if seconds:
+        time.sleep(seconds)
+    return seconds

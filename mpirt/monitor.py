@@ -1,8 +1,13 @@
-"""Run monitoring: step timing, throughput, MFU, a progress line on rank 0, per-rank JSONL metrics."""
+"""Run monitoring: the progress line on rank 0, per-rank JSONL metrics, and :class:`RunMonitor`,
+which ties together what a training run measures: the honest MFU and GEMM floor
+(:mod:`mpirt.flops`), the per-step breakdown and stragglers (:mod:`mpirt.stepstats`), the
+Chrome trace (:mod:`mpirt.trace`), GPU sampling (:mod:`mpirt.gpumon`) and TensorBoard scalars
+(when the ``tensorboard`` extra is installed)."""
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -10,25 +15,6 @@ import time
 from pathlib import Path
 
 import mpirt.backend as B
-
-
-def measure_peak_flops(dtype: str = "float32", n: int = 2048, seconds: float = 0.5) -> float:
-    """FLOP/s of one large square GEMM on this device: the practical peak MFU is measured against.
-
-    On CPUs the vendor peak is rarely known or reachable, so mpirt reports MFU relative to what the
-    BLAS library achieves on an n x n x n product: the fastest of the products run in ``seconds``
-    (the best one is the least disturbed by other processes).
-    """
-    a = B.xp.ones((n, n), dtype=dtype)
-    c = a @ a  # warm-up: threads started, pages touched
-    best, start = math.inf, time.perf_counter()
-    while time.perf_counter() - start < seconds or best == math.inf:
-        t0 = time.perf_counter()
-        c = a @ a
-        B.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    del c
-    return 2.0 * n ** 3 / best
 
 
 def format_seconds(seconds: float) -> str:
@@ -42,33 +28,49 @@ def format_seconds(seconds: float) -> str:
 
 
 class Progress:
-    """A one-line progress display: redrawn in place on a terminal, a line per update otherwise
-    (a log file never gets control characters). Shows the elapsed time of this run and the time
-    left at its pace so far to ``total`` (or to ``end`` when this job ends earlier)."""
+    """The rank-0 progress display: a tqdm bar on a terminal (redrawn in place; a plain
+    redrawn line when tqdm is not installed), a line per update otherwise (a log file, SLURM
+    output: never control characters). Shows the elapsed time of this run and the time left at
+    its pace so far to ``total`` (or to ``end`` when this job ends earlier)."""
 
     def __init__(self, total: int, start: int = 0, stream=sys.stderr, enabled: bool = True, end: int | None = None):
         self.total, self.start, self.done, self.stream, self.enabled = total, start, start, stream, enabled
         self.end = total if end is None else end
         self.tty = hasattr(stream, "isatty") and stream.isatty()
         self.t0 = time.perf_counter()
+        self.bar = None
+        if enabled and self.tty:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, initial=start, file=stream, dynamic_ncols=True, leave=True,
+                                bar_format="{n_fmt}/{total_fmt} |{bar}| {postfix} [{elapsed}<{remaining}]")
+            except ImportError:
+                pass
 
     def update(self, step: int, **fields) -> None:
         """Show ``step`` of ``total`` with ``fields`` (name -> number or text)."""
         if not self.enabled:
             return
         self.done = step
+        parts = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix_str(parts, refresh=False)
+            self.bar.refresh()
+            return
         width = 24
         filled = int(width * step / max(self.total, 1))
         elapsed = time.perf_counter() - self.t0
         left = elapsed / (step - self.start) * (self.end - step) if step > self.start else math.inf
-        parts = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
         line = (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} {parts} "
                 f"| {format_seconds(elapsed)} elapsed, {format_seconds(left)} left")
         self.stream.write(("\r" + line + "\033[K") if self.tty else line + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled and self.tty:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled and self.tty:
             self.stream.write("\n")
             self.stream.flush()
 
@@ -123,3 +125,245 @@ class Metrics:
         if self.file:
             self.file.close()
             self.file = None
+
+
+class _TensorBoard:
+    """Scalars to ``directory`` through ``tensorboard.summary.Writer`` (the ``tensorboard``
+    extra); :attr:`note` says why there are none when it is not installed."""
+
+    def __init__(self, directory: Path):
+        try:
+            from tensorboard.summary import Writer
+        except ImportError:
+            self.writer, self.note = None, "off (pip install mpirt[tensorboard])"
+            return
+        self.writer, self.note = Writer(str(directory)), str(directory)
+
+    def add(self, step: int, scalars: dict) -> None:
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+# per-step figures shown in TensorBoard (rank 0's), beside the ranks' spread
+_TB_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "step_over_gemm_floor",
+            "compute_s", "mpi_wait_s", "comm_s", "bubble_s", "dp_exposed_s", "rss_bytes")
+
+
+class RunMonitor:
+    """What a training run measures beyond loss and time, on every rank (collective at start,
+    at :meth:`interval` and at :meth:`finish`). Build it right after a world barrier: its clock
+    then is the trace's origin.
+
+    Always: the peak and MFU, the GEMM rate and floor (:mod:`mpirt.flops`). With
+    ``cfg.monitor``: the per-step breakdown (:class:`mpirt.stepstats.StepMonitor`), stragglers
+    every logging interval, the trace of ``cfg.trace_steps`` steps (from the second step of the
+    run), GPU samples and TensorBoard scalars on rank 0.
+    """
+
+    def __init__(self, cfg, ctx, grid, model_cfg, out: Path, start_step: int, flops_per_step: float):
+        from mpirt import flops, gpumon, stepstats, threads
+        from mpirt.trace import TraceRecorder
+
+        self.cfg, self.ctx, self.grid, self.out = cfg, ctx, grid, out
+        self.world, self.is_main, self.enabled = ctx.comm, ctx.rank == 0, bool(cfg.monitor)
+        self.flops_per_step = flops_per_step
+        m = cfg.microbatches or grid.sizes["pp"] if grid.sizes["pp"] > 1 else cfg.grad_accum
+        rows = max(1, cfg.batch_size // grid.sizes["dp"] // m) * cfg.seq_len
+        hidden = getattr(model_cfg, "hidden", 4 * model_cfg.n_embd) // grid.sizes["tp"]
+        products = flops.layer_products(model_cfg.n_embd, hidden, rows, cfg.dtype)
+        self.world.barrier()  # every rank times together, sharing the node as in training
+        rate = flops.gemm_rate(products)
+        cores = min(threads.num_threads(), (os.cpu_count() or 1) / ctx.local_size)
+        self.peak = flops.resolve_peak(cfg.dtype, cores, rate, cfg.peak_flops)
+        import numpy as np
+        self.peak_total, self.gemm_total = (float(v) for v in self.world.allreduce(
+            np.array([self.peak.per_rank, rate]), "sum"))
+        self.steps = self.stepmon = self.trace = self.gpu = self.tb = None
+        self.gpu_note = self.tb_note = "off (--monitor false)"
+        self.origin = time.perf_counter()
+        if not self.enabled:
+            return
+        coords = grid.coords
+        label = f"rank {ctx.rank} (dp {coords['dp']}, pp {coords['pp']}, tp {coords['tp']})"
+        if cfg.trace_steps:
+            self.trace = TraceRecorder(ctx.rank, label, self.origin, start_step + 2, cfg.trace_steps)
+        self.stepmon = stepstats.StepMonitor(self.trace)
+        self.interval_stats, self.run_stats = stepstats.Interval(), stepstats.Interval()
+        self.first_step = start_step + 1
+        self.gpu, self.gpu_note = gpumon.start()
+        self.tb = _TensorBoard(out / "tensorboard") if self.is_main else None
+        self.tb_note = self.tb.note if self.tb else ""
+        self.last_aggregate: dict | None = None
+
+    def describe(self) -> str:
+        """The banner line: the peak and where it comes from, the GEMM rate, GPU sampling."""
+        line = (f"mpirt: MFU peak {self.peak_total / 1e12:.3g} TFLOP/s ({self.peak.source}: {self.peak.detail}"
+                f"{'' if self.ctx.size == 1 else ' per rank'}); GEMM rate {self.gemm_total / 1e12:.3g} TFLOP/s")
+        if self.enabled:
+            line += f"; GPU: {self.gpu_note}"
+        return line
+
+    def begin(self, step: int) -> None:
+        """Step ``step`` (counted from 1) starts."""
+        if self.stepmon:
+            self.stepmon.begin(step)
+
+    def mark(self, part: str) -> None:
+        """The time since the previous mark went to ``part`` (see :mod:`mpirt.stepstats`)."""
+        if self.stepmon:
+            self.stepmon.mark(part)
+
+    def end(self, step: int, seconds: float, engine_stats: dict) -> dict:
+        """The step's figures for its metrics record: MFU, ``step_over_gemm_floor`` and, with
+        monitoring on, the breakdown. ``seconds``: the step's wall time."""
+        out = {"mfu": self.flops_per_step / seconds / self.peak_total,
+               "step_over_gemm_floor": seconds * self.gemm_total / self.flops_per_step}
+        if self.stepmon:
+            out.update(self.stepmon.end(engine_stats))
+            if self.trace is not None and self.trace.recording:
+                self.trace_end = time.perf_counter()
+            if step > self.first_step:  # the first step warms up: not a straggler figure
+                self.interval_stats.add({**out, "step_time_s": seconds})
+                self.run_stats.add({**out, "step_time_s": seconds})
+        return out
+
+    def interval(self, record: dict) -> dict:
+        """Collective, at every logging interval: the ranks' spread into rank 0's ``record``
+        (``stragglers``), GPU means into every rank's, TensorBoard scalars. Returns the extra
+        progress-line fields (rank 0)."""
+        if not self.enabled:
+            return {}
+        from mpirt import gpumon
+        from mpirt.stepstats import aggregate
+
+        if self.gpu is not None:
+            samples = self.gpu.drain()
+            record.update({k: round(v, 3) for k, v in gpumon.mean(samples).items()})
+            if self.trace is not None:
+                for t, s in samples:
+                    if t <= getattr(self, "trace_end", math.inf):
+                        self.trace.add_counter(t, "GPU %", {"util": s["gpu_util"], "mem_bw": s["gpu_mem_bw_util"]})
+        agg = aggregate(self.interval_stats, self.world)
+        if not self.is_main:
+            return {}
+        self.last_aggregate = agg
+        record["stragglers"] = agg
+        step = record["step"]
+        self.tb.add(step, {k: record[k] for k in _TB_KEYS if k in record})
+        self.tb.add(step, {f"ranks/{k}_{s}": v for k, d in agg["ranks"].items() for s, v in d.items()})
+        shown = {}
+        t = record.get("step_time_s", 0.0)
+        if t > 0 and "comm_s" in record:
+            shown["comm"] = f"{100 * record['comm_s'] / t:.0f}%"
+            if self.grid.sizes["pp"] > 1:
+                shown["bubble"] = f"{100 * record['bubble_s'] / t:.0f}%"
+        if self.ctx.size > 1 and agg["slowest_compute_over_median"] > 1.1:
+            shown["slowest"] = f"rank {agg['slowest_rank']} (x{agg['slowest_compute_over_median']:.2f})"
+        return shown
+
+    def finish(self, records: list[dict], engine) -> dict:
+        """Collective, after the last step: the trace joined on rank 0 (``OUT_DIR/trace.json``),
+        memory per rank, the whole run's straggler figures. Returns on rank 0 the summary's
+        monitoring fields (the peak and GEMM figures on every rank)."""
+        from mpirt import trace as T
+        from mpirt.stepstats import aggregate
+
+        out = {"peak_flops_source": self.peak.source, "peak_flops_detail": self.peak.detail,
+               "gemm_rate_flops": self.gemm_total,
+               "step_over_gemm_floor": _median(records, "step_over_gemm_floor")}
+        if not self.enabled:
+            return out
+        if self.gpu is not None:
+            self.gpu.close()
+        parts = self.out / "trace"
+        if self.trace is not None:
+            self.trace.write(parts / f"rank{self.ctx.rank}.json")
+        agg = aggregate(self.run_stats, self.world)
+        memory = self.world.allgather_object(memory_by_category(engine, records))
+        if self.tb:
+            self.tb.close()
+        if not self.is_main:
+            return out
+        if self.trace is not None:
+            T.merge([parts / f"rank{r}.json" for r in range(self.ctx.size)], self.out / "trace.json",
+                    {"layout": dict(self.grid.sizes), "steps": [self.trace.first, self.trace.last]})
+            parts.rmdir()
+        keys = sorted({k for r in records for k in r if k.endswith("_s") or k.endswith("_bytes")})
+        out["monitor"] = {"breakdown": {k: _median(records, k) for k in keys}, "stragglers": agg,
+                          "memory_per_rank": memory, "gpu": self.gpu_note, "tensorboard": self.tb_note,
+                          "trace": str(self.out / "trace.json") if self.trace is not None else None}
+        return out
+
+
+def monitor_lines(s: dict, out: Path) -> list[str]:
+    """The end block's monitoring lines (rank 0) from the summary ``s``."""
+    lines = [f"mpirt:   MFU {100 * s['mfu']:.1f}% of {s['peak_flops'] / 1e12:.3g} TFLOP/s ({s['peak_flops_source']}); "
+             f"step / GEMM floor {s['step_over_gemm_floor']:.2f}x (GEMM rate {s['gemm_rate_flops'] / 1e12:.3g} TFLOP/s)"]
+    mon = s.get("monitor")
+    if not mon:
+        return lines
+    b, t = mon["breakdown"], s["step_time_s"]
+    share = {k: 100 * b.get(f"{k}_s", 0.0) / t for k in ("comm", "bubble")} if t > 0 else {}
+    share = {"compute": 100 - sum(share.values()), **share}
+    line = "mpirt:   step " + " + ".join(f"{k} {v:.0f}%" for k, v in share.items() if v >= 0.5 or k == "compute")
+    if s["layout"]["dp"] > 1:
+        line += f"; dp sync exposed {1e3 * b['dp_exposed_s']:.1f} ms, hidden {1e3 * b['dp_hidden_s']:.1f} ms"
+    agg = mon.get("stragglers")
+    if agg and s["world_size"] > 1:
+        line += (f"; slowest rank {agg['slowest_rank']} (compute x{agg['slowest_compute_over_median']:.2f} "
+                 f"the median)")
+    lines.append(line)
+    lines.append(f"mpirt:   trace {mon['trace'] or 'off'}, TensorBoard {mon['tensorboard']}; plots: "
+                 f"python -m mpirt.report {out}")
+    return lines
+
+
+def _median(records: list[dict], key: str) -> float:
+    """Median of ``key`` over ``records`` after the first (warm-up) one, when there are more."""
+    values = [r[key] for r in records if key in r]
+    values = values[1:] if len(values) > 1 else values
+    return statistics.median(values) if values else math.nan
+
+
+def memory_by_category(engine, records: list[dict]) -> dict:
+    """Bytes this rank holds: parameters, gradients, optimizer state (persistent), the pipeline's
+    peak stash of activations, the peak resident set (host) and the CuPy pool's, with the budget
+    they must fit: the GPU's memory, else this node's memory over its ranks."""
+    from mpirt import comm
+
+    opt = engine.optimizer
+    if hasattr(opt, "memory_bytes"):
+        held = opt.memory_bytes()
+    else:
+        params = getattr(opt, "params", [])
+        grads = {id(p.grad.base if p.grad.base is not None else p.grad): p.grad for p in params if p.grad is not None}
+        held = {"params": sum(int(p.data.nbytes) for p in params),
+                "grads": sum(int(g.base.nbytes if g.base is not None else g.nbytes) for g in grads.values()),
+                "optimizer": sum(int(a.nbytes) for st in getattr(opt, "state", []) for a in st.values())}
+    stats = getattr(engine, "stats", {}) or {}
+    held["activations_peak"] = int(stats.get("peak_stash_bytes", 0))
+    held["host_rss_peak"] = peak_rss_bytes()
+    info = B.device_info()
+    if info is not None:
+        held["gpu_pool_peak"] = max((int(r.get("gpu_pool_bytes", 0)) for r in records), default=0)
+        held["budget"] = info["total_memory"]
+    else:
+        held["budget"] = _host_memory() // comm.world().local_size
+    return held
+
+
+def _host_memory() -> int:
+    """This node's memory (MemTotal), 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+

@@ -26,7 +26,7 @@ from mpirt.config import ConfigError, parse_args, parse_duration
 from mpirt.data import TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.distributed import init_distributed, input_fingerprint
 from mpirt.grid import Grid, check_layout, resolve_dp
-from mpirt.monitor import Metrics, Progress, format_seconds, measure_peak_flops, peak_rss_bytes
+from mpirt.monitor import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, peak_rss_bytes
 from mpirt.optim import cosine_lr
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.engine import build_engine
@@ -352,7 +352,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         grid.free()
         return {"steps": start_step, "nothing_to_do": True}
     if is_main and not resume and (cfg.overwrite or cfg.resume == "auto"):  # leftovers of an earlier run
-        for name in ("ckpt", "metrics", "summary.json", "eval.json"):
+        for name in ("ckpt", "metrics", "summary.json", "eval.json", "trace.json", "tensorboard", "report"):
             path = out / name
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     world_comm.barrier()  # the old files are gone before any rank writes its metrics
@@ -383,37 +383,45 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     flops_per_step = flops_per_token(model_cfg, cfg.seq_len) * tokens_per_step
-    peak = measure_peak_flops(cfg.dtype) * ctx.size
+    monitor = RunMonitor(cfg, ctx, grid, model_cfg, out, start_step, flops_per_step)  # collective
     metrics = Metrics(out / "metrics" / f"rank{ctx.rank}.jsonl", resume_step=start_step if resume else None)
     if is_main:
         print(banner(ctx, cfg, layout, model_cfg, data, out, start_step, end_step, "host MPI"
                      if ctx.backend == "numpy" else comm.select_engine(B.xp.empty(1))), file=sys.stderr, flush=True)
+        print(monitor.describe(), file=sys.stderr, flush=True)
     progress = Progress(cfg.steps, start_step, enabled=is_main and cfg.progress, end=end_step)
     val_loss = math.nan
     skipped_total, skipped_in_row, slowest_step = 0, 0, 0.0
+    extra_shown = {}
     stopped, exit_code = None, 0
     step = start_step
     while step < end_step:
         faults.inject(ctx.rank, step + 1)
+        monitor.begin(step + 1)
         t0 = time.perf_counter()
+        if faults.slowdown(ctx.rank, step + 1):
+            monitor.mark("injected")
         optimizer.lr = cosine_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=min(cfg.warmup_steps, cfg.steps),
                                  total_steps=cfg.steps)
         x, y = get_batch(data.train, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                          dp_rank=grid.coords["dp"], dp_size=dp)
+        monitor.mark("data")
         loss_value = engine.train_step(x, y)
+        monitor.mark("train_step")
         # the norm is reduced over the grid (the loss over dp): every rank reaches the same verdict
         grad_norm = engine.clip(cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
         if not skipped:
             optimizer.step()
         B.synchronize()
+        monitor.mark("optimizer")
         dt = time.perf_counter() - t0
         slowest_step = max(slowest_step, dt)
         step += 1
         skipped_total += skipped
         skipped_in_row = skipped_in_row + 1 if skipped else 0
         record = {"step": step, "loss": loss_value, "lr": optimizer.lr, "grad_norm": grad_norm, "skipped": skipped,
-                  "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, "mfu": flops_per_step / dt / peak}
+                  "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, **monitor.end(step, dt, engine.stats)}
         last = step == end_step
         # one small reduction per step: a stop request or a timed checkpoint on any rank acts on all
         signal_stop = stops.requested is not None
@@ -437,6 +445,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             save(step)
         if not stopped and (last or cfg.eval_interval and step % cfg.eval_interval == 0):
             val_loss = record["val_loss"] = eval_loss()
+        if step % cfg.log_interval == 0 or last or stopped:  # collective: the ranks' spread to rank 0
+            extra_shown = monitor.interval(record)
         metrics.log(**record)
         if step % cfg.log_interval == 0 or step == start_step + 1 or last or skipped or "val_loss" in record:
             shown = {"loss": loss_value, "tok/s": round(record["tokens_per_s"]), "time": f"{dt * 1e3:.0f}ms",
@@ -445,11 +455,12 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                 shown["skipped"] = skipped_total
             if "val_loss" in record:
                 shown["val"] = val_loss
-            progress.update(step, **shown)
+            progress.update(step, **shown, **extra_shown)
         if stopped:
             break
     progress.close()
     metrics.close()
+    monitored = monitor.finish(metrics.records, engine)  # collective: trace, memory, stragglers
     engine.close()
     grid.free()
 
@@ -463,7 +474,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "tokens_per_s": metrics.median("tokens_per_s"),
         "step_time_s": metrics.median("step_time_s"),
         "mfu": metrics.median("mfu"),
-        "peak_flops": peak,
+        "peak_flops": monitor.peak_total,
         "wall_time_s": time.time() - started,
         "peak_memory_bytes": max(peaks),
         "peak_memory_bytes_per_rank": peaks,
@@ -474,6 +485,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "stopped": stopped,
         "exit_code": exit_code,
         "last_checkpoint_step": last_save["step"],
+        **monitored,
     }
     if is_main:
         _write_json(out / "summary.json", summary)
@@ -496,7 +508,7 @@ def end_block(summary: dict, out: Path, start_step: int) -> str:
              f"MFU {100 * s['mfu']:.1f}%, peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB (largest rank)",
              f"mpirt:   checkpoint " + (f"{out / 'ckpt'} (step {s['last_checkpoint_step']})"
                                        if s["last_checkpoint_step"] is not None else "none")
-             + f", summary {out / 'summary.json'}, metrics {out / 'metrics'}/"]
+             + f", summary {out / 'summary.json'}, metrics {out / 'metrics'}/"] + monitor_lines(s, out)
     if s["stopped"]:
         lines.append("mpirt:   " + ("continue with the same command and --resume auto"
                                      if s["exit_code"] == jobctl.EXIT_STOPPED else

@@ -110,13 +110,22 @@ def test_stats_records_are_bounded_but_totals_are_not():
     s = comm.CommStats(max_records=4)
     for i in range(10):
         s.add("allreduce", "dp", 8, 0.5)
+    cursor = s.cursor()
     s.add("send", "pp", 3, 0.25)
-    assert len(s.records) <= 4 and s.records[-1] == comm.CommRecord("send", "pp", 3, 0.25, "host")
+    s.add("isend", "pp", 3, 0.5, blocked=0.0)
+    last = s.records[-2]
+    assert len(s.records) <= 4 and last[:5] == ("send", "pp", 3, 0.25, "host") and last.blocked == 0.25
+    assert s.records[-1].blocked == 0.0 and s.records[-1].end >= last.end
+    # a cursor outlives the trimming: since() gives exactly the calls added after it
+    assert [r.op for r in s.since(cursor)] == ["send", "isend"]
+    s.add("isend", "pp", 3, 0.5, blocked=0.0)
+    assert s.summary()[("isend", "pp")]["calls"] == 2
     assert s.summary() == {("allreduce", "dp"): {"calls": 10, "bytes": 80, "seconds": 5.0},
-                           ("send", "pp"): {"calls": 1, "bytes": 3, "seconds": 0.25}}
-    assert s.calls("allreduce") == 10 and s.calls(axis="pp") == 1
+                           ("send", "pp"): {"calls": 1, "bytes": 3, "seconds": 0.25},
+                           ("isend", "pp"): {"calls": 2, "bytes": 6, "seconds": 1.0}}
+    assert s.calls("allreduce") == 10 and s.calls(axis="pp") == 3
     s.reset()
-    assert s.summary() == {} and s.records == []
+    assert s.summary() == {} and s.records == [] and s.since(s.cursor()) == []
 
 
 def test_derive_seed_is_reproducible_and_distinct():

@@ -65,19 +65,22 @@ class Handle:
                 raise self._error(err) from err
             finally:
                 ch.cur = None
-            self._complete()
+            self._complete(waited_since=call[SINCE])
         return self._result
 
     def _error(self, err):
         return _recv_error(err, *self._recv) if self._recv else err
 
-    def _complete(self) -> None:
+    def _complete(self, waited_since: float | None = None) -> None:
+        """Mark done and record the call; ``waited_since``: when ``wait()`` began blocking on it
+        (the registry's ``blocked``; completion found by ``test()`` blocked nothing)."""
         self._done = True
         if self._finish is not None:
             self._finish(self._status)
         call = self._call
         t1 = call[DONE] = _clock()
-        stats.add(call[OP], call[CHAN].axis, call[NBYTES], t1 - call[T0], self._engine)
+        stats.add(call[OP], call[CHAN].axis, call[NBYTES], t1 - call[T0], self._engine,
+                  0.0 if waited_since is None else t1 - waited_since)
         self._req = self._finish = self._keep = None
 
 

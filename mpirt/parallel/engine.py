@@ -15,6 +15,7 @@ on one model object; :class:`PipelineEngine` runs a pipeline stage (with dp and 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 
@@ -56,23 +57,34 @@ class ShardedEngine:
             if grid.sizes["dp"] > 1:
                 self.ddp = DataParallel(self.model, self.dp_comm)
             self.optimizer = AdamW(self.model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+        self.stats: dict = {}  # timers of the last train_step
 
     def train_step(self, x, y) -> float:
         """Forward and backward over ``grad_accum`` micro-batches of the rows (x, y); returns the
-        mean loss of the global batch."""
+        mean loss of the global batch. ``stats["spans"]``: its (part, start, end) perf_counter
+        times (forward, backward, grad_sync) for the monitor."""
         self.optimizer.zero_grad()
         k = self.cfg.grad_accum
         loss_sum = 0.0
+        spans = self.stats["spans"] = []
+        clock = time.perf_counter
         for i, (xm, ym) in enumerate(split_microbatches(x, y, k)):
             # all but the last micro-batch only accumulate locally
             with self.ddp.no_sync() if self.ddp and i < k - 1 else contextlib.nullcontext():
+                t0 = clock()
                 _, loss = self.model(B.asarray(xm), B.asarray(ym))
+                B.synchronize()  # the device's forward is timed as forward (no-op on NumPy)
+                t1 = clock()
                 (loss * (1.0 / k)).backward()
             loss_sum += loss.item()
+            spans += (("forward", t0, t1), ("backward", t1, clock()))
+        t0 = clock()
         if self.ddp:
             self.ddp.finish()
         TP.sync_sequence_parallel_grads(self.model, self.tp_comm)
-        return self.dp_comm.allreduce_scalar(loss_sum / k, "avg")
+        loss = self.dp_comm.allreduce_scalar(loss_sum / k, "avg")
+        spans.append(("grad_sync", t0, clock()))
+        return loss
 
     def clip(self, max_norm: float) -> float:
         if self.cfg.zero:
@@ -127,6 +139,11 @@ class PipelineEngine:
 
     def train_step(self, x, y) -> float:
         return self.stage.train_step(x, y)
+
+    @property
+    def stats(self) -> dict:
+        """The stage's timers of the last step (:attr:`PipelineStage.stats`)."""
+        return self.stage.stats
 
     def clip(self, max_norm: float) -> float:
         return self.stage.clip_grad_norm(max_norm)

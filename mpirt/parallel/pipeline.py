@@ -226,7 +226,7 @@ class PipelineStage(PipelineExecutor):
         if self.grid.dp > 1:
             self.grid.comm["dp"].allreduce(self.flat_grad, op="avg", out=self.flat_grad)
         loss = self._share_loss(loss)
-        self.stats["sync_s"] = time.perf_counter() - t0
+        self.stats["sync_t0"], self.stats["sync_s"] = t0, time.perf_counter() - t0
         return loss
 
     def evaluate(self, x, y) -> float:

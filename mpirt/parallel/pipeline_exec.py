@@ -198,7 +198,7 @@ class PipelineExecutor:
             raise RuntimeError(f"pipeline rank {rank}: schedule left work behind: stash {sorted(stash)}, "
                                f"W {sorted(wpasses)}, inbox {sorted(inbox)}, outbox {sorted(outbox)}")
         compute = sum(op_time.values())
-        self.stats = {"step_s": total, "compute_s": compute, "idle_s": total - compute,
+        self.stats = {"t0": t_start, "step_s": total, "compute_s": compute, "idle_s": total - compute,
                       "bubble": (total - compute) / total if total > 0 else 0.0,
                       "recv_wait_s": recv_wait, "send_wait_s": send_wait,
                       "op_s": dict(op_time), "op_count": dict(op_count),

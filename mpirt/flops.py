@@ -1,0 +1,174 @@
+"""Model FLOP utilisation (MFU) that can be trusted: the model's FLOPs, a peak that cannot be
+beaten, and the GEMM floor.
+
+**Model FLOPs** come from the model interface (:func:`mpirt.modeling.flops_per_token`): each
+model type counts its own. GPT-2 and the Llama-style model use the PaLM / Megatron counting
+``6 N + 12 L C T`` per token: ``6 N`` because every weight does one multiply-add (2 FLOPs)
+forward and two backward (input and weight gradient), N counting the tied embedding once (the
+head's GEMM) and leaving out position tables (lookups); ``12 L C T`` for the attention scores
+``Q K^T`` and the weighted sum ``A V``, ``2 T C`` FLOPs each per token and layer forward, times 3
+with the backward, over the full T x T square. Norms, activations, softmax and the loss are not
+counted, nor recomputation (ZeRO-3 recomputes: its hardware FLOPs exceed the model FLOPs), so
+MFU is the share of the peak spent on the model's own arithmetic.
+
+**The peak** (:func:`resolve_peak`), in order: ``--peak-flops`` (per rank); on a GPU the
+vendor's dense figure for the training dtype from :data:`GPU_PEAKS` (float32 GEMMs run on the
+CUDA cores: CuPy does not turn on TF32; bf16 is listed for reference); on a CPU the vendor-style
+peak ``cores x FLOPs per cycle x clock`` (FLOPs per cycle from the SIMD width and two FMA
+units, :func:`cpu_flops_per_cycle`; the clock is cpufreq's maximum: a base clock is no bound),
+counted for the cores the GEMM threads can use (mpirt's pool, :mod:`mpirt.threads`; at most the
+node's cores over its ranks). When neither can
+be read, the peak is :func:`gemm_rate` itself: a calibration on the same threads and GEMM path
+as training. A vendor peak below the measured GEMM rate (a clock read below the boost clock)
+is replaced by the measured rate. The source is reported with the figure (banner, summary).
+
+**The GEMM floor**: the step's model FLOPs at the rate :func:`gemm_rate` measures for products
+of the model's own layer shapes (rows = a micro-batch's tokens, widths ``n_embd`` and the MLP
+width over tp), timed through :func:`mpirt.threads.matmul` as the layers run them. ``step time /
+GEMM floor`` says how far a step is from what the BLAS library allows on these shapes.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mpirt.backend as B
+
+# Dense peak FLOP/s per GPU by dtype (vendor data sheets, SXM/OAM boards unless named); the
+# first entry whose key is in the device name (lower case) wins, so specific names come first.
+GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("h100 pcie", {"bfloat16": 756e12, "float32": 51e12, "float64": 51e12}),
+    ("h100", {"bfloat16": 989e12, "float32": 67e12, "float64": 67e12}),
+    ("h200", {"bfloat16": 989e12, "float32": 67e12, "float64": 67e12}),
+    ("gh200", {"bfloat16": 989e12, "float32": 67e12, "float64": 67e12}),
+    ("b200", {"bfloat16": 2250e12, "float32": 80e12, "float64": 40e12}),
+    ("a100", {"bfloat16": 312e12, "float32": 19.5e12, "float64": 19.5e12}),
+    ("a800", {"bfloat16": 312e12, "float32": 19.5e12, "float64": 19.5e12}),
+    ("l40s", {"bfloat16": 362e12, "float32": 91.6e12, "float64": 1.4e12}),
+    ("a10", {"bfloat16": 125e12, "float32": 31.2e12, "float64": 0.98e12}),
+    ("l4", {"bfloat16": 121e12, "float32": 30.3e12, "float64": 0.47e12}),
+    ("v100", {"float16": 125e12, "float32": 15.7e12, "float64": 7.8e12}),
+    ("rtx 4090", {"bfloat16": 165e12, "float32": 82.6e12, "float64": 1.3e12}),
+    ("mi300x", {"bfloat16": 1307e12, "float32": 163e12, "float64": 163e12}),
+    ("mi250x", {"bfloat16": 383e12, "float32": 95.7e12, "float64": 95.7e12}),
+)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Peak FLOP/s of one rank and where the figure comes from."""
+
+    per_rank: float
+    source: str     # "flag", "table", "vendor" or "calibrated"
+    detail: str     # one line for the banner and the summary
+
+
+def gpu_peak(device_name: str, dtype: str) -> float | None:
+    """The :data:`GPU_PEAKS` figure for ``device_name`` and ``dtype``, or None when unknown."""
+    name = device_name.lower()
+    for key, peaks in GPU_PEAKS:
+        if key in name:
+            return peaks.get(dtype)
+    return None
+
+
+def _cpuinfo() -> dict:
+    """The first processor's fields of /proc/cpuinfo (empty when unreadable)."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_flops_per_cycle(info: dict, dtype: str) -> int | None:
+    """FLOPs per cycle of one core for ``dtype`` (float32/float64) from the x86 SIMD flags: two
+    FMA units of the vector width (512 bits with AVX-512, except AMD Zen 4 and older, whose
+    AVX-512 runs on 256-bit units; 256 with AVX2 + FMA), 2 FLOPs per lane. None without FMA or
+    on other architectures (the caller then calibrates)."""
+    flags = set(info.get("flags", "").split())
+    if "fma" not in flags:
+        return None
+    bits = 256
+    if "avx512f" in flags:
+        zen4_or_older = info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", "0") or 0) < 26
+        bits = 256 if zen4_or_older else 512
+    lanes = bits // (64 if dtype == "float64" else 32)
+    return 2 * 2 * lanes
+
+
+def cpu_max_clock_hz() -> float | None:
+    """The cores' maximum (boost) clock from cpufreq, or None where it is not exposed (VMs).
+    /proc/cpuinfo's MHz and a model name's GHz are the current or base clock, which GEMMs beat
+    under boost, so they never make a peak."""
+    try:
+        return int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()) * 1e3
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_vendor_peak(cores: float, dtype: str) -> tuple[float | None, str]:
+    """(``cores x FLOPs per cycle x maximum clock``, how it was read), or (None, why not)."""
+    info = _cpuinfo()
+    per_cycle, clock = cpu_flops_per_cycle(info, dtype), cpu_max_clock_hz()
+    if not per_cycle:
+        return None, "no x86 FMA flags in /proc/cpuinfo"
+    if not clock:
+        return None, "no maximum clock readable (no cpufreq)"
+    return cores * per_cycle * clock, (f"vendor-style: {cores:g} core(s) x {per_cycle} {dtype} FLOP/cycle x "
+                                         f"{clock / 1e9:.2f} GHz ({info.get('model name', 'CPU')})")
+
+
+def layer_products(n_embd: int, hidden: int, rows: int, dtype: str) -> list:
+    """``(a, b)`` pairs shaped as a transformer layer's products on ``rows`` tokens: the MLP's
+    up projection forward, its input gradient and its weight gradient (``hidden`` already divided
+    by tp), on the active backend."""
+    x = B.xp.ones((rows, n_embd), dtype=dtype)
+    w = B.xp.ones((n_embd, hidden), dtype=dtype)
+    g = B.xp.ones((rows, hidden), dtype=dtype)
+    return [(x, w), (g, w.T), (x.T, g)]
+
+
+def gemm_rate(products: list, seconds: float = 0.3) -> float:
+    """FLOP/s of :func:`mpirt.threads.matmul` (the layers' path: mpirt's threads and GEMM
+    library) on ``products``: the median round of those run in ``seconds``. Every rank of a job
+    times at once (the caller's barrier first), so ranks sharing a node share it as in training."""
+    from mpirt import threads
+
+    flops = sum(2.0 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products)
+    for a, b in products:  # warm-up: pool started, pages touched
+        threads.matmul(a, b)
+    rounds, start = [], time.perf_counter()
+    while len(rounds) < 3 or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        for a, b in products:
+            threads.matmul(a, b)
+        B.synchronize()
+        rounds.append(time.perf_counter() - t0)
+    return flops / statistics.median(rounds)
+
+
+def resolve_peak(dtype: str, cores: float, measured_gemm: float, flag: float = 0.0) -> Peak:
+    """This rank's peak (see the module docstring); ``cores``: the cores its GEMM threads can use
+    (fewer than the threads when ranks oversubscribe a node); ``measured_gemm``: :func:`gemm_rate`."""
+    if flag > 0:
+        return Peak(flag, "flag", f"--peak-flops {flag:.3g} FLOP/s per rank")
+    info = B.device_info()
+    if info is not None:
+        peak = gpu_peak(info["name"], dtype)
+        if peak:
+            return Peak(peak, "table", f"{info['name']} {dtype} dense peak {peak / 1e12:g} TFLOP/s (data sheet)")
+        return Peak(measured_gemm, "calibrated", f"{info['name']} not in the peak table: measured GEMM rate "
+                                                 f"{measured_gemm / 1e12:.2f} TFLOP/s (pass --peak-flops)")
+    vendor, how = cpu_vendor_peak(cores, dtype)
+    if vendor is not None and vendor >= measured_gemm:
+        return Peak(vendor, "vendor", how)
+    why = "the vendor-style peak is below the measured GEMM rate" if vendor else how
+    return Peak(measured_gemm, "calibrated", f"measured GEMM rate of the training's threads and GEMM path ({why})")
