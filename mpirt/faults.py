@@ -13,7 +13,9 @@ from 1, the step the metrics call ``step``). Kinds:
   fail with EFBIG): a full disk or quota, after MPI started (its shared memory is unaffected);
 - ``slow``   ``slow=SECONDS@RANK:STEP``: from step STEP on, every step of that rank sleeps
   SECONDS inside its compute (:func:`slowdown`, which the training loop calls within the step):
-  a straggler (a slower node, a throttled GPU) that the others then wait for.
+  a straggler (a slower node, a throttled GPU) that the others then wait for;
+- ``alloc``  ``alloc=MIB@RANK:STEP``: that rank allocates and touches MIB MiB it never frees (a
+  leak, or a step that needs more memory than predicted: the memory budget's in-run stop).
 
 Without the variable :func:`inject` and :func:`slowdown` are one loop over an empty list.
 """
@@ -26,7 +28,8 @@ import sys
 import time
 from typing import NamedTuple
 
-KINDS = ("stall", "exit", "kill", "raise", "signal", "diskfull", "slow")
+KINDS = ("stall", "exit", "kill", "raise", "signal", "diskfull", "slow", "alloc")
+_HELD: list = []  # what alloc faults took
 
 
 class Fault(NamedTuple):
@@ -44,7 +47,8 @@ def parse(text: str) -> list[Fault]:
             what, where = entry.split("@")
             kind, _, seconds = what.partition("=")
             rank, step = (int(v) for v in where.split(":"))
-            if kind not in KINDS or (seconds and kind not in ("stall", "slow")) or (kind == "slow" and not seconds):
+            if kind not in KINDS or (seconds and kind not in ("stall", "slow", "alloc")) or (
+                    kind in ("slow", "alloc") and not seconds):
                 raise ValueError
             faults.append(Fault(kind, rank, step, float(seconds) if seconds else None))
         except ValueError:
@@ -75,6 +79,8 @@ def inject(rank: int, step: int) -> None:
             raise RuntimeError(f"injected fault on rank {rank} at step {step}")
         elif fault.kind == "signal":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif fault.kind == "alloc":
+            _HELD.append(bytearray(b"\1" * int(fault.seconds * 2**20)))  # written: resident, not just mapped
         elif fault.kind == "diskfull":
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
             resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))

@@ -9,6 +9,7 @@ Exit codes of ``python -m mpirt.train`` (the same on every rank):
 2     refused before training: bad configuration, data or checkpoint (one ``error:`` line)
 3     stopped by the non-finite policy (``--nan-policy stop``, or ``--max-skips`` in a row)
 4     the communication watchdog ended the job (a collective or p2p waited too long)
+5     a rank's measured peak memory exceeded ``--memory-budget`` (every rank stops; no checkpoint)
 75    stopped early on request (SIGTERM/SIGINT, ``--time-limit``) after saving a checkpoint:
       run the same command with ``--resume auto`` to continue (EX_TEMPFAIL: retry later)
 ====  =====================================================================================
@@ -25,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-EXIT_REFUSED, EXIT_NONFINITE, EXIT_WATCHDOG, EXIT_STOPPED = 2, 3, 4, 75
+EXIT_REFUSED, EXIT_NONFINITE, EXIT_WATCHDOG, EXIT_MEMORY, EXIT_STOPPED = 2, 3, 4, 5, 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 

@@ -79,3 +79,177 @@ def kept_bytes(root) -> int:
                 if x._ctx is not None:
                     stack.append(x._ctx)
     return sum(n for k, n in found.items() if k not in params)
+
+
+# =============================================================================================
+# the prediction: a rank's peak from the config and layout, before anything is built
+# =============================================================================================
+# The process: Python, NumPy, mpi4py and MPI's shared-memory segments, mpirt's modules, BLAS set-up
+# and the monitor's start-up probes. Measured as the peak RSS of `mpirt.train` runs whose model is a
+# few kilobytes (1, 2 and 4 ranks, float32 and float64: 95.4-97.6 MiB per rank, rank 0 up to
+# 107.0 MiB: it also writes the checkpoint, metrics and summary), rounded up.
+PROCESS_BYTES = 98 * 2**20
+RANK0_EXTRA_BYTES = 10 * 2**20
+CATEGORIES = ("baseline", "parameters", "gradients", "optimizer_state", "activations", "communication",
+              "workspace")
+
+
+def rank_position(layout: dict, rank: int) -> dict:
+    """``{"dp", "pp", "tp"}`` coordinates of world rank ``rank`` (tp innermost, as :class:`mpirt.grid.Grid`)."""
+    pp, tp = layout["pp"], layout["tp"]
+    return {"dp": rank // (pp * tp), "pp": rank // tp % pp, "tp": rank % tp}
+
+
+def peak_in_flight(schedule, rank: int, chunk_bytes: list) -> int:
+    """Peak bytes of the micro-batches a pipeline rank holds for backward under ``schedule`` (its
+    action list: an F stashes ``chunk_bytes[chunk]`` until its B, or its W when the backward is
+    split), as :class:`mpirt.parallel.pipeline_exec.PipelineExecutor` holds them."""
+    live = peak = 0
+    release = "W" if schedule.split_backward else "B"
+    for a in schedule.actions[rank]:
+        if a.op == "F":
+            live += chunk_bytes[a.chunk]
+            peak = max(peak, live)
+        elif a.op == release:
+            live -= chunk_bytes[a.chunk]
+    return peak
+
+
+def _kept(acts: dict, mode: str, recomputed: bool) -> int:
+    """One block's kept bytes under ``mode`` (``recomputed``: the block is among the chosen)."""
+    if not recomputed or mode == "none":
+        return acts["block"]
+    return acts["block"] - acts["core"] if mode == "selective" else acts["input"]
+
+
+def predict(cfg, model_cfg, layout: dict, rank: int) -> dict:
+    """Predicted peak bytes of world rank ``rank`` by category (:data:`CATEGORIES`) plus ``"peak"``,
+    their sum, from the run's config alone (pure: nothing is built or communicated).
+
+    ``baseline``: the process (:data:`PROCESS_BYTES`); ``parameters``, ``gradients``,
+    ``optimizer_state`` (AdamW's two moments): this rank's share under tp, its pipeline stage's
+    layers (the tied table on both end stages), ZeRO's sharding over dp (stage 2: the full gradient
+    is alive during backward); ``activations``: one micro-batch's kept bytes (the model's
+    ``activation_bytes_of`` under the recomputation setting; ZeRO-3 keeps only unit inputs) times the
+    pipeline schedule's peak in flight; ``communication``: pipeline receive buffers, ZeRO-3's
+    gathered unit (parameters and gradient); ``workspace``: the larger transient of the backward's
+    gradient of the logits (plus one recomputed block, whole again) and, less the activations
+    (freed by then), what the end of the run holds: the full state a checkpoint gathers (every
+    rank without pp; pp rank 0 with it) and rank 0's writing (:data:`RANK0_EXTRA_BYTES`). Split
+    (zero-bubble) schedules charge a recomputed micro-batch its unrecomputed bytes until W.
+    """
+    from mpirt import recompute
+    from mpirt.modeling import activation_bytes, layer_costs, num_parameters
+    from mpirt.parallel.partition import partition
+    from mpirt.parallel.schedules import build
+
+    pos = rank_position(layout, rank)
+    dp, pp, tp = layout["dp"], layout["pp"], layout["tp"]
+    e = 8 if cfg.dtype == "float64" else 4
+    sp = bool(cfg.sequence_parallel and tp > 1)
+    chunks = cfg.chunks if pp > 1 and cfg.schedule == "interleaved" else 1
+    costs = layer_costs(model_cfg, cfg.seq_len)
+    n_full = num_parameters(model_cfg)
+    rows = cfg.batch_size // dp // (cfg.microbatches or pp if pp > 1 else cfg.grad_accum)
+    acts = activation_bytes(model_cfg, batch=rows, seq_len=cfg.seq_len, tp=tp, sequence_parallel=sp, itemsize=e)
+    mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
+    picked = set(range(model_cfg.n_layer)) if cfg.zero == 3 else \
+        set(recompute.chosen(model_cfg.n_layer, mode, cfg.recompute_layers))
+
+    def stage_bytes(lo: int, hi: int, first: bool, last: bool, how: str = mode) -> int:
+        kept = sum(_kept(acts, how, i in picked) for i in range(lo, hi))
+        if cfg.zero == 3:  # embed and head are units too: the embedding output, the logits and loss
+            return kept + (acts["input"] if first else 0) + (acts["head"] - acts["input"] if last else 0)
+        return kept + (acts["embed"] if first else 0) + (acts["head"] if last else 0)
+
+    if pp == 1:
+        n_local = n_full / tp
+        activations = stage_bytes(0, model_cfg.n_layer, True, True)
+        held = range(model_cfg.n_layer)
+    else:
+        bounds = partition(costs, pp * chunks, None, "flops")
+        mine = [bounds[c * pp + pos["pp"]] for c in range(chunks)]
+        n_local = sum(costs[0].params * (c == 0 and pos["pp"] == 0) + costs[-1].params * (
+            c == chunks - 1 and pos["pp"] == pp - 1) + sum(costs[1 + i].params for i in range(lo, hi))
+            for c, (lo, hi) in enumerate(mine)) / tp
+        per_chunk = [stage_bytes(lo, hi, c == 0 and pos["pp"] == 0, c == chunks - 1 and pos["pp"] == pp - 1)
+                     for c, (lo, hi) in enumerate(mine)]
+        sched = build(cfg.schedule, pp, cfg.microbatches or pp, chunks)
+        if sched.split_backward and mode != "none":
+            # between B and W a rerun block holds its weight passes' inputs and output gradients
+            # (measured 12-13 u against 26 u unrecomputed): charged unrecomputed until W, an upper bound
+            per_chunk = [stage_bytes(lo, hi, c == 0 and pos["pp"] == 0, c == chunks - 1 and pos["pp"] == pp - 1,
+                                     "none") for c, (lo, hi) in enumerate(mine)]
+        activations = peak_in_flight(sched, pos["pp"], per_chunk)
+        held = [i for lo, hi in mine for i in range(lo, hi)]
+    params = grads = n_local * e
+    optimizer = 2 * n_local * e
+    comm = 0.0
+    if cfg.zero:
+        optimizer /= dp
+        if cfg.zero == 3:
+            params, grads = params / dp, grads / dp
+            unit = max(c.params for c in costs)  # the largest unit, gathered with its gradient
+            comm += 2 * unit * e
+        elif cfg.zero == 2:
+            grads += grads / dp  # the shard, and the full gradient while backward runs
+    if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
+        comm += 2 * rows * (cfg.seq_len // (tp if sp else 1)) * model_cfg.n_embd * e
+    vocab = -(-model_cfg.vocab_size // tp) * tp
+    backward = 2 * rows * cfg.seq_len * vocab / tp * e  # the logits' gradient and a temporary
+    if any(i in picked for i in held) and mode != "none":  # one rerun, alive while its backward runs
+        backward += acts["block"] if mode == "full" else acts["core"]
+    gathers_state = pp == 1 or pos["pp"] == 0
+    checkpoint = 3 * n_full * e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * tp * e
+    if rank == 0:  # writing the checkpoint, metrics and summary
+        checkpoint += RANK0_EXTRA_BYTES
+    # the step's transient comes on top of the activations, the end of the run's after they are freed
+    workspace = max(backward, checkpoint - activations)
+    out = {"baseline": PROCESS_BYTES, "parameters": params, "gradients": grads, "optimizer_state": optimizer,
+           "activations": activations, "communication": comm, "workspace": workspace}
+    out = {k: int(v) for k, v in out.items()}
+    out["peak"] = sum(out.values())
+    return out
+
+
+def describe_rank(layout: dict, rank: int) -> str:
+    """``rank 3 (pp stage 1)``, ``rank 2 (dp 1, tp 0)``: where a rank sits, for messages."""
+    pos = rank_position(layout, rank)
+    where = ", ".join(f"{'pp stage' if a == 'pp' else a} {pos[a]}" for a in ("dp", "pp", "tp") if layout[a] > 1)
+    return f"rank {rank}" + (f" ({where})" if where else "")
+
+
+def check_budget(cfg, model_cfg, layout: dict, world_size: int) -> list[dict]:
+    """Every rank's :func:`predict`; with ``cfg.memory_budget``, ValueError for the rank whose peak
+    exceeds it by the most, naming its largest term, the numbers and what would shrink it."""
+    preds = [predict(cfg, model_cfg, layout, r) for r in range(world_size)]
+    budget = parse_size(cfg.memory_budget)
+    if budget is None:
+        return preds
+    worst = max(range(world_size), key=lambda r: preds[r]["peak"])
+    p = preds[worst]
+    if p["peak"] <= budget:
+        return preds
+    term = max(CATEGORIES, key=lambda k: p[k])
+    hints = {"optimizer_state": "--zero 1 or a larger pp or tp", "gradients": "--zero 2 or a larger pp or tp",
+             "parameters": "--zero 3 or a larger pp or tp",
+             "activations": "--recompute selective/full, a smaller --batch-size or more --microbatches",
+             "communication": "a larger pp or tp (smaller stages and units)",
+             "workspace": "a larger pp or tp (checkpoints gather full tensors)",
+             "baseline": "a larger budget: the process alone needs it"}
+    raise ValueError(f"memory_budget: {describe_rank(layout, worst)}: predicted peak {format_size(p['peak'])} > "
+                     f"budget {format_size(budget)}; largest term {term.replace('_', ' ')} {format_size(p[term])} "
+                     f"({', '.join(f'{k.replace(chr(95), chr(32))} {format_size(p[k])}' for k in CATEGORIES)}); "
+                     f"try {hints[term]}")
+
+
+def over_budget_flag(peak: int, budget: int | None, rank: int) -> int:
+    """This rank's entry in the training loop's per-step max-reduction: 0 within ``budget``, else
+    the peak (KiB) and the rank packed into one int64, so the maximum over ranks names the
+    largest peak over the budget and its rank (:func:`decode_over_budget`)."""
+    return 0 if budget is None or peak <= budget else (peak // 1024) << 20 | rank
+
+
+def decode_over_budget(flag: int) -> tuple[int, int]:
+    """``(rank, peak bytes)`` of a nonzero :func:`over_budget_flag`."""
+    return int(flag) & (2**20 - 1), (int(flag) >> 20) * 1024

@@ -26,12 +26,14 @@ from mpirt.config import ConfigError, parse_args, parse_duration
 from mpirt.data import TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.distributed import init_distributed, input_fingerprint
 from mpirt.grid import Grid, check_layout, resolve_dp
+from mpirt.memory import check_budget, decode_over_budget, format_size, over_budget_flag, parse_size, predict
+from mpirt.recompute import parse_layers
 from mpirt.monitor import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, peak_rss_bytes
 from mpirt.optim import cosine_lr
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.engine import build_engine
 from mpirt.parallel.schedules import check_shape
-from mpirt.modeling import apply_overrides, config_from_dict, flops_per_token, load_hf, load_model_config, \
+from mpirt.modeling import apply_overrides, attention_core, config_from_dict, flops_per_token, load_hf, load_model_config, \
     num_parameters
 
 
@@ -129,6 +131,12 @@ def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> None:
                                sequence_parallel=cfg.sequence_parallel)
         except ValueError as err:
             raise ConfigError(f"tp: {err}") from None
+    if cfg.recompute == "selective" and not attention_core(model_cfg):
+        raise ConfigError(f"recompute: model_type {model_cfg.model_type!r} names no attention core for selective "
+                          "recomputation; use full")
+    beyond = sorted(i for i in parse_layers(cfg.recompute_layers) or () if i >= model_cfg.n_layer)
+    if beyond:
+        raise ConfigError(f"recompute_layers: block {beyond[0]} does not exist (n_layer={model_cfg.n_layer})")
     data.check_ids(model_cfg.vocab_size)  # last: where meta.json does not record the ids, it reads the data
 
 
@@ -246,6 +254,10 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
         f"n_embd {model_cfg.n_embd}, vocab {model_cfg.vocab_size}), {cfg.dtype}",
         f"mpirt: data {data.directory} (train {len(data.train):,} tokens, val {len(data.val):,}), "
         f"batch {cfg.batch_size} x {cfg.seq_len}",
+        f"mpirt: memory: recompute {cfg.recompute}" + (f" (blocks {cfg.recompute_layers})" if cfg.recompute_layers
+                                                         and cfg.recompute != "none" else "")
+        + f", predicted peak {format_size(max(predict(cfg, model_cfg, layout, r)['peak'] for r in range(ctx.size)))}"
+        + f" (largest rank), budget {cfg.memory_budget or 'none'}",
         f"mpirt: out {out} ({where}; steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
         f"{', '.join(stops) or 'at the end'}, keep {cfg.keep_checkpoints}"
         + (f"; time limit {cfg.time_limit}" if cfg.time_limit else "") + ")",
@@ -279,6 +291,7 @@ def main(argv=None) -> dict:
             model_cfg = vocab_from_data(cfg, model_cfg, data, layout["tp"])
         check_fit(cfg, model_cfg, data, layout)
         check_resources(cfg, data)
+        check_budget(cfg, model_cfg, layout, world.size)  # every rank's predicted peak against --memory-budget
         if resume and cfg.resume == "auto":
             check_resume(cfg, read_checkpoint_meta(cfg.init_from), data.directory)
         deadline = jobctl.Deadline.from_config(cfg.time_limit, started, parse_duration)
@@ -394,6 +407,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     skipped_total, skipped_in_row, slowest_step = 0, 0, 0.0
     extra_shown = {}
     stopped, exit_code = None, 0
+    budget = parse_size(cfg.memory_budget)
     step = start_step
     while step < end_step:
         faults.inject(ctx.rank, step + 1)
@@ -427,7 +441,14 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         signal_stop = stops.requested is not None
         time_stop = is_main and deadline.should_stop(slowest_step, last_save["seconds"])
         ckpt_due = is_main and cfg.ckpt_minutes > 0 and time.time() - last_save["time"] > 60 * cfg.ckpt_minutes
-        flags = world_comm.allreduce(np.array([signal_stop, time_stop, ckpt_due], dtype=np.int32), "max")
+        over = over_budget_flag(peak_rss_bytes(), budget, ctx.rank)
+        flags = world_comm.allreduce(np.array([signal_stop, time_stop, ckpt_due, over], dtype=np.int64), "max")
+        if flags[3] and not stopped:  # the same verdict on every rank; no checkpoint: gathering needs memory
+            over_rank, over_peak = decode_over_budget(flags[3])
+            stopped = (f"rank {over_rank}: measured peak memory {format_size(over_peak)} > memory budget "
+                       f"{format_size(budget)}")
+            exit_code = jobctl.EXIT_MEMORY
+            print(f"error: {stopped}", file=sys.stderr, flush=True)
         if skipped:
             if is_main:
                 print(f"mpirt: step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}: update skipped "
@@ -440,7 +461,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                        f"time limit {cfg.time_limit} near ({deadline.left():.0f} s left)")
             exit_code = jobctl.EXIT_STOPPED
         # save before evaluating: an evaluation that fails loses nothing; a non-finite stop saves nothing
-        if exit_code != jobctl.EXIT_NONFINITE and (
+        if exit_code not in (jobctl.EXIT_NONFINITE, jobctl.EXIT_MEMORY) and (
                 last or stopped or flags[2] or cfg.ckpt_interval and step % cfg.ckpt_interval == 0):
             save(step)
         if not stopped and (last or cfg.eval_interval and step % cfg.eval_interval == 0):
@@ -465,6 +486,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     grid.free()
 
     peaks = world_comm.allgather_object(peak_rss_bytes())
+    predicted = [predict(cfg, model_cfg, layout, r)["peak"] for r in range(ctx.size)]
     summary = {
         "steps": step,
         "total_steps": cfg.steps,
@@ -485,6 +507,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "stopped": stopped,
         "exit_code": exit_code,
         "last_checkpoint_step": last_save["step"],
+        "predicted_peak_bytes": max(predicted),
+        "predicted_peak_bytes_per_rank": predicted,
+        "memory_budget_bytes": budget,
         **monitored,
     }
     if is_main:
