@@ -167,11 +167,11 @@ class RunMonitor:
     run), GPU samples and TensorBoard scalars on rank 0.
     """
 
-    def __init__(self, cfg, ctx, grid, model_cfg, out: Path, start_step: int, flops_per_step: float):
+    def __init__(self, cfg, ctx, grid, engine, model_cfg, out: Path, start_step: int, flops_per_step: float):
         from mpirt import flops, gpumon, stepstats, threads
         from mpirt.trace import TraceRecorder
 
-        self.cfg, self.ctx, self.grid, self.out = cfg, ctx, grid, out
+        self.cfg, self.ctx, self.grid, self.engine, self.out = cfg, ctx, grid, engine, out
         self.world, self.is_main, self.enabled = ctx.comm, ctx.rank == 0, bool(cfg.monitor)
         self.flops_per_step = flops_per_step
         m = cfg.microbatches or grid.sizes["pp"] if grid.sizes["pp"] > 1 else cfg.grad_accum
@@ -214,6 +214,9 @@ class RunMonitor:
         """Step ``step`` (counted from 1) starts."""
         if self.stepmon:
             self.stepmon.begin(step)
+            stage = getattr(self.engine, "stage", None)
+            if stage is not None and self.trace is not None:  # a pipeline lists its actions while traced
+                stage.trace = self.trace.recording
 
     def mark(self, part: str) -> None:
         """The time since the previous mark went to ``part`` (see :mod:`mpirt.stepstats`)."""
@@ -268,7 +271,7 @@ class RunMonitor:
             shown["slowest"] = f"rank {agg['slowest_rank']} (x{agg['slowest_compute_over_median']:.2f})"
         return shown
 
-    def finish(self, records: list[dict], engine) -> dict:
+    def finish(self, records: list[dict]) -> dict:
         """Collective, after the last step: the trace joined on rank 0 (``OUT_DIR/trace.json``),
         memory per rank, the whole run's straggler figures. Returns on rank 0 the summary's
         monitoring fields (the peak and GEMM figures on every rank)."""
@@ -286,7 +289,7 @@ class RunMonitor:
         if self.trace is not None:
             self.trace.write(parts / f"rank{self.ctx.rank}.json")
         agg = aggregate(self.run_stats, self.world)
-        memory = self.world.allgather_object(memory_by_category(engine, records))
+        memory = self.world.allgather_object(memory_by_category(self.engine, records, self.stepmon.peak_stash_bytes))
         if self.tb:
             self.tb.close()
         if not self.is_main:
@@ -332,10 +335,10 @@ def _median(records: list[dict], key: str) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def memory_by_category(engine, records: list[dict]) -> dict:
+def memory_by_category(engine, records: list[dict], activations: int = 0) -> dict:
     """Bytes this rank holds: parameters, gradients, optimizer state (persistent), the pipeline's
-    peak stash of activations, the peak resident set (host) and the CuPy pool's, with the budget
-    they must fit: the GPU's memory, else this node's memory over its ranks."""
+    peak stash of ``activations``, the peak resident set (host) and the CuPy pool's, with the
+    budget they must fit: the GPU's memory, else this node's memory over its ranks."""
     from mpirt import comm
 
     opt = engine.optimizer
@@ -347,8 +350,7 @@ def memory_by_category(engine, records: list[dict]) -> dict:
         held = {"params": sum(int(p.data.nbytes) for p in params),
                 "grads": sum(int(g.base.nbytes if g.base is not None else g.nbytes) for g in grads.values()),
                 "optimizer": sum(int(a.nbytes) for st in getattr(opt, "state", []) for a in st.values())}
-    stats = getattr(engine, "stats", {}) or {}
-    held["activations_peak"] = int(stats.get("peak_stash_bytes", 0))
+    held["activations_peak"] = int(activations)
     held["host_rss_peak"] = peak_rss_bytes()
     info = B.device_info()
     if info is not None:

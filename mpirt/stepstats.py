@@ -60,6 +60,7 @@ class StepMonitor:
         self.trace = trace
         self.marks: list = []
         self.cursor = 0
+        self.peak_stash_bytes = 0  # the largest activation stash a pipeline step held
 
     def begin(self, step: int) -> None:
         """Start step ``step`` (counted from 1)."""
@@ -80,6 +81,7 @@ class StepMonitor:
         step_s = t_end - marks[0][1]
         out = dict.fromkeys((p + "_s" for p in PARTS), 0.0)
         spans = []  # (name, t0, t1) on the compute row of the trace
+        window = None  # a pipeline schedule's (start, end)
         for (_, t0), (part, t1) in zip(marks, marks[1:]):
             if part == "train_step":
                 inner, window = self._engine_parts(engine_stats, t0, t1, spans)
@@ -114,8 +116,7 @@ class StepMonitor:
             self.trace.add_step(self.step, spans, records)
         return out
 
-    @staticmethod
-    def _engine_parts(st: dict, t0: float, t1: float, spans: list) -> tuple[dict, tuple | None]:
+    def _engine_parts(self, st: dict, t0: float, t1: float, spans: list) -> tuple[dict, tuple | None]:
         """(seconds per part inside ``train_step``, the pipeline schedule's (start, end) or None)."""
         if "op_s" not in st:  # the sharded engine: its own spans
             parts: dict = {}
@@ -124,6 +125,7 @@ class StepMonitor:
                 spans.append((name, a, b))
             return parts, None
         op, start = st["op_s"], st["t0"]
+        self.peak_stash_bytes = max(self.peak_stash_bytes, st.get("peak_stash_bytes", 0))
         parts = {"forward": op.get("F", 0.0), "backward": op.get("B", 0.0), "weight_grad": op.get("W", 0.0),
                  "bubble": st["idle_s"], "grad_sync": st.get("sync_s", 0.0)}
         names = {"F": "forward", "B": "backward", "W": "weight_grad", "wait": "bubble"}

@@ -396,7 +396,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     flops_per_step = flops_per_token(model_cfg, cfg.seq_len) * tokens_per_step
-    monitor = RunMonitor(cfg, ctx, grid, model_cfg, out, start_step, flops_per_step)  # collective
+    monitor = RunMonitor(cfg, ctx, grid, engine, model_cfg, out, start_step, flops_per_step)  # collective
     metrics = Metrics(out / "metrics" / f"rank{ctx.rank}.jsonl", resume_step=start_step if resume else None)
     if is_main:
         print(banner(ctx, cfg, layout, model_cfg, data, out, start_step, end_step, "host MPI"
@@ -481,7 +481,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             break
     progress.close()
     metrics.close()
-    monitored = monitor.finish(metrics.records, engine)  # collective: trace, memory, stragglers
+    monitored = monitor.finish(metrics.records)  # collective: trace, memory, stragglers
     engine.close()
     grid.free()
 

@@ -1,0 +1,262 @@
+"""Monitoring: honest MFU, the per-step breakdown, stragglers, the trace, the report, NVML, the
+comm registry window. End-to-end cases are real ``python -m mpirt.train`` runs (under mpiexec for
+2 ranks); the registry window is checked in the multi-rank tier."""
+import json
+import os
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+from conftest import agree, run_module
+
+TINY = ["--model.n_layer=2", "--model.n_embd=32", "--model.n_head=2", "--model.n_positions=32",
+        "--seq-len=16", "--batch-size=8", "--eval-batches=1", "--eval-interval=0", "--warmup-steps=2",
+        "--log-interval=2"]
+PARTS = ("data_s", "forward_s", "backward_s", "weight_grad_s", "bubble_s", "grad_sync_s", "optimizer_s",
+         "injected_s", "other_s")
+SLOW = 0.15  # seconds the straggler sleeps in every step's compute
+
+
+def records(out, rank=0):
+    return [json.loads(line) for line in (out / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+def test_mfu_equals_the_hand_computation(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    peak = 1e12
+    run_module("mpirt.train", *TINY, "--steps=3", f"--peak-flops={peak}", "--progress=false",
+               f"--data={tiny_data}", f"--out-dir={out}")
+    summary = json.loads((out / "summary.json").read_text())
+    v, c, L, T, P, B = 256, 32, 2, 16, 32, 8  # the byte dataset's vocabulary; --model.* and batch above
+    # GPT-2 parameters without the position table: wte, and per block ln_1, attn (qkv + proj), ln_2,
+    # mlp (fc + proj) with biases, then ln_f
+    n = v * c + L * (2 * c + (3 * c * c + 3 * c) + (c * c + c) + 2 * c + (4 * c * c + 4 * c) + (4 * c * c + c)) + 2 * c
+    assert summary["num_parameters"] == n + P * c
+    per_token = 6 * n + 12 * L * c * T
+    for r in records(out):
+        assert r["mfu"] == pytest.approx(per_token * B * T / r["step_time_s"] / peak, rel=1e-12)
+    assert summary["peak_flops"] == peak and summary["peak_flops_source"] == "flag"
+
+
+def test_default_run_mfu_below_100_percent_and_parts_sum_to_the_step(tmp_path):
+    out = tmp_path / "run"
+    # the default run (tiny preset, batch 8 x 128, built-in corpus), a few steps
+    result = run_module("mpirt.train", "--steps=4", "--eval-batches=1", f"--out-dir={out}", timeout=280)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["peak_flops_source"] in ("vendor", "calibrated", "table")
+    recs = records(out)
+    assert all(0 < r["mfu"] < 1 for r in recs), [r["mfu"] for r in recs]
+    assert 0 < summary["mfu"] < 1 and summary["step_over_gemm_floor"] >= 1
+    for r in recs[1:]:
+        parts = sum(r[k] for k in PARTS)
+        assert parts == pytest.approx(r["step_time_s"], rel=0.02, abs=1e-3), r
+        assert r["other_s"] < 0.1 * r["step_time_s"] + 1e-3, r
+        assert r["compute_s"] + r["mpi_wait_s"] == pytest.approx(r["step_time_s"], rel=0.02, abs=1e-3)
+    # the end block carries the monitoring figures; a log file gets no control characters
+    assert "step / GEMM floor" in result.stderr and "MFU" in result.stderr
+    assert "\r" not in result.stderr and "\x1b" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def straggler_run(tiny_data, tmp_path_factory):
+    """dp 2 where world rank 1 sleeps SLOW seconds in the compute of every step from step 3."""
+    out = tmp_path_factory.mktemp("straggler")
+    env_before = os.environ.get("MPIRT_FAULT")
+    os.environ["MPIRT_FAULT"] = f"slow={SLOW}@1:3"
+    try:
+        result = run_module("mpirt.train", *TINY, "--steps=7", "--dp=2", f"--data={tiny_data}", f"--out-dir={out}",
+                            ranks=2)
+    finally:
+        if env_before is None:
+            del os.environ["MPIRT_FAULT"]
+        else:
+            os.environ["MPIRT_FAULT"] = env_before
+    return out, result
+
+
+def test_a_slowed_rank_is_named_and_the_others_wait(straggler_run):
+    out, result = straggler_run
+    summary = json.loads((out / "summary.json").read_text())
+    agg = summary["monitor"]["stragglers"]
+    assert agg["slowest_rank"] == 1
+    r0, r1 = records(out, 0), records(out, 1)
+    slowed = [(a, b) for a, b in zip(r0, r1) if a["step"] >= 4]
+    for a, b in slowed:
+        assert b["injected_s"] == pytest.approx(SLOW, abs=0.02)
+        assert b["compute_s"] > a["compute_s"] + 0.5 * SLOW
+    before = np.mean([a["mpi_wait_s"] for a in r0 if a["step"] == 2])
+    after = np.mean([a["mpi_wait_s"] for a, _ in slowed])
+    assert after > before + 0.5 * SLOW  # rank 0 now waits for rank 1 in the gradient allreduce
+    assert after > np.mean([b["mpi_wait_s"] for _, b in slowed]) + 0.5 * SLOW
+    # rank 0's records carry the interval spread, naming rank 1 once it is slowed
+    intervals = [r["stragglers"] for r in r0 if "stragglers" in r and r["step"] >= 4]
+    assert intervals and all(i["slowest_rank"] == 1 for i in intervals)
+    assert intervals[-1]["per_rank"]["mpi_wait_s"][0] > intervals[-1]["per_rank"]["mpi_wait_s"][1]
+    assert "slowest rank 1" in result.stderr
+
+
+def test_comm_bytes_in_the_records_are_the_gradient_bytes(straggler_run):
+    out, _ = straggler_run
+    summary = json.loads((out / "summary.json").read_text())
+    grads = summary["monitor"]["memory_per_rank"][0]["grads"]
+    for r in records(out)[1:]:
+        # the gradient buckets (one allreduce each) and the loss average (8 bytes)
+        assert r["comm_dp_bytes"] == grads + 8
+        assert r["dp_exposed_s"] + r["dp_hidden_s"] == pytest.approx(r["comm_dp_s"], abs=1e-9)
+
+
+def test_the_trace_is_chrome_json_with_spans_from_every_rank(straggler_run):
+    out, _ = straggler_run
+    trace = json.loads((out / "trace.json").read_text())
+    events = trace["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    for e in spans:
+        assert isinstance(e["name"], str) and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        assert e["ts"] >= 0 and e["dur"] >= 0
+    for rank in (0, 1):
+        names = {e["name"] for e in spans if e["pid"] == rank}
+        assert {"forward", "backward", "grad_sync", "optimizer"} <= names, names
+        assert any(n.startswith("iallreduce dp") for n in names), names
+    meta = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert meta == {"rank 0 (dp 0, pp 0, tp 0)", "rank 1 (dp 1, pp 0, tp 0)"}
+    assert not (out / "trace").exists()  # the per-rank parts were joined
+
+
+def test_tensorboard_scalars(straggler_run):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _ = straggler_run
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["tensors"]) | set(acc.Tags()["scalars"])
+    assert {"loss", "mfu", "step_time_s", "ranks/compute_s_max"} <= tags, tags
+
+
+def png_is_drawn(path, min_size=(500, 250)):
+    from PIL import Image
+
+    img = np.asarray(Image.open(path).convert("RGB"))
+    h, w, _ = img.shape
+    colours = len(np.unique(img.reshape(-1, 3), axis=0))
+    return w >= min_size[0] and h >= min_size[1] and colours > 20 and img.std() > 10
+
+
+@pytest.mark.parametrize("layout", [["--pp=2", "--schedule=zb-h1", "--microbatches=4"]], ids=["pp2 zb-h1"])
+def test_report_writes_drawn_pngs_for_a_pipeline_run(tiny_data, tmp_path, layout):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "run"
+    run_module("mpirt.train", *TINY, "--steps=4", *layout, f"--data={tiny_data}", f"--out-dir={out}", ranks=2)
+    recs = records(out, 1)
+    assert all(r["bubble_s"] > 0 and r["weight_grad_s"] > 0 for r in recs[1:])
+    spans = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        names = {e["name"].split(" mb")[0] for e in spans if e["pid"] == rank}
+        assert {"forward", "backward", "weight_grad"} <= names, names
+    printed = run_module("mpirt.report", out).stdout.split()
+    report = out / "report"
+    for name in ("loss.png", "step_breakdown.png", "comm.png", "timeline.png", "memory.png"):
+        assert str(report / name) in printed
+        assert png_is_drawn(report / name), name
+    assert not (report / "gpu.png").exists()  # no GPU samples on a CPU run
+    text = (report / "report.md").read_text()
+    assert "MFU" in text and "pipeline bubble" in text and "timeline.png" in text
+
+
+def test_report_refuses_a_directory_without_a_run(tmp_path):
+    result = run_module("mpirt.report", tmp_path, check=False)
+    assert result.returncode == 2 and "summary.json" in result.stderr
+
+
+def test_nvml_degrades_without_a_gpu_and_samples_with_one(monkeypatch):
+    import mpirt.backend as B
+    from mpirt import gpumon
+
+    sampler, note = gpumon.start()
+    assert sampler is None and "no GPU" in note
+    monkeypatch.setattr(B, "device_info", lambda: {"name": "NVIDIA H200", "pci_bus_id": "0000:01:00.0",
+                                                   "total_memory": 141 << 30})
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # the package is not installed
+    sampler, note = gpumon.start()
+    assert sampler is None and "nvidia-ml-py is not installed" in note
+
+    class Error(Exception):
+        pass
+
+    fake = types.SimpleNamespace(
+        NVMLError=Error, NVML_CLOCK_SM=0, NVML_CLOCK_MEM=1, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByPciBusId=lambda bus: bus,
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=87, memory=41),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=3 << 30),
+        nvmlDeviceGetPowerUsage=lambda h: 450_000, nvmlDeviceGetClockInfo=lambda h, kind: (1980, 2619)[kind])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    sampler, note = gpumon.start(interval=0.01)
+    try:
+        assert "H200" in note
+        deadline = time.monotonic() + 5
+        while len(sampler.samples) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        mean = gpumon.mean(sampler.drain())
+    finally:
+        sampler.close()
+    assert mean == {"gpu_util": 87.0, "gpu_mem_bw_util": 41.0, "gpu_mem_used_bytes": float(3 << 30),
+                    "gpu_power_w": 450.0, "gpu_sm_clock_mhz": 1980.0, "gpu_mem_clock_mhz": 2619.0}
+
+
+def test_peak_table_and_cpu_flops_per_cycle():
+    from mpirt import flops
+
+    assert flops.gpu_peak("NVIDIA H200", "bfloat16") == 989e12
+    assert flops.gpu_peak("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert flops.gpu_peak("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12
+    assert flops.gpu_peak("Some Future GPU", "float32") is None
+    intel = {"vendor_id": "GenuineIntel", "cpu family": "6", "flags": "sse2 avx2 fma avx512f"}
+    zen4 = {"vendor_id": "AuthenticAMD", "cpu family": "25", "flags": "sse2 avx2 fma avx512f"}
+    assert flops.cpu_flops_per_cycle(intel, "float32") == 64 and flops.cpu_flops_per_cycle(intel, "float64") == 32
+    assert flops.cpu_flops_per_cycle(zen4, "float32") == 32
+    assert flops.cpu_flops_per_cycle({"flags": "sse2"}, "float32") is None
+    # a vendor peak below what the GEMMs reach is no bound: the measured rate replaces it
+    peak = flops.resolve_peak("float32", 1.0, measured_gemm=1e15)
+    assert peak.source == "calibrated" and peak.per_rank == 1e15
+
+
+def test_slow_fault_parses_and_needs_seconds():
+    from mpirt import faults
+
+    assert faults.parse("slow=0.5@1:3") == [faults.Fault("slow", 1, 3, 0.5)]
+    with pytest.raises(ValueError, match="slow=SECONDS"):
+        faults.parse("slow@1:3")
+
+
+@pytest.mark.mpi
+def test_step_window_bytes_per_axis_equal_the_registry(group):
+    from mpirt.comm import stats
+    from mpirt.stepstats import StepMonitor
+
+    dp, pp = group(2, "dp"), group(2, "pp")
+    if dp is None:
+        agree(True)
+        return
+    mon = StepMonitor()
+    before = stats.summary()
+    mon.begin(1)
+    x = np.ones(1000, dtype=np.float32)
+    dp.allreduce(x, op="sum")
+    h = dp.iallreduce(np.ones(10, dtype=np.float64), op="sum")
+    h.wait()
+    peer = 1 - pp.rank
+    r = pp.irecv(np.empty(64, dtype=np.float32), peer, 5)
+    pp.send(np.ones(64, dtype=np.float32), peer, 5)
+    r.wait()
+    mon.mark("forward")
+    fig = mon.end({})
+    after = stats.summary()
+    expected = {}
+    for (op, axis), v in after.items():
+        expected[axis] = expected.get(axis, 0) + v["bytes"] - before.get((op, axis), {"bytes": 0})["bytes"]
+    agree(fig["comm_dp_bytes"] == expected["dp"] == 4000 + 80 and fig["comm_pp_bytes"] == expected["pp"] == 512,
+          (fig, expected))
+    agree(fig["forward_s"] == pytest.approx(fig["compute_s"] + fig["mpi_wait_s"], abs=1e-6), fig)
