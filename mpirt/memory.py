@@ -86,11 +86,11 @@ def kept_bytes(root) -> int:
 # =============================================================================================
 # The process: Python, NumPy, mpi4py and MPI's shared-memory segments, mpirt's modules, BLAS set-up
 # and the monitor's start-up probes. Measured as the peak RSS of `mpirt.train` runs whose model is a
-# few kilobytes (1, 2 and 4 ranks, float32 and float64: 95.4-97.6 MiB per rank, rank 0 up to
-# 107.0 MiB: it also writes the checkpoint, metrics and summary), rounded up.
-PROCESS_BYTES = 98 * 2**20
+# few kilobytes on a 1.2 MB dataset (1, 2 and 4 ranks, float32 and float64: 73.8-75.3 MiB per rank,
+# rank 0 up to 83.9 MiB: it also writes the checkpoint, metrics and summary), rounded up.
+PROCESS_BYTES = 75 * 2**20
 RANK0_EXTRA_BYTES = 10 * 2**20
-CATEGORIES = ("baseline", "parameters", "gradients", "optimizer_state", "activations", "communication",
+CATEGORIES = ("baseline", "data", "parameters", "gradients", "optimizer_state", "activations", "communication",
               "workspace")
 
 
@@ -122,11 +122,12 @@ def _kept(acts: dict, mode: str, recomputed: bool) -> int:
     return acts["block"] - acts["core"] if mode == "selective" else acts["input"]
 
 
-def predict(cfg, model_cfg, layout: dict, rank: int) -> dict:
+def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0) -> dict:
     """Predicted peak bytes of world rank ``rank`` by category (:data:`CATEGORIES`) plus ``"peak"``,
     their sum, from the run's config alone (pure: nothing is built or communicated).
 
-    ``baseline``: the process (:data:`PROCESS_BYTES`); ``parameters``, ``gradients``,
+    ``baseline``: the process (:data:`PROCESS_BYTES`); ``data``: ``data_bytes``, the dataset's
+    memory-mapped token files (resident once read: the id check and the batches read them); ``parameters``, ``gradients``,
     ``optimizer_state`` (AdamW's two moments): this rank's share under tp, its pipeline stage's
     layers (the tied table on both end stages), ZeRO's sharding over dp (stage 2: the full gradient
     is alive during backward); ``activations``: one micro-batch's kept bytes (the model's
@@ -205,7 +206,7 @@ def predict(cfg, model_cfg, layout: dict, rank: int) -> dict:
         checkpoint += RANK0_EXTRA_BYTES
     # the step's transient comes on top of the activations, the end of the run's after they are freed
     workspace = max(backward, checkpoint - activations)
-    out = {"baseline": PROCESS_BYTES, "parameters": params, "gradients": grads, "optimizer_state": optimizer,
+    out = {"baseline": PROCESS_BYTES, "data": data_bytes, "parameters": params, "gradients": grads, "optimizer_state": optimizer,
            "activations": activations, "communication": comm, "workspace": workspace}
     out = {k: int(v) for k, v in out.items()}
     out["peak"] = sum(out.values())
@@ -219,10 +220,10 @@ def describe_rank(layout: dict, rank: int) -> str:
     return f"rank {rank}" + (f" ({where})" if where else "")
 
 
-def check_budget(cfg, model_cfg, layout: dict, world_size: int) -> list[dict]:
+def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int = 0) -> list[dict]:
     """Every rank's :func:`predict`; with ``cfg.memory_budget``, ValueError for the rank whose peak
     exceeds it by the most, naming its largest term, the numbers and what would shrink it."""
-    preds = [predict(cfg, model_cfg, layout, r) for r in range(world_size)]
+    preds = [predict(cfg, model_cfg, layout, r, data_bytes) for r in range(world_size)]
     budget = parse_size(cfg.memory_budget)
     if budget is None:
         return preds
@@ -236,7 +237,8 @@ def check_budget(cfg, model_cfg, layout: dict, world_size: int) -> list[dict]:
              "activations": "--recompute selective/full, a smaller --batch-size or more --microbatches",
              "communication": "a larger pp or tp (smaller stages and units)",
              "workspace": "a larger pp or tp (checkpoints gather full tensors)",
-             "baseline": "a larger budget: the process alone needs it"}
+             "baseline": "a larger budget: the process alone needs it",
+             "data": "a larger budget: the dataset's files are mapped whole"}
     raise ValueError(f"memory_budget: {describe_rank(layout, worst)}: predicted peak {format_size(p['peak'])} > "
                      f"budget {format_size(budget)}; largest term {term.replace('_', ' ')} {format_size(p[term])} "
                      f"({', '.join(f'{k.replace(chr(95), chr(32))} {format_size(p[k])}' for k in CATEGORIES)}); "

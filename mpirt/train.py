@@ -256,7 +256,7 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
         f"batch {cfg.batch_size} x {cfg.seq_len}",
         f"mpirt: memory: recompute {cfg.recompute}" + (f" (blocks {cfg.recompute_layers})" if cfg.recompute_layers
                                                          and cfg.recompute != "none" else "")
-        + f", predicted peak {format_size(max(predict(cfg, model_cfg, layout, r)['peak'] for r in range(ctx.size)))}"
+        + f", predicted peak {format_size(max(predict(cfg, model_cfg, layout, r, data.train.nbytes + data.val.nbytes)['peak'] for r in range(ctx.size)))}"
         + f" (largest rank), budget {cfg.memory_budget or 'none'}",
         f"mpirt: out {out} ({where}; steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
         f"{', '.join(stops) or 'at the end'}, keep {cfg.keep_checkpoints}"
@@ -291,7 +291,7 @@ def main(argv=None) -> dict:
             model_cfg = vocab_from_data(cfg, model_cfg, data, layout["tp"])
         check_fit(cfg, model_cfg, data, layout)
         check_resources(cfg, data)
-        check_budget(cfg, model_cfg, layout, world.size)  # every rank's predicted peak against --memory-budget
+        check_budget(cfg, model_cfg, layout, world.size, data.train.nbytes + data.val.nbytes)  # every rank's predicted peak against --memory-budget
         if resume and cfg.resume == "auto":
             check_resume(cfg, read_checkpoint_meta(cfg.init_from), data.directory)
         deadline = jobctl.Deadline.from_config(cfg.time_limit, started, parse_duration)
@@ -486,7 +486,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     grid.free()
 
     peaks = world_comm.allgather_object(peak_rss_bytes())
-    predicted = [predict(cfg, model_cfg, layout, r)["peak"] for r in range(ctx.size)]
+    predicted = [predict(cfg, model_cfg, layout, r, data.train.nbytes + data.val.nbytes)["peak"] for r in range(ctx.size)]
     summary = {
         "steps": step,
         "total_steps": cfg.steps,

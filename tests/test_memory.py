@@ -1,0 +1,109 @@
+"""The memory prediction and budget: sizes, the per-rank prediction against the schedules and ZeRO's
+formulas, a layout that cannot fit refused before training, a run that fits within its budget and
+predicted to 20% of its measured peak, and the in-run stop when a rank's peak passes the budget.
+
+The measured peak is the process's peak RSS, of which the baseline (Python, NumPy, MPI: ~98 MiB)
+is most on these small models; the layouts below are sized so activations are a third to half of it.
+"""
+import json
+from dataclasses import replace
+
+import pytest
+
+from conftest import run_module
+from mpirt.config import TrainConfig
+from mpirt.memory import CATEGORIES, decode_over_budget, format_size, over_budget_flag, parse_size, peak_in_flight, \
+    predict
+from mpirt.modeling import load_model_config
+from mpirt.parallel.schedule_check import simulate
+from mpirt.parallel.schedules import build
+
+
+def test_sizes():
+    assert parse_size("") is None
+    assert parse_size("1.5GiB") == 3 * 2**29
+    assert parse_size("800MB") == 800 * 10**6
+    assert parse_size("512 mib") == 2**29
+    for bad in ("lots", "1.5XB", "0GiB", "-1MB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert format_size(3 * 2**29) == "1.50 GiB" and format_size(2**20) == "1.0 MiB"
+
+
+def test_over_budget_flag_names_the_rank_and_peak():
+    assert over_budget_flag(10 * 2**20, 20 * 2**20, 3) == 0
+    assert over_budget_flag(10 * 2**20, None, 3) == 0
+    flags = [over_budget_flag(p, 2**20, r) for r, p in enumerate([2**21, 2**23, 2**22])]
+    assert decode_over_budget(max(flags)) == (1, 2**23)
+
+
+def _cfg(**kw):
+    return replace(TrainConfig(), batch_size=8, seq_len=64, **kw)
+
+
+MODEL = load_model_config("tiny", {})
+
+
+def test_prediction_sums_its_categories_and_follows_zero():
+    base = predict(_cfg(), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1)
+    assert set(base) == {*CATEGORIES, "peak"} and base["peak"] == sum(base[k] for k in CATEGORIES)
+    z = {s: predict(_cfg(zero=s), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1) for s in (1, 2, 3)}
+    assert z[1]["optimizer_state"] == pytest.approx(base["optimizer_state"] / 2, abs=2)
+    assert z[2]["gradients"] == pytest.approx(1.5 * base["gradients"], abs=2)
+    assert z[3]["parameters"] == pytest.approx(base["parameters"] / 2, abs=2)
+    assert z[3]["activations"] < base["activations"]  # stage 3 reruns every unit
+    full = predict(_cfg(recompute="full"), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1)
+    sel = predict(_cfg(recompute="selective"), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1)
+    assert full["activations"] < sel["activations"] < base["activations"]
+
+
+@pytest.mark.parametrize("name, m", [("gpipe", 4), ("1f1b", 4), ("zb-h1", 4), ("1f1b", 8)])
+def test_peak_in_flight_counts_the_schedule(name, m):
+    sched = build(name, 4, m, 1)
+    for rank in range(4):
+        assert peak_in_flight(sched, rank, [1]) == simulate(sched).peak_stash[rank]
+
+
+def test_first_pipeline_stage_holds_more():
+    lay = {"dp": 1, "pp": 2, "tp": 1}
+    first, last = (predict(_cfg(pp=2, microbatches=4), MODEL, lay, r) for r in (0, 1))
+    assert first["activations"] > last["activations"]
+
+
+ARGS = ["--seq-len=128", "--batch-size=16", "--steps=2", "--eval-batches=1", "--eval-interval=0", "--progress=false"]
+
+
+def test_layout_that_cannot_fit_is_refused(tiny_data, tmp_path):
+    r = run_module("mpirt.train", *ARGS, f"--data={tiny_data}", f"--out-dir={tmp_path}", "--pp=2",
+                   "--memory-budget=100MiB", ranks=2, check=False)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
+    assert len(lines) == 1 and lines[0].startswith("error: memory_budget: rank 0 (pp stage 0): predicted peak ")
+    assert "> budget 100.0 MiB; largest term baseline" in lines[0] and "optimizer state" in lines[0]
+    assert not (tmp_path / "metrics").exists()  # refused before training
+
+
+@pytest.mark.parametrize("ranks, layout", [
+    (1, []), (1, ["--recompute=full"]), (1, ["--recompute=selective", "--model=llama-tiny"]),
+    (2, ["--tp=2", "--sequence-parallel"]), (2, ["--dp=2", "--zero=3"]),
+    (2, ["--pp=2", "--microbatches=4", "--schedule=zb-h1"]), (2, ["--pp=2", "--microbatches=4", "--recompute=full"]),
+], ids=str)
+def test_run_that_fits_is_predicted(tiny_data, tmp_path, ranks, layout):
+    run_module("mpirt.train", *ARGS, f"--data={tiny_data}", f"--out-dir={tmp_path}", "--memory-budget=1GiB",
+               *layout, ranks=ranks)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["memory_budget_bytes"] == 2**30 and s["peak_memory_bytes"] <= 2**30
+    for measured, predicted in zip(s["peak_memory_bytes_per_rank"], s["predicted_peak_bytes_per_rank"]):
+        assert predicted == pytest.approx(measured, rel=0.2)
+
+
+def test_measured_peak_over_budget_stops_every_rank(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("MPIRT_FAULT", "alloc=300@1:2")
+    r = run_module("mpirt.train", *ARGS, "--steps=4", f"--data={tiny_data}", f"--out-dir={tmp_path}", "--dp=2",
+                   "--memory-budget=300MiB", ranks=2, check=False)
+    assert r.returncode == 5, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 2 and all("rank 1: measured peak memory " in e and "> memory budget 300.0 MiB" in e
+                                    for e in errors)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["exit_code"] == 5 and s["steps"] == 2 and not (tmp_path / "ckpt").exists()
