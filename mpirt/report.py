@@ -202,7 +202,7 @@ def plot_memory(run: dict, path: Path) -> Path | None:
     memory = (s.get("monitor") or {}).get("memory_per_rank")
     if not memory:
         return None
-    plt, fig, (ax,) = _figure(width=10, height=max(3.0, 0.45 * len(memory) + 2))
+    plt, fig, (ax,) = _figure(width=10, height=max(3.5, 0.45 * len(memory) + 2.8))
     labels = [f"rank {r}" for r in range(len(memory))]
     cats = (("params", "parameters", "#4c72b0"), ("grads", "gradients", "#dd8452"),
             ("optimizer", "optimizer state", "#55a868"), ("activations_peak", "pipeline activations (peak)", "#8172b3"))
@@ -227,8 +227,8 @@ def plot_memory(run: dict, path: Path) -> Path | None:
     else:
         title_budget = f" (budget {budget / MIB:,.0f} MiB, off scale)" if budget else ""
     ax.invert_yaxis()
-    ax.set(xlabel="MiB", title="Memory per rank" + title_budget)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set(xlabel="MiB (peak of the run)", title="Memory per rank" + title_budget)
+    ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     return _save(plt, fig, path)
 
 
