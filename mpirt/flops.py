@@ -29,7 +29,7 @@ GEMM floor`` says how far a step is from what the BLAS library allows on these s
 """
 from __future__ import annotations
 
-import statistics
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,21 +138,21 @@ def layer_products(n_embd: int, hidden: int, rows: int, dtype: str) -> list:
 
 def gemm_rate(products: list, seconds: float = 0.3) -> float:
     """FLOP/s of :func:`mpirt.threads.matmul` (the layers' path: mpirt's threads and GEMM
-    library) on ``products``: the median round of those run in ``seconds``. Every rank of a job
-    times at once (the caller's barrier first), so ranks sharing a node share it as in training."""
+    library) on ``products``: the fastest of the rounds run in ``seconds``, the one least
+    disturbed by other processes (a rate under load would make a peak that training beats)."""
     from mpirt import threads
 
     flops = sum(2.0 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products)
     for a, b in products:  # warm-up: pool started, pages touched
         threads.matmul(a, b)
-    rounds, start = [], time.perf_counter()
-    while len(rounds) < 3 or time.perf_counter() - start < seconds:
+    best, start = math.inf, time.perf_counter()
+    while best == math.inf or time.perf_counter() - start < seconds:
         t0 = time.perf_counter()
         for a, b in products:
             threads.matmul(a, b)
         B.synchronize()
-        rounds.append(time.perf_counter() - t0)
-    return flops / statistics.median(rounds)
+        best = min(best, time.perf_counter() - t0)
+    return flops / best
 
 
 def resolve_peak(dtype: str, cores: float, measured_gemm: float, flag: float = 0.0) -> Peak:

@@ -181,7 +181,7 @@ class RunMonitor:
         self.world.barrier()  # every rank times together, sharing the node as in training
         rate = flops.gemm_rate(products)
         cores = min(threads.num_threads(), (os.cpu_count() or 1) / ctx.local_size)
-        if B.name == "numpy":  # ranks oversubscribing the cores time their rounds in turns: each has its share
+        if B.name == "numpy":  # ranks oversubscribing the cores get their share of them, not a core each
             rate *= cores / threads.num_threads()
         self.peak = flops.resolve_peak(cfg.dtype, cores, rate, cfg.peak_flops)
         import numpy as np
