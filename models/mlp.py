@@ -18,7 +18,7 @@ from mpirt import ops
 from mpirt.modeling import LayerCost, register
 from mpirt.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList
 from mpirt.models.config import GPTConfig
-from mpirt.models.lm import TiedLM, stack_costs
+from mpirt.models.lm import TiedLM, activation_bytes, stack_costs
 
 
 class MLPBlock(Module):
@@ -62,6 +62,17 @@ class MLP(TiedLM):
     def flops_per_token_of(cls, cfg: GPTConfig, seq_len: int = 0) -> float:
         """Training FLOPs per token of the model ``cfg`` describes (module-level :func:`flops_per_token`)."""
         return flops_per_token(cfg, seq_len)
+
+    @classmethod
+    def activation_bytes_of(cls, cfg: GPTConfig, *, batch: int, seq_len: int, itemsize: int = 4, **kwargs) -> dict:
+        """Embedding and head as :func:`~mpirt.models.lm.activation_bytes`; a block keeps its input,
+        the norm's normalised input, 1/std and output, the three hidden arrays and the projection
+        (``u = b s h``): ``e (4u + bs + 3 b s f)``, with dropout ``(e + 1) u`` more. No attention core."""
+        out = activation_bytes(cfg, batch=batch, seq_len=seq_len, itemsize=itemsize, **kwargs)
+        u, e = batch * seq_len * cfg.n_embd, itemsize
+        block = e * (4 * u + batch * seq_len + 3 * batch * seq_len * cfg.hidden)
+        block += (e + 1) * u if cfg.resid_pdrop > 0 else 0
+        return {**out, "block": block, "core": 0}
 
     @classmethod
     def layer_costs_of(cls, cfg: GPTConfig, seq_len: int) -> list:

@@ -17,7 +17,7 @@ DROPOUT = {"attn_pdrop": 0.1, "resid_pdrop": 0.1}
 
 
 def _model(name, mode, layers="", dtype="float64", **over):
-    cfg = load_model_config(name, {"n_layer": 3, "n_embd": 32, "n_head": 4, **over})
+    cfg = load_model_config(name, {"n_layer": 3, "n_embd": 32, **({"n_head": 4} if name != "mlp" else {}), **over})
     model = build_model(cfg, dtype=dtype, seed=5)
     done = recompute.apply(dict(enumerate(model.h)), mode, layers, attention_core(cfg))
     return cfg, model, done
@@ -53,9 +53,10 @@ def test_gradients_equal_without_recomputation(name, mode, layers, defer):
         assert np.abs(grads[k] - ref[k]).max() <= 1e-12 * scale, k
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
-@pytest.mark.parametrize("over", [{}, DROPOUT], ids=["", "dropout"])
-@pytest.mark.parametrize("mode, layers", [("none", ""), ("selective", ""), ("full", ""), ("full", "1-2")])
+@pytest.mark.parametrize("name, over, mode, layers", [
+    (name, over, mode, layers) for name in ("tiny", "llama-tiny") for over in ({}, DROPOUT)
+    for mode, layers in (("none", ""), ("selective", ""), ("full", ""), ("full", "1-2"))]
+    + [("mlp", over, mode, "") for over in ({}, {"resid_pdrop": 0.1}) for mode in ("none", "full")], ids=str)
 def test_kept_activations_match_the_formula(name, over, mode, layers):
     """Measured: every array the graph of a float32 forward keeps alive (kept_bytes); predicted:
     embed + head + per block ``block`` / ``block - core`` / ``input`` (within 10%; exact here)."""
