@@ -29,8 +29,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from mpirt import modeling
+from mpirt.precision import DTYPES
 
-DTYPES = ("float32", "float64")
 BACKENDS = ("auto", "numpy", "cupy")
 # Pipeline schedule names are those of mpirt.parallel.schedules (canonical names plus aliases), so
 # `mpirt.train --schedule` and `python -m mpirt.schedule` accept the same set.
@@ -91,7 +91,11 @@ class TrainConfig:
     comm_timeout: float = _opt(-1.0, "seconds a collective or p2p may wait before the job is ended naming "
                                      "the operation; -1 = auto (300 s plus writing a checkpoint at 50 MB/s); "
                                      "0 = no timeout (a rank exiting alone still ends the job)")
-    dtype: str = _opt("float32", "parameter and compute dtype: " + "|".join(DTYPES))
+    dtype: str = _opt("float32", "parameter, gradient and activation dtype: " + "|".join(DTYPES) + " (bfloat16, "
+                                 "float16: float32 master weights, moments and reductions)")
+    initial_loss_scale: float = _opt(65536.0, "float16: the dynamic loss scale's start (halved and the step "
+                                              "skipped on an overflow)")
+    loss_scale_window: int = _opt(2000, "float16: clean steps after which the loss scale doubles")
     backend: str = _opt("auto", "array backend: " + "|".join(BACKENDS) + " (auto = cupy if a GPU)")
     progress: bool = _opt(True, "show a progress bar on rank 0")
     monitor: bool = _opt(True, "per-step breakdown (compute, comm per axis, bubble, memory), stragglers, trace, "
@@ -161,6 +165,8 @@ class TrainConfig:
                 raise ConfigError(f"time_limit: {err}") from None
         need("dtype", self.dtype in DTYPES, "one of " + ", ".join(DTYPES))
         need("backend", self.backend in BACKENDS, "one of " + ", ".join(BACKENDS))
+        need("initial_loss_scale", self.initial_loss_scale >= 1, ">= 1")
+        need("loss_scale_window", self.loss_scale_window >= 1, ">= 1")
         need("dp", self.dp >= 0, ">= 0 (0 = derive from the world size)")
         need("tp", self.tp >= 1, ">= 1")
         need("pp", self.pp >= 1, ">= 1")

@@ -15,9 +15,12 @@ from 1, the step the metrics call ``step``). Kinds:
   SECONDS inside its compute (:func:`slowdown`, which the training loop calls within the step):
   a straggler (a slower node, a throttled GPU) that the others then wait for;
 - ``alloc``  ``alloc=MIB@RANK:STEP``: that rank allocates and touches MIB MiB it never frees (a
-  leak, or a step that needs more memory than predicted: the memory budget's in-run stop).
+  leak, or a step that needs more memory than predicted: the memory budget's in-run stop);
+- ``overflow`` that rank seeds the step's backward with an infinite loss scale
+  (:func:`loss_scale_factor`), so its gradients overflow: a float16 overflow on one rank.
 
-Without the variable :func:`inject` and :func:`slowdown` are one loop over an empty list.
+Without the variable :func:`inject`, :func:`slowdown` and :func:`loss_scale_factor` are one loop
+over an empty list.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import sys
 import time
 from typing import NamedTuple
 
-KINDS = ("stall", "exit", "kill", "raise", "signal", "diskfull", "slow", "alloc")
+KINDS = ("stall", "exit", "kill", "raise", "signal", "diskfull", "slow", "alloc", "overflow")
 _HELD: list = []  # what alloc faults took
 
 
@@ -63,7 +66,7 @@ _FAULTS = parse(os.environ.get("MPIRT_FAULT", ""))
 def inject(rank: int, step: int) -> None:
     """Trigger the faults listed for world rank ``rank`` at step ``step`` (no-op when none)."""
     for fault in _FAULTS:
-        if fault.rank != rank or fault.step != step or fault.kind == "slow":
+        if fault.rank != rank or fault.step != step or fault.kind in ("slow", "overflow"):
             continue
         print(f"mpirt.faults: rank {rank} step {step}: injecting {fault.kind}", file=sys.stderr, flush=True)
         if fault.kind == "stall":
@@ -93,3 +96,12 @@ def slowdown(rank: int, step: int) -> float:
     if seconds:
         time.sleep(seconds)
     return seconds
+
+
+def loss_scale_factor(rank: int, step: int) -> float:
+    """``inf`` when an ``overflow`` fault is listed for world rank ``rank`` at step ``step``, else 1.0:
+    the training loop multiplies the loss scale of that step by it."""
+    hit = any(f.kind == "overflow" and f.rank == rank and f.step == step for f in _FAULTS)
+    if hit:
+        print(f"mpirt.faults: rank {rank} step {step}: injecting overflow", file=sys.stderr, flush=True)
+    return float("inf") if hit else 1.0

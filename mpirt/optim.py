@@ -6,12 +6,20 @@ loop over parameters. Updates are in place, through one scratch buffer per dtype
 every parameter, and use Python-float constants only: NumPy 2 would turn a float32 model float64
 on meeting a NumPy float64 scalar. The step counter is global: a parameter whose ``grad`` is None
 is skipped, but the counter (AdamW's bias correction) still advances.
+
+Mixed precision (:mod:`mpirt.precision`): a parameter of a half dtype gets a float32 master copy
+and float32 state; the update runs on the master with the gradient converted to float32 (times
+``grad_scale``, which undoes a loss scale), then the parameter is refreshed from the master
+(rounded to nearest even). ``with opt.full_parameters():`` shows the model its masters, so a
+checkpoint holds the float32 weights.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import mpirt.backend as B
+from mpirt.precision import compute_dtype, is_half, upcast
 from mpirt.threads import fill_zero, for_blocks
 
 
@@ -91,7 +99,9 @@ class Optimizer:
     """Base class: a list of named Parameters, per-parameter state arrays and a global step.
 
     Subclasses set ``state_names`` (per-parameter arrays, allocated once here, in the parameter's
-    dtype) and ``hyper_names`` (scalar hyperparameters saved in :meth:`state_dict`).
+    compute dtype: float32 for half parameters) and ``hyper_names`` (scalar hyperparameters saved
+    in :meth:`state_dict`). Half parameters get float32 masters (``master[i]``, else None).
+    ``grad_scale`` multiplies every gradient as the update reads it (1/loss scale; default 1).
     """
 
     state_names: tuple = ()
@@ -108,14 +118,19 @@ class Optimizer:
             raise ValueError(f"{type(self).__name__}: lr must be >= 0, got {lr}")
         self.lr = float(lr)
         self.step_count = 0
-        self.state = [{k: B.xp.zeros_like(p.data) for k in self.state_names} for p in self.params]
-        self._scratch: dict = {}  # dtype -> flat buffer as large as the largest parameter of that dtype
+        self.grad_scale = 1.0
+        self.master = [upcast(p.data) if is_half(p.dtype) else None for p in self.params]
+        self.state = [{k: B.xp.zeros(p.shape, dtype=compute_dtype(p.dtype)) for k in self.state_names}
+                      for p in self.params]
+        self._scratch: dict = {}  # (use, dtype) -> flat buffer as large as the largest parameter using it
 
-    def _scratch_for(self, p):
-        buf = self._scratch.get(p.dtype)
+    def _scratch_for(self, p, use: str = "update"):
+        """A scratch array shaped like ``p`` in its compute dtype (``use`` keeps two apart)."""
+        dtype = compute_dtype(p.dtype)
+        buf = self._scratch.get((use, dtype))
         if buf is None:
-            size = max(q.size for q in self.params if q.dtype == p.dtype)
-            buf = self._scratch[p.dtype] = B.xp.empty(size, dtype=p.dtype)
+            size = max(q.size for q in self.params if compute_dtype(q.dtype) == dtype)
+            buf = self._scratch[use, dtype] = B.xp.empty(size, dtype=dtype)
         return buf[:p.size].reshape(p.shape)
 
     def zero_grad(self) -> None:
@@ -127,14 +142,51 @@ class Optimizer:
                 fill_zero(p.grad)
 
     def step(self) -> None:
-        """Apply one update from each parameter's ``.grad`` (parameters without one are skipped)."""
+        """Apply one update from each parameter's ``.grad`` (parameters without one are skipped);
+        half parameters are updated through their float32 masters."""
         self.step_count += 1
+        scale = float(self.grad_scale)
         for i, (p, state) in enumerate(zip(self.params, self.state)):
-            if p.grad is not None:
-                self._update(i, p, state)
+            if p.grad is None:
+                continue
+            master = self.master[i]
+            if master is None:
+                if scale != 1.0:
+                    p.grad *= scale
+                self._update(i, p.data, p.grad, state, self._scratch_for(p))
+            else:
+                grad = self._scratch_for(p, "grad")
+                B.xp.multiply(p.grad, scale, out=grad, dtype=grad.dtype)  # in float32: no underflow
+                self._update(i, master, grad, state, self._scratch_for(p))
+                p.data[...] = master                    # rounded to nearest even
 
-    def _update(self, i: int, p, state) -> None:
+    def _update(self, i: int, param, grad, state, scratch) -> None:
+        """Update the array ``param`` in place from ``grad`` (``scratch``: a buffer shaped like it)."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Context: inside, the ``p.data`` of half parameters are their float32 masters, so
+        ``model.state_dict()`` saves and ``model.load_state_dict()`` restores the masters; on exit
+        the half parameters are refreshed from them. Nothing changes without half parameters."""
+        swapped = [(p, p.data, m) for p, m in zip(self.params, self.master) if m is not None]
+        for p, _, m in swapped:
+            p.data = m
+        try:
+            yield
+        finally:
+            for p, half, m in swapped:
+                if p.data is not m:  # rebound inside: take the new values
+                    m[...] = p.data
+                half[...] = m
+                p.data = half
+
+    def memory_bytes(self) -> dict:
+        """Bytes held persistently: parameters, gradients and optimizer state (masters included)."""
+        return {"params": sum(int(p.data.nbytes) for p in self.params),
+                "grads": sum(int(p.grad.nbytes) for p in self.params if p.grad is not None),
+                "optimizer": sum(int(a.nbytes) for st in self.state for a in st.values())
+                + sum(int(m.nbytes) for m in self.master if m is not None)}
 
     def _keys(self) -> list[str]:
         names = [getattr(p, "name", "") for p in self.params]
@@ -191,9 +243,9 @@ class SGD(Optimizer):
         super().__init__(params, lr)
         self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), bool(nesterov)
 
-    def _update(self, i, p, state) -> None:
-        sgd_update(p.data, p.grad, state.get("momentum_buffer"), lr=self.lr, momentum=self.momentum,
-                   weight_decay=self.weight_decay, nesterov=self.nesterov, scratch=self._scratch_for(p))
+    def _update(self, i, param, grad, state, scratch) -> None:
+        sgd_update(param, grad, state.get("momentum_buffer"), lr=self.lr, momentum=self.momentum,
+                   weight_decay=self.weight_decay, nesterov=self.nesterov, scratch=scratch)
 
 
 class AdamW(Optimizer):
@@ -218,10 +270,10 @@ class AdamW(Optimizer):
         decay = decay or (lambda p: p.ndim >= 2)
         self.decayed = [bool(decay(p)) for p in self.params]
 
-    def _update(self, i, p, state) -> None:
-        adamw_update(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], step=self.step_count, lr=self.lr,
+    def _update(self, i, param, grad, state, scratch) -> None:
+        adamw_update(param, grad, state["exp_avg"], state["exp_avg_sq"], step=self.step_count, lr=self.lr,
                      beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                     weight_decay=self.weight_decay if self.decayed[i] else 0.0, scratch=self._scratch_for(p))
+                     weight_decay=self.weight_decay if self.decayed[i] else 0.0, scratch=scratch)
 
 
 def cosine_lr(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -252,8 +304,9 @@ def global_grad_norm(params, allreduce_sq=None) -> float:
     ``allreduce_sq(x: float) -> float`` sums this rank's sum of squares over the ranks that hold
     different pieces of the model (TP/PP/ZeRO shards). The caller must count every element once:
     pass only the shards this rank owns, and replicated parameters on one rank of their group.
+    Half gradients are summed in float32.
     """
-    parts = [B.xp.vdot(g, g) for g in (p.grad.reshape(-1) for p in params if p.grad is not None)]
+    parts = [B.xp.vdot(g, g) for g in (upcast(p.grad).reshape(-1) for p in params if p.grad is not None)]
     sq = sum(float(x) for x in parts)
     if allreduce_sq is not None:
         sq = float(allreduce_sq(sq))

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mpirt.backend as B
 from mpirt import blas
+from mpirt.precision import is_half, upcast
 from mpirt.sysinfo import mapped_libraries
 
 # Elements per block (1 MiB of float32). Smaller blocks stay in L1/L2 but the threads then spend
@@ -214,8 +215,13 @@ def matmul(a, b, bias=None):
     larger operand (each thread then packs only its part of it), or along K when K is much the
     longest dimension (partial products added). A ``bias`` (N,) (2-D ``b`` only) is added to each
     block of the result while it is in cache. 2-D products run on the GEMM library that
-    :mod:`mpirt.blas` chose; batched ones on ``xp.matmul``. CuPy and small products run whole."""
+    :mod:`mpirt.blas` chose; batched ones on ``xp.matmul``. CuPy and small products run whole.
+    Half operands on NumPy (which has no half GEMM) are multiplied in float32 and the result is
+    rounded once to their dtype, as a GPU GEMM accumulating in float32 would."""
     xp = B.xp
+    half = a.dtype if is_half(a.dtype) else b.dtype if is_half(b.dtype) else None
+    if half is not None and B.name == "numpy":
+        return matmul(upcast(a), upcast(b), upcast(bias)).astype(half)
     if B.name != "numpy" or num_threads() < 2 or not _split_gemms or a.ndim < 2 or b.ndim < 2 \
             or a.shape[-1] * b.shape[-1] * (a.size // a.shape[-1]) < MIN_SPLIT_MACS \
             or (b.ndim > 2 and a.shape[:-2] != b.shape[:-2]):

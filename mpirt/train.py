@@ -30,6 +30,7 @@ from mpirt.memory import check_budget, decode_over_budget, format_size, over_bud
 from mpirt.recompute import parse_layers
 from mpirt.monitor import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, peak_rss_bytes
 from mpirt.optim import cosine_lr
+from mpirt.precision import LossScaler, is_half
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.engine import build_engine
 from mpirt.parallel.schedules import check_shape
@@ -251,7 +252,10 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
         f"mpirt: backend {ctx.backend}, comm engine {engine_name}, BLAS threads/rank {ctx.blas_threads} "
         f"({ctx.blas_note}), comm timeout " + (f"{comm_timeout(cfg, model_cfg):.0f} s" if comm_timeout(cfg, model_cfg) else "off"),
         f"mpirt: model {cfg.model} ({num_parameters(model_cfg) / 1e6:.2f}M parameters, {model_cfg.n_layer} layers, "
-        f"n_embd {model_cfg.n_embd}, vocab {model_cfg.vocab_size}), {cfg.dtype}",
+        f"n_embd {model_cfg.n_embd}, vocab {model_cfg.vocab_size}), {cfg.dtype}" + (
+            " (float32 master weights, moments and reductions" + (
+                f"; dynamic loss scale from {cfg.initial_loss_scale:g}, x2 after {cfg.loss_scale_window} clean steps"
+                if cfg.dtype == "float16" else "") + ")" if is_half(cfg.dtype) else ""),
         f"mpirt: data {data.directory} (train {len(data.train):,} tokens, val {len(data.val):,}), "
         f"batch {cfg.batch_size} x {cfg.seq_len}",
         f"mpirt: memory: recompute {cfg.recompute}" + (f" (blocks {cfg.recompute_layers})" if cfg.recompute_layers
@@ -333,12 +337,15 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
 
     engine = build_engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed(f"dropout-dp{grid.coords['dp']}", rank=0))
     optimizer = engine.optimizer
+    scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window) if cfg.dtype == "float16" else None
     start_step = 0
     if hf_weights is not None:
         engine.load_full_state(hf_weights, None)
     if resume:
         meta, weights, state = load_state(cfg.init_from)
         engine.load_full_state(weights, state)
+        if scaler is not None:
+            scaler.load_state_dict(state or {})
         engine.load_dropout_state((meta["extra"] or {}).get("dropout", {}))  # masks continue, not restart
         start_step = meta["step"]
     summary_layout = dict(grid.sizes)
@@ -376,6 +383,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         t0 = time.time()
         weights, state = engine.full_state()
         dropout = engine.dropout_state()  # collective with pp
+        if scaler is not None:
+            state.update(scaler.state_dict())
         if is_main and not (_all_finite(weights.values()) and _all_finite(state.values())):
             print(f"mpirt: step {step}: the weights or optimizer state are not finite: no checkpoint written "
                   f"(the last good one stays)", file=sys.stderr, flush=True)
@@ -399,8 +408,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     monitor = RunMonitor(cfg, ctx, grid, engine, model_cfg, out, start_step, flops_per_step)  # collective
     metrics = Metrics(out / "metrics" / f"rank{ctx.rank}.jsonl", resume_step=start_step if resume else None)
     if is_main:
-        print(banner(ctx, cfg, layout, model_cfg, data, out, start_step, end_step, "host MPI"
-                     if ctx.backend == "numpy" else comm.select_engine(B.xp.empty(1))), file=sys.stderr, flush=True)
+        print(banner(ctx, cfg, layout, model_cfg, data, out, start_step, end_step,
+                     comm.describe_engines(B.xp.empty(1))), file=sys.stderr, flush=True)
         print(monitor.describe(), file=sys.stderr, flush=True)
     progress = Progress(cfg.steps, start_step, enabled=is_main and cfg.progress, end=end_step)
     val_loss = math.nan
@@ -420,13 +429,20 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         x, y = get_batch(data.train, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                          dp_rank=grid.coords["dp"], dp_size=dp)
         monitor.mark("data")
-        loss_value = engine.train_step(x, y)
+        scale = scaler.scale if scaler is not None else 1.0
+        loss_value = engine.train_step(x, y, loss_scale=scale * faults.loss_scale_factor(ctx.rank, step + 1))
         monitor.mark("train_step")
-        # the norm is reduced over the grid (the loss over dp): every rank reaches the same verdict
-        grad_norm = engine.clip(cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-        skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
-        if not skipped:
+        # the norm is reduced over the grid (the loss over dp): every rank reaches the same verdict; the
+        # gradients are `scale` times the loss's, so the clipping threshold too
+        grad_norm = engine.clip((cfg.grad_clip if cfg.grad_clip > 0 else math.inf) * scale) / scale
+        # a float16 gradient overflow (finite loss) is the loss scaler's to handle, not a failure
+        overflow = scaler is not None and math.isfinite(loss_value) and not math.isfinite(grad_norm)
+        skipped = not overflow and not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+        if not (skipped or overflow):
+            optimizer.grad_scale = 1.0 / scale
             optimizer.step()
+        if scaler is not None:
+            scaler.update(overflow)
         B.synchronize()
         monitor.mark("optimizer")
         dt = time.perf_counter() - t0
@@ -436,6 +452,11 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         skipped_in_row = skipped_in_row + 1 if skipped else 0
         record = {"step": step, "loss": loss_value, "lr": optimizer.lr, "grad_norm": grad_norm, "skipped": skipped,
                   "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, **monitor.end(step, dt, engine.stats)}
+        if scaler is not None:
+            record.update(loss_scale=scale, overflow=overflow)
+            if overflow and is_main:
+                print(f"mpirt: step {step}: float16 gradient overflow at loss scale {scale:g}: update skipped, "
+                      f"scale now {scaler.scale:g}", file=sys.stderr, flush=True)
         last = step == end_step
         # one small reduction per step: a stop request or a timed checkpoint on any rank acts on all
         signal_stop = stops.requested is not None
@@ -504,6 +525,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "layout": summary_layout,
         "num_parameters": num_parameters(model_cfg),
         "skipped_steps": sum(1 for r in metrics.records if r.get("skipped")),
+        "overflow_steps": sum(1 for r in metrics.records if r.get("overflow")),
+        "loss_scale": scaler.scale if scaler is not None else None,
         "stopped": stopped,
         "exit_code": exit_code,
         "last_checkpoint_step": last_save["step"],

@@ -140,7 +140,7 @@ def test_toml_int_accepted_for_float(tmp_path):
     (["--lr=0"], "lr"), (["--min-lr=1"], "min_lr"), (["--beta1=1"], "beta1"),
     (["--beta2=-0.1"], "beta2"), (["--grad-clip=-1"], "grad_clip"),
     (["--grad-accum=0"], "grad_accum"), (["--batch-size=6", "--grad-accum=4"], "batch_size"),
-    (["--dtype=float16"], "dtype"), (["--backend=torch"], "backend"), (["--zero=4"], "zero"),
+    (["--dtype=int8"], "dtype"), (["--backend=torch"], "backend"), (["--zero=4"], "zero"),
     (["--schedule=zigzag"], "schedule"), (["--tp=0"], "tp"), (["--pp=0"], "pp"),
     (["--dp=-1"], "dp"), (["--log-interval=0"], "log_interval"),
     (["--model.resid_pdrop=1.0"], "model.resid_pdrop"), (["--model.n_layer=0"], "model.n_layer"),

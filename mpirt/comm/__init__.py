@@ -46,7 +46,7 @@ no mpi4py) and :mod:`~mpirt.comm.watchdog` (the watchdog thread, leaving the job
 """
 from mpirt.comm.buffers import chunk_bounds
 from mpirt.comm.core import Comm, world_comm
-from mpirt.comm.engines import ENGINES, cuda_aware_mpi, nccl_available, select_engine
+from mpirt.comm.engines import ENGINES, cuda_aware_mpi, describe_engines, nccl_available, select_engine
 from mpirt.comm.handles import Handle, test_all, wait_all
 from mpirt.comm.job import (ANY_SOURCE, ANY_TAG, PROC_NULL, CommError, World, first_error, install_abort_on_error,
                             world)
@@ -55,7 +55,7 @@ from mpirt.comm.watchdog import EXIT_TIMEOUT, Watchdog, exit_together, start_wat
 
 __all__ = [
     "ANY_SOURCE", "ANY_TAG", "ENGINES", "EXIT_TIMEOUT", "PROC_NULL", "Comm", "CommError", "CommRecord", "CommStats",
-    "Handle", "Watchdog", "World", "chunk_bounds", "cuda_aware_mpi", "exit_together", "first_error",
-    "install_abort_on_error", "nccl_available", "select_engine", "start_watchdog", "stats", "test_all", "wait_all",
-    "world", "world_comm",
+    "Handle", "Watchdog", "World", "chunk_bounds", "cuda_aware_mpi", "describe_engines", "exit_together",
+    "first_error", "install_abort_on_error", "nccl_available", "select_engine", "start_watchdog", "stats", "test_all",
+    "wait_all", "world", "world_comm",
 ]

@@ -70,6 +70,16 @@ def select_engine(x, p2p: bool = False) -> str:
     return "cuda-aware" if cuda_aware_mpi() else "staged"
 
 
+def describe_engines(x) -> str:
+    """The engines that calls on arrays like ``x`` take, for the start-up banner: ``host MPI`` for
+    host arrays; for device arrays the collectives' engine, and the point-to-point one where it
+    differs (NCCL never does p2p): e.g. ``nccl (p2p staged)``."""
+    collective, p2p = select_engine(x), select_engine(x, p2p=True)
+    if collective == "host":
+        return "host MPI"
+    return collective if p2p == collective else f"{collective} (p2p {p2p})"
+
+
 class _NcclEngine:
     """NCCL collectives on CuPy arrays for one :class:`Comm`, on the current stream (launch only:
     results are stream-ordered; the stream is synchronized before any MPI call reads them).

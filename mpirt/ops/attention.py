@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 import mpirt.backend as B
+from mpirt.precision import float32_compute
 from mpirt.ops.dropout import _check_p, dropout_mask
 from mpirt.tensor import Function
 from mpirt.threads import for_blocks
@@ -70,6 +71,7 @@ def _merge_heads(src, dst, scale=None) -> None:
         B.xp.multiply(src, scale, out=view)
 
 
+@float32_compute
 class CausalSelfAttention(Function):
     def forward(self, qkv, n_head, dropout_p=0.0, seed=None):
         xp = B.xp
@@ -187,6 +189,7 @@ def _rotate(src, dst, cos, sin, sign: float) -> None:
     dst[..., h:] += sign * (x1 * sin)
 
 
+@float32_compute
 class RotaryEmbedding(Function):
     """q and k of a fused qkv rotated by position (GPT-NeoX / Llama "rotate half" form); v copied.
 

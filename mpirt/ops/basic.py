@@ -3,6 +3,7 @@ from __future__ import annotations
 
 
 import mpirt.backend as B
+from mpirt.precision import float32_compute
 from mpirt.tensor import Function
 
 
@@ -122,6 +123,7 @@ class Relu(Function):
         return (g * self.mask,)
 
 
+@float32_compute
 class SwiGLU(Function):
     """``silu(a) * b`` (SwiGLU's gate times its linear unit), one pass each way; saves a and b."""
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import mpirt.backend as B
+from mpirt.precision import float32_compute
 from mpirt.tensor import Function
 
 
@@ -17,6 +18,7 @@ def dropout_mask(shape, p: float, seed):
     return u >= p
 
 
+@float32_compute
 class Dropout(Function):
     def forward(self, x, p=0.5, seed=None):
         self.mask, self.scale = dropout_mask(x.shape, p, seed), 1.0 / (1.0 - p)

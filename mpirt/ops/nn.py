@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import mpirt.backend as B
+from mpirt.precision import float32_compute, upcast
 from mpirt.tensor import Function, SparseGrad, Tensor, is_grad_enabled
 from mpirt.threads import LIGHT_BLOCK, add_up, for_blocks
 
@@ -52,6 +53,7 @@ def _gelu_block(x, y, d):
     y *= x
 
 
+@float32_compute
 class Gelu(Function):
     """GPT-2's tanh GELU. While a block of ``x`` is in cache the forward also computes the
     derivative and saves only it (not ``x`` and the tanh): the backward is one multiply."""
@@ -72,6 +74,7 @@ class Gelu(Function):
 # ------------------------------------------------------------------------------------------
 # softmax / log-softmax
 # ------------------------------------------------------------------------------------------
+@float32_compute
 class Softmax(Function):
     def forward(self, x, axis=-1):
         y = x - x.max(axis=axis, keepdims=True)
@@ -90,6 +93,7 @@ class Softmax(Function):
         return (gx,)
 
 
+@float32_compute
 class LogSoftmax(Function):
     def forward(self, x, axis=-1):
         y = x - x.max(axis=axis, keepdims=True)
@@ -109,6 +113,7 @@ class LogSoftmax(Function):
 # ------------------------------------------------------------------------------------------
 # layer norm
 # ------------------------------------------------------------------------------------------
+@float32_compute
 class LayerNorm(Function):
     """Layer norm over the last dimension; saves the normalised input and ``1/std`` per row.
 
@@ -208,7 +213,7 @@ def scatter_add_rows(ids, rows, num_rows: int | None = None, out=None):
     order = xp.argsort(ids, kind="stable")
     s = ids[order]
     starts = xp.flatnonzero(xp.concatenate(([True], s[1:] != s[:-1])))
-    out[s[starts]] += xp.add.reduceat(rows[order], starts, axis=0)
+    out[s[starts]] += xp.add.reduceat(upcast(rows[order]), starts, axis=0)  # half rows: summed in float32
     return out
 
 
@@ -271,6 +276,7 @@ def check_targets(logits, targets, reduction: str):
     return targets
 
 
+@float32_compute(keep_output=True)
 class CrossEntropy(Function):
     """Log-softmax + negative log-likelihood in one op.
 

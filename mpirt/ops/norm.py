@@ -7,10 +7,12 @@ input pass and a (deferrable) weight pass.
 from __future__ import annotations
 
 import mpirt.backend as B
+from mpirt.precision import float32_compute
 from mpirt.tensor import Function
 from mpirt.threads import add_up, for_blocks
 
 
+@float32_compute
 class RMSNorm(Function):
     weight_inputs = (1,)
 

@@ -291,10 +291,8 @@ class DataParallel:
 
     def memory_bytes(self, optimizer=None) -> dict:
         """Bytes this rank holds persistently: parameters, gradient buckets and (when given) the
-        optimizer's state arrays."""
-        opt = 0
-        if optimizer is not None:
-            opt = sum(int(a.nbytes) for st in getattr(optimizer, "state", []) for a in st.values())
+        optimizer's state (:meth:`mpirt.optim.Optimizer.memory_bytes`: moments and masters)."""
+        opt = optimizer.memory_bytes()["optimizer"] if optimizer is not None else 0
         return {"params": sum(int(p.data.nbytes) for p in self.params),
                 "grads": sum(b.nbytes for b in self.buckets), "optimizer": opt}
 

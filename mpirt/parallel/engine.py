@@ -2,7 +2,8 @@
 
 The training script talks to one interface whatever the layout:
 
-    engine.train_step(x, y) -> float     # forward/backward of this dp replica's rows, grads synced
+    engine.train_step(x, y, loss_scale=1.0) -> float   # forward/backward of this dp replica's rows,
+                                         # grads synced (and loss_scale times the loss's)
     engine.clip(max_norm)   -> float     # global gradient norm (before clipping), over all shards
     engine.optimizer.step()
     engine.evaluate(x, y)   -> float     # mean loss of the global batch, no gradients
@@ -59,8 +60,9 @@ class ShardedEngine:
             self.optimizer = AdamW(self.model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
         self.stats: dict = {}  # timers of the last train_step
 
-    def train_step(self, x, y) -> float:
-        """Forward and backward over ``grad_accum`` micro-batches of the rows (x, y); returns the
+    def train_step(self, x, y, loss_scale: float = 1.0) -> float:
+        """Forward and backward over ``grad_accum`` micro-batches of the rows (x, y), backward
+        seeded with ``loss_scale`` (:class:`mpirt.precision.LossScaler`); returns the (unscaled)
         mean loss of the global batch. ``stats["spans"]``: its (part, start, end) perf_counter
         times (forward, backward, grad_sync) for the monitor."""
         self.optimizer.zero_grad()
@@ -75,7 +77,7 @@ class ShardedEngine:
                 _, loss = self.model(B.asarray(xm), B.asarray(ym))
                 B.synchronize()  # the device's forward is timed as forward (no-op on NumPy)
                 t1 = clock()
-                (loss * (1.0 / k)).backward()
+                (loss * (loss_scale / k)).backward()
             loss_sum += loss.item()
             spans += (("forward", t0, t1), ("backward", t1, clock()))
         t0 = clock()
@@ -137,8 +139,8 @@ class PipelineEngine:
         self.optimizer = AdamW(self.stage.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                weight_decay=cfg.weight_decay)
 
-    def train_step(self, x, y) -> float:
-        return self.stage.train_step(x, y)
+    def train_step(self, x, y, loss_scale: float = 1.0) -> float:
+        return self.stage.train_step(x, y, loss_scale)
 
     @property
     def stats(self) -> dict:

@@ -77,6 +77,7 @@ class PipelineStage(PipelineExecutor):
         self.rank, self.pp = self.comm.rank, self.comm.size
         self.tp, self.sequence_parallel = grid.tp, bool(sequence_parallel and grid.tp > 1)
         self.wait_mode, self.poll_s = wait, poll_s
+        self.loss_scale = 1.0  # the last stage's backward seed (train_step sets it)
         if isinstance(schedule, Schedule):
             sched = schedule
             if sched.pp != self.pp:
@@ -211,10 +212,12 @@ class PipelineStage(PipelineExecutor):
         norm before clipping (non-finite: nothing is scaled)."""
         return scale_grads([FlatGrad(self.flat_grad)], self.grad_norm(), max_norm)
 
-    def train_step(self, x, y) -> float:
+    def train_step(self, x, y, loss_scale: float = 1.0) -> float:
         """Forward and backward of the batch ``(x, y)`` (this dp replica's rows, split into
         ``microbatches``), then the tied-weight gradient sum over the pipeline ends and the
-        average over dp. Returns the mean loss of the global batch on every rank."""
+        average over dp. The last stage seeds backward with ``loss_scale`` (the gradients are
+        then that many times the loss's). Returns the mean loss of the global batch on every rank."""
+        self.loss_scale = float(loss_scale)
         x, y = self._prepare(x, y)
         self.zero_grad()
         loss = self._run(self.schedule, x, y, training=True)
@@ -283,4 +286,4 @@ class PipelineStage(PipelineExecutor):
         if s < self.S - 1:
             return h, None
         loss = self.lm_loss(self.shell.head(h), ys[mb])
-        return loss * (1.0 / self.m), loss.item()
+        return loss * (self.loss_scale / self.m), loss.item()

@@ -23,6 +23,12 @@ the shard that belong to decayed parameters, exactly as AdamW applies it per par
   (:mod:`mpirt.parallel.zero3`).
   Outside a unit ``p.data`` is an empty placeholder. Persistent: 16N/dp.
 
+Mixed precision (:mod:`mpirt.precision`): with half parameters the shard also holds a float32
+master (``master_shard``) and the moments are float32, so the optimizer state is 12 bytes per
+parameter over dp (bf16 ZeRO-1: 2 + 2 + 12/dp per parameter). The update runs on the master with
+the gradient shard converted to float32 (times ``grad_scale``), then the half shard is rounded
+from it and all-gathered. :meth:`full_parameters` shows the model the full float32 masters.
+
 Checkpoints are layout-independent: :meth:`state_dict` gathers the shards into AdamW's format
 (full arrays per parameter), :meth:`load_state_dict` keeps this rank's shard of such a state, and
 ``with opt.full_parameters():`` shows the model its full weights for ``model.state_dict()`` /
@@ -37,6 +43,7 @@ import mpirt.backend as B
 from mpirt.comm import chunk_bounds
 from mpirt.nn import Module
 from mpirt.optim import FlatGrad, adamw_update, global_grad_norm, scale_grads, sum_over
+from mpirt.precision import compute_dtype, is_half
 from mpirt.parallel.data import broadcast_parameters
 from mpirt.parallel.zero3 import plan_units
 from mpirt.tensor import Tensor
@@ -102,6 +109,7 @@ class ZeroOptimizer:
         self.lr, self.beta1, self.beta2 = float(lr), float(beta1), float(beta2)
         self.eps, self.weight_decay = float(eps), float(weight_decay)
         self.step_count = 0
+        self.grad_scale = 1.0  # multiplies the gradient as the update reads it (1/loss scale)
         decay = decay or (lambda p: p.ndim >= 2)
         self._decayed = {id(p): bool(decay(p)) for p in self.params}  # before stage 3 empties p.data
         self._shapes = {id(p): tuple(p.shape) for p in self.params}
@@ -119,8 +127,9 @@ class ZeroOptimizer:
             offset += g.hi - g.lo
         self.shard_numel = offset
         xp = B.xp
-        self.exp_avg = xp.zeros(offset, dtype=self.dtype)
-        self.exp_avg_sq = xp.zeros(offset, dtype=self.dtype)
+        self.state_dtype = compute_dtype(self.dtype)
+        self.exp_avg = xp.zeros(offset, dtype=self.state_dtype)
+        self.exp_avg_sq = xp.zeros(offset, dtype=self.state_dtype)
         self._decay_runs = self._decay_runs_of_shard()
         self._reduced = False
         if stage == 3:
@@ -139,6 +148,7 @@ class ZeroOptimizer:
                 self._attach_full_grads(self.flat_grad, copy_existing=True)
             else:
                 self.grad_shard = xp.zeros(offset, dtype=self.dtype)
+        self.master_shard = self.param_shard.astype(self.state_dtype) if is_half(self.dtype) else None
 
     # --- construction -----------------------------------------------------------------------
     def _decay_runs_of_shard(self) -> list[tuple[int, int]]:
@@ -270,12 +280,19 @@ class ZeroOptimizer:
         """One AdamW update of this rank's shard; stages 1-2 then all-gather the parameters."""
         self.reduce_gradients()
         self.step_count += 1
+        param, grad, scale = self.param_shard, self.grad_shard, float(self.grad_scale)
+        if self.master_shard is not None:  # half: update the float32 master, unscaled in float32
+            param, grad = self.master_shard, B.xp.multiply(grad, scale, dtype=self.state_dtype)
+        elif scale != 1.0:
+            grad *= scale
         if self.weight_decay:
             keep = 1.0 - self.lr * self.weight_decay
             for a, b in self._decay_runs:
-                self.param_shard[a:b] *= keep
-        adamw_update(self.param_shard, self.grad_shard, self.exp_avg, self.exp_avg_sq, step=self.step_count,
+                param[a:b] *= keep
+        adamw_update(param, grad, self.exp_avg, self.exp_avg_sq, step=self.step_count,
                      lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=0.0)
+        if self.master_shard is not None:
+            self.param_shard[...] = self.master_shard  # rounded to nearest even
         if self.stage < 3:
             B.synchronize()
             self.comm.allgather_flat(self.param_shard, self.groups[0].numel, out=self.flat_param)  # in place
@@ -285,11 +302,13 @@ class ZeroOptimizer:
 
     # --- accounting and checkpoints -------------------------------------------------------------
     def memory_bytes(self) -> dict:
-        """Bytes this rank holds persistently (between steps): parameters, gradients, AdamW state."""
+        """Bytes this rank holds persistently (between steps): parameters, gradients, AdamW state
+        (with the float32 master shard under mixed precision)."""
         params = self.param_shard.nbytes if self.stage == 3 else self.flat_param.nbytes
         grads = self.flat_grad.nbytes if self.stage == 1 else self.grad_shard.nbytes
+        master = 0 if self.master_shard is None else self.master_shard.nbytes
         return {"params": int(params), "grads": int(grads),
-                "optimizer": int(self.exp_avg.nbytes + self.exp_avg_sq.nbytes)}
+                "optimizer": int(self.exp_avg.nbytes + self.exp_avg_sq.nbytes + master)}
 
     _STATES = ("exp_avg", "exp_avg_sq")
     _HYPER = ("beta1", "beta2", "eps", "weight_decay")
@@ -331,36 +350,37 @@ class ZeroOptimizer:
                 raise ValueError(f"load_state_dict: {k} has shape {tuple(d[k].shape)}, expected {self._shapes[id(p)]}")
         for p, a, b, start in self.owned_segments():
             for k in self._STATES:
-                getattr(self, k)[start:start + b - a] = B.asarray(d[f"{p.name}.{k}"].reshape(-1)[a:b], dtype=self.dtype)
+                getattr(self, k)[start:start + b - a] = B.asarray(d[f"{p.name}.{k}"].reshape(-1)[a:b],
+                                                                  dtype=self.state_dtype)
         self.step_count, self.lr = int(d["step"]), float(d.get("lr", self.lr))
         for k in self._HYPER:
             setattr(self, k, float(d[k]))
 
     @contextlib.contextmanager
     def full_parameters(self):
-        """Context: inside, every ``p.data`` is the full parameter, so ``model.state_dict()``,
-        ``model.load_state_dict()``, :func:`mpirt.checkpoint.save_checkpoint` and
-        :func:`~mpirt.checkpoint.load_checkpoint` work as without ZeRO. On exit the values in
-        ``p.data`` (written in place, or rebound to an array of the same shape) become the
-        parameters: stage 3 keeps this rank's chunk and releases the full arrays, stages 1-2 copy a
-        rebound ``p.data`` back into the flat parameter vector. Collective at stage 3 (all-gather on
-        entry); every rank must write the same values. Do not run the model inside (stage-3 units
-        release the parameters they gather). On an exception nothing is written back at stage 3."""
-        if self.stage < 3:
+        """Context: inside, every ``p.data`` is the full parameter (the full float32 master under
+        mixed precision), so ``model.state_dict()``, ``model.load_state_dict()``,
+        :func:`mpirt.checkpoint.save_checkpoint` and :func:`~mpirt.checkpoint.load_checkpoint` work
+        as without ZeRO. On exit the values in ``p.data`` (written in place, or rebound to an array
+        of the same shape) become the parameters: stage 3 keeps this rank's chunk and releases the
+        full arrays, stages 1-2 copy a rebound ``p.data`` back into the flat parameter vector, and
+        masters keep their chunk and refresh the half parameters from it. Collective at stage 3
+        and with masters (all-gather on entry); every rank must write the same values. Do not run
+        the model inside (stage-3 units release the parameters they gather). On an exception
+        nothing is written back at stage 3 or to the masters."""
+        if self.stage < 3 and self.master_shard is None:
             try:
                 yield
             finally:
-                g = self.groups[0]
-                for p, v in zip(g.params, g.views(self.flat_param)):
-                    if p.data.base is not self.flat_param or p.data.shape != v.shape:
-                        v[...] = p.data
-                        p.data = v
+                self._attach_flat_parameters()
             return
+        source = self.param_shard if self.master_shard is None else self.master_shard
         fulls = []
         try:
             for g in self.groups:
+                a, b = g.shard_offset, g.shard_offset + g.hi - g.lo
                 B.synchronize()
-                full = self.comm.allgather_flat(g.shard.data, g.numel)
+                full = self.comm.allgather_flat(source[a:b], g.numel)
                 fulls.append((g, full, g.views(full)))
                 for p, v in zip(g.params, fulls[-1][2]):
                     p.data = v
@@ -369,7 +389,24 @@ class ZeroOptimizer:
                 for p, v in zip(g.params, views):
                     if p.data is not v:
                         v[...] = p.data
-                self.param_shard[g.shard_offset:g.shard_offset + g.hi - g.lo] = full[g.lo:g.hi]
+                source[g.shard_offset:g.shard_offset + g.hi - g.lo] = full[g.lo:g.hi]
+            if source is not self.param_shard:
+                self.param_shard[...] = source  # rounded to nearest even
+                if self.stage < 3:
+                    self.flat_param[...] = fulls[0][1]
         finally:
-            for p in self.params:
-                p.data, p.grad = self._placeholder, None
+            if self.stage < 3:  # the masters' values are in the flat vector already (or dropped)
+                self._attach_flat_parameters(copy=False)
+            else:
+                for p in self.params:
+                    p.data, p.grad = self._placeholder, None
+
+    def _attach_flat_parameters(self, copy: bool = True) -> None:
+        """Stages 1-2: make every ``p.data`` its view into the flat parameter vector again,
+        copying in (``copy``) the values of a ``p.data`` that was rebound."""
+        g = self.groups[0]
+        for p, v in zip(g.params, g.views(self.flat_param)):
+            if p.data.base is not self.flat_param or p.data.shape != v.shape:
+                if copy:
+                    v[...] = p.data
+                p.data = v

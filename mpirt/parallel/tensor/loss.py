@@ -7,12 +7,14 @@ import math
 import mpirt.backend as B
 from mpirt import ops
 from mpirt.ops.nn import check_targets
+from mpirt.precision import float32_compute
 from mpirt.tensor import Function, Tensor
 
 from .comm import copy_to_tp
 from .layers import SeqParallelLinear
 
 
+@float32_compute(keep_output=True)
 class VocabParallelCrossEntropy(Function):
     """Cross-entropy of vocabulary-split logits (N, V_local) without gathering them (see the
     package docstring). Columns at global index ``>= vocab_size`` (padding) are excluded: they
