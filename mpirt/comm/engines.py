@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 import mpirt.backend as B
 from mpirt.comm.buffers import _contig, _divide, _mpi_op, chunk_bounds
+from mpirt.precision import compute_dtype
 from mpirt.sysinfo import mapped_libraries
 
 if TYPE_CHECKING:
@@ -114,20 +115,21 @@ class _NcclEngine:
         return self.ops[op]
 
     def allreduce(self, x, op, out):
-        buf = _contig(x)
-        direct = out is x or out is not None and out.flags.c_contiguous and out.dtype == x.dtype
+        rdtype = compute_dtype(x.dtype)  # 2-byte floats are reduced in float32, as on the host
+        buf = _contig(x, rdtype)
+        direct = out is x or out is not None and out.flags.c_contiguous and out.dtype == rdtype
         res = buf if out is x else out if direct else self.cp.empty_like(buf)
-        self.nc.allReduce(buf.data.ptr, res.data.ptr, buf.size, self._type(x.dtype, "allreduce"),
+        self.nc.allReduce(buf.data.ptr, res.data.ptr, buf.size, self._type(rdtype, "allreduce"),
                           self._op(op, "allreduce"), B.current_stream_ptr())
         if op == "avg":
             _divide(res, self.size)
         target = x if out is x else out
         if target is not None and res is not target:
             target[...] = res
-        return res if target is None else target
+        return res.astype(x.dtype, copy=False) if target is None else target
 
     def reduce_scatter(self, x, op, out):
-        flat = _contig(x).reshape(-1)
+        flat = _contig(x, compute_dtype(x.dtype)).reshape(-1)  # 2-byte floats reduced in float32
         bounds = chunk_bounds(flat.size, self.size)
         c = bounds[0][1] - bounds[0][0]
         if flat.size != c * self.size:
@@ -136,14 +138,14 @@ class _NcclEngine:
                 padded[r * c:r * c + b - a] = flat[a:b]
             flat = padded
         res = self.cp.empty(c, flat.dtype)
-        self.nc.reduceScatter(flat.data.ptr, res.data.ptr, c, self._type(x.dtype, "reduce_scatter"),
+        self.nc.reduceScatter(flat.data.ptr, res.data.ptr, c, self._type(flat.dtype, "reduce_scatter"),
                               self._op(op, "reduce_scatter"), B.current_stream_ptr())
         a, b = bounds[self.rank]
         res = res[:b - a]
         if op == "avg":
             _divide(res, self.size)
         if out is None:
-            return res
+            return res.astype(x.dtype, copy=False)
         out[...] = res
         return out
 
