@@ -469,7 +469,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             stopped = (f"rank {over_rank}: measured peak memory {format_size(over_peak)} > memory budget "
                        f"{format_size(budget)}")
             exit_code = jobctl.EXIT_MEMORY
-            print(f"error: {stopped}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"error: {stopped}\n")  # one write: the ranks' lines must not interleave
+            sys.stderr.flush()
         if skipped:
             if is_main:
                 print(f"mpirt: step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}: update skipped "

@@ -476,7 +476,7 @@ def test_registry_counts_calls_and_bytes_per_op_and_axis():
             ("allgather", "world"): (1, 80)}
     got = {k: (v["calls"], v["bytes"]) for k, v in s.items()}
     ok = got == want and all(v["seconds"] > 0 for v in s.values()) and len(comm.stats.records) == 8 and \
-        comm.stats.records[0] == comm.CommRecord("allreduce", "world", 40, comm.stats.records[0].seconds, "host")
+        comm.stats.records[0][:5] == ("allreduce", "world", 40, comm.stats.records[0].seconds, "host")
     agree(ok, f"got {got}")
 
 
