@@ -140,13 +140,15 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0) -> dic
     (zero-bubble) schedules charge a recomputed micro-batch its unrecomputed bytes until W.
     """
     from mpirt import recompute
+    from mpirt.precision import bytes_per_parameter, compute_dtype
     from mpirt.modeling import activation_bytes, layer_costs, num_parameters
     from mpirt.parallel.partition import partition
     from mpirt.parallel.schedules import build
 
     pos = rank_position(layout, rank)
     dp, pp, tp = layout["dp"], layout["pp"], layout["tp"]
-    e = 8 if cfg.dtype == "float64" else 4
+    e = np.dtype(cfg.dtype).itemsize  # activations, buffers and gradients travel in the compute/storage dtype
+    state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
     sp = bool(cfg.sequence_parallel and tp > 1)
     chunks = cfg.chunks if pp > 1 and cfg.schedule == "interleaved" else 1
     costs = layer_costs(model_cfg, cfg.seq_len)
@@ -183,17 +185,14 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0) -> dic
                                      "none") for c, (lo, hi) in enumerate(mine)]
         activations = peak_in_flight(sched, pos["pp"], per_chunk)
         held = [i for lo, hi in mine for i in range(lo, hi)]
-    params = grads = n_local * e
-    optimizer = 2 * n_local * e
+    per_param = bytes_per_parameter(cfg.dtype, dp, cfg.zero)  # masters and moments in float32 for half
+    params, grads, optimizer = (n_local * per_param[k] for k in ("params", "grads", "optimizer"))
     comm = 0.0
-    if cfg.zero:
-        optimizer /= dp
-        if cfg.zero == 3:
-            params, grads = params / dp, grads / dp
-            unit = max(c.params for c in costs)  # the largest unit, gathered with its gradient
-            comm += 2 * unit * e
-        elif cfg.zero == 2:
-            grads += grads / dp  # the shard, and the full gradient while backward runs
+    if cfg.zero == 3:
+        unit = max(c.params for c in costs)  # the largest unit, gathered with its gradient
+        comm += 2 * unit * e
+    elif cfg.zero == 2:
+        grads += n_local * e  # the full gradient while backward runs, beside the shard
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
         comm += 2 * rows * (cfg.seq_len // (tp if sp else 1)) * model_cfg.n_embd * e
     vocab = -(-model_cfg.vocab_size // tp) * tp
@@ -201,7 +200,7 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0) -> dic
     if any(i in picked for i in held) and mode != "none":  # one rerun, alive while its backward runs
         backward += acts["block"] if mode == "full" else acts["core"]
     gathers_state = pp == 1 or pos["pp"] == 0
-    checkpoint = 3 * n_full * e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * tp * e
+    checkpoint = 3 * n_full * state_e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * tp * state_e
     if rank == 0:  # writing the checkpoint, metrics and summary
         checkpoint += RANK0_EXTRA_BYTES
     # the step's transient comes on top of the activations, the end of the run's after they are freed

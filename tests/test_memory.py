@@ -57,6 +57,16 @@ def test_prediction_sums_its_categories_and_follows_zero():
     assert full["activations"] < sel["activations"] < base["activations"]
 
 
+@pytest.mark.parametrize("zero, per_param", [(0, (2, 2, 12)), (1, (2, 2, 6)), (3, (1, 1, 6))])
+def test_prediction_prices_half_precision_with_float32_masters(zero, per_param):
+    """bf16 AdamW at dp 2: 2 + 2 + 12 bytes per parameter, ZeRO sharding the float32 state."""
+    one = predict(_cfg(dtype="float32"), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1)
+    n = one["parameters"] / 4  # float32 weights: 4 bytes per parameter
+    half = predict(_cfg(dtype="bfloat16", zero=zero), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1)
+    got = tuple(half[k] / n for k in ("parameters", "gradients", "optimizer_state"))
+    assert got == pytest.approx(per_param, abs=1e-3)
+
+
 @pytest.mark.parametrize("name, m", [("gpipe", 4), ("1f1b", 4), ("zb-h1", 4), ("1f1b", 8)])
 def test_peak_in_flight_counts_the_schedule(name, m):
     sched = build(name, 4, m, 1)
