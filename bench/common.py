@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mpirt.sysinfo import cpu_model
+
 RESULTS = Path(__file__).resolve().parent / "results"
 OTHERS_MAX = 0.10     # share of the machine's CPU time other processes may take during a run
 LOAD_MAX = 0.5        # 1-minute load average per core before a run
@@ -212,12 +214,7 @@ def text_table(header: list[str], rows: list[list]) -> str:
 
 def machine() -> dict:
     """Host, CPU model, cores and Python, for the results."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {"host": platform.node(), "cpu": cpu, "cores": cores(), "python": platform.python_version()}
 
 

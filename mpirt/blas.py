@@ -29,7 +29,6 @@ import functools
 import hashlib
 import json
 import os
-import platform
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from mpirt.sysinfo import cpu_model
 
 NAMES = ("openblas", "blis", "mkl")
 ENV = "MPIRT_GEMM"
@@ -211,12 +212,7 @@ def calibrate(libraries: dict[str, Library], rounds: int = 5) -> dict[str, float
 
 def machine_key(libraries: dict[str, Library]) -> str:
     """What a cached verdict depends on: CPU model, usable cores, the libraries and versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_model()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     text = json.dumps([cpu, cores, sorted((n, lib.version) for n, lib in libraries.items())])
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,4 +1,5 @@
-"""What the running process has loaded: the shared libraries mapped into it (Linux ``/proc/self/maps``).
+"""What the running process has loaded: the shared libraries mapped into it (Linux ``/proc/self/maps``),
+and the CPU model it runs on.
 
 Used to find the OpenBLAS behind NumPy (:mod:`mpirt.distributed`, thread control) and the MPI
 library behind mpi4py (:mod:`mpirt.comm.engines`, CUDA-aware MPI detection) without importing
@@ -7,6 +8,7 @@ anything new.
 from __future__ import annotations
 
 import os
+import platform
 from typing import Callable
 
 
@@ -34,3 +36,13 @@ def mapped_libraries(match: str | Callable[[str], bool]) -> list[str]:
     except OSError:
         return []
     return paths
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
+    fallback = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), fallback)
+    except OSError:
+        return fallback
