@@ -23,9 +23,15 @@ truncated byte in any file is refused naming the file. :func:`verify_checkpoint`
 without reading a tensor into memory; every loader calls it first.
 
 Every tensor in ``meta.json`` records its global shape, dtype, ShardSpec dims and a list of shards
-``{"file", "key", "start"}`` (where the shard sits in the global tensor). A single-rank save writes
-one shard per tensor; a sharded save adds files (one per rank) and shards, and this loader already
-assembles a tensor from several shards, so the format extends without a version bump.
+``{"file", "key", "start", "shape"}``: a box of the global tensor (where it starts, its shape)
+stored under ``key`` in ``file``. A single-process save (:func:`save_state`) writes one shard per
+tensor into model/optimizer files; a sharded save (:mod:`mpirt.checkpoint_sharded`, format
+version 3) has each rank write its own boxes into ``rank-NNNNN.safetensors``.
+:class:`CheckpointReader` returns any box of any tensor, reading only the overlapping parts of the
+shards that hold it, so every version (1-3) loads into any layout.
+
+``python -m mpirt.checkpoint info DIR`` describes a checkpoint and ``python -m mpirt.checkpoint
+export DIR OUT`` writes a Hugging Face GPT-2 directory (:mod:`mpirt.checkpoint_cli`).
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ from safetensors.numpy import save_file
 import mpirt
 import mpirt.backend as B
 
-FORMAT, VERSION = "mpirt-checkpoint", 2  # 2: meta.sha256 covers meta.json
+FORMAT, VERSION = "mpirt-checkpoint", 3  # 2: meta.sha256 covers meta.json; 3: sharded saves
 META, MODEL, OPTIM, LATEST = "meta.json", "model.safetensors", "optimizer.safetensors", "latest"
 META_SUM = "meta.sha256"
 _VERSION_RE = re.compile(r"step-(\d+)(?:-(\d+))?")
@@ -65,10 +71,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _sha256(path: Path, fsync: bool = False) -> str:
-    h = hashlib.sha256()
+    h, buf = hashlib.sha256(), bytearray(1 << 16)  # one small buffer: hashing a shard holds no tensor
+    view = memoryview(buf)
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+        while n := f.readinto(buf):
+            h.update(view[:n])
         if fsync:
             os.fsync(f.fileno())
     return h.hexdigest()
@@ -95,7 +102,7 @@ def _write_tensors(path: Path, arrays: dict) -> dict:
 def _tensor_entry(a, spec_dims, file: str, key: str) -> dict:
     shape = [int(n) for n in a.shape]
     return {"shape": shape, "dtype": str(a.dtype), "spec": list(spec_dims),
-            "shards": [{"file": file, "key": key, "start": [0] * len(shape)}]}
+            "shards": [{"file": file, "key": key, "start": [0] * len(shape), "shape": shape}]}
 
 
 def _to_dict(config) -> dict:
@@ -148,8 +155,6 @@ def save_state(directory, weights: dict, optimizer_state: dict | None, *, step: 
     are always the full tensors, so any layout can load them. After the new version is committed,
     the ``keep - 1`` newest other versions are kept and the rest removed. Returns its path.
     """
-    if int(step) != step or step < 0 or keep < 1:
-        raise ValueError(f"save_checkpoint: need an integer step >= 0 and keep >= 1, got step={step}, keep={keep}")
     specs = specs or {}
     weights = {n: B.to_host(a) for n, a in weights.items()}
     tensors = {n: _tensor_entry(a, specs.get(n, (None,) * a.ndim), MODEL, n) for n, a in weights.items()}
@@ -161,29 +166,49 @@ def save_state(directory, weights: dict, optimizer_state: dict | None, *, step: 
             opt_tensors[k] = _tensor_entry(v, specs.get(owner, (None,) * v.ndim), OPTIM, k)
         opt_meta = {"type": optimizer_state.get("type"),
                     "scalars": {k: v for k, v in optimizer_state.items() if k not in opt_arrays and k != "type"}}
+    meta = build_meta(step, config, extra, opt_meta, tensors, opt_tensors)
+    root, name, tmp = begin_version(directory, step, keep)
+    meta["files"][MODEL] = _write_tensors(tmp / MODEL, weights)
+    if optimizer_state is not None:
+        meta["files"][OPTIM] = _write_tensors(tmp / OPTIM, opt_arrays)
+    return commit_version(root, name, tmp, meta, keep)
+
+
+def build_meta(step: int, config, extra, optimizer: dict | None, params: dict, optimizer_state: dict) -> dict:
+    """meta.json's contents (``files`` still empty); refuses what JSON cannot hold, naming it."""
     meta = {"format": FORMAT, "version": VERSION, "mpirt_version": mpirt.__version__, "created": time.time(),
-            "step": int(step), "config": _to_dict(config), "extra": extra, "optimizer": opt_meta,
-            "params": tensors, "optimizer_state": opt_tensors, "files": {}}
+            "step": int(step), "config": _to_dict(config), "extra": extra, "optimizer": optimizer,
+            "params": params, "optimizer_state": optimizer_state, "files": {}}
     try:
         json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise TypeError(f"save_checkpoint: config/extra/optimizer scalars are not JSON-serialisable: {e}") from None
+    return meta
 
+
+def begin_version(directory, step: int, keep: int) -> tuple[Path, str, Path]:
+    """Create the root and an empty ``.tmp-<name>/`` for a new version of ``step`` (a second save
+    of one step gets a new name; the old one stays intact). Returns (root, name, tmp)."""
+    if int(step) != step or step < 0 or keep < 1:
+        raise ValueError(f"save_checkpoint: need an integer step >= 0 and keep >= 1, got step={step}, keep={keep}")
     root = Path(directory)
     if (root / META).exists():
         raise ValueError(f"save_checkpoint: {root} is a checkpoint version; pass the root directory above it")
     root.mkdir(parents=True, exist_ok=True)
     name, n = f"step-{int(step):08d}", 0
-    while (root / name).exists():  # saving the same step twice: a new name, the old stays intact
+    while (root / name).exists():
         n += 1
         name = f"step-{int(step):08d}-{n}"
     tmp = root / f".tmp-{name}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    meta["files"][MODEL] = _write_tensors(tmp / MODEL, weights)
-    if optimizer_state is not None:
-        meta["files"][OPTIM] = _write_tensors(tmp / OPTIM, opt_arrays)
+    return root, name, tmp
+
+
+def commit_version(root: Path, name: str, tmp: Path, meta: dict, keep: int) -> Path:
+    """Write meta.json and meta.sha256 last into ``tmp`` (its tensor files fsynced already), rename
+    it to ``name``, point ``latest`` at it, and prune to the ``keep`` newest versions."""
     meta_bytes = json.dumps(meta, indent=1, sort_keys=True).encode()
     _write_bytes(tmp / META, meta_bytes)
     _write_bytes(tmp / META_SUM, f"{hashlib.sha256(meta_bytes).hexdigest()}  {META}\n".encode())
@@ -304,16 +329,20 @@ def _verify_files(vdir: Path, meta: dict) -> None:
             if unlisted:
                 raise CheckpointError(f"{vdir / META}: {name} is stored in {sorted(unlisted)}, which it does not list")
     for fname, info in files.items():
-        path = vdir / fname
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing")
-        size = path.stat().st_size
-        if size != info["bytes"]:
-            raise CheckpointError(f"checkpoint file {path} is truncated or corrupted: {size} bytes, "
-                                  f"expected {info['bytes']}")
-        digest = _sha256(path)
-        if digest != info["sha256"]:
-            raise CheckpointError(f"checkpoint file {path} is corrupted: sha256 {digest}, expected {info['sha256']}")
+        _verify_file(vdir / fname, info)
+
+
+def _verify_file(path: Path, info: dict) -> None:
+    """``path`` is there with the size and sha256 that ``info`` (its meta.json entry) records."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    size = path.stat().st_size
+    if size != info["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} is truncated or corrupted: {size} bytes, "
+                              f"expected {info['bytes']}")
+    digest = _sha256(path)
+    if digest != info["sha256"]:
+        raise CheckpointError(f"checkpoint file {path} is corrupted: sha256 {digest}, expected {info['sha256']}")
 
 
 def verify_checkpoint(directory) -> dict:
@@ -336,41 +365,103 @@ def _check_shapes(what: str, entries: dict, expected: dict) -> None:
                                   f"{tuple(shape)} in the model")
 
 
-def _read_tensors(vdir: Path, entries: dict) -> dict:
-    """Assemble every tensor of ``entries`` (global shape) from its shards."""
-    handles, out = {}, {}
-    try:
-        for name, e in entries.items():
-            full = np.empty(e["shape"], dtype=e["dtype"])
-            filled = 0
-            for sh in e["shards"]:
-                if sh["file"] not in handles:
-                    handles[sh["file"]] = safe_open(str(vdir / sh["file"]), framework="numpy")
-                part = handles[sh["file"]].get_tensor(sh["key"])
-                region = full[tuple(slice(s, s + n) for s, n in zip(sh["start"], part.shape))]
-                if region.shape != part.shape:
-                    raise CheckpointError(f"{vdir / sh['file']}: {sh['key']} has shape {part.shape}, which does "
-                                          f"not fit at {sh['start']} in {name} of shape {tuple(e['shape'])}")
-                region[...] = part
-                filled += part.size
-            if filled != full.size:
-                raise CheckpointError(f"{vdir}: the shards of {name} cover {filled} of {full.size} elements")
-            out[name] = full
-    finally:
-        handles.clear()
-    return out
+class CheckpointReader:
+    """Reads any box of any tensor of a checkpoint (format 1-3), from the parts of the shards that
+    overlap it only (safetensors slices: the rest of a file is never read).
+
+    ``directory``: a root or a version. meta.json is checked against meta.sha256 at once; with
+    ``verify`` each file's size and sha256 are checked (streamed) before its first read; pass
+    ``verify=False`` after :func:`verify_checkpoint` has checked them all. ``meta`` is meta.json.
+    Errors (:class:`CheckpointError`) name the file and the tensor.
+    """
+
+    KINDS = ("params", "optimizer_state")
+
+    def __init__(self, directory, verify: bool = True):
+        self.meta = read_checkpoint_meta(directory)
+        self.path = Path(self.meta["path"])
+        self.verify = verify
+        self._handles: dict = {}
+
+    def entry(self, kind: str, name: str, shape=None) -> dict:
+        """The meta.json entry of tensor ``name`` (``kind``: params or optimizer_state), checked
+        against ``shape`` (the global shape the caller expects) when given."""
+        e = self.meta[kind].get(name)
+        if e is None:
+            raise CheckpointError(f"{self.path / META}: no tensor {name} under {kind}")
+        if shape is not None and tuple(e["shape"]) != tuple(shape):
+            raise CheckpointError(f"{self.path}: {name} has shape {tuple(e['shape'])} in the checkpoint, "
+                                  f"{tuple(shape)} in the model")
+        return e
+
+    def _open(self, fname: str):
+        handle = self._handles.get(fname)
+        if handle is None:
+            info = self.meta["files"].get(fname)
+            if info is None:
+                raise CheckpointError(f"{self.path / META}: a shard is stored in {fname}, which it does not list")
+            if self.verify:
+                _verify_file(self.path / fname, info)
+            try:
+                handle = self._handles[fname] = safe_open(str(self.path / fname), framework="numpy")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"checkpoint file {self.path / fname}: unreadable ({e})") from None
+        return handle
+
+    def read(self, kind: str, name: str, start=None, shape=None) -> np.ndarray:
+        """The box of tensor ``name`` at ``start`` (default: the origin) of ``shape`` (default:
+        the whole tensor), as a new array of the tensor's dtype."""
+        e = self.entry(kind, name)
+        full = tuple(e["shape"])
+        start = tuple(start) if start is not None else (0,) * len(full)
+        shape = tuple(shape) if shape is not None else full
+        if len(start) != len(full) or any(s < 0 or s + n > g for s, n, g in zip(start, shape, full)):
+            raise CheckpointError(f"{self.path}: the box {start} + {shape} is outside {name} of shape {full}")
+        out = np.empty(shape, dtype=e["dtype"])
+        filled = 0
+        for sh in e["shards"]:
+            where = f"{self.path / sh['file']}: {name} (key {sh['key']})"
+            if "shape" in sh and not _overlap(start, shape, sh["start"], sh["shape"]):
+                continue  # format 3 records the box: no need to open the file
+            try:
+                part = self._open(sh["file"]).get_slice(sh["key"])
+                stored = tuple(part.get_shape())
+            except SafetensorError as err:
+                raise CheckpointError(f"{where}: unreadable ({err})") from None
+            if tuple(sh.get("shape", stored)) != stored or len(stored) != len(full) or any(
+                    s < 0 or s + n > g for s, n, g in zip(sh["start"], stored, full)):
+                raise CheckpointError(f"{where}: has shape {stored}, which does not fit at {sh['start']} "
+                                      f"in {name} of shape {full}")
+            box = _overlap(start, shape, sh["start"], stored)
+            if box is None:
+                continue
+            lo, hi = box
+            out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))] = \
+                part[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, sh["start"]))]
+            filled += int(np.prod([b - a for a, b in zip(lo, hi)]))
+        if filled != out.size:
+            raise CheckpointError(f"{self.path}: the shards of {name} cover {filled} of the {out.size} elements "
+                                  f"of the box {start} + {shape}")
+        return out
+
+
+def _overlap(start_a, shape_a, start_b, shape_b):
+    """(lo, hi) corners of the intersection of two boxes, or None when it is empty."""
+    lo = [max(a, b) for a, b in zip(start_a, start_b)]
+    hi = [min(a + m, b + n) for a, m, b, n in zip(start_a, shape_a, start_b, shape_b)]
+    return (lo, hi) if all(a < b for a, b in zip(lo, hi)) else None
 
 
 def load_state(directory) -> tuple[dict, dict, dict | None]:
     """Read the checkpoint at ``directory`` (root or version directory) after verifying every
     file's checksum: returns ``(meta, weights, optimizer_state or None)`` with full arrays."""
     meta = verify_checkpoint(directory)
-    vdir = Path(meta["path"])
-    weights = _read_tensors(vdir, meta["params"])
+    reader = CheckpointReader(meta["path"], verify=False)
+    weights = {n: reader.read("params", n) for n in meta["params"]}
     state = None
     if meta["optimizer"] is not None:
         state = dict(meta["optimizer"]["scalars"], type=meta["optimizer"]["type"])
-        state.update(_read_tensors(vdir, meta["optimizer_state"]))
+        state.update((k, reader.read("optimizer_state", k)) for k in meta["optimizer_state"])
     return meta, weights, state
 
 
@@ -390,3 +481,9 @@ def load_checkpoint(directory, model, optimizer=None) -> dict:
         optimizer.load_state_dict(state)  # validates type, every key and shape before changing anything
     model.load_state_dict(weights)
     return meta
+
+
+if __name__ == "__main__":
+    from mpirt.checkpoint_cli import main
+
+    raise SystemExit(main())

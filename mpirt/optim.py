@@ -199,8 +199,7 @@ class Optimizer:
 
     def state_dict(self) -> dict:
         """``{"type", "step", hyperparameters..., "<param name>.<state>": host array copy}``."""
-        d = {"type": type(self).__name__, "step": self.step_count, "lr": self.lr}
-        d.update({k: getattr(self, k) for k in self.hyper_names})
+        d = {"type": type(self).__name__, **self.scalars()}
         for name, state in zip(self._keys(), self.state):
             d.update({f"{name}.{k}": B.to_host(a).copy() for k, a in state.items()})
         return d
@@ -221,6 +220,17 @@ class Optimizer:
                 raise ValueError(f"load_state_dict: {k} has shape {tuple(d[k].shape)}, expected {tuple(a.shape)}")
         for k, a in arrays.items():
             a[...] = B.asarray(d[k], dtype=a.dtype)
+        self.load_scalars(d)
+
+    def scalars(self) -> dict:
+        """Step, learning rate and hyperparameters (what a checkpoint records beside the arrays)."""
+        return {"step": self.step_count, "lr": self.lr, **{k: getattr(self, k) for k in self.hyper_names}}
+
+    def load_scalars(self, d: dict) -> None:
+        """Restore :meth:`scalars` (a missing hyperparameter raises KeyError naming it)."""
+        missing = [k for k in ("step", *self.hyper_names) if k not in d]
+        if missing:
+            raise KeyError(f"load_scalars: missing keys {missing}")
         self.step_count = int(d["step"])
         self.lr = float(d.get("lr", self.lr))
         for k in self.hyper_names:

@@ -20,8 +20,9 @@ import numpy as np
 
 import mpirt.backend as B
 from mpirt import blas, comm, faults, jobctl
-from mpirt.checkpoint import (CheckpointError, load_state, looks_like_checkpoint,
-                              read_checkpoint_meta, save_state, verify_checkpoint)
+from mpirt.checkpoint import (CheckpointError, CheckpointReader, looks_like_checkpoint,
+                              read_checkpoint_meta, verify_checkpoint)
+from mpirt.checkpoint_sharded import save_sharded
 from mpirt.config import ConfigError, parse_args, parse_duration
 from mpirt.data import TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.distributed import init_distributed, input_fingerprint
@@ -270,10 +271,6 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
     return "\n".join(lines)
 
 
-def _all_finite(arrays) -> bool:
-    return all(bool(B.xp.isfinite(a).all()) for a in arrays if hasattr(a, "dtype") and a.dtype.kind == "f")
-
-
 def main(argv=None) -> dict:
     comm.install_abort_on_error()
     world = comm.world()
@@ -343,10 +340,11 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     if hf_weights is not None:
         engine.load_full_state(hf_weights, None)
     if resume:
-        meta, weights, state = load_state(cfg.init_from)
-        engine.load_full_state(weights, state)
+        reader = CheckpointReader(cfg.init_from, verify=False)  # checksums: verified in resolve_model
+        meta = reader.meta
+        engine.load_sharded(reader, with_optimizer=meta["optimizer"] is not None)  # only this rank's boxes
         if scaler is not None:
-            scaler.load_state_dict(state or {})
+            scaler.load_state_dict((meta["optimizer"] or {}).get("scalars", {}))
         engine.load_dropout_state((meta["extra"] or {}).get("dropout", {}))  # masks continue, not restart
         start_step = meta["step"]
     summary_layout = dict(grid.sizes)
@@ -380,27 +378,27 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
 
     last_save = {"time": time.time(), "seconds": None, "step": start_step if resume else None}
 
-    def save(step: int) -> None:  # collective: gathers full tensors, rank 0 writes
+    def save(step: int) -> None:  # collective: every rank writes its own boxes, rank 0 commits
         t0 = time.time()
-        weights, state = engine.full_state()
         dropout = engine.dropout_state()  # collective with pp
-        if scaler is not None:
-            state.update(scaler.state_dict())
-        if is_main and not (_all_finite(weights.values()) and _all_finite(state.values())):
-            print(f"mpirt: step {step}: the weights or optimizer state are not finite: no checkpoint written "
-                  f"(the last good one stays)", file=sys.stderr, flush=True)
-        elif is_main:
-            try:
-                path = save_state(out / "ckpt", weights, state, step=step, config=cfg.to_dict(),
-                                  keep=cfg.keep_checkpoints,
-                                  extra={"model_config": dataclasses.asdict(model_cfg), "data": str(data.directory),
-                                         "layout": summary_layout, "dropout": dropout})
-            except OSError as err:  # disk full, quota, permissions: the previous version stays intact
+        scalars = {**optimizer.scalars(), **(scaler.state_dict() if scaler is not None else {})}
+        try:
+            path = save_sharded(out / "ckpt", world_comm, engine.save_sharded, step=step, config=cfg.to_dict(),
+                                keep=cfg.keep_checkpoints, optimizer={"type": "AdamW", "scalars": scalars},
+                                extra={"model_config": dataclasses.asdict(model_cfg), "data": str(data.directory),
+                                       "layout": summary_layout, "dropout": dropout})
+        except OSError as err:  # disk full, quota, permissions on any rank: the previous version stays intact
+            if is_main:
                 print(f"error: step {step}: writing the checkpoint under {out / 'ckpt'} failed: {err}; the last "
                       f"complete checkpoint is step {last_save['step']}", file=sys.stderr, flush=True)
-                sys.exit(1)  # on this rank only: the abort hook ends the job
-            print(f"mpirt: step {step}: checkpoint saved to {path} ({time.time() - t0:.1f} s)", file=sys.stderr,
-                  flush=True)
+            sys.exit(1)  # every rank knows: the abort hook ends the job
+        if path is None and is_main:
+            print(f"mpirt: step {step}: the weights or optimizer state are not finite: no checkpoint written "
+                  f"(the last good one stays)", file=sys.stderr, flush=True)
+        elif path is not None:
+            if is_main:
+                print(f"mpirt: step {step}: checkpoint saved to {path} ({time.time() - t0:.1f} s)", file=sys.stderr,
+                      flush=True)
             last_save["step"] = step
         last_save.update(time=time.time(), seconds=time.time() - t0)
 

@@ -88,7 +88,7 @@ def test_round_trip_and_format(tmp_path, monkeypatch):
                                                       "optimizer.safetensors"]
     assert (vdir / "meta.sha256").read_text() == f"{ckpt._sha256(vdir / 'meta.json')}  meta.json\n"
     meta = json.loads((vdir / "meta.json").read_text())
-    assert meta["format"] == "mpirt-checkpoint" and meta["version"] == 2 and meta["step"] == 3
+    assert meta["format"] == "mpirt-checkpoint" and meta["version"] == 3 and meta["step"] == 3
     assert meta["params"]["fc1.weight"]["shape"] == [4, 8] and meta["params"]["fc1.weight"]["dtype"] == "float32"
     assert meta["params"]["fc2.bias"]["spec"] == [None]
     assert meta["optimizer"]["type"] == "AdamW" and meta["optimizer"]["scalars"]["step"] == 3

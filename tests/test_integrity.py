@@ -82,7 +82,7 @@ def set_step(version):
 
 
 def flip_model_byte(version):
-    path = version / "model.safetensors"
+    path = version / "rank-00000.safetensors"
     data = bytearray(path.read_bytes())
     data[len(data) * 2 // 3] ^= 0x10
     path.write_bytes(bytes(data))
@@ -90,7 +90,7 @@ def flip_model_byte(version):
 
 @pytest.mark.parametrize("edit, names", [
     (set_step, ["meta.json was edited or corrupted"]),
-    (flip_model_byte, ["model.safetensors is corrupted"]),
+    (flip_model_byte, ["rank-00000.safetensors is corrupted"]),
     (lambda v: (v / "meta.json").unlink(), ["ckpt/latest names step-00000002, but", "meta.json is missing"]),
 ])
 def test_damaged_checkpoint_is_refused_naming_the_file(trained, tiny_data, tmp_path, edit, names):

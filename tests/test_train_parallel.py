@@ -1,8 +1,8 @@
 """`mpiexec -n N python -m mpirt.train` on parallel layouts gives the single-rank loss curve.
 
 Each case is a real MPI launch of the training script on a tiny GPT in float64; the per-step
-losses, the final validation loss and the saved (full, gathered) weights must equal the
-single-rank run's with the same global batch.
+losses, the final validation loss and the saved weights (every rank's boxes of the sharded
+checkpoint, read back whole) must equal the single-rank run's with the same global batch.
 """
 import json
 import subprocess
@@ -10,9 +10,9 @@ import sys
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 from conftest import run_module
+from mpirt.checkpoint import load_state
 
 TINY = ["--model.n_layer=4", "--model.n_embd=32", "--model.n_head=4", "--model.n_positions=32",
         "--seq-len=16", "--batch-size=8", "--eval-batches=2", "--eval-interval=0", "--progress=false",
@@ -23,8 +23,7 @@ def run(tiny_data, out, *layout, ranks=0):
     run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={out}", *layout, ranks=ranks)
     losses = [json.loads(line)["loss"] for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
-    latest = (out / "ckpt" / "latest").read_text().strip()
-    return losses, summary, load_file(str(out / "ckpt" / latest / "model.safetensors"))
+    return losses, summary, load_state(out / "ckpt")[1]
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +88,22 @@ def test_llama_layout_matches_single_rank(tiny_data, tmp_path, llama_reference, 
         np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
-@pytest.mark.parametrize("first, then", [(["--tp=2"], ["--dp=2", "--zero=2"]), (["--pp=2"], ["--tp=2"])],
-                         ids=["tp2-then-zero2", "pp2-then-tp2"])
+@pytest.mark.parametrize("first, then", [
+    ((2, ["--tp=2"]), (2, ["--dp=2", "--zero=2"])),
+    ((2, ["--pp=2"]), (2, ["--tp=2"])),
+    ((4, ["--dp=4"]), (4, ["--tp=2", "--pp=2"])),
+    ((2, ["--dp=2", "--zero=1"]), (2, ["--tp=2"])),
+    ((2, ["--dp=2", "--zero=3"]), (2, ["--pp=2"])),
+    ((2, ["--tp=2"]), (0, [])),
+], ids=["tp2-then-zero2", "pp2-then-tp2", "dp4-then-tp2xpp2", "zero1-then-tp2", "zero3-then-pp2",
+        "tp2-then-1"])
 def test_checkpoint_saved_on_one_layout_resumes_on_another(tiny_data, tmp_path, reference, first, then):
-    """Stop a run after 3 steps, resume it on another layout: the curve is the single-rank one."""
+    """Stop a run after 3 steps, resume it on another layout: the curve is the single-rank one.
+    Each rank wrote only its own boxes (sharded checkpoint) and reads only those it needs."""
     out = tmp_path / "run"
-    run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={out}", *first, "--stop-after=3",
-               ranks=2)
-    losses, _, weights = run(tiny_data, out, *then, f"--init-from={out / 'ckpt'}", ranks=2)
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={out}", *first[1], "--stop-after=3",
+               ranks=first[0])
+    losses, _, weights = run(tiny_data, out, *then[1], f"--init-from={out / 'ckpt'}", ranks=then[0])
     np.testing.assert_allclose(losses, reference[0], rtol=1e-10)  # steps 1-3 first run, 4-5 resumed
     for name, w in reference[2].items():
         np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)

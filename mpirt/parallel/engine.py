@@ -7,7 +7,8 @@ The training script talks to one interface whatever the layout:
     engine.clip(max_norm)   -> float     # global gradient norm (before clipping), over all shards
     engine.optimizer.step()
     engine.evaluate(x, y)   -> float     # mean loss of the global batch, no gradients
-    engine.full_state() / engine.load_full_state(weights, state)   # layout-independent tensors
+    engine.save_sharded(writer) / engine.load_sharded(reader)     # checkpoints: this rank's boxes
+    engine.full_state() / engine.load_full_state(weights, state)   # layout-independent full tensors
     engine.dropout_state() / engine.load_dropout_state(d)          # where each mask stream stands
 
 :class:`ShardedEngine` runs dp x tp (data parallelism or ZeRO 1-3, tensor/sequence parallelism)
@@ -29,7 +30,7 @@ from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.data import DataParallel
 from mpirt.parallel.pipeline import PipelineStage
-from mpirt.parallel.state import gather_state, scatter_state
+from mpirt.parallel.state import gather_state, load_shards, save_shards, scatter_state
 from mpirt.parallel.zero import ZeroOptimizer
 from mpirt.tensor import no_grad
 
@@ -109,6 +110,16 @@ class ShardedEngine:
     def load_full_state(self, weights: dict, state: dict | None) -> None:
         scatter_state(self.model, self.optimizer, weights, state, self.tp_comm)
 
+    def save_sharded(self, writer) -> None:
+        """Add this rank's boxes of the weights and optimizer state to a
+        :class:`mpirt.checkpoint_sharded.ShardWriter` (local; see :func:`mpirt.parallel.state.save_shards`)."""
+        save_shards(writer, self.model, self.optimizer, self.tp_comm, replica=self.grid.coords["dp"] == 0)
+
+    def load_sharded(self, reader, with_optimizer: bool = True) -> None:
+        """Read this rank's boxes from a :class:`mpirt.checkpoint.CheckpointReader` (collective
+        over dp under ZeRO)."""
+        load_shards(reader, self.model, self.optimizer, self.tp_comm, with_optimizer=with_optimizer)
+
     def dropout_state(self) -> dict:
         """``{module name: calls}`` for every Dropout: how far each mask stream has advanced (the
         call count is part of the mask seed), so that a resumed run draws the masks an
@@ -184,6 +195,17 @@ class PipelineEngine:
         if state is not None:
             state = {k: v for k, v in state.items() if not hasattr(v, "shape") or k.rsplit(".", 1)[0] in names}
         scatter_state(self.model, self.optimizer, weights, state, self.tp_comm)
+
+    def save_sharded(self, writer) -> None:
+        """Add this stage's boxes to ``writer`` (dp rank 0; the tied embedding from the first
+        stage only). Local."""
+        tied = self.stage.tied_names if self.stage.has_head and self.grid.sizes["pp"] > 1 else ()
+        save_shards(writer, self.model, self.optimizer, self.tp_comm, replica=self.grid.coords["dp"] == 0,
+                    skip=set(tied))
+
+    def load_sharded(self, reader, with_optimizer: bool = True) -> None:
+        """Read this stage's boxes (both ends read the tied embedding) from ``reader``. Local."""
+        load_shards(reader, self.model, self.optimizer, self.tp_comm, with_optimizer=with_optimizer)
 
     def _dropouts(self) -> dict:
         # the embedding dropout has no parameters, so it stays in the first stage's shell

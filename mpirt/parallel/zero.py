@@ -310,7 +310,7 @@ class ZeroOptimizer:
         return {"params": int(params), "grads": int(grads),
                 "optimizer": int(self.exp_avg.nbytes + self.exp_avg_sq.nbytes + master)}
 
-    _STATES = ("exp_avg", "exp_avg_sq")
+    STATE_NAMES = ("exp_avg", "exp_avg_sq")
     _HYPER = ("beta1", "beta2", "eps", "weight_decay")
 
     def state_dict(self) -> dict:
@@ -320,17 +320,16 @@ class ZeroOptimizer:
         global shape, gathered from the shards. Collective over the dp comm: every rank must call
         it, and every rank gets the whole dict. It loads into AdamW or into ZeRO at any stage and dp
         size. The model's weights are not in it (see :meth:`full_parameters`)."""
-        d = {"type": "AdamW", "step": self.step_count, "lr": self.lr,
-             **{k: getattr(self, k) for k in self._HYPER}}
+        d = {"type": "AdamW", **self.scalars()}
         full = {}
-        for state in self._STATES:
+        for state in self.STATE_NAMES:
             arr = getattr(self, state)
             for g in self.groups:
                 B.synchronize()
                 flat = B.to_host(self.comm.allgather_flat(arr[g.shard_offset:g.shard_offset + g.hi - g.lo], g.numel))
                 for p, v in zip(g.params, g.views(flat)):
                     full[f"{p.name}.{state}"] = v
-        d.update((f"{p.name}.{state}", full[f"{p.name}.{state}"]) for p in self.params for state in self._STATES)
+        d.update((f"{p.name}.{state}", full[f"{p.name}.{state}"]) for p in self.params for state in self.STATE_NAMES)
         return d
 
     def load_state_dict(self, d: dict) -> None:
@@ -339,7 +338,7 @@ class ZeroOptimizer:
         errors name the key. Local (no communication); every rank must load the same dict."""
         if d.get("type", "AdamW") != "AdamW":
             raise ValueError(f"load_state_dict: state of a {d['type']} optimizer, ZeroOptimizer loads AdamW state")
-        want = {f"{p.name}.{k}": p for p in self.params for k in self._STATES}
+        want = {f"{p.name}.{k}": p for p in self.params for k in self.STATE_NAMES}
         given = {k for k, v in d.items() if hasattr(v, "shape")}
         missing = sorted(set(want) - given) + [k for k in ("step", *self._HYPER) if k not in d]
         unexpected = sorted(given - set(want))
@@ -349,12 +348,32 @@ class ZeroOptimizer:
             if tuple(d[k].shape) != self._shapes[id(p)]:
                 raise ValueError(f"load_state_dict: {k} has shape {tuple(d[k].shape)}, expected {self._shapes[id(p)]}")
         for p, a, b, start in self.owned_segments():
-            for k in self._STATES:
+            for k in self.STATE_NAMES:
                 getattr(self, k)[start:start + b - a] = B.asarray(d[f"{p.name}.{k}"].reshape(-1)[a:b],
                                                                   dtype=self.state_dtype)
+        self.load_scalars(d)
+
+    def scalars(self) -> dict:
+        """Step, learning rate and hyperparameters (what a checkpoint records beside the arrays)."""
+        return {"step": self.step_count, "lr": self.lr, **{k: getattr(self, k) for k in self._HYPER}}
+
+    def load_scalars(self, d: dict) -> None:
+        """Restore :meth:`scalars` (a missing hyperparameter raises KeyError naming it)."""
+        missing = [k for k in ("step", *self._HYPER) if k not in d]
+        if missing:
+            raise KeyError(f"load_scalars: missing keys {missing}")
         self.step_count, self.lr = int(d["step"]), float(d.get("lr", self.lr))
         for k in self._HYPER:
             setattr(self, k, float(d[k]))
+
+    def refresh_parameters(self) -> None:
+        """After the shards were written (a sharded checkpoint load): round the half parameters
+        from the masters, and at stages 1-2 all-gather the full parameters. Collective over dp."""
+        if self.master_shard is not None:
+            self.param_shard[...] = self.master_shard  # rounded to nearest even
+        if self.stage < 3:
+            B.synchronize()
+            self.comm.allgather_flat(self.param_shard, self.groups[0].numel, out=self.flat_param)
 
     @contextlib.contextmanager
     def full_parameters(self):
