@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mpirt.backend as B
 from mpirt import blas
-from mpirt.precision import is_half, upcast
+from mpirt.precision import compute_dtype, is_half, upcast
 from mpirt.sysinfo import mapped_libraries
 
 # Elements per block (1 MiB of float32). Smaller blocks stay in L1/L2 but the threads then spend
@@ -279,7 +279,8 @@ def sum_rows(a):
     if B.name == "numpy" and a.dtype.kind == "f" and a.dtype.itemsize >= 4:
         ones = B.xp.ones(a.shape[0], dtype=a.dtype)
         return add_up(for_blocks(lambda part: ones[:part.shape[0]] @ part, a, block=LIGHT_BLOCK))
-    return add_up(for_blocks(lambda part: part.sum(axis=0), a, block=LIGHT_BLOCK))
+    acc = compute_dtype(a.dtype)  # half sums accumulate in float32, rounded once at the end
+    return add_up(for_blocks(lambda part: part.sum(axis=0, dtype=acc), a, block=LIGHT_BLOCK)).astype(a.dtype, copy=False)
 
 
 def fill_zero(a) -> None:

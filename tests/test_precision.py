@@ -15,10 +15,10 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 from conftest import run_module
 from mpirt import comm, ops
+from mpirt.checkpoint import load_state
 from mpirt.modeling import build_model, load_model_config
 from mpirt.optim import AdamW
 from mpirt.precision import LossScaler, bytes_per_parameter, compute_dtype, is_half, upcast
@@ -177,8 +177,8 @@ def records(out, rank=0):
 
 
 def weights(out):
-    latest = (out / "ckpt" / "latest").read_text().strip()
-    return load_file(str(out / "ckpt" / latest / "model.safetensors"))
+    """The latest checkpoint's full weights (its shards assembled)."""
+    return load_state(out / "ckpt")[1]
 
 
 def rel_norm(a: dict, b: dict) -> float:
@@ -311,3 +311,14 @@ def test_zero_bf16_shards_float32_masters_by_the_formula(stage):
     if len(set(MPI.COMM_WORLD.allgather(digest))) != 1:
         fails.append("ranks see different masters")
     agree(not fails, fails)
+
+
+def test_half_sums_accumulate_in_float32():
+    """A column sum of 1024 bf16 rows (ops.sum, and the bias gradient's sum_rows) adds in float32
+    and rounds once: its error is one bf16 rounding, not one per addition."""
+    from mpirt.threads import sum_rows
+    a = np.random.default_rng(0).standard_normal((1024, 64)).astype(np.dtype("bfloat16"))
+    exact = a.astype(np.float64).sum(axis=0)
+    for got in (ops.sum(Tensor(a), axis=0).data, sum_rows(a)):
+        assert got.dtype == a.dtype
+        assert np.abs(got.astype(np.float64) - exact).max() <= 2 ** -8 * np.abs(exact).max()

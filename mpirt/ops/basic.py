@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 import mpirt.backend as B
-from mpirt.precision import float32_compute
+from mpirt.precision import compute_dtype, float32_compute
 from mpirt.tensor import Function
 
 
@@ -13,7 +13,7 @@ def unbroadcast(grad, shape):
         return grad
     lead = grad.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(i + lead for i, n in enumerate(shape) if n == 1 and grad.shape[i + lead] != 1)
-    return grad.sum(axis=axes, keepdims=True).reshape(shape)
+    return grad.sum(axis=axes, keepdims=True, dtype=compute_dtype(grad.dtype)).astype(grad.dtype, copy=False).reshape(shape)
 
 
 def _shape(x):
@@ -178,7 +178,7 @@ def _expand_reduced(g, axes, keepdims):
 class Sum(Function):
     def forward(self, a, axis=None, keepdims=False):
         self.shape, self.axes, self.keepdims = a.shape, _normalize_axes(axis, a.ndim), keepdims
-        return a.sum(axis=self.axes, keepdims=keepdims)
+        return a.sum(axis=self.axes, keepdims=keepdims, dtype=compute_dtype(a.dtype)).astype(a.dtype, copy=False)
 
     def backward(self, g):
         return (B.xp.broadcast_to(_expand_reduced(g, self.axes, self.keepdims), self.shape),)
