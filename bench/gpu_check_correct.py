@@ -17,115 +17,21 @@ import numpy as np
 
 import mpirt.backend as B
 from gpu_check import fmt_err, rel_err, save, select, short_error, verdict
+from mpirt.testing import normal, op_cases
 
 DTYPES = ("float64", "float32", "bfloat16")
 TOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 
 
-def _rng(seed=0):
-    return np.random.default_rng(seed)
-
-
-def normal(*shape, seed=0):
-    return _rng(seed).standard_normal(shape)
-
-
-def positive(*shape, seed=0):
-    return _rng(seed).uniform(0.5, 2.0, shape)
-
-
-def away_from_zero(*shape, seed=0):
-    return _rng(seed).uniform(0.2, 1.5, shape) * _rng(seed + 1).choice([-1.0, 1.0], shape)
-
-
-def ix(*values):
-    """An integer index array on the active backend (a constant of the case)."""
-    return B.xp.asarray(np.array(values, dtype=np.int64))
-
-
-def op_cases(big: bool) -> dict:
+def all_cases(big: bool) -> dict:
     """name -> (op name in ops.__all__, function of Tensors, input arrays, finite-difference check)."""
     from mpirt import ops
     from mpirt.ops.attention import rotary_tables
-    from mpirt.tensor import Tensor
 
     def rot(qkv, t, d):
         return ops.rotary_embedding(qkv, *rotary_tables(t, d, 10.0, B.xp.dtype(qkv.dtype)))
 
-    cases = {
-        "add_broadcast": ("add", lambda a, b: a + b, [normal(2, 3, 4), normal(3, 1, seed=1)]),
-        "add_scalar": ("add", lambda a: 2.5 + a, [normal(3, 4)]),
-        "add_0d": ("add", lambda a, b: ops.add(a, b), [normal(2, 3), normal(seed=1)]),
-        "sub_broadcast": ("sub", lambda a, b: a - b, [normal(4, 1), normal(2, 1, 3, seed=1)]),
-        "sub_scalar_left": ("sub", lambda a: 1.5 - a, [normal(3, 2)]),
-        "mul_broadcast": ("mul", lambda a, b: a * b, [normal(2, 3, 4), normal(4, seed=1)]),
-        "mul_scalar": ("mul", lambda a: a * 3.0, [normal(5)]),
-        "div_broadcast": ("div", lambda a, b: a / b, [normal(2, 3), away_from_zero(2, 1, seed=1)]),
-        "div_scalar_left": ("div", lambda a: 2.0 / a, [away_from_zero(3, 2)]),
-        "neg": ("neg", lambda a: -a, [normal(2, 3)]),
-        "pow_int": ("pow", lambda a: a ** 3, [normal(2, 3)]),
-        "pow_float": ("pow", lambda a: a ** 0.5, [positive(2, 3)]),
-        "pow_tensor_broadcast": ("pow", lambda a, p: ops.pow(a, p), [positive(2, 3), normal(3, seed=1)]),
-        "pow_scalar_base": ("pow", lambda p: ops.pow(2.0, p), [normal(2, 3)]),
-        "exp": ("exp", lambda a: a.exp(), [normal(2, 3)]),
-        "log": ("log", lambda a: a.log(), [positive(2, 3)]),
-        "tanh": ("tanh", lambda a: a.tanh(), [normal(2, 3)]),
-        "relu": ("relu", lambda a: a.relu(), [away_from_zero(3, 4)]),
-        "swiglu": ("swiglu", lambda a, b: ops.swiglu(a, b), [2 * normal(2, 3, 4), normal(2, 3, 4, seed=1)]),
-        "sum_all": ("sum", lambda a: a.sum(), [normal(2, 3, 4)]),
-        "sum_axis": ("sum", lambda a: a.sum(axis=1), [normal(2, 3, 4)]),
-        "sum_tuple_keepdims": ("sum", lambda a: a.sum(axis=(0, 2), keepdims=True), [normal(2, 3, 4)]),
-        "mean_all": ("mean", lambda a: a.mean(), [normal(2, 3, 4)]),
-        "mean_neg_axis_keepdims": ("mean", lambda a: a.mean(axis=-1, keepdims=True), [normal(2, 3, 4)]),
-        "mean_tuple": ("mean", lambda a: a.mean(axis=(0, 1)), [normal(2, 3, 4)]),
-        "max_all": ("max", lambda a: a.max(), [normal(2, 3, 4)]),
-        "max_axis": ("max", lambda a: a.max(axis=1), [normal(2, 3, 4)]),
-        "max_tuple_keepdims": ("max", lambda a: a.max(axis=(0, 2), keepdims=True), [normal(2, 3, 4)]),
-        "reshape": ("reshape", lambda a: a.reshape(4, -1), [normal(2, 3, 4)]),
-        "transpose_reverse": ("transpose", lambda a: a.T, [normal(2, 3, 4)]),
-        "transpose_axes": ("transpose", lambda a: a.transpose(1, 2, 0), [normal(2, 3, 4)]),
-        "getitem_slices": ("getitem", lambda a: a[1:, ::2], [normal(3, 5)]),
-        "getitem_int_array_repeats": ("getitem", lambda a: a[ix(0, 2, 0, 0)], [normal(3, 4)]),
-        "getitem_mixed": ("getitem", lambda a: a[:, ix(1, 1, 3), 1:], [normal(2, 4, 3)]),
-        "getitem_tensor_index": ("getitem", lambda a: a[Tensor(ix([1, 1], [0, 2]))], [normal(3, 2)]),
-        "concat_axis0": ("concat", lambda a, b: ops.concat([a, b], axis=0), [normal(2, 3), normal(1, 3, seed=1)]),
-        "concat_last_with_const": ("concat", lambda a: ops.concat([a, B.xp.ones((2, 2), a.dtype), a], axis=-1),
-                                   [normal(2, 3)]),
-        "split_int": ("split", lambda a: ops.split(a, 3, axis=-1), [normal(2, 6)]),
-        "split_sizes_axis0": ("split", lambda a: ops.split(a, [1, 3], axis=0), [normal(4, 2)]),
-        "matmul_2d": ("matmul", lambda a, b: a @ b, [normal(3, 4), normal(4, 2, seed=1)]),
-        "matmul_batched_2d_weight": ("matmul", lambda a, b: a @ b, [normal(2, 3, 4), normal(4, 5, seed=1)]),
-        "matmul_batched": ("matmul", lambda a, b: ops.matmul(a, b), [normal(2, 3, 4), normal(2, 4, 2, seed=1)]),
-        "matmul_batch_broadcast": ("matmul", lambda a, b: a @ b, [normal(3, 4), normal(2, 4, 2, seed=1)]),
-        "linear_bias": ("linear", lambda x, w, b: ops.linear(x, w, b),
-                        [normal(2, 3, 4), normal(4, 5, seed=1), normal(5, seed=2)]),
-        "linear_no_bias": ("linear", lambda x, w: ops.linear(x, w), [normal(3, 4), normal(4, 2, seed=1)]),
-        "gelu": ("gelu", lambda x: ops.gelu(x), [2 * normal(3, 4)]),
-        "softmax": ("softmax", lambda x: ops.softmax(x), [normal(2, 3, 5)]),
-        "softmax_axis0": ("softmax", lambda x: ops.softmax(x, axis=0), [normal(4, 3)]),
-        "log_softmax": ("log_softmax", lambda x: ops.log_softmax(x), [normal(2, 3, 5)]),
-        "log_softmax_axis1": ("log_softmax", lambda x: ops.log_softmax(x, axis=1), [normal(2, 4, 3)]),
-        "layer_norm": ("layer_norm", lambda x, w, b: ops.layer_norm(x, w, b),
-                       [normal(2, 3, 6), 1 + 0.5 * normal(6, seed=1), normal(6, seed=2)]),
-        "layer_norm_no_affine": ("layer_norm", lambda x: ops.layer_norm(x, None, None, eps=1e-3), [normal(4, 5)]),
-        "rms_norm": ("rms_norm", lambda x, w: ops.rms_norm(x, w, eps=1e-5), [normal(2, 3, 6), 1 + 0.5 * normal(6, seed=1)]),
-        "embedding_repeats": ("embedding", lambda w: ops.embedding(ix([1, 3, 1], [0, 1, 3]), w), [normal(5, 4)]),
-        "embedding_tensor_ids": ("embedding", lambda w: ops.embedding(Tensor(ix(2, 2, 2, 0)), w), [normal(3, 2)]),
-        "cross_entropy": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t), [normal(6, 5), np.array([0, 4, 2, 2, 1, 3])]),
-        "cross_entropy_ignore_3d": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t, ignore_index=-100),
-                                    [normal(2, 3, 4), np.array([[1, -100, 3], [0, 0, -100]])]),
-        "cross_entropy_custom_ignore_sum": ("cross_entropy",
-                                            lambda x, t: ops.cross_entropy(x, t, ignore_index=2, reduction="sum"),
-                                            [normal(4, 3), np.array([2, 0, 2, 1])]),
-        "cross_entropy_all_ignored": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t), [normal(3, 4), np.full(3, -100)]),
-        "dropout": ("dropout", lambda x: ops.dropout(x, 0.4, seed=7), [normal(4, 5)]),
-        "attention": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, n_head=2), [normal(2, 5, 24)]),
-        "attention_T1": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, n_head=2), [normal(2, 1, 24)]),
-        "attention_dropout": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, 2, dropout_p=0.3, seed=3),
-                              [normal(1, 4, 12)]),
-        "rotary": ("rotary_embedding", lambda qkv: rot(qkv, 5, 4), [normal(2, 5, 24)]),
-    }
-    cases = {k: (*v, True) for k, v in cases.items()}
+    cases = {k: (*v, True) for k, v in op_cases().items()}  # the op tests' own table
     # larger cases (GPU-sized on the device, small in the dry run): kernels past the toy shapes
     n, c, t, v = (4096, 1024, 256, 32768) if big else (64, 32, 16, 96)
     big_cases = {
@@ -138,10 +44,11 @@ def op_cases(big: bool) -> dict:
         "layer_norm_large": ("layer_norm", lambda x, w, b: ops.layer_norm(x, w, b),
                              [normal(4, n // 8, c), 1 + 0.1 * normal(c, seed=1), normal(c, seed=2)]),
         "rms_norm_large": ("rms_norm", lambda x, w: ops.rms_norm(x, w, eps=1e-5), [normal(4, n // 8, c), 1 + 0.1 * normal(c, seed=1)]),
-        "embedding_large": ("embedding", lambda w: ops.embedding(B.xp.asarray(_rng(3).integers(0, v, (4, n // 4))), w),
+        "embedding_large": ("embedding",
+                            lambda w: ops.embedding(B.xp.asarray(np.random.default_rng(3).integers(0, v, (4, n // 4))), w),
                             [normal(v, c // 4)]),
         "cross_entropy_large": ("cross_entropy", lambda x, y: ops.cross_entropy(x, y),
-                                [2 * normal(n // 8, v), _rng(4).integers(0, v, n // 8)]),
+                                [2 * normal(n // 8, v), np.random.default_rng(4).integers(0, v, n // 8)]),
         "attention_large": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, n_head=8),
                             [normal(2, t, 3 * c // 2)]),
         "rotary_large": ("rotary_embedding", lambda qkv: rot(qkv, t, c // 16), [normal(2, t, 3 * c // 2)]),
@@ -216,7 +123,7 @@ def run_case(fn, arrays, seed_grad_of):
 def check_case(fn, inputs, dtype, cpu, tape, seed):
     """Worst relative errors ``(forward, backward)`` of one case in ``dtype`` on the device."""
     arrays = [a.astype(dtype) if a.dtype.kind == "f" else a for a in inputs]
-    rng = _rng(seed)
+    rng = np.random.default_rng(seed)
     select(cpu)
     with tape.record():
         out, grads, seed_grad = run_case(fn, arrays, lambda o: rng.standard_normal(o.shape).astype(o.dtype))
@@ -230,7 +137,7 @@ def check_case(fn, inputs, dtype, cpu, tape, seed):
 def part_ops(args) -> None:
     from mpirt import ops
     from mpirt.testing import gradcheck
-    t0, cases, tape = time.time(), op_cases(not args.cpu), MaskTape()
+    t0, cases, tape = time.time(), all_cases(not args.cpu), MaskTape()
     per_op, data = {}, {}
     for name, (op, fn, inputs, small) in cases.items():
         entry = data[name] = {"op": op}
@@ -299,7 +206,7 @@ def part_optim(args) -> None:
     hyper = dict(lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, wd=0.1)
     for dtype in (*DTYPES, "float16"):
         try:
-            rng = _rng(1)
+            rng = np.random.default_rng(1)
             scale = 1024.0 if dtype == "float16" else 1.0   # a loss scale undone through grad_scale
             init = [(0.5 * rng.standard_normal(s)).astype(dtype) for s in shapes]
             select(args.cpu)
@@ -376,7 +283,7 @@ def part_gpt(args) -> None:
         cfg, batch, seq = GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=96), 2, 16
     else:
         cfg, batch, seq = GPTConfig(n_layer=2, n_head=4, n_embd=256, n_positions=128, vocab_size=2048), 4, 128
-    rng = _rng(5)
+    rng = np.random.default_rng(5)
     x, y = (rng.integers(0, cfg.vocab_size, (batch, seq)) for _ in range(2))
     tol = {"float64": (1e-10, 1e-9, 1e-8), "float32": (1e-5, 1e-3, 1e-3), "bfloat16": (2e-2, 1e-1, 2e-1)}
     for dtype in DTYPES:

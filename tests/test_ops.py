@@ -10,25 +10,7 @@ from mpirt import ops
 from mpirt.ops.attention import rotary_tables
 from mpirt.ops.nn import scatter_add_rows
 from mpirt.tensor import Tensor, no_grad
-from mpirt.testing import gradcheck
-
-
-def _rng(seed=0):
-    return np.random.default_rng(seed)
-
-
-def normal(*shape, seed=0):
-    return _rng(seed).standard_normal(shape)
-
-
-def positive(*shape, seed=0):
-    return _rng(seed).uniform(0.5, 2.0, shape)
-
-
-def away_from_zero(*shape, seed=0):
-    """Values with |x| >= 0.2 (kinks and ties stay out of the finite-difference stencil)."""
-    x = _rng(seed).uniform(0.2, 1.5, shape)
-    return x * _rng(seed + 1).choice([-1.0, 1.0], shape)
+from mpirt.testing import gradcheck, normal, op_cases
 
 
 # ------------------------------------------------------------------------------------------
@@ -36,79 +18,7 @@ def away_from_zero(*shape, seed=0):
 # Each case: (op name from ops.__all__, function of Tensors, list of input arrays).
 # Integer arrays are constants; every function calls exactly one op (split returns a list).
 # ------------------------------------------------------------------------------------------
-CASES = {
-    "add_broadcast": ("add", lambda a, b: a + b, [normal(2, 3, 4), normal(3, 1, seed=1)]),
-    "add_scalar": ("add", lambda a: 2.5 + a, [normal(3, 4)]),
-    "add_0d": ("add", lambda a, b: ops.add(a, b), [normal(2, 3), normal(seed=1)]),
-    "sub_broadcast": ("sub", lambda a, b: a - b, [normal(4, 1), normal(2, 1, 3, seed=1)]),
-    "sub_scalar_left": ("sub", lambda a: 1.5 - a, [normal(3, 2)]),
-    "mul_broadcast": ("mul", lambda a, b: a * b, [normal(2, 3, 4), normal(4, seed=1)]),
-    "mul_scalar": ("mul", lambda a: a * 3.0, [normal(5)]),
-    "div_broadcast": ("div", lambda a, b: a / b, [normal(2, 3), away_from_zero(2, 1, seed=1)]),
-    "div_scalar_left": ("div", lambda a: 2.0 / a, [away_from_zero(3, 2)]),
-    "neg": ("neg", lambda a: -a, [normal(2, 3)]),
-    "pow_int": ("pow", lambda a: a ** 3, [normal(2, 3)]),
-    "pow_float": ("pow", lambda a: a ** 0.5, [positive(2, 3)]),
-    "pow_tensor_broadcast": ("pow", lambda a, p: ops.pow(a, p), [positive(2, 3), normal(3, seed=1)]),
-    "pow_scalar_base": ("pow", lambda p: ops.pow(2.0, p), [normal(2, 3)]),
-    "exp": ("exp", lambda a: a.exp(), [normal(2, 3)]),
-    "log": ("log", lambda a: a.log(), [positive(2, 3)]),
-    "tanh": ("tanh", lambda a: a.tanh(), [normal(2, 3)]),
-    "relu": ("relu", lambda a: a.relu(), [away_from_zero(3, 4)]),
-    "swiglu": ("swiglu", lambda a, b: ops.swiglu(a, b), [2 * normal(2, 3, 4), normal(2, 3, 4, seed=1)]),
-    "sum_all": ("sum", lambda a: a.sum(), [normal(2, 3, 4)]),
-    "sum_axis": ("sum", lambda a: a.sum(axis=1), [normal(2, 3, 4)]),
-    "sum_tuple_keepdims": ("sum", lambda a: a.sum(axis=(0, 2), keepdims=True), [normal(2, 3, 4)]),
-    "mean_all": ("mean", lambda a: a.mean(), [normal(2, 3, 4)]),
-    "mean_neg_axis_keepdims": ("mean", lambda a: a.mean(axis=-1, keepdims=True), [normal(2, 3, 4)]),
-    "mean_tuple": ("mean", lambda a: a.mean(axis=(0, 1)), [normal(2, 3, 4)]),
-    "max_all": ("max", lambda a: a.max(), [normal(2, 3, 4)]),
-    "max_axis": ("max", lambda a: a.max(axis=1), [normal(2, 3, 4)]),
-    "max_tuple_keepdims": ("max", lambda a: a.max(axis=(0, 2), keepdims=True), [normal(2, 3, 4)]),
-    "reshape": ("reshape", lambda a: a.reshape(4, -1), [normal(2, 3, 4)]),
-    "transpose_reverse": ("transpose", lambda a: a.T, [normal(2, 3, 4)]),
-    "transpose_axes": ("transpose", lambda a: a.transpose(1, 2, 0), [normal(2, 3, 4)]),
-    "getitem_slices": ("getitem", lambda a: a[1:, ::2], [normal(3, 5)]),
-    "getitem_int_array_repeats": ("getitem", lambda a: a[np.array([0, 2, 0, 0])], [normal(3, 4)]),
-    "getitem_mixed": ("getitem", lambda a: a[:, np.array([1, 1, 3]), 1:], [normal(2, 4, 3)]),
-    "getitem_tensor_index": ("getitem", lambda a: a[Tensor(np.array([[1, 1], [0, 2]]))], [normal(3, 2)]),
-    "concat_axis0": ("concat", lambda a, b: ops.concat([a, b], axis=0), [normal(2, 3), normal(1, 3, seed=1)]),
-    "concat_last_with_const": ("concat", lambda a: ops.concat([a, np.ones((2, 2), a.dtype), a], axis=-1), [normal(2, 3)]),
-    "split_int": ("split", lambda a: ops.split(a, 3, axis=-1), [normal(2, 6)]),
-    "split_sizes_axis0": ("split", lambda a: ops.split(a, [1, 3], axis=0), [normal(4, 2)]),
-    "matmul_2d": ("matmul", lambda a, b: a @ b, [normal(3, 4), normal(4, 2, seed=1)]),
-    "matmul_batched_2d_weight": ("matmul", lambda a, b: a @ b, [normal(2, 3, 4), normal(4, 5, seed=1)]),
-    "matmul_batched": ("matmul", lambda a, b: ops.matmul(a, b), [normal(2, 3, 4), normal(2, 4, 2, seed=1)]),
-    "matmul_batch_broadcast": ("matmul", lambda a, b: a @ b, [normal(3, 4), normal(2, 4, 2, seed=1)]),
-    "linear_bias": ("linear", lambda x, w, b: ops.linear(x, w, b), [normal(2, 3, 4), normal(4, 5, seed=1), normal(5, seed=2)]),
-    "linear_no_bias": ("linear", lambda x, w: ops.linear(x, w), [normal(3, 4), normal(4, 2, seed=1)]),
-    "gelu": ("gelu", lambda x: ops.gelu(x), [2 * normal(3, 4)]),
-    "softmax": ("softmax", lambda x: ops.softmax(x), [normal(2, 3, 5)]),
-    "softmax_axis0": ("softmax", lambda x: ops.softmax(x, axis=0), [normal(4, 3)]),
-    "log_softmax": ("log_softmax", lambda x: ops.log_softmax(x), [normal(2, 3, 5)]),
-    "log_softmax_axis1": ("log_softmax", lambda x: ops.log_softmax(x, axis=1), [normal(2, 4, 3)]),
-    "layer_norm": ("layer_norm", lambda x, w, b: ops.layer_norm(x, w, b),
-                   [normal(2, 3, 6), 1 + 0.5 * normal(6, seed=1), normal(6, seed=2)]),
-    "layer_norm_no_affine": ("layer_norm", lambda x: ops.layer_norm(x, None, None, eps=1e-3), [normal(4, 5)]),
-    "rms_norm": ("rms_norm", lambda x, w: ops.rms_norm(x, w, eps=1e-5), [normal(2, 3, 6), 1 + 0.5 * normal(6, seed=1)]),
-    "embedding_repeats": ("embedding", lambda w: ops.embedding(np.array([[1, 3, 1], [0, 1, 3]]), w), [normal(5, 4)]),
-    "embedding_tensor_ids": ("embedding", lambda w: ops.embedding(Tensor(np.array([2, 2, 2, 0])), w), [normal(3, 2)]),
-    "cross_entropy": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t),
-                      [normal(6, 5), np.array([0, 4, 2, 2, 1, 3])]),
-    "cross_entropy_ignore_3d": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t, ignore_index=-100),
-                                [normal(2, 3, 4), np.array([[1, -100, 3], [0, 0, -100]])]),
-    "cross_entropy_custom_ignore_sum": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t, ignore_index=2, reduction="sum"),
-                                       [normal(4, 3), np.array([2, 0, 2, 1])]),
-    "cross_entropy_all_ignored": ("cross_entropy", lambda x, t: ops.cross_entropy(x, t),
-                                  [normal(3, 4), np.full(3, -100)]),
-    "dropout": ("dropout", lambda x: ops.dropout(x, 0.4, seed=7), [normal(4, 5)]),
-    "attention": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, n_head=2), [normal(2, 5, 24)]),
-    "attention_T1": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, n_head=2), [normal(2, 1, 24)]),
-    "attention_dropout": ("causal_self_attention", lambda qkv: ops.causal_self_attention(qkv, 2, dropout_p=0.3, seed=3),
-                          [normal(1, 4, 12)]),
-    "rotary": ("rotary_embedding", lambda qkv: ops.rotary_embedding(qkv, *rotary_tables(5, 4, 10.0, np.float64)),
-               [normal(2, 5, 24)]),                      # C = 8: two heads of D = 4 in each of q, k, v
-}
+CASES = op_cases()
 
 
 def test_cases_cover_every_exported_op():
@@ -136,7 +46,7 @@ def test_float32_outputs_and_gradients(name):
     outs = f(*tensors)
     for out in outs if isinstance(outs, list) else [outs]:
         assert out.dtype == np.float32, f"{name}: output is {out.dtype}"
-        g = _rng(5).standard_normal(out.shape).astype(np.float32)
+        g = np.random.default_rng(5).standard_normal(out.shape).astype(np.float32)
         g.flags.writeable = False
         fn = out._ctx
         grads = fn.backward(g)
@@ -230,7 +140,7 @@ def test_rotary_attention_matches_torch_reference():
 
 def test_cross_entropy_matches_torch_value_and_gradient():
     logits = 3 * normal(2, 5, 7)
-    targets = _rng(1).integers(0, 7, (2, 5))
+    targets = np.random.default_rng(1).integers(0, 7, (2, 5))
     targets[0, 1] = targets[1, 4] = -100
     for reduction in ("mean", "sum"):
         x = Tensor(logits.copy(), requires_grad=True)
@@ -248,7 +158,7 @@ def test_cross_entropy_chunked_forward_matches_torch(monkeypatch):
     """The forward runs a few rows at a time; force uneven blocks of 2 rows at this tiny size."""
     import mpirt.threads as threads
     monkeypatch.setattr(threads, "BLOCK", 2 * 9)
-    logits, targets = 4 * normal(7, 9), _rng(2).integers(0, 9, 7)
+    logits, targets = 4 * normal(7, 9), np.random.default_rng(2).integers(0, 9, 7)
     targets[3] = -100
     x = Tensor(logits.copy(), requires_grad=True)
     loss = ops.cross_entropy(x, targets)
@@ -370,14 +280,14 @@ def test_dropout_identity_when_off_and_validates_p():
 
 @pytest.mark.parametrize("vocab,n", [(7, 50), (1000, 300), (5, 1)])
 def test_scatter_add_rows_matches_add_at(vocab, n):
-    ids = _rng(3).integers(0, vocab, n)
-    rows = _rng(4).standard_normal((n, 6)).astype(np.float32)
+    ids = np.random.default_rng(3).integers(0, vocab, n)
+    rows = np.random.default_rng(4).standard_normal((n, 6)).astype(np.float32)
     want = np.zeros((vocab, 6), np.float32)
     np.add.at(want, ids, rows)
     got = scatter_add_rows(ids, rows, vocab)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    base = _rng(5).standard_normal((vocab, 6)).astype(np.float32)  # adds into an existing buffer
+    base = np.random.default_rng(5).standard_normal((vocab, 6)).astype(np.float32)  # adds into an existing buffer
     out = base.copy()
     assert scatter_add_rows(ids, rows, out=out) is out
     np.testing.assert_allclose(out, base + want, rtol=1e-5, atol=1e-6)
