@@ -20,6 +20,7 @@ import numpy as np
 import mpirt.backend as B
 from gpu_check import (H200_BF16_PEAK, ROOT, device_name, fmt_err, gib, rel_err, save, select, short_error, sync,
                        verdict)
+from torch_gpt import torch_gpt
 
 
 def timed(fn, sync_fn, warmup: int, rounds: int, per_round: int = 1) -> list[float]:
@@ -45,7 +46,6 @@ def part_matmul(args) -> None:
     from mpirt import threads
     t0, rows, data = time.time(), [], {}
     select(args.cpu)
-    tdev = "cpu" if args.cpu else "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False   # the float32 references are float32
     tsync = (lambda: None) if args.cpu else torch.cuda.synchronize
     shapes = [(128, 128, 128), (64, 96, 128)] if args.cpu else [(8192, 8192, 8192), (8192, 2048, 8192)]
@@ -241,56 +241,12 @@ def mpirt_trainer(cfg, x, y):
     return step, model.num_parameters()
 
 
-def torch_gpt(cfg, device):
-    """A minimal GPT-2 in PyTorch of the same shape: pre-norm blocks, tanh GELU, learned positions,
-    tied head, ``F.scaled_dot_product_attention(is_causal=True)``."""
-    import torch
-    import torch.nn.functional as F
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            c = cfg.n_embd
-            self.ln_1, self.ln_2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
-            self.c_attn, self.c_proj = torch.nn.Linear(c, 3 * c), torch.nn.Linear(c, c)
-            self.c_fc, self.m_proj = torch.nn.Linear(c, cfg.hidden), torch.nn.Linear(cfg.hidden, c)
-
-        def forward(self, h):
-            b, t, c = h.shape
-            q, k, v = self.c_attn(self.ln_1(h)).split(c, dim=2)
-            q, k, v = (z.view(b, t, cfg.n_head, c // cfg.n_head).transpose(1, 2) for z in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-            h = h + self.c_proj(a)
-            return h + self.m_proj(F.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
-
-    class GPT(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.n_embd)
-            self.wpe = torch.nn.Embedding(cfg.n_positions, cfg.n_embd)
-            self.h = torch.nn.ModuleList(Block() for _ in range(cfg.n_layer))
-            self.ln_f = torch.nn.LayerNorm(cfg.n_embd)
-            for p in self.parameters():
-                if p.ndim >= 2:
-                    torch.nn.init.normal_(p, std=0.02)
-
-        def forward(self, idx, targets):
-            h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-            for block in self.h:
-                h = block(h)
-            logits = self.ln_f(h) @ self.wte.weight.T
-            return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.view(-1))
-
-    torch.manual_seed(0)
-    return GPT().to(device)
-
-
 def torch_trainer(cfg, x, y, cpu: bool):
     """float32 weights, autocast to bfloat16 (PyTorch's mixed precision: 16 bytes of state per
     parameter, as mpirt's bf16 + float32 masters), AdamW (fused on the GPU), clipping at 1.0."""
     import torch
     device = "cpu" if cpu else "cuda"
-    model = torch_gpt(cfg, device)
+    model = torch_gpt(cfg, device, init_std=0.02)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],

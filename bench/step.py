@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as BC  # noqa: E402
+from torch_gpt import torch_gpt  # noqa: E402
 from gemm import CASES, case_config, step_gemms, step_products  # noqa: E402
 
 
@@ -53,41 +54,8 @@ def mpirt_step(cfg, batch, seq_len, x, y):
 
 def torch_step(cfg, batch, seq_len, x, y):
     import torch
-    import torch.nn.functional as F
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            c = cfg.n_embd
-            self.ln_1, self.ln_2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
-            self.c_attn, self.c_proj = torch.nn.Linear(c, 3 * c), torch.nn.Linear(c, c)
-            self.c_fc, self.m_proj = torch.nn.Linear(c, 4 * c), torch.nn.Linear(4 * c, c)
-
-        def forward(self, h):
-            b, t, c = h.shape
-            q, k, v = self.c_attn(self.ln_1(h)).split(c, dim=2)
-            q, k, v = (z.view(b, t, cfg.n_head, c // cfg.n_head).transpose(1, 2) for z in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-            h = h + self.c_proj(a)
-            return h + self.m_proj(F.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
-
-    class GPT(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.n_embd)
-            self.wpe = torch.nn.Embedding(cfg.n_positions, cfg.n_embd)
-            self.h = torch.nn.ModuleList(Block() for _ in range(cfg.n_layer))
-            self.ln_f = torch.nn.LayerNorm(cfg.n_embd)
-
-        def forward(self, idx, targets):
-            h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-            for block in self.h:
-                h = block(h)
-            logits = self.ln_f(h) @ self.wte.weight.T
-            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
-
-    torch.manual_seed(0)
-    model = GPT()
+    model = torch_gpt(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     tx, ty = torch.from_numpy(x), torch.from_numpy(y)
 
