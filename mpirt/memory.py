@@ -31,16 +31,18 @@ def format_size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _base(a):
+def array_base(a):
+    """The array that owns ``a``'s memory (a view's base, followed to the end)."""
     while getattr(a, "base", None) is not None:
         a = a.base
     return a
 
 
-def _arrays(value):
+def arrays_in(value):
+    """The NumPy/CuPy arrays in ``value``: itself, or inside (nested) tuples and lists."""
     if isinstance(value, (tuple, list)):
         for v in value:
-            yield from _arrays(v)
+            yield from arrays_in(v)
     elif isinstance(value, np.ndarray) or B.is_device_array(value):
         yield value
 
@@ -58,7 +60,7 @@ def kept_bytes(root) -> int:
     seen, stack = set(), [root._ctx] if root._ctx is not None else []
 
     def add(a):
-        base = _base(a)
+        base = array_base(a)
         found[id(base)] = int(base.nbytes)
 
     add(root.data)
@@ -69,11 +71,11 @@ def kept_bytes(root) -> int:
         seen.add(id(fn))
         for key, value in vars(fn).items():
             if key not in ("inputs", "needs_input_grad"):
-                for a in _arrays(value):
+                for a in arrays_in(value):
                     add(a)
         for x in fn.inputs:
             if isinstance(x, Parameter):
-                params.add(id(_base(x.data)))
+                params.add(id(array_base(x.data)))
             elif isinstance(x, Tensor):
                 add(x.data)
                 if x._ctx is not None:

@@ -1,9 +1,7 @@
 """Activation memory of a (tensor-parallel) forward: measured from the graph and predicted."""
 from __future__ import annotations
 
-import numpy as np
-
-import mpirt.backend as B
+from mpirt.memory import array_base, arrays_in
 from mpirt.tensor import Tensor
 
 from .layout import pad_vocab
@@ -12,20 +10,6 @@ from .layout import pad_vocab
 # =============================================================================================
 # activation memory: measured and predicted
 # =============================================================================================
-def _root(a):
-    while getattr(a, "base", None) is not None:
-        a = a.base
-    return a
-
-
-def _arrays(value):
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _arrays(v)
-    elif isinstance(value, np.ndarray) or B.is_device_array(value):
-        yield value
-
-
 def saved_activation_bytes(root: Tensor) -> int:
     """Bytes of the arrays that the Functions of ``root``'s graph hold for backward.
 
@@ -45,7 +29,7 @@ def saved_activation_bytes(root: Tensor) -> int:
         for x in getattr(fn, "inputs", ()):
             if isinstance(x, Tensor):
                 if x._ctx is None:
-                    params.add(id(_root(x.data)))
+                    params.add(id(array_base(x.data)))
                 elif id(x._ctx) not in seen_fn:
                     stack.append(x._ctx)
     total, counted = 0, set()
@@ -53,8 +37,8 @@ def saved_activation_bytes(root: Tensor) -> int:
         for key, value in vars(fn).items():
             if key in ("inputs", "needs_input_grad"):
                 continue
-            for a in _arrays(value):
-                base = _root(a)
+            for a in arrays_in(value):
+                base = array_base(a)
                 if id(base) in params or id(base) in counted:
                     continue
                 counted.add(id(base))
