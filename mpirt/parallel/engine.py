@@ -145,7 +145,10 @@ class PipelineEngine:
                                    chunks=cfg.chunks if cfg.schedule == "interleaved" else 1, dtype=cfg.dtype,
                                    seed=cfg.seed, seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
         self.model = self.stage.model
-        TP.reseed_dropouts(self.model, dropout_seed, grid.coords["tp"], cfg.sequence_parallel)
+        # the blocks' dropouts and the embedding's (in the first and last stages' shell): each dp
+        # replica draws its own masks
+        for part in filter(None, (self.model, self.stage.shell)):
+            TP.reseed_dropouts(part, dropout_seed, grid.coords["tp"], cfg.sequence_parallel)
         recompute.apply(self.stage.blocks, cfg.recompute, cfg.recompute_layers, attention_core(model_cfg))
         self.optimizer = AdamW(self.stage.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                weight_decay=cfg.weight_decay)
