@@ -32,6 +32,7 @@ exit with an unknown code.
 from __future__ import annotations
 
 import atexit
+import signal
 import sys
 import threading
 import time
@@ -191,7 +192,13 @@ def exit_together(code: int = 0):
     """Leave the job on purpose, every rank with the same ``code`` (all ranks must call it, as
     the last thing they do): flush output, wait for every rank (a rank that never comes is named
     by the watchdog), finalise MPI and raise ``SystemExit(code)``. No abort, so no abort noise,
-    also under ``python -m mpi4py``."""
+    also under ``python -m mpi4py``.
+
+    TERM and INT are ignored from here on: a launcher that kills the other tasks as soon as one
+    exits non-zero (``srun --kill-on-bad-exit``, an exit 75 after a stop) must not turn the
+    agreed code of a rank still finalising into death by signal (exit 143)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
     global _watchdog
