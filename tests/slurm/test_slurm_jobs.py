@@ -54,8 +54,9 @@ def render(name: str, *flags, train=()) -> Path:
     return path
 
 
-def submit(script, *args, sbatch=(), env=None) -> str:
-    env = dict(os.environ, MPIRT_SITE_ENV=str(env or WORK / "site.env"))
+def submit(script, *args, sbatch=(), env=None, fault: str | None = None) -> str:
+    """Submit ``script``; ``fault`` is an MPIRT_FAULT value the job's ranks inherit."""
+    env = dict(os.environ, MPIRT_SITE_ENV=str(env or WORK / "site.env"), **({"MPIRT_FAULT": fault} if fault else {}))
     out = run("sbatch", "--parsable", f"--output={WORK}/%x-%j.out", *sbatch, script, *args, cwd=WORK, env=env)
     return out.strip().split(";")[0]
 
@@ -159,11 +160,7 @@ def test_cancel_saves_then_requeue_resumes(data, site_env):
     run_dir = WORK / "runs" / "cancel"
     script = render("cancel", "--template", "preemptible", "--time", "5", "--run-dir", run_dir,
                     train=["--data", data, *TINY, "--steps", steps])
-    os.environ["MPIRT_FAULT"] = stall_every_step(steps, 0.3)
-    try:
-        jid = submit(script)
-    finally:
-        del os.environ["MPIRT_FAULT"]
+    jid = submit(script, fault=stall_every_step(steps, 0.3))
     wait_steps(jid, "cancel", run_dir, 4)
     t0 = time.time()
     run("scancel", jid)
@@ -208,11 +205,7 @@ def test_time_limit_notice_stops_and_requeues_itself(data, site_env):
     run_dir = WORK / "runs" / "notice"
     script = render("notice", "--template", "preemptible", "--time", "5", "--run-dir", run_dir,
                     train=["--data", data, *TINY, "--steps", steps])
-    os.environ["MPIRT_FAULT"] = stall_every_step(steps, 0.3)
-    try:
-        jid = submit(script)
-    finally:
-        del os.environ["MPIRT_FAULT"]
+    jid = submit(script, fault=stall_every_step(steps, 0.3))
     wait_steps(jid, "notice", run_dir, 4)
     t0 = time.time()
     run("scancel", "--batch", "--signal=USR1", jid)
