@@ -195,8 +195,9 @@ def config_from_dict(values: dict):
 
 
 def build_model(cfg, dtype="float32", seed: int | None = None):
-    """The model for ``cfg.model_type``; initialized from ``seed`` when given, else zero weights
-    (call ``model.initialize(seed, axis_sizes, axis_ranks)`` or load a checkpoint)."""
+    """The model for ``cfg.model_type``; initialized from ``seed`` when given, else lazy: its
+    parameters hold no arrays yet (call ``model.initialize(seed, axis_sizes, axis_ranks)``, make it
+    tensor parallel with ``parallelize(seed=...)``, or load weights)."""
     return model_class(cfg)(cfg, dtype=dtype, seed=seed)
 
 

@@ -1,12 +1,15 @@
 """Modules and parameters.
 
 Every :class:`Parameter` knows its dotted name, its global shape and how it is split over the
-process grid (:class:`ShardSpec`). Initialisation builds the full tensor from a seed derived from
-the name and keeps this rank's slice, so every parallel layout starts from identical weights.
+process grid (:class:`ShardSpec`). Parameters are created lazy (a shape, no array), so building a
+model allocates nothing; initialisation generates this rank's slice of the full tensor seeded by
+the name (chunk by chunk, never the whole tensor), so every parallel layout starts from identical
+weights.
 Checkpointing, clipping and ZeRO are written against this metadata, not per layer.
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass
 from typing import Iterator
@@ -114,23 +117,77 @@ class ShardSpec:
         full[self.local_index(full.shape, axis_sizes, axis_ranks)] = local
 
 
+class NotMaterializedError(RuntimeError):
+    """A lazy :class:`Parameter` was read before it was given a value (initialised or loaded)."""
+
+
+# elements of the seeded full tensor generated at a time (float64: 4 MiB): the most a
+# parameter's initialisation holds beyond its own slice, however large the full tensor is
+INIT_CHUNK = 1 << 19
+
+
 class Parameter(Tensor):
     """A trainable leaf Tensor with a name, a global shape, a ShardSpec and an init rule.
 
     ``init`` is ``"normal"`` (mean 0, standard deviation ``std``), ``"zeros"`` or ``"ones"``.
     The name is assigned by the owning module tree (``Module.named_parameters``).
+
+    A Parameter is created *lazy*: it knows its shape and dtype but holds no array, so building a
+    model allocates nothing. It is materialised by :meth:`Module.initialize` (its slice of the
+    seeded full tensor, :meth:`init_slice`), by tensor parallelism's ``parallelize``, by
+    ``load_state_dict`` or by assigning ``data``. Reading ``data`` before that raises
+    :class:`NotMaterializedError`; ``shape``/``dtype``/``size``/``ndim`` always work (the local
+    shape the rank will hold).
     """
 
     def __init__(self, shape, init: str = "normal", std: float = 0.02, spec: ShardSpec | None = None,
                  dtype="float32"):
         shape = tuple(shape)
-        super().__init__(B.xp.zeros(shape, dtype=dtype), requires_grad=True)
         if init not in ("normal", "zeros", "ones"):
             raise ValueError(f"Parameter init: expected normal, zeros or ones, got {init!r}")
+        super().__init__(B.numpy.empty(0, dtype=dtype), requires_grad=True)
         self.name = ""
         self.global_shape = shape
         self.spec = spec or ShardSpec.replicated(len(shape))
         self.init, self.std = init, std
+        self.defer(shape)
+
+    # --- lazy storage -----------------------------------------------------------------------
+    def _get_data(self):
+        data = self._data
+        if data is None:
+            raise NotMaterializedError(
+                f"parameter {self.name or '(unnamed)'} {self._lazy_shape} {self._lazy_dtype} has no value yet: "
+                "the model was built lazily; initialise it (a seed, Module.initialize, parallelize(seed=...)) "
+                "or load weights (load_state_dict, a checkpoint) before reading it")
+        return data
+
+    def _set_data(self, value):
+        self._data = value
+
+    data = property(_get_data, _set_data)
+    shape = property(lambda self: self._lazy_shape if self._data is None else self._data.shape)
+    dtype = property(lambda self: self._lazy_dtype if self._data is None else self._data.dtype)
+    ndim = property(lambda self: len(self.shape))
+    size = property(lambda self: int(np.prod(self.shape, dtype=np.int64)))
+
+    @property
+    def materialized(self) -> bool:
+        """True once the parameter holds an array."""
+        return self._data is not None
+
+    def defer(self, shape=None, dtype=None) -> "Parameter":
+        """Drop the array (if any) and keep only a local ``shape`` (default: the current one) and
+        ``dtype``: the parameter is lazy again until it is materialised."""
+        self._lazy_shape = tuple(self.shape if shape is None else shape)
+        self._lazy_dtype = np.dtype(self.dtype if dtype is None else dtype)
+        self._data = None
+        return self
+
+    # --- initial values ---------------------------------------------------------------------
+    def _init_shape(self) -> tuple:
+        """The shape of the seeded tensor (rows of ``global_shape`` beyond it are zero padding)."""
+        return self.global_shape
 
     def full_init(self, seed: int) -> np.ndarray:
         """The full (unsharded) initial value, a pure function of ``seed`` and the name, float64."""
@@ -139,10 +196,72 @@ class Parameter(Tensor):
         if self.init == "ones":
             return np.ones(self.global_shape)
         rng = np.random.default_rng([seed, zlib.crc32(self.name.encode())])
-        return rng.standard_normal(self.global_shape) * self.std
+        full = rng.standard_normal(self.global_shape)
+        full *= self.std  # in place: the same products as ``* std`` without a second full array
+        return full
+
+    def init_slice(self, seed: int, axis_sizes: dict | None = None, axis_ranks: dict | None = None) -> np.ndarray:
+        """This rank's slice (NumPy, in the parameter's dtype) of :meth:`full_init`, equal to
+        ``spec.shard(full_init(seed))`` rounded to the dtype, without building the full tensor:
+        the normal draws are generated in order, :data:`INIT_CHUNK` at a time along the first
+        dimension (the generator's stream does not depend on how it is cut), and each chunk's part
+        in the slice is kept. Holds at most one chunk beyond the slice."""
+        sizes, ranks = axis_sizes or {}, axis_ranks or {}
+        shape, gen = self.global_shape, self._init_shape()
+        local = self.spec.local_shape(shape, sizes)
+        out = np.zeros(local, dtype=self.dtype)
+        if self.init == "zeros":
+            return out
+        if not shape:
+            out[...] = self.full_init(seed)
+            return out
+        idx = [self.spec.dim_index(d, n, sizes, ranks) for d, n in enumerate(shape)]
+        rows0 = np.arange(shape[0])[idx[0]]  # global rows held, in local order
+        if self.init == "ones":
+            out[np.flatnonzero(rows0 < gen[0])] = 1
+            return out
+        rest = tuple(idx[1:])
+        mesh = None
+        if any(not isinstance(i, slice) for i in rest):  # a blocked trailing dimension: index arrays
+            mesh = [np.arange(n)[i] for i, n in zip(rest, gen[1:])]
+        step = max(1, INIT_CHUNK // max(1, int(np.prod(gen[1:], dtype=np.int64))))
+        rng = np.random.default_rng([seed, zlib.crc32(self.name.encode())])
+        last = min(gen[0], int(rows0.max()) + 1 if rows0.size else 0)  # rows after it are never kept
+        for r0 in range(0, last, step):
+            r1 = min(r0 + step, gen[0])
+            chunk = rng.standard_normal((r1 - r0,) + tuple(gen[1:]))
+            chunk *= self.std  # as full_init: the same float64 products, then rounded to the dtype
+            dst = np.flatnonzero((rows0 >= r0) & (rows0 < r1))
+            if not dst.size:
+                continue
+            src = rows0[dst] - r0
+            if isinstance(idx[0], slice):  # contiguous rows: views, no index arrays
+                dst, src = slice(int(dst[0]), int(dst[-1]) + 1), slice(int(src[0]), int(src[-1]) + 1)
+            picked = chunk[src]
+            if mesh is not None:
+                picked = picked[np.ix_(np.arange(picked.shape[0]), *mesh)]
+            elif rest:
+                picked = picked[(slice(None),) + rest]
+            out[dst] = picked
+        return out
 
     def __repr__(self):
         return f"Parameter({self.name!r}, shape={self.shape}, global_shape={self.global_shape}, dtype={self.dtype})"
+
+
+@contextlib.contextmanager
+def stand_ins(params):
+    """Give every lazy parameter of ``params`` a read-only stand-in of its shape for the duration:
+    zeros that take no memory (one element broadcast), enough to run a module on a dummy input to
+    see which parameters it uses. Parameters that hold arrays are left alone."""
+    lazy = [p for p in params if not p.materialized]
+    try:
+        for p in lazy:
+            p.data = B.xp.broadcast_to(B.xp.zeros((), dtype=p.dtype), p.shape)
+        yield
+    finally:
+        for p in lazy:
+            p._data = None
 
 
 def graph_parameters(root: Tensor) -> list:
@@ -208,12 +327,14 @@ class Module:
 
         ``axis_sizes``/``axis_ranks`` (grid axis -> size / this rank's index) select the shard;
         a parameter's data becomes its local shard, so call this before building an optimizer.
+        Builds no full tensor: each parameter generates its slice (:meth:`Parameter.init_slice`),
+        one at a time, so the peak is this rank's slices plus one chunk of draws.
         """
         axis_sizes, axis_ranks = axis_sizes or {}, axis_ranks or {}
         for name, p in self.named_parameters():
             p.name = name
-            full = p.spec.shard(p.full_init(seed), axis_sizes, axis_ranks)
-            p.data = B.asarray(full, dtype=p.dtype)
+            p.defer()  # the old array (if any) goes before the new slice is made
+            p.data = B.asarray(p.init_slice(seed, axis_sizes, axis_ranks), dtype=p.dtype)
             p.grad = None
         return self
 
@@ -238,7 +359,8 @@ class Module:
         return {name: B.to_host(p.data).copy() for name, p in self.named_parameters()}
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Copy arrays into the parameters, checking names and shapes; dtypes are converted."""
+        """Copy arrays into the parameters, checking names and shapes; dtypes are converted. Lazy
+        parameters are materialised with the loaded values."""
         params = dict(self.named_parameters())
         if strict:
             missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
@@ -250,7 +372,10 @@ class Module:
                                  f"expected {params[name].shape}")
         for name, value in state.items():
             if name in params:
-                params[name].data[...] = B.asarray(value, dtype=params[name].dtype)
+                p = params[name]
+                if not p.materialized:  # a lazy parameter: loading gives it its value
+                    p.data = B.xp.empty(p.shape, dtype=p.dtype)
+                p.data[...] = B.asarray(value, dtype=p.dtype)
 
     def num_parameters(self) -> int:
         """Number of elements over all (global) parameters, tied ones counted once."""

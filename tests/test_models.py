@@ -12,6 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from mpirt import modeling
 from mpirt.modeling import build_model, seed_dropouts
+from mpirt.nn import NotMaterializedError
 from mpirt.models import GPT, MLP, GPTConfig, Llama, LlamaConfig
 from mpirt.models.gpt import flops_per_token, param_shapes
 from mpirt.models.hf import load_hf_gpt2, load_into, save_hf_gpt2
@@ -95,7 +96,9 @@ def test_build_model_registry():
     mlp = build_model(GPTConfig(model_type="mlp", n_layer=1, n_embd=8, vocab_size=5), dtype="float64")
     assert type(gpt) is GPT and type(mlp) is MLP
     assert gpt.wte.weight.dtype == np.float32 and mlp.wte.weight.dtype == np.float64
-    assert not mlp.wte.weight.data.any()  # no seed: not initialized yet
+    assert not mlp.wte.weight.materialized  # no seed: lazy, nothing allocated, and reading it says so
+    with pytest.raises(NotMaterializedError, match="wte.weight .* has no value yet"):
+        mlp.wte.weight.data
     with pytest.raises(ValueError, match="'rnn'"):
         build_model(GPTConfig(model_type="rnn"))
     again = build_model(GPTConfig(**SMALL), seed=1)

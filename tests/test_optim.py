@@ -17,7 +17,7 @@ def make_params(dtype, seed=0):
     params = []
     for name, shape in SHAPES.items():
         p = Parameter(shape, dtype=dtype)
-        p.data[...] = rng.standard_normal(shape)
+        p.data = rng.standard_normal(shape).astype(dtype)
         p.name = name
         params.append(p)
     return params
@@ -197,6 +197,7 @@ def test_load_state_dict_errors_name_the_key():
     with pytest.raises(ValueError, match="AdamW"):
         SGD(ps, lr=0.1).load_state_dict(sd)
     unnamed = Parameter((2,))
+    unnamed.data = np.zeros(2, np.float32)
     with pytest.raises(ValueError, match="no name"):
         SGD([unnamed], lr=0.1).state_dict()
     with pytest.raises(ValueError, match="twice"):

@@ -251,7 +251,7 @@ def test_parallel_mlp_and_attention(tp, sp, group):
         attn = CausalSelfAttention(cfg, dtype="float64")
         for m in (mlp, attn):  # random weights and biases (biases are zero-initialised otherwise)
             for n, p in m.named_parameters():
-                p.data[...] = rng.standard_normal(p.shape) * 0.3
+                p.data = rng.standard_normal(p.shape) * 0.3  # (built lazy: no array yet)
         pmlp = TP.ParallelMLP(16, 64, comm, sequence_parallel=sp, dtype="float64")
         pattn = TP.ParallelSelfAttention(16, 4, comm, sequence_parallel=sp, dtype="float64")
         errs = {"mlp": _module_parity(comm, mlp, pmlp, x, dy, sp),
@@ -278,7 +278,7 @@ def test_llama_block_sharded_by_its_plan_equals_unsharded(tp, sp, group):
         x, dy = rng.standard_normal((2, 8, 16)), rng.standard_normal((2, 8, 16))
         ref = Llama(cfg, dtype="float64")
         for n, p in ref.named_parameters():  # RMSNorm gains away from 1, projections O(1)
-            p.data[...] = rng.standard_normal(p.shape) * 0.3 + (1.0 if "ln_" in n else 0.0)
+            p.data = rng.standard_normal(p.shape) * 0.3 + (1.0 if "ln_" in n else 0.0)
         par = Llama(cfg, dtype="float64")
         TP.parallelize(par, comm, sequence_parallel=sp)
         errs = _module_parity(comm, ref.h[0], par.h[0], x, dy, sp)

@@ -38,7 +38,7 @@ import numpy as np
 
 import mpirt.backend as B
 from mpirt.modeling import block_class, build_model, check_config, lm_loss, model_class, seed_dropouts
-from mpirt.nn import Module, graph_parameters
+from mpirt.nn import Module, graph_parameters, stand_ins
 from mpirt.optim import FlatGrad, global_grad_norm, scale_grads, sum_over
 from mpirt.parallel.partition import layer_costs, partition
 from mpirt.parallel.pipeline_exec import PipelineExecutor
@@ -109,9 +109,11 @@ class PipelineStage(PipelineExecutor):
         if self.has_embed or self.has_head:
             # embed/head come from the model class itself, built without blocks
             shell = build_model(dataclasses.replace(cfg, n_layer=0), dtype=dtype)
-            # which parameters do embed and head use? run each once on a dummy input and look
-            e_params = graph_parameters(shell.embed(B.xp.zeros((1, 1), dtype=np.int64)))
-            h_params = graph_parameters(shell.head(Tensor(B.xp.zeros((1, 1, cfg.n_embd), dtype))))
+            # which parameters do embed and head use? run each once on a dummy input and look (the
+            # shell is lazy: its parameters lend zero-cost stand-ins for that, nothing is allocated)
+            with stand_ins(shell.parameters()):
+                e_params = graph_parameters(shell.embed(B.xp.zeros((1, 1), dtype=np.int64)))
+                h_params = graph_parameters(shell.head(Tensor(B.xp.zeros((1, 1, cfg.n_embd), dtype))))
             used = {id(p) for p in (e_params if self.has_embed else []) + (h_params if self.has_head else [])}
             for name, child in list(shell._modules.items()):
                 if any(id(p) in used for p in child.parameters()):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-import mpirt.backend as B
 from mpirt.nn import Parameter, ShardSpec
 
 AXIS = "tp"
@@ -38,9 +37,9 @@ def check_tp_layout(tp: int, *, n_head: int, n_embd: int, hidden: int, vocab_siz
 
 def _local_param(global_shape, spec: ShardSpec, comm, init="normal", std=0.02, dtype="float32", cls=Parameter,
                  **extra):
+    """A lazy parameter (no array yet) whose shape is this rank's slice."""
     p = cls(global_shape, init=init, std=std, spec=spec, dtype=dtype, **extra)
-    p.data = B.xp.zeros(spec.local_shape(global_shape, {AXIS: comm.size}), dtype=dtype)
-    return p
+    return p.defer(spec.local_shape(global_shape, {AXIS: comm.size}))
 
 
 class PaddedParameter(Parameter):
@@ -51,6 +50,9 @@ class PaddedParameter(Parameter):
     def __init__(self, shape, logical_shape, **kw):
         super().__init__(shape, **kw)
         self.logical_shape = tuple(logical_shape)
+
+    def _init_shape(self) -> tuple:
+        return self.logical_shape
 
     def full_init(self, seed: int) -> np.ndarray:
         padded, self.global_shape = self.global_shape, self.logical_shape

@@ -80,8 +80,10 @@ def parallelize(model: Module, comm, sequence_parallel: bool = False, seed: int 
     attribute; ``kind`` one of :data:`KINDS`; ``specs`` the ShardSpec of each parameter of the
     module (``{"weight": ShardSpec((None, "tp"), blocks=(1, 3))}``). The first matching entry wins.
     Every parameter keeps its name and global shape (the vocabulary table is padded) and gets its
-    ShardSpec; its value is this rank's slice of the current full value, or with ``seed`` of the
-    seeded full initial tensor (so any tp starts from the tp=1 model). Build the optimizer (and
+    ShardSpec; its value is this rank's slice of the current full value (a lazy parameter stays
+    lazy, shaped as its slice), or with ``seed`` this rank's slice of the seeded full initial
+    tensor (so any tp starts from the tp=1 model), generated without building the full tensor
+    (:meth:`mpirt.nn.Parameter.init_slice`): build the model lazily (no seed) and pass it here. Build the optimizer (and
     DataParallel) afterwards. ``regather`` (sequence parallelism): column-parallel layers save the
     sequence-split input and allgather it again for the weight gradient (True, less memory) or
     save the gathered input (False, one allgather less per layer in backward). Returns ``model``.
@@ -125,7 +127,7 @@ def parallelize(model: Module, comm, sequence_parallel: bool = False, seed: int 
             for pname, p in new._parameters.items():
                 old = module._parameters[pname]
                 p.name = old.name
-                if seed is None:
+                if seed is None and old.materialized:  # a lazy one stays lazy (its slice's shape)
                     full = B.to_host(old.data)
                     if isinstance(p, PaddedParameter):
                         full = pad_rows(full, p.global_shape[0])
