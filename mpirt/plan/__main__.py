@@ -1,0 +1,82 @@
+"""``python -m mpirt.plan``: rank the layouts of a model on a cluster, or calibrate this machine.
+
+    python -m mpirt.plan --model gpt2-xl --nodes 8 --gpus-per-node 8 --gpu h100 --global-batch 512 --seq-len 2048
+    python -m mpirt.plan --model tiny --gpu local --nodes 1 --gpus-per-node 4 --global-batch 8 --seq-len 128
+    python -m mpirt.plan --calibrate [--ranks 2,4,8] [--save-as local]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mpirt.memory import format_size, parse_size
+from mpirt.plan import hardware
+from mpirt.plan.search import describe, plan, table
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mpirt.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="preset name, model TOML or HF directory")
+    ap.add_argument("--model-override", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a model config field (repeatable), e.g. n_positions=2048")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="devices (ranks) per node")
+    ap.add_argument("--gpu", default="h100", help=f"hardware preset: {', '.join(hardware.PRESETS)}, a calibrated "
+                                                  "preset (local after --calibrate) or a JSON file")
+    ap.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step")
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--dtype", default="", help="default bfloat16 on GPUs, float32 on CPUs")
+    ap.add_argument("--memory-budget", default="", help="per device ('70GiB'); default the device memory")
+    ap.add_argument("--schedules", default="1f1b,interleaved,zb-h1")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--all", action="store_true", help="every memory setting that fits, not only the cheapest")
+    ap.add_argument("--json", default="", help="also write the ranked estimates to this file")
+    ap.add_argument("--calibrate", action="store_true", help="measure this machine and save it as a preset")
+    ap.add_argument("--ranks", default="2,4,8", help="--calibrate: the MPI rank counts to measure at")
+    ap.add_argument("--save-as", default="local", help="--calibrate: the preset's name")
+    a = ap.parse_args(argv)
+    if a.calibrate:
+        from mpirt.plan.calibrate import calibrate
+
+        ranks = [int(x) for x in a.ranks.split(",") if x]
+        cluster = calibrate(ranks, a.save_as)
+        path = hardware.save(cluster)
+        print(f"calibrated: GEMM {max(cluster.gemm_rates.values()) / 1e9:.0f} GFLOP/s per core, elementwise "
+              f"{cluster.memory_bandwidth / 1e9:.1f} GB/s, {cluster.op_overhead_s * 1e6:.1f} us per Function, "
+              f"ew passes {cluster.ew_passes:.1f}, second thread +{100 * cluster.threads_per_core:.0f}%; "
+              f"MPI at {sorted(cluster.collectives)} ranks; saved to {path}")
+        return 0
+    from mpirt.modeling import load_model_config
+
+    overrides = {}
+    for item in a.model_override:
+        k, _, v = item.partition("=")
+        overrides[k] = int(v) if v.lstrip("-").isdigit() else float(v) if v.replace(".", "", 1).isdigit() else v
+    model_cfg = load_model_config(a.model, overrides)
+    if a.seq_len > model_cfg.n_positions:
+        model_cfg.n_positions = a.seq_len  # planning a longer context than the preset's table
+    cluster = hardware.load(a.gpu).with_shape(a.nodes, a.gpus_per_node)
+    dtype = a.dtype or ("float32" if cluster.cores else "bfloat16")
+    budget = parse_size(a.memory_budget) if a.memory_budget else None
+    ests, tried = plan(model_cfg, cluster, a.global_batch, a.seq_len, dtype, budget, every=a.all,
+                       schedules=tuple(a.schedules.split(",")))
+    print(f"{a.model} on {a.nodes} x {a.gpus_per_node} {cluster.name} ({cluster.source}), global batch "
+          f"{a.global_batch} x {a.seq_len}, {dtype}, budget {format_size(budget or cluster.memory_bytes)} per device: "
+          f"{len(ests)} feasible of {tried} layouts tried")
+    if not ests:
+        print("no layout fits: more devices, a larger budget or a shorter sequence")
+        return 1
+    print(table(ests, a.top))
+    best = ests[0]
+    print(f"best: {describe(best)}: {best.step_s:.3g} s/step, {best.tokens_per_s:,.0f} tokens/s, MFU "
+          f"{100 * best.mfu:.1f}%, largest rank {format_size(best.memory['peak'])}" +
+          (f" ({'; '.join(best.notes)})" if best.notes else ""))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([e.as_dict() for e in ests], f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""``python -m mpirt.plan --calibrate``: this machine's constants for the performance model.
+
+Measured in this process (one BLAS thread, then the node's cores):
+
+- GEMM rate of :func:`mpirt.threads.matmul` on layer-shaped products (512 rows, ``d x 4d``:
+  forward, input and weight gradients) for ``d`` from 32 to 512 (``gemm_rates``, per core; the
+  model interpolates in log d: small-matrix rates do not follow one curve, cache sizes show);
+  a second thread's speed-up at ``d = 256`` (``threads_per_core``);
+- elementwise bandwidth: ``a * b + c`` on 4 M float32 elements (bytes read and written);
+- the cost of one autograd Function: one block of the model on a 2 x 4 batch, forward and
+  backward, over twice its Functions (``op_overhead_s``);
+- ``ew_passes``: what is left of a block's forward + backward on the ``--calib-model`` (default
+  ``tiny``) at 4 x 128 tokens after its GEMMs and Functions, in kept-activation bytes at the
+  measured bandwidth (the non-GEMM passes' traffic per kept byte).
+
+Measured under ``mpiexec -n N`` for each N of ``--ranks`` (the ranks oversubscribe the cores as the
+training runs do): for every group size g dividing N, all groups at once (consecutive ranks),
+allreduce, allgather and reduce-scatter of 64 B to 4 MiB, and one-way point-to-point between
+neighbours (ping-pong / 2); each fitted ``alpha + beta n`` (alpha: the 64-byte time; beta: the
+slope to 4 MiB). Saved as the preset ``--save-as`` (default ``local``) in
+:data:`mpirt.plan.hardware.CACHE`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+SIZES = (64, 256 * 2**10, 4 * 2**20)
+
+
+def _timeit(fn, seconds: float = 0.2, min_reps: int = 3) -> float:
+    """The fastest of repeated calls (least disturbed by other processes)."""
+    fn()
+    best, t_end, n = float("inf"), time.perf_counter() + seconds, 0
+    while n < min_reps or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        n += 1
+    return best
+
+
+def _set_threads(n: int) -> None:
+    from mpirt import threads
+    from mpirt.distributed import set_blas_threads
+
+    try:
+        set_blas_threads(n)
+    except RuntimeError:
+        pass
+    threads.set_num_threads(n)
+
+
+def measure_local(calib_model: str = "tiny") -> dict:
+    """The in-process constants (see the module docstring)."""
+    from mpirt import modeling, threads
+    from mpirt.flops import layer_products
+    from mpirt.modeling import activation_bytes, layer_costs
+    from mpirt.tensor import Tensor
+    from mpirt.plan.work import ops_per_block
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _set_threads(1)
+    dims, rates = (32, 64, 128, 256, 512), []
+    for d in dims:
+        prods = layer_products(d, 4 * d, 512, "float32")
+        flops = sum(2.0 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in prods)
+        rates.append(flops / _timeit(lambda: [threads.matmul(a, b) for a, b in prods]))
+    # r d / (d + d0) = rate  <=>  1/rate = 1/r + (d0/r) (1/d): a line in 1/d
+    x, y = np.array([1.0 / d for d in dims]), np.array([1.0 / r for r in rates])
+    slope, icept = np.polyfit(x, y, 1)
+    r_inf, d0 = 1.0 / icept, max(slope / icept, 0.0)
+    prods = layer_products(256, 1024, 512, "float32")
+    one = _timeit(lambda: [threads.matmul(a, b) for a, b in prods])
+    _set_threads(cores)
+    many = _timeit(lambda: [threads.matmul(a, b) for a, b in prods])
+    _set_threads(1)
+    speedup = max(0.0, (one / many - 1) / max(cores - 1, 1))
+    a, b, c = (np.random.default_rng(0).random(4 * 2**20, dtype=np.float32) for _ in range(3))
+    out = np.empty_like(a)
+    t = _timeit(lambda: (np.multiply(a, b, out=out), np.add(out, c, out=out)))
+    bandwidth = 6 * a.nbytes / t  # read a, b; write, read, read c, write
+
+    cfg = modeling.load_model_config(calib_model)
+    block = modeling.block_class(cfg)(cfg, "float32").initialize(0)
+    n_ops = ops_per_block(cfg)
+
+    def fb(shape):
+        x = Tensor(np.random.default_rng(1).standard_normal(shape).astype(np.float32), requires_grad=True)
+        y = block(x)
+        y.backward(np.ones(y.shape, dtype=np.float32))
+
+    small = _timeit(lambda: fb((2, 4, cfg.n_embd)), 0.3)
+    op_s = small / (2 * n_ops)
+    rows, seq = 4, 128
+    full = _timeit(lambda: fb((rows, seq, cfg.n_embd)), 0.5)
+    fwd = layer_costs(cfg, seq)[1].flops / 3 * rows * seq
+    dim = min(rows * seq, cfg.n_embd, cfg.hidden)
+    gemm = 3 * fwd / float(np.interp(np.log(dim), np.log(dims), rates))
+    kept = activation_bytes(cfg, batch=rows, seq_len=seq, itemsize=4)["block"]
+    ew_passes = max(0.5, (full - gemm - 2 * n_ops * op_s) * bandwidth / kept)
+    return {"cores": cores, "gemm_rate_per_core": max(max(rates), r_inf), "gemm_half_dim": d0, "gemm_rates": dict(zip(dims, rates)),
+            "threads_per_core": speedup, "bandwidth_per_core": bandwidth, "op_overhead_s": op_s,
+            "ew_passes": ew_passes, "block_fb_s": full, "block_gemm_s": gemm, "calib_model": calib_model}
+
+
+def _fit(times: dict) -> list:
+    small, big = times[SIZES[0]], times[SIZES[-1]]
+    return [small, max(big - small, 0.0) / (SIZES[-1] - SIZES[0])]
+
+
+def mpi_worker() -> None:
+    """Run under ``mpiexec -n N``: rank 0 prints one JSON line ``{group: {op: [alpha, beta]}}``."""
+    from mpirt.comm import world_comm
+
+    _set_threads(1)
+    world = world_comm()
+    n = world.size
+    result = {}
+    for g in [g for g in range(2, n + 1) if n % g == 0]:
+        comm = world.split(world.rank // g, world.rank, axis="calib")
+        fits = {}
+        for op in ("allreduce", "allgather", "reduce_scatter"):
+            times = {}
+            for size in SIZES:
+                elems = max(g, size // 4 // g * g)
+                x = np.ones(elems, dtype=np.float32)
+                shard = np.ones(elems // g, dtype=np.float32)
+                fn = {"allreduce": lambda: comm.allreduce(x, out=x),
+                      "allgather": lambda: comm.allgather_flat(shard, elems, out=x),
+                      "reduce_scatter": lambda: comm.reduce_scatter(x, out=shard)}[op]
+                samples = []
+                for _ in range(7):
+                    world.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    samples.append(time.perf_counter() - t0)
+                times[size] = statistics.median(world.allgather_object(statistics.median(samples)))
+            fits[op] = _fit(times)
+        if g == 2:
+            times = {}
+            for size in SIZES:
+                x = np.ones(max(1, size // 4), dtype=np.float32)
+                peer = comm.rank ^ 1
+                samples = []
+                for _ in range(7):
+                    world.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(2):
+                        if comm.rank == 0:
+                            comm.send(x, peer)
+                            comm.recv(x, peer)
+                        else:
+                            comm.recv(x, peer)
+                            comm.send(x, peer)
+                    samples.append((time.perf_counter() - t0) / 4)
+                times[size] = statistics.median(world.allgather_object(statistics.median(samples)))
+            fits["p2p"] = _fit(times)
+        result[g] = fits
+        comm.free()
+    if world.rank == 0:
+        print("CALIB " + json.dumps(result), flush=True)
+
+
+def measure_mpi(ranks: list[int], launcher: str = "mpiexec") -> dict:
+    """``{N: {g: {op: [alpha, beta]}}}`` from one ``mpiexec -n N`` worker per N."""
+    out = {}
+    for n in ranks:
+        if n < 2:
+            continue
+        proc = subprocess.run([launcher, "-n", str(n), sys.executable, "-m", "mpirt.plan.calibrate"],
+                              capture_output=True, text=True, timeout=600)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("CALIB ")]
+        if proc.returncode or not line:
+            raise RuntimeError(f"MPI calibration at {n} ranks failed: {proc.stderr.strip()[-500:]}")
+        out[n] = {int(g): v for g, v in json.loads(line[0][6:]).items()}
+    return out
+
+
+def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):
+    """Measure this machine (see the module docstring); returns the :class:`Cluster` (not saved)."""
+    from mpirt.plan.hardware import Cluster
+
+    loc = measure_local(calib_model)
+    coll = measure_mpi(ranks)
+    p2p = coll.get(min(coll), {}).get(2, {}).get("p2p", [2e-6, 1 / 5e9]) if coll else [2e-6, 1 / 5e9]
+    cores = loc["cores"]
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Cluster(name=name, devices_per_node=max(ranks + [1]), nodes=1,
+                   peak_flops={"float32": loc["gemm_rate_per_core"], "float64": loc["gemm_rate_per_core"] / 2,
+                               "bfloat16": loc["gemm_rate_per_core"]},
+                   memory_bytes=float(total), memory_bandwidth=loc["bandwidth_per_core"], gemm_efficiency=1.0,
+                   gemm_half_dim=loc["gemm_half_dim"], intra_latency=p2p[0], intra_bandwidth=1 / max(p2p[1], 1e-12),
+                   inter_latency=p2p[0], inter_bandwidth=1 / max(p2p[1], 1e-12), op_overhead_s=loc["op_overhead_s"],
+                   ew_passes=loc["ew_passes"], overlap=False, cores=cores,
+                   threads_per_core=loc["threads_per_core"], collectives=coll, gemm_rates=loc["gemm_rates"], source="calibrated",
+                   notes=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} at ranks {ranks}; load "
+                         f"{os.getloadavg()[0]:.2f}; local: " + json.dumps(
+                             {k: v for k, v in loc.items() if k != "gemm_rates"}))
+
+
+if __name__ == "__main__":
+    mpi_worker()

@@ -1,0 +1,271 @@
+"""The performance model: one training step of a layout on a cluster, predicted part by part.
+
+    est = estimate(cfg, model_cfg, cluster)   # cfg: a TrainConfig (dp, tp, pp, schedule, zero, ...)
+    est.step_s, est.parts, est.memory, est.comm, est.bubble, est.bottleneck
+
+- **Compute** per pass (F, B, W) of each layer (:mod:`mpirt.plan.work`): GEMM FLOPs at the
+  cluster's GEMM rate for the pass's smallest dimension, plus the elementwise bytes at the memory
+  bandwidth, plus the autograd Functions at ``op_overhead_s`` each. On a CPU node whose ranks
+  outnumber its cores, every rank runs at ``cores / ranks`` of a core (a rank waiting in MPI spins:
+  MPICH) and the Python overhead stretches alike; one rank alone uses the node's cores.
+- **Communication**, alpha-beta per collective: ring allreduce ``2(g-1) (a + n/(g b))``,
+  reduce-scatter and allgather ``(g-1)(a + n/(g b))``, p2p ``a + n/b``; intra-node links while the
+  group fits in a node, else the inter-node ones. A calibrated CPU preset uses the (alpha, beta)
+  measured for that op at that world and group size instead.
+- **Pipeline**: the schedule's own action lists (``schedules.build``) run by
+  ``schedule_check.simulate`` with each action's predicted time and each message's p2p time: the
+  makespan and each rank's idle time (the bubble) come from the lists the executor runs.
+- **Data parallel**: the gradient allreduce (ZeRO-1: allreduce + parameter allgather; ZeRO-2:
+  reduce-scatter + allgather; ZeRO-3: per unit an allgather forward and backward and a
+  reduce-scatter) overlaps the last micro-batch's backward where the cluster progresses MPI on its
+  own (``overlap``), else it is exposed whole.
+- **Optimizer**: AdamW's passes over the local parameters (~12 array passes of 4 bytes).
+- **Memory**: :func:`mpirt.memory.predict` for rank 0 and the last stage's first rank (or all).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpirt.plan.hardware import Cluster
+from mpirt.plan.work import Work, layer_work
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "p2p")
+
+
+def coll_time(cluster: Cluster, op: str, nbytes: float, group: int, world: int, spans_nodes: bool) -> float:
+    """Seconds of one ``op`` of ``nbytes`` (the full buffer: allreduce's input, allgather's output,
+    reduce-scatter's input) over ``group`` ranks of a ``world``-rank job (see the module docstring)."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    measured = cluster.collectives.get(world, {}).get(group, {})
+    fit = measured.get(op) or (measured.get("allgather") if op == "reduce_scatter" else None)
+    if fit:
+        return fit[0] + fit[1] * nbytes
+    a, b = (cluster.inter_latency, cluster.inter_bandwidth) if spans_nodes else \
+        (cluster.intra_latency, cluster.intra_bandwidth)
+    g = group
+    if op == "p2p":
+        return a + nbytes / b
+    if op == "allreduce":
+        return 2 * (g - 1) * (a + nbytes / (g * b))
+    return (g - 1) * (a + nbytes / (g * b))
+
+
+@dataclass
+class Estimate:
+    """What :func:`estimate` predicts for one layout (times in seconds, per step)."""
+
+    layout: dict
+    step_s: float
+    parts: dict              # forward, backward, weight_grad, bubble, grad_sync, optimizer, other (rank 0's view)
+    comm: dict               # per axis: {"bytes", "s"} per rank per step
+    bubble: float            # idle over total inside the pipeline schedule (all ranks)
+    memory: dict             # the largest rank's categories + "peak"; "per_rank": {rank: peak}
+    tokens_per_s: float
+    mfu: float
+    bottleneck: str
+    notes: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class _Machine:
+    """Times of work items on one rank of a ``world``-rank job on ``cluster``."""
+
+    def __init__(self, cluster: Cluster, world: int, dtype: str):
+        self.c, self.world, self.dtype = cluster, world, dtype
+        per_node = min(world, cluster.devices_per_node) if cluster.cores == 0 else world // max(cluster.nodes, 1) or 1
+        if cluster.cores:
+            threads = max(1, cluster.cores // per_node)
+            share = min(float(threads), cluster.cores / per_node)
+            # one rank with two threads: the measured speed-up of the second thread
+            self.share = 1 + (share - 1) * cluster.threads_per_core if share > 1 else share
+            self.python_share = min(1.0, cluster.cores / per_node)
+        else:
+            self.share = self.python_share = 1.0
+        self.rate = cluster.peak(dtype) * cluster.gemm_efficiency
+
+    def gemm_rate(self, d: float) -> float:
+        """FLOP/s of one core (device) on GEMMs whose smallest dimension is ``d``."""
+        table = self.c.gemm_rates
+        if table:
+            dims = sorted(table)
+            return float(np.interp(np.log(d), np.log(dims), [table[k] for k in dims]))
+        return self.rate * d / (d + self.c.gemm_half_dim)
+
+    def compute(self, w: Work, ew_share: float) -> float:
+        gemm = 0.0
+        if w.gemm_flops:
+            gemm = w.gemm_flops / (self.gemm_rate(w.gemm_dim) * self.share)
+        ew = w.ew_bytes * self.c.ew_passes * ew_share / (self.c.memory_bandwidth * self.share)
+        return gemm + ew + w.ops * self.c.op_overhead_s / self.python_share
+
+
+def _spans_nodes(cluster: Cluster, axis: str, layout: dict) -> bool:
+    """Whether a group of ``axis`` crosses a node (tp innermost, then pp, then dp)."""
+    dp, pp, tp = layout["dp"], layout["pp"], layout["tp"]
+    n = cluster.devices_per_node if not cluster.cores else max(1, (dp * pp * tp) // max(cluster.nodes, 1))
+    extent = {"tp": tp, "pp": pp * tp, "dp": dp * pp * tp}[axis]
+    return extent > n
+
+
+def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks: str = "stages") -> Estimate:
+    """Predict one step of the layout ``cfg`` (a :class:`mpirt.config.TrainConfig`: dp, tp, pp,
+    microbatches, schedule, chunks, zero, sequence_parallel, recompute, dtype, batch_size, seq_len,
+    grad_accum) for ``model_cfg`` on ``cluster``. ``memory_ranks``: ``"stages"`` (rank 0 and the last
+    stage's first rank: the most stashed micro-batches and the logits) or ``"all"``."""
+    from mpirt import memory, recompute
+    from mpirt.modeling import flops_per_token, layer_costs, num_parameters
+    from mpirt.parallel.partition import partition
+    from mpirt.parallel.schedule_check import simulate
+    from mpirt.parallel.schedules import build
+
+    dp, pp, tp = (cfg.dp or 1), cfg.pp, cfg.tp
+    world = dp * pp * tp
+    layout = {"dp": dp, "pp": pp, "tp": tp}
+    mach = _Machine(cluster, world, cfg.dtype)
+    e = np.dtype(cfg.dtype).itemsize
+    sp = bool(cfg.sequence_parallel and tp > 1)
+    chunks = cfg.chunks if pp > 1 and cfg.schedule == "interleaved" else 1
+    m = (cfg.microbatches or pp) if pp > 1 else cfg.grad_accum
+    rows = cfg.batch_size // dp // m
+    costs = layer_costs(model_cfg, cfg.seq_len)
+    mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
+    picked = set(range(model_cfg.n_layer)) if cfg.zero == 3 else \
+        set(recompute.chosen(model_cfg.n_layer, mode, cfg.recompute_layers))
+    split = pp > 1 and build(cfg.schedule, pp, m, chunks).split_backward if pp > 1 else False
+    work = layer_work(model_cfg, costs, rows=rows, seq_len=cfg.seq_len, tp=tp, sp=sp, itemsize=e,
+                      recompute=mode, recomputed=picked, split=split)
+    tp_span = _spans_nodes(cluster, "tp", layout)
+
+    def tp_time(w: Work) -> float:
+        return sum(coll_time(cluster, op, n, tp, world, tp_span) for op, n in w.tp)
+
+    def pass_time(ws: list, op: str) -> tuple[float, float]:
+        """(compute, tp comm) seconds of pass ``op`` over the layers ``ws``."""
+        share = {"F": 1 / 3, "B": 2 / 3, "W": 2 / 3}[op]  # W's bytes: already a third of B's
+        comp = sum(mach.compute(w[op], share) for w in ws)
+        return comp, sum(tp_time(w[op]) for w in ws)
+
+    n_full = num_parameters(model_cfg)
+    # the stages: layer indices into `work` per (pp rank, chunk)
+    if pp == 1:
+        stage_layers = {(0, 0): list(range(len(costs)))}
+    else:
+        bounds = partition(costs, pp * chunks, None, "flops")
+        stage_layers = {}
+        for s, (lo, hi) in enumerate(bounds):
+            idx = [1 + i for i in range(lo, hi)]
+            if s == 0:
+                idx = [0] + idx
+            if s == pp * chunks - 1:
+                idx = idx + [len(costs) - 1]
+            stage_layers[(s % pp, s // pp)] = idx
+    times = {k: {op: pass_time([work[i] for i in v], op) for op in ("F", "B", "W")} for k, v in stage_layers.items()}
+    local_params = {r: sum(costs[i].params for (rr, _), v in stage_layers.items() if rr == r for i in v) / tp
+                    for r in range(pp)}
+
+    # data parallel sync of a rank's gradients (bytes: reductions of half dtypes travel as float32)
+    red_e = 4 if e == 2 else e
+    dp_span = _spans_nodes(cluster, "dp", layout)
+
+    def dp_sync(n_local: float) -> tuple[float, float]:
+        if dp == 1:
+            return 0.0, 0.0
+        if cfg.zero == 0:
+            ops = [("allreduce", n_local * red_e)]
+        elif cfg.zero == 1:
+            ops = [("allreduce", n_local * red_e), ("allgather", n_local * e)]
+        elif cfg.zero == 2:
+            ops = [("reduce_scatter", n_local * red_e), ("allgather", n_local * e)]
+        else:  # per micro-batch: every unit gathered forward and backward, its gradient reduce-scattered
+            ops = [("allgather", n_local * e), ("allgather", n_local * e), ("reduce_scatter", n_local * red_e)]
+            ops = ops * m
+        return (sum(coll_time(cluster, op, n, dp, world, dp_span) for op, n in ops), sum(n for _, n in ops))
+
+    parts = dict.fromkeys(("forward", "backward", "weight_grad", "bubble", "grad_sync", "optimizer", "other"), 0.0)
+    comm = {"tp": {"bytes": 0.0, "s": 0.0}, "pp": {"bytes": 0.0, "s": 0.0}, "dp": {"bytes": 0.0, "s": 0.0}}
+    act_msg = rows * (cfg.seq_len // (tp if sp else 1)) * model_cfg.n_embd * e
+    p2p = coll_time(cluster, "p2p", act_msg, 2, world, _spans_nodes(cluster, "pp", layout)) if pp > 1 else 0.0
+    if pp == 1:
+        t = times[(0, 0)]
+        parts["forward"] = m * (t["F"][0] + t["F"][1])
+        parts["backward"] = m * (t["B"][0] + t["B"][1])
+        bubble, pipe = 0.0, parts["forward"] + parts["backward"]
+        last_b = t["B"][0]
+    else:
+        sched = build(cfg.schedule, pp, m, chunks)
+
+        def cost(r, a):
+            c, s = times[(r, a.chunk)][a.op]
+            return c + s
+        sim = simulate(sched, cost, latency=p2p)
+        if not sim.ok:
+            raise ValueError(f"schedule {cfg.schedule} pp={pp} m={m} chunks={chunks}: {sim.errors[0]}")
+        pipe, bubble = sim.makespan, sim.bubble
+        r0 = {op: sum(times[(0, c)][op][0] + times[(0, c)][op][1] for c in range(chunks)) for op in ("F", "B", "W")}
+        parts.update(forward=m * r0["F"], backward=m * r0["B"], weight_grad=m * r0["W"],
+                     bubble=sim.makespan - sim.busy[0])
+        last_b = times[(0, 0)]["B"][0]
+        comm["pp"] = {"bytes": 2 * m * chunks * act_msg * (1 if pp > 1 else 0), "s": 2 * m * chunks * p2p}
+        stage_bubble = [sim.makespan - b for b in sim.busy]
+    # tp comm per rank and step (rank 0's stages)
+    for (r, c), v in stage_layers.items():
+        if r == 0:
+            for i in v:
+                for op in ("F", "B", "W"):
+                    comm["tp"]["bytes"] += m * sum(n for _, n in work[i][op].tp)
+                    comm["tp"]["s"] += m * tp_time(work[i][op])
+    # dp sync: the slowest stage's (the most parameters), overlapping the last backward when it can
+    worst = max(range(pp), key=lambda r: local_params[r])
+    dp_s, dp_bytes = dp_sync(local_params[worst])
+    exposed = dp_s
+    if cluster.overlap and dp_s and cfg.zero != 3:
+        exposed = max(dp_s / max(1, -(-dp_bytes // (25 * 2**20))), dp_s - 0.9 * last_b)
+    comm["dp"] = {"bytes": dp_bytes, "s": dp_s}
+    small = coll_time(cluster, "allreduce", 32, world, world, world > cluster.devices_per_node and not cluster.cores)
+    tied = coll_time(cluster, "p2p", costs[0].params / tp * red_e, 2, world, _spans_nodes(cluster, "pp", layout)) \
+        if pp > 1 else 0.0
+    sp_sync = coll_time(cluster, "allreduce", 4 * model_cfg.n_embd * model_cfg.n_layer * e, tp, world, tp_span) \
+        if sp else 0.0
+    parts["grad_sync"] = exposed + tied + sp_sync + small
+    n_local = max(local_params.values())
+    shard = n_local / (dp if cfg.zero else 1)
+    parts["optimizer"] = mach.compute(Work(ew_bytes=shard * 12 * 4 / cluster.ew_passes, ops=12), 1.0) \
+        + mach.compute(Work(ew_bytes=n_local * e / cluster.ew_passes, ops=4), 1.0) + 2 * small
+    parts["other"] = small + 20 * cluster.op_overhead_s / mach.python_share   # data, flags, monitor
+    step = pipe + parts["grad_sync"] + parts["optimizer"] + parts["other"]
+    if pp == 1:
+        parts["forward"] += 0.0
+    tokens = cfg.batch_size * cfg.seq_len
+    mfu = flops_per_token(model_cfg, cfg.seq_len) * tokens / step / (world * cluster.peak(cfg.dtype))
+
+    # memory: memory.predict for each stage's first rank and rank 0 (all ranks on request)
+    # (the first stage stashes the most micro-batches, the last holds the logits, rank 0 writes)
+    ranks = range(world) if memory_ranks == "all" else sorted({0, (pp - 1) * tp})
+    mcfg = dataclasses.replace(cfg, dp=dp, microbatches=m if pp > 1 else cfg.microbatches)
+    per_rank = {r: memory.predict(mcfg, model_cfg, layout, r, data_bytes) for r in ranks}
+    big = max(per_rank, key=lambda r: per_rank[r]["peak"])
+    mem = {**per_rank[big], "rank": big, "per_rank": {r: v["peak"] for r, v in per_rank.items()}}
+
+    shares = {"compute": parts["forward"] + parts["backward"] + parts["weight_grad"] - comm["tp"]["s"] + parts["optimizer"],
+              "dp comm": exposed, "tp comm": comm["tp"]["s"], "bubble": (bubble * pipe) if pp > 1 else 0.0}
+    neck = max(shares, key=shares.get)
+    if mem["peak"] > 0.9 * cluster.memory_bytes:
+        neck = "memory"
+    notes = []
+    if cluster.cores and world > cluster.cores * cluster.nodes:
+        notes.append(f"{world} ranks on {cluster.cores * cluster.nodes} cores: each rank runs at "
+                     f"{mach.share:.2f} of a core")
+    est = Estimate(layout={**layout, "microbatches": m, "schedule": cfg.schedule if pp > 1 else None,
+                           "chunks": chunks, "zero": cfg.zero, "sequence_parallel": sp, "recompute": cfg.recompute,
+                           "dtype": cfg.dtype, "rows_per_microbatch": rows},
+                   step_s=step, parts=parts, comm=comm, bubble=bubble, memory=mem,
+                   tokens_per_s=tokens / step, mfu=mfu, bottleneck=neck, notes=notes)
+    if pp > 1:
+        est.parts["bubble_per_rank"] = stage_bubble
+    return est

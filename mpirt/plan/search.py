@@ -1,0 +1,102 @@
+"""The planner: every layout of a model on a cluster, predicted and ranked.
+
+:func:`candidates` enumerates dp x tp x pp over the devices (tp within a node and dividing the
+heads, pp at most the layers), the rows per micro-batch (powers of two dividing a replica's
+rows), the pipeline schedule (1F1B, interleaved with 2 chunks where the micro-batches are a
+multiple of pp, ZB-H1) and sequence parallelism; for each it keeps the first memory setting, in
+order of cost, whose largest rank fits the budget: ZeRO 0, 1, 2 (and 3 without pp), then the
+same with selective and with full recomputation (``every=True`` keeps them all).
+:func:`plan` predicts each (:func:`mpirt.plan.model.estimate`) and sorts by step time.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from mpirt.plan.hardware import Cluster
+from mpirt.plan.model import Estimate, estimate
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def base_config(batch_size: int, seq_len: int, dtype: str):
+    from mpirt.config import TrainConfig
+
+    return dataclasses.replace(TrainConfig(), batch_size=batch_size, seq_len=seq_len, dtype=dtype)
+
+
+def candidates(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype: str,
+               schedules=("1f1b", "interleaved", "zb-h1"), max_rows: int = 64) -> list[list]:
+    """Groups of configs: each group one parallel shape, its memory settings in order of cost."""
+    world = cluster.devices
+    base = base_config(batch_size, seq_len, dtype)
+    heads = getattr(model_cfg, "n_head", 1)
+    groups = []
+    for tp in _divisors(world):
+        if tp > max(cluster.devices_per_node, 1) or heads % tp:
+            continue
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            if pp > model_cfg.n_layer or batch_size % dp:
+                continue
+            rows_per_dp = batch_size // dp
+            sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_rows and rows_per_dp % b == 0]
+            for b in sizes:
+                m = rows_per_dp // b
+                if pp > 1 and m < pp:
+                    continue
+                scheds = [(s, 2 if s == "interleaved" else 1) for s in schedules] if pp > 1 else [("1f1b", 1)]
+                for sched, chunks in scheds:
+                    if sched == "interleaved" and (m % pp or model_cfg.n_layer < 2 * pp):
+                        continue
+                    for sp in ([False, True] if tp > 1 else [False]):
+                        shape = dict(dp=dp, tp=tp, pp=pp, schedule=sched, chunks=chunks, sequence_parallel=sp,
+                                     microbatches=m if pp > 1 else 0, grad_accum=1 if pp > 1 else m)
+                        group = []
+                        for rc in ("none", "selective", "full"):
+                            for zero in ([0, 1, 2] + ([3] if pp == 1 else [])) if dp > 1 else [0]:
+                                group.append(dataclasses.replace(base, **shape, zero=zero, recompute=rc))
+                        groups.append(group)
+    return groups
+
+
+def plan(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype: str, budget: float | None = None,
+         every: bool = False, **kw) -> tuple[list[Estimate], int]:
+    """(feasible estimates sorted by step time, layouts tried). ``budget``: bytes per device
+    (default the cluster's device memory)."""
+    budget = budget or cluster.memory_bytes
+    out, tried = [], 0
+    for group in candidates(model_cfg, cluster, batch_size, seq_len, dtype, **kw):
+        for cfg in group:
+            tried += 1
+            try:
+                est = estimate(cfg, model_cfg, cluster)
+            except ValueError:
+                continue
+            if est.memory["peak"] <= budget:
+                out.append(est)
+                if not every:
+                    break
+    out.sort(key=lambda e: e.step_s)
+    return out, tried
+
+
+def describe(est: Estimate) -> str:
+    """``dp 8 tp 1 pp 8 1f1b m=32 b=2 zero 1 recompute none``: a layout in one phrase."""
+    l = est.layout
+    sched = f" {l['schedule']}" + (f"(v={l['chunks']})" if l["chunks"] > 1 else "") + f" m={l['microbatches']}" \
+        if l["pp"] > 1 else (f" accum {l['microbatches']}" if l["microbatches"] > 1 else "")
+    extra = (" sp" if l["sequence_parallel"] else "") + (f" zero {l['zero']}" if l["zero"] else "") + \
+        (f" recompute {l['recompute']}" if l["recompute"] != "none" else "")
+    return f"dp {l['dp']} tp {l['tp']} pp {l['pp']}{sched} b={l['rows_per_microbatch']}{extra}"
+
+
+def table(ests: list[Estimate], top: int = 15) -> str:
+    """The ranked layouts as a Markdown table."""
+    rows = ["| # | layout | step s | tokens/s | MFU | peak mem/rank | bottleneck | bubble |",
+            "|---|---|---|---|---|---|---|---|"]
+    for i, e in enumerate(ests[:top], 1):
+        rows.append(f"| {i} | {describe(e)} | {e.step_s:.3g} | {e.tokens_per_s:,.0f} | {100 * e.mfu:.1f}% | "
+                    f"{e.memory['peak'] / 2**30:.2f} GiB | {e.bottleneck} | {100 * e.bubble:.1f}% |")
+    return "\n".join(rows)
