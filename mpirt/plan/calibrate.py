@@ -17,7 +17,8 @@ Measured under ``mpiexec -n N`` for each N of ``--ranks`` (the ranks oversubscri
 training runs do): for every group size g dividing N, all groups at once (consecutive ranks),
 allreduce, allgather and reduce-scatter of 64 B to 4 MiB, and one-way point-to-point between
 neighbours (ping-pong / 2); each fitted ``alpha + beta n`` (alpha: the 64-byte time; beta: the
-slope to 4 MiB). Saved as the preset ``--save-as`` (default ``local``) in
+slope to 4 MiB). The process baseline of memory: a 2-rank run of a one-block model
+(:func:`measure_process_bytes`). Saved as the preset ``--save-as`` (default ``local``) in
 :data:`mpirt.plan.hardware.CACHE`.
 """
 from __future__ import annotations
@@ -183,11 +184,45 @@ def measure_mpi(ranks: list[int], launcher: str = "mpiexec") -> dict:
     return out
 
 
+def measure_process_bytes(launcher: str = "mpiexec") -> dict:
+    """The process baseline: a 2-rank data-parallel run of a one-block, 32-wide GPT for 3 steps
+    (its model, activations and checkpoint are a few MiB); the baseline is
+    :data:`mpirt.memory.PROCESS_BYTES` plus the median over the ranks of measured peak RSS less
+    :func:`mpirt.memory.predict` (rank 0's writing counted on top)."""
+    import dataclasses
+    import tempfile
+    from pathlib import Path
+
+    from mpirt import memory
+    from mpirt.config import TrainConfig
+    from mpirt.modeling import load_model_config
+
+    over = {"n_layer": 1, "n_embd": 32, "n_head": 2}
+    with tempfile.TemporaryDirectory(prefix="mpirt_calib_") as tmp:
+        cmd = [launcher, "-n", "2", sys.executable, "-m", "mpirt.train", "--model", "tiny", "--steps", "3",
+               "--batch-size", "4", "--seq-len", "64", "--out-dir", tmp, "--progress", "false",
+               "--eval-interval", "0", "--eval-batches", "1", "--trace-steps", "0"] + \
+            [f"--model.{k}={v}" for k, v in over.items()]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode:
+            raise RuntimeError(f"memory calibration run failed: {proc.stderr.strip()[-500:]}")
+        summary = json.loads((Path(tmp) / "summary.json").read_text())
+    data_dir = Path.home() / ".cache" / "mpirt" / "stdlib-py311-bytes"
+    data_bytes = sum((data_dir / f).stat().st_size for f in ("train.bin", "val.bin") if (data_dir / f).exists())
+    cfg = dataclasses.replace(TrainConfig(), batch_size=4, seq_len=64)
+    model_cfg = load_model_config("tiny", over)
+    layout = {"dp": 2, "pp": 1, "tp": 1}
+    resid = [m - memory.predict(cfg, model_cfg, layout, r, data_bytes, rank0_on_top=True)["peak"]
+             for r, m in enumerate(summary["peak_memory_bytes_per_rank"])]
+    return {"process_bytes": memory.PROCESS_BYTES + statistics.median(resid), "residual_per_rank": resid}
+
+
 def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):
     """Measure this machine (see the module docstring); returns the :class:`Cluster` (not saved)."""
     from mpirt.plan.hardware import Cluster
 
     loc = measure_local(calib_model)
+    loc.update(measure_process_bytes())
     coll = measure_mpi(ranks)
     p2p = coll.get(min(coll), {}).get(2, {}).get("p2p", [2e-6, 1 / 5e9]) if coll else [2e-6, 1 / 5e9]
     cores = loc["cores"]
@@ -199,7 +234,7 @@ def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):
                    gemm_half_dim=loc["gemm_half_dim"], intra_latency=p2p[0], intra_bandwidth=1 / max(p2p[1], 1e-12),
                    inter_latency=p2p[0], inter_bandwidth=1 / max(p2p[1], 1e-12), op_overhead_s=loc["op_overhead_s"],
                    ew_passes=loc["ew_passes"], overlap=False, cores=cores,
-                   threads_per_core=loc["threads_per_core"], collectives=coll, gemm_rates=loc["gemm_rates"], source="calibrated",
+                   threads_per_core=loc["threads_per_core"], process_bytes=loc["process_bytes"], collectives=coll, gemm_rates=loc["gemm_rates"], source="calibrated",
                    notes=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} at ranks {ranks}; load "
                          f"{os.getloadavg()[0]:.2f}; local: " + json.dumps(
                              {k: v for k, v in loc.items() if k != "gemm_rates"}))

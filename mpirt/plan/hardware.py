@@ -51,6 +51,8 @@ class Cluster:
     threads_per_core: float = 1.0       # CPU: speed-up of a second GEMM thread (measured)
     collectives: dict = field(default_factory=dict)   # CPU: {world: {group: {op: [alpha, beta]}}}
     gemm_rates: dict = field(default_factory=dict)    # calibrated: {smallest dim: FLOP/s of one core}
+    checkpoint_gather: bool = False     # memory: the end of a run gathers the full state (older checkpoints)
+    process_bytes: float = 0.0          # a rank's process baseline (0: mpirt.memory.PROCESS_BYTES); calibrated
     source: str = "data sheet"
     notes: str = ""
 

@@ -20,7 +20,8 @@
   reduce-scatter) overlaps the last micro-batch's backward where the cluster progresses MPI on its
   own (``overlap``), else it is exposed whole.
 - **Optimizer**: AdamW's passes over the local parameters (~12 array passes of 4 bytes).
-- **Memory**: :func:`mpirt.memory.predict` for rank 0 and the last stage's first rank (or all).
+- **Memory**: :func:`mpirt.memory.predict` for rank 0 and the last stage's first rank (or all),
+  with the cluster's calibrated process baseline and rank 0's writing counted on top of its peak.
 """
 from __future__ import annotations
 
@@ -248,7 +249,8 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     # (the first stage stashes the most micro-batches, the last holds the logits, rank 0 writes)
     ranks = range(world) if memory_ranks == "all" else sorted({0, (pp - 1) * tp})
     mcfg = dataclasses.replace(cfg, dp=dp, microbatches=m if pp > 1 else cfg.microbatches)
-    per_rank = {r: memory.predict(mcfg, model_cfg, layout, r, data_bytes) for r in ranks}
+    per_rank = {r: memory.predict(mcfg, model_cfg, layout, r, data_bytes, process_bytes=int(cluster.process_bytes) or None,
+                                  rank0_on_top=True, checkpoint_gather=cluster.checkpoint_gather) for r in ranks}
     big = max(per_rank, key=lambda r: per_rank[r]["peak"])
     mem = {**per_rank[big], "rank": big, "per_rank": {r: v["peak"] for r, v in per_rank.items()}}
 
