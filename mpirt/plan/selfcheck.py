@@ -49,8 +49,8 @@ def self_check(cfg, model_cfg, layout: dict, measured: dict, data_bytes: int = 0
     are ``100 (predicted - measured) / measured``. Never raises: a failure is reported in ``error``."""
     from mpirt.plan.model import estimate
 
-    world = layout["dp"] * layout["pp"] * layout["tp"]
     try:
+        world = layout["dp"] * layout["pp"] * layout["tp"]
         cluster = cluster or this_machine(world)
         run_cfg = dataclasses.replace(cfg, dp=layout["dp"], pp=layout["pp"], tp=layout["tp"])
         est = estimate(run_cfg, model_cfg, cluster, data_bytes=data_bytes, memory_ranks="all")

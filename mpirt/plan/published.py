@@ -1,0 +1,125 @@
+"""The planner against published results (docs/planner.md; ``bench/plan_published.py`` prints them).
+
+- :func:`zero_table`: ZeRO's per-device model-state memory (Rajbhandari et al., SC20, Figure 1:
+  a 7.5B-parameter model on 64 GPUs, mixed-precision Adam, K = 12): 120, 31.4, 16.6 and 1.9 GB
+  for stages 0-3 (``(2 + 2 + K) Psi``, ``4 Psi + K Psi / N``, ``2 Psi + (2 + K) Psi / N``,
+  ``(4 + K) Psi / N``);
+- :data:`MEGATRON`: Narayanan et al., SC21, Table 1 (GPT models, vocabulary 51,200, sequence
+  2048, A100 80 GB, 8 per node): layout, batch and the achieved teraFLOP/s per GPU, counted with
+  their formula ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` (activation recomputation included);
+- :func:`bubble_table`: 1F1B, interleaved and ZB-H1 at p = 8, m = 32 simulated from the action
+  lists against the papers' formulas.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# (params in billions, heads, hidden, layers, tp, pp, GPUs, batch, teraFLOP/s per GPU, % of peak)
+MEGATRON = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52),
+]
+ZERO_PAPER_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+
+
+def gpt_config(hidden: int, layers: int, heads: int, vocab: int = 51200, seq: int = 2048):
+    from mpirt.modeling import config_class
+
+    return config_class("gpt2")(n_layer=layers, n_head=heads, n_embd=hidden, n_positions=seq, vocab_size=vocab)
+
+
+def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int = 51200) -> float:
+    """FLOPs of one step as Narayanan et al. count them (forward, recomputed forward, backward)."""
+    return 96.0 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def zero_table(psi: float = 7.5e9, devices: int = 64) -> list[dict]:
+    """Per ZeRO stage: model states per device in GB (1e9) from :func:`mpirt.memory.predict` for
+    the 7.5B GPT of :data:`MEGATRON` (bfloat16, AdamW) and from ``bytes_per_parameter`` at exactly
+    ``psi`` parameters, against the paper. mpirt's ZeRO-2 also holds the full gradient while
+    backward runs (``transient_gb``), which the paper's steady-state figure leaves out."""
+    from mpirt import memory
+    from mpirt.modeling import num_parameters
+    from mpirt.plan.search import base_config
+    from mpirt.precision import bytes_per_parameter
+
+    model_cfg = gpt_config(4096, 36, 32)
+    n = num_parameters(model_cfg)
+    rows = []
+    for stage in range(4):
+        cfg = dataclasses.replace(base_config(devices, 2048, "bfloat16"), dp=devices, zero=stage)
+        p = memory.predict(cfg, model_cfg, {"dp": devices, "pp": 1, "tp": 1}, 1)
+        transient = n * 2 if stage == 2 else 0
+        states = p["parameters"] + p["gradients"] - transient + p["optimizer_state"]
+        exact = sum(bytes_per_parameter("bfloat16", devices, stage).values()) * psi
+        paper = ZERO_PAPER_GB[stage]
+        rows.append({"stage": stage, "paper_gb": paper, "model_gb": states / 1e9, "params": n,
+                     "model_err_pct": 100 * (states / 1e9 - paper) / paper, "exact_psi_gb": exact / 1e9,
+                     "exact_err_pct": 100 * (exact / 1e9 - paper) / paper, "transient_gb": transient / 1e9})
+    return rows
+
+
+def bubble_table(p: int = 8, m: int = 32, chunks=(2, 4)) -> list[dict]:
+    """Simulated bubble (idle over total, unit costs F = 1, B = 2, or F = B = W = 1 split) of the
+    schedules' action lists against the textbook fractions, and against the papers' way of stating
+    them (bubble over ideal time: ``(p-1)/m``, ``(p-1)/(v m)``; ZB-H1: a third of 1F1B's)."""
+    from mpirt.parallel.schedule_check import simulate, theoretical_bubble
+    from mpirt.parallel.schedules import build
+
+    rows = []
+    for name, v in [("gpipe", 1), ("1f1b", 1)] + [("interleaved", c) for c in chunks] + [("zb-h1", 1)]:
+        sim = simulate(build(name, p, m, v))
+        theory = theoretical_bubble(name, p, m, v)
+        over_ideal = sim.bubble / (1 - sim.bubble)
+        paper = {"gpipe": (p - 1) / m, "1f1b": (p - 1) / m, "interleaved": (p - 1) / (v * m),
+                 "zb-h1": (p - 1) / (3 * m)}[name]
+        rows.append({"schedule": name, "chunks": v, "simulated": sim.bubble, "theory": theory,
+                     "simulated_over_ideal": over_ideal, "paper_over_ideal": paper, "peak_stash": max(sim.peak_stash)})
+    return rows
+
+
+def megatron_rows(cluster_name: str = "a100", search: bool = False, schedules=("1f1b", "interleaved")) -> list[dict]:
+    """Each :data:`MEGATRON` row: the model's prediction for the paper's layout (1F1B and
+    interleaved with 2 chunks where it applies; micro-batches of 1 sequence; full recomputation as
+    the paper ran), and with ``search`` the planner's best layout on the same GPUs and batch."""
+    from mpirt.plan import hardware
+    from mpirt.plan.model import estimate
+    from mpirt.plan.search import base_config, describe, plan
+
+    out = []
+    for params, heads, hidden, layers, tp, pp, gpus, batch, tflops, pct in MEGATRON:
+        model_cfg = gpt_config(hidden, layers, heads)
+        cluster = hardware.load(cluster_name).with_shape(max(1, gpus // 8), min(8, gpus))
+        dp = gpus // (tp * pp)
+        flops = megatron_flops(batch, 2048, layers, hidden)
+        row = {"params_b": params, "layout": f"tp {tp} pp {pp} dp {dp}", "gpus": gpus, "batch": batch,
+               "paper_tflops": tflops, "paper_pct": pct}
+        for sched in schedules if pp > 1 else ("1f1b",):
+            chunks = 2 if sched == "interleaved" else 1
+            m = batch // dp
+            if sched == "interleaved" and (m % pp or layers < 2 * pp):
+                continue
+            cfg = dataclasses.replace(base_config(batch, 2048, "bfloat16"), dp=dp, tp=tp, pp=pp, schedule=sched,
+                                      chunks=chunks, microbatches=m if pp > 1 else 0,
+                                      grad_accum=1 if pp > 1 else m, recompute="full", sequence_parallel=False)
+            est = estimate(cfg, model_cfg, cluster)
+            row[f"pred_tflops_{sched}"] = flops / est.step_s / gpus / 1e12
+            row[f"pred_mem_gib_{sched}"] = est.memory["peak"] / 2**30
+            row[f"bottleneck_{sched}"] = est.bottleneck
+        if search:
+            ests, _ = plan(model_cfg, cluster, batch, 2048, "bfloat16", max_rows=4)
+            if ests:
+                best = ests[0]
+                row["planner_best"] = describe(best)
+                row["planner_tflops_model"] = best.mfu * cluster.peak("bfloat16") / 1e12
+                row["planner_step_s"] = best.step_s
+        out.append(row)
+    return out

@@ -1,0 +1,177 @@
+"""The performance model and planner (mpirt.plan): pure, no MPI except the CLI subprocess."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mpirt.config import TrainConfig
+from mpirt.modeling import load_model_config
+from mpirt.parallel.schedule_check import simulate, theoretical_bubble
+from mpirt.parallel.schedules import build
+from mpirt.plan import Cluster, coll_time, estimate, hardware, plan, self_check
+from mpirt.plan.published import bubble_table, megatron_flops, zero_table
+from mpirt.plan.work import ops_per_block
+
+
+def cpu(cores=2, **kw) -> Cluster:
+    c = dataclasses.replace(hardware.PRESETS["cpu"], cores=cores, **kw)
+    return c
+
+
+def cfg(**kw) -> TrainConfig:
+    return dataclasses.replace(TrainConfig(), **kw)
+
+
+TINY = load_model_config("tiny")
+
+
+def test_alpha_beta_formulas():
+    c = Cluster("x", 8, 2, {"float32": 1e12}, 1e10, 1e11, 1.0, 0, intra_latency=1e-6, intra_bandwidth=1e9,
+                inter_latency=1e-5, inter_bandwidth=1e8)
+    n, g = 8e6, 4
+    assert coll_time(c, "allreduce", n, g, 16, False) == pytest.approx(2 * (g - 1) * (1e-6 + n / (g * 1e9)))
+    assert coll_time(c, "allgather", n, g, 16, False) == pytest.approx((g - 1) * (1e-6 + n / (g * 1e9)))
+    assert coll_time(c, "reduce_scatter", n, g, 16, True) == pytest.approx((g - 1) * (1e-5 + n / (g * 1e8)))
+    assert coll_time(c, "p2p", n, 2, 16, False) == pytest.approx(1e-6 + n / 1e9)
+    assert coll_time(c, "allreduce", n, 1, 16, False) == 0.0
+    # measured fits replace the formula at that world and group size
+    c.collectives = {16: {4: {"allreduce": [1e-3, 1e-9]}}}
+    assert coll_time(c, "allreduce", n, 4, 16, False) == pytest.approx(1e-3 + 8e-3)
+    assert coll_time(c, "reduce_scatter", n, 4, 16, False) == pytest.approx((g - 1) * (1e-6 + n / (g * 1e9)))
+
+
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_bubble_is_the_simulated_schedule(name, chunks):
+    """The estimate's bubble is the simulator's on the executor's action lists with the model's
+    per-action times, and with equal stages it equals the textbook fraction."""
+    model = dataclasses.replace(TINY, n_layer=8)
+    c = cfg(pp=4, microbatches=8, schedule=name, chunks=chunks)
+    est = estimate(c, model, cpu(cores=64))
+    assert 0 < est.bubble < 0.5
+    assert len(est.parts["bubble_per_rank"]) == 4
+    sim = simulate(build(name, 4, 8, chunks))
+    assert sim.bubble == pytest.approx(theoretical_bubble(name, 4, 8, chunks), abs=1e-12)
+
+
+def test_published_bubbles_and_zero_table():
+    for row in bubble_table(8, 32):
+        assert row["simulated"] == pytest.approx(row["theory"], abs=1e-12)
+        assert row["simulated_over_ideal"] == pytest.approx(row["paper_over_ideal"], rel=1e-9)
+    for row in zero_table():
+        assert abs(row["model_err_pct"]) < 2 and abs(row["exact_err_pct"]) < 2
+    # Narayanan et al.'s count for the 1T model's step: ~ 6.6e21 FLOPs per 3072-sequence batch
+    assert megatron_flops(3072, 2048, 128, 25600) == pytest.approx(96 * 3072 * 2048 * 128 * 25600**2 * (
+        1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600)))
+
+
+def test_oversubscription_slows_every_rank():
+    """Twice the ranks on the same cores: each rank computes half the rows at half a core's share."""
+    c = cpu(cores=2)
+    two = estimate(cfg(dp=2), TINY, c.with_shape(1, 2))
+    four = estimate(cfg(dp=4), TINY, c.with_shape(1, 4))
+    assert four.parts["forward"] == pytest.approx(two.parts["forward"], rel=0.05)
+    assert any("4 ranks on 2 cores" in n for n in four.notes)
+    roomy = estimate(cfg(dp=4), TINY, cpu(cores=8).with_shape(1, 4))
+    assert roomy.parts["forward"] < 0.6 * four.parts["forward"]
+
+
+def test_memory_is_memory_predict_and_parts_add_up():
+    from mpirt import memory
+
+    est = estimate(cfg(dp=2, zero=2), TINY, cpu(), memory_ranks="all")
+    p = memory.predict(cfg(dp=2, zero=2), TINY, {"dp": 2, "pp": 1, "tp": 1}, 0, process_bytes=None,
+                       rank0_on_top=True, checkpoint_gather=False)
+    assert est.memory["per_rank"][0] == p["peak"]
+    parts = est.parts
+    assert est.step_s == pytest.approx(parts["forward"] + parts["backward"] + parts["grad_sync"] + parts["optimizer"]
+                                       + parts["other"])
+    assert est.comm["dp"]["bytes"] > 0 and est.comm["tp"]["bytes"] == 0
+
+
+def test_memory_predict_defaults_unchanged():
+    from mpirt import memory
+
+    c, lay = cfg(dp=2), {"dp": 2, "pp": 1, "tp": 1}
+    base = memory.predict(c, TINY, lay, 0)
+    assert memory.predict(c, TINY, lay, 0, process_bytes=memory.PROCESS_BYTES) == base
+    assert base["baseline"] == memory.PROCESS_BYTES
+
+
+def test_tp_sp_and_zero3_communicate():
+    tp = estimate(cfg(tp=2, sequence_parallel=True), TINY, cpu())
+    assert tp.comm["tp"]["bytes"] > 0 and tp.comm["tp"]["s"] > 0
+    z3 = estimate(cfg(dp=2, zero=3), TINY, cpu())
+    z0 = estimate(cfg(dp=2), TINY, cpu())
+    assert z3.comm["dp"]["bytes"] > z0.comm["dp"]["bytes"]
+    assert z3.parts["backward"] > z0.parts["backward"]  # ZeRO-3 recomputes every unit
+
+
+def test_ops_per_block_counts_functions():
+    assert ops_per_block(TINY) >= 5
+    assert ops_per_block(load_model_config("llama-tiny")) >= ops_per_block(TINY)
+
+
+def test_planner_ranks_feasible_layouts_and_respects_budget():
+    c = cpu(cores=2).with_shape(1, 4)
+    ests, tried = plan(TINY, c, 8, 128, "float32")
+    assert ests and tried >= len(ests)
+    assert [e.step_s for e in ests] == sorted(e.step_s for e in ests)
+    assert all(e.layout["dp"] * e.layout["tp"] * e.layout["pp"] == 4 for e in ests)
+    assert not any(e.layout["zero"] == 3 and e.layout["pp"] > 1 for e in ests)
+    budget = sorted(e.memory["peak"] for e in ests)[len(ests) // 2]
+    tight, _ = plan(TINY, c, 8, 128, "float32", budget=budget)
+    assert tight and all(e.memory["peak"] <= budget for e in tight)
+    # ZeRO with tp or pp is a layout the planner may choose (every=True lists all settings that fit)
+    every, _ = plan(TINY, c, 8, 128, "float32", every=True)
+    assert any(e.layout["zero"] and (e.layout["tp"] > 1 or e.layout["pp"] > 1) for e in every)
+
+
+def test_large_model_plan_on_gpus():
+    model = load_model_config("gpt2-xl", {"n_positions": 2048})
+    ests, _ = plan(model, hardware.load("h100").with_shape(2, 8), 64, 2048, "bfloat16")
+    assert ests
+    best = ests[0]
+    assert best.memory["peak"] <= 80 * 2**30 and 0 < best.mfu < 1
+    assert best.bottleneck in ("compute", "dp comm", "tp comm", "bubble", "memory")
+
+
+def test_self_check_reports_errors():
+    measured = {"step_time_s": 0.1, "tokens_per_s": 10000.0, "peak_memory_bytes": 150 * 2**20,
+                "peak_memory_bytes_per_rank": [150 * 2**20, 140 * 2**20],
+                "monitor": {"breakdown": {"forward_s": 0.03, "backward_s": 0.06, "bubble_s": 0.0,
+                                          "grad_sync_s": 0.004, "optimizer_s": 0.005, "weight_grad_s": 0.0}}}
+    out = self_check(cfg(dp=2), TINY, {"dp": 2, "pp": 1, "tp": 1}, measured, cluster=cpu().with_shape(1, 2))
+    t = out["step_time_s"]
+    assert t["error_pct"] == pytest.approx(100 * (t["predicted"] - 0.1) / 0.1)
+    assert set(out["parts_s"]) >= {"forward", "backward", "grad_sync", "optimizer", "bubble"}
+    assert len(out["peak_memory_per_rank"]) == 2
+    json.dumps(out)  # goes into summary.json
+    assert "error" in self_check(cfg(dp=2), TINY, {"dp": 2, "pp": 1}, measured)  # never raises
+
+
+def test_hardware_presets_and_saved(tmp_path):
+    for name in ("a100", "h100", "h200", "cpu"):
+        c = hardware.load(name)
+        assert c.peak("bfloat16") > 0 and c.memory_bytes > 0
+    c = cpu(collectives={4: {2: {"p2p": [1e-5, 1e-9]}}}, gemm_rates={64.0: 5e10})
+    path = hardware.save(dataclasses.replace(c, name="mine"), tmp_path / "mine.json")
+    back = hardware.load(str(path))
+    assert back.collectives == c.collectives and back.gemm_rates == c.gemm_rates
+    with pytest.raises(ValueError, match="unknown hardware"):
+        hardware.load("no-such-gpu")
+
+
+def test_cli_lists_layouts():
+    out = subprocess.run([sys.executable, "-m", "mpirt.plan", "--model", "gpt2-xl", "--nodes", "2",
+                          "--gpus-per-node", "8", "--gpu", "h100", "--global-batch", "64", "--seq-len", "2048",
+                          "--top", "3"], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "feasible of" in out.stdout and "| 1 |" in out.stdout and "best: dp" in out.stdout
+    tight = subprocess.run([sys.executable, "-m", "mpirt.plan", "--model", "gpt2-xl", "--nodes", "1",
+                            "--gpus-per-node", "1", "--gpu", "h100", "--global-batch", "8", "--seq-len", "1024",
+                            "--memory-budget", "1GiB"], capture_output=True, text=True, timeout=240)
+    assert tight.returncode == 1 and "no layout fits" in tight.stdout
