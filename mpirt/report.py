@@ -16,6 +16,10 @@ Reads what ``python -m mpirt.train`` left in RUN_DIR (``summary.json``, ``metric
 - ``memory.png``: per rank, parameters, gradients, optimizer state, pipeline activations and the
   rest of the peak resident memory, against the budget;
 - ``gpu.png`` (GPU runs): utilisation and memory-bandwidth utilisation over time per rank.
+
+``report.md`` also has the performance model's prediction for the run's layout beside the
+measured step time, its parts, the bubble and the peak memory, with the error in percent
+(``summary["prediction"]``, :func:`mpirt.plan.self_check`).
 """
 from __future__ import annotations
 
@@ -284,6 +288,39 @@ def headline(run: dict, table: dict) -> list[str]:
     return lines
 
 
+def prediction_section(summary: dict) -> list[str]:
+    """The performance model's prediction for the run's layout beside what was measured
+    (``summary["prediction"]``, :func:`mpirt.plan.self_check`): a table of quantity, predicted,
+    measured and the error in percent."""
+    pred = summary.get("prediction")
+    if not pred:
+        return ["No prediction in summary.json (a run before the planner's self-check)."]
+    if "error" in pred:
+        return [f"The prediction failed: {pred['error']}"]
+
+    def row(name: str, d: dict, scale: float, unit: str) -> str:
+        meas = d.get("measured")
+        err = d.get("error_pct")
+        return (f"| {name} | {d['predicted'] * scale:.3g} {unit} | "
+                + (f"{meas * scale:.3g} {unit}" if meas is not None else "n/a") + " | "
+                + (f"{err:+.1f}%" if err is not None else "n/a") + " |")
+
+    lines = [f"Hardware model: `{pred['hardware']}` ({pred['hardware_source']}); predicted bottleneck: "
+             f"{pred['bottleneck']}." + (" " + "; ".join(pred.get("notes", [])) if pred.get("notes") else ""), "",
+             "| quantity | predicted | measured | error |", "|---|---|---|---|",
+             row("step time", pred["step_time_s"], 1e3, "ms"), row("tokens/s", pred["tokens_per_s"], 1, ""),
+             row("peak memory (largest rank)", pred["peak_memory_bytes"], 1 / MIB, "MiB")]
+    for part, d in pred["parts_s"].items():
+        if d.get("measured") or d["predicted"] > 0:
+            lines.append(row(part.replace("_", " "), d, 1e3, "ms"))
+    bub = pred.get("bubble_fraction") or {}
+    if bub.get("predicted"):
+        meas = bub.get("measured")
+        lines.append(f"| pipeline bubble (share of the step) | {100 * bub['predicted']:.1f}% | "
+                     + (f"{100 * meas:.1f}%" if meas is not None else "n/a") + " | |")
+    return lines
+
+
 def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     """Write the PNGs and report.md for ``run_dir``; returns the files written."""
     run = load_run(run_dir)
@@ -304,7 +341,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
             md.append(f"- `{name}`: {what}")
     table = comm_table(run)
     text = ["# Run report", "", f"Run: `{run_dir}`", "", "## Headline", "", *headline(run, table), "",
-            "## Plots", "", *md, ""]
+            "## Predicted vs measured", "", *prediction_section(run["summary"]), "", "## Plots", "", *md, ""]
     (out / "report.md").write_text("\n".join(text))
     written.append(out / "report.md")
     return written

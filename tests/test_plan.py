@@ -175,3 +175,16 @@ def test_cli_lists_layouts():
                             "--gpus-per-node", "1", "--gpu", "h100", "--global-batch", "8", "--seq-len", "1024",
                             "--memory-budget", "1GiB"], capture_output=True, text=True, timeout=240)
     assert tight.returncode == 1 and "no layout fits" in tight.stdout
+
+
+def test_report_section_shows_prediction_against_measured():
+    from mpirt.report import prediction_section
+
+    measured = {"step_time_s": 0.2, "tokens_per_s": 5000.0, "peak_memory_bytes": 150 * 2**20,
+                "monitor": {"breakdown": {"forward_s": 0.05, "backward_s": 0.1, "bubble_s": 0.04}}}
+    pred = self_check(cfg(pp=2, microbatches=4), TINY, {"dp": 1, "pp": 2, "tp": 1}, measured,
+                      cluster=cpu().with_shape(1, 2))
+    text = "\n".join(prediction_section({"prediction": pred}))
+    assert "| step time |" in text and "| peak memory (largest rank) |" in text and "pipeline bubble" in text
+    assert f"{pred['step_time_s']['error_pct']:+.1f}%" in text
+    assert "No prediction" in prediction_section({})[0]
