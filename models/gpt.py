@@ -144,6 +144,14 @@ class GPT(TiedLM):
         from mpirt.models.hf import load_hf_gpt2
         return load_hf_gpt2(directory, dtype=dtype)
 
+    @classmethod
+    def open_hf(cls, directory, dtype="float32"):
+        """``(GPTConfig, reader)`` of a Hugging Face GPT-2 directory: the reader
+        (:class:`.hf.HFReader`) gives each rank its boxes only (``engine.load_sharded``)."""
+        from mpirt.models.hf import HFReader
+        reader = HFReader(directory, dtype=dtype)
+        return reader.config, reader
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at ``seq_len`` (see the module-level :func:`flops_per_token`)."""
         return flops_per_token(self.config, seq_len)

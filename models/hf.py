@@ -5,6 +5,9 @@ A GPT-2 directory holds ``config.json`` and either ``model.safetensors`` or a sh
 ``transformer.`` prefix (``GPT2LMHeadModel``) or not (``GPT2Model``); both load. The attention
 mask buffers some files carry (``h.N.attn.bias``, ``h.N.attn.masked_bias``) are ignored. The head
 must be tied: an ``lm_head.weight`` that differs from ``wte.weight`` is refused.
+:class:`HFReader` serves any box of any weight from the memory-mapped files (the sharded
+checkpoint reader's interface), so training initialised from a directory has each rank read its
+own slices only; :func:`load_hf_gpt2` reads whole tensors through it.
 
 Config choices (shared with :mod:`models.presets`, which reads the same ``config.json``):
 
@@ -20,18 +23,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from mpirt.models.config import GPTConfig
 from mpirt.models.gpt import param_shapes
 from mpirt.models.presets import _read_hf
 from mpirt.config import ConfigError
+from mpirt.tensorfile import SafetensorsFile, TensorFileError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -82,62 +84,119 @@ def _safetensors_files(directory: Path) -> list[Path]:
                             f"not loaded: {found}; convert them to safetensors)")
 
 
-def _read_bf16(path: Path, key: str) -> np.ndarray:
-    """One BF16 tensor as float32 (NumPy has no bfloat16), read from the file's raw layout."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        info = json.loads(f.read(n))[key]
-        start, end = info["data_offsets"]
-        f.seek(8 + n + start)
-        raw = np.frombuffer(f.read(end - start), dtype="<u2")
-    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
+def _open(path: Path) -> SafetensorsFile:
+    try:
+        return SafetensorsFile(path)
+    except TensorFileError as err:
+        raise ValueError(str(err)) from None
 
 
-def _read_tensors(files: list[Path], dtype) -> dict[str, np.ndarray]:
-    """Every tensor of ``files`` (buffers skipped), names without the ``transformer.`` prefix."""
-    out = {}
-    for path in files:
-        with safe_open(str(path), framework="np") as f:
+class HFReader:
+    """A Hugging Face GPT-2 directory as a reader of boxes, by mpirt parameter names: the interface
+    of :class:`mpirt.checkpoint.CheckpointReader` that :func:`mpirt.parallel.state.load_shards`
+    uses (``meta``, ``entry``, ``read``), so ``engine.load_sharded(HFReader(d), with_optimizer=False)``
+    has each rank read only its own boxes (tp slices, its pipeline stage), never a full tensor.
+
+    Opening it reads the headers only: the config, every file of the index, names (the
+    ``transformer.`` prefix dropped, mask buffers skipped) and shapes are checked against the
+    config, and a stored ``lm_head.weight`` must equal ``wte.weight`` (compared a few rows at a
+    time; a file holding only the head gives the table). GPT-2's Conv1D weights are stored (in,
+    out) as mpirt's Linear, so nothing is transposed; the vocabulary padding tp adds is never
+    read (``load_shards`` asks for the unpadded table). ``dtype`` (the model's): values are
+    rounded to it on the way, also when read into float32 master weights, as a full tensor
+    converted to the model dtype would be.
+    """
+
+    KINDS = ("params",)
+
+    def __init__(self, directory, dtype=None):
+        self.path = Path(directory)
+        self.config = read_hf_config(self.path)
+        self.dtype = None if dtype is None else np.dtype(dtype)
+        where: dict = {}
+        for path in _safetensors_files(self.path):
+            f = _open(path)
             for key in f.keys():
                 name = key[len(PREFIX):] if key.startswith(PREFIX) else key
                 if _is_buffer(name):
                     continue
-                if name in out:
+                if name in where:
                     raise ValueError(f"{path}: tensor {name!r} appears twice (with and without {PREFIX!r})")
-                if f.get_slice(key).get_dtype() == "BF16":
-                    value = _read_bf16(path, key)
-                else:
-                    value = f.get_tensor(key)
-                out[name] = value.astype(dtype, copy=False)
-    return out
+                where[name] = (f, key)
+        head = where.pop("lm_head.weight", None)
+        if head is not None:
+            if "wte.weight" not in where:  # a file that stored the tied table only under the head
+                where["wte.weight"] = head
+            elif not _same(head, where["wte.weight"]):
+                raise ValueError(f"{self.path}: lm_head.weight differs from wte.weight: untied lm_head not supported")
+        expected = param_shapes(self.config)
+        missing, unexpected = sorted(set(expected) - set(where)), sorted(set(where) - set(expected))
+        if missing or unexpected:
+            raise KeyError(f"{self.path}: checkpoint does not match the config: missing keys {missing}, "
+                           f"unexpected keys {unexpected}")
+        for name, shape in expected.items():
+            f, key = where[name]
+            if f.shape(key) != shape:
+                raise ValueError(f"{self.path}: {name} has shape {f.shape(key)}, expected {shape} from config.json")
+        self._where = {name: where[name] for name in expected}
+        self.meta = {"path": str(self.path), "format": "huggingface", "step": 0, "optimizer": None,
+                     "optimizer_state": {}, "extra": {},
+                     "params": {name: {"shape": list(shape), "dtype": str(where[name][0].dtype(where[name][1]))}
+                                for name, shape in expected.items()}}
+
+    def entry(self, kind: str, name: str, shape=None) -> dict:
+        """The description of parameter ``name`` (``kind`` must be params), checked against the
+        global ``shape`` the caller expects when given."""
+        e = self.meta.get(kind, {}).get(name) if kind in self.KINDS else None
+        if e is None:
+            raise KeyError(f"{self.path}: no tensor {name} under {kind} (a Hugging Face directory holds weights only)")
+        if shape is not None and tuple(e["shape"]) != tuple(shape):
+            raise ValueError(f"{self.path}: {name} has shape {tuple(e['shape'])} in the checkpoint, "
+                             f"{tuple(shape)} in the model")
+        return e
+
+    def read(self, kind: str, name: str, start=None, shape=None, out=None) -> np.ndarray:
+        """The box of ``name`` at ``start`` of ``shape`` (default: the whole tensor) written into
+        ``out`` (NumPy, any dtype) and returned; a new array (of ``dtype``, else the stored one)
+        when ``out`` is None."""
+        full = tuple(self.entry(kind, name)["shape"])
+        start = tuple(start) if start is not None else (0,) * len(full)
+        shape = tuple(shape) if shape is not None else full
+        if len(start) != len(full) or any(s < 0 or n < 0 or s + n > g for s, n, g in zip(start, shape, full)):
+            raise ValueError(f"{self.path}: the box {start} + {shape} is outside {name} of shape {full}")
+        f, key = self._where[name]
+        box = tuple(slice(s, s + n) for s, n in zip(start, shape))
+        if out is None:
+            out = np.empty(shape, dtype=self.dtype or f.dtype(key))
+        elif tuple(out.shape) != shape:
+            raise ValueError(f"HFReader.read: out has shape {tuple(out.shape)}, the box {shape}")
+        if self.dtype is not None and out.dtype != self.dtype and f.dtype(key) != self.dtype:
+            out[...] = f.read(key, np.empty(shape, dtype=self.dtype), box)  # rounded to the model dtype first
+        else:
+            f.read(key, out, box)
+        return out
+
+
+def _same(a: tuple, b: tuple, rows: int = 4096) -> bool:
+    """Whether two stored tensors (``(file, key)``) hold equal values, compared ``rows`` at a time."""
+    (fa, ka), (fb, kb) = a, b
+    if fa.shape(ka) != fb.shape(kb):
+        return False
+    x, y = fa.array(ka), fb.array(kb)
+    if x.ndim == 0:
+        return bool(x == y)
+    return all(np.array_equal(x[i:i + rows], y[i:i + rows]) for i in range(0, x.shape[0], rows))
 
 
 def load_hf_gpt2(directory, dtype="float32") -> tuple[GPTConfig, dict[str, np.ndarray]]:
-    """Read a Hugging Face GPT-2 directory: ``(config, {mpirt parameter name: array})``.
+    """Read a Hugging Face GPT-2 directory: ``(config, {mpirt parameter name: array})``, full
+    tensors (:class:`HFReader` reads boxes instead).
 
     Names and shapes are checked against the config; errors name the missing, unexpected or
     misshapen keys. Arrays are converted to ``dtype``.
     """
-    directory = Path(directory)
-    cfg = read_hf_config(directory)
-    tensors = _read_tensors(_safetensors_files(directory), np.dtype(dtype))
-    head = tensors.pop("lm_head.weight", None)
-    if head is not None:
-        if "wte.weight" not in tensors:  # a file that stored the tied table only under the head
-            tensors["wte.weight"] = head
-        elif head.shape != tensors["wte.weight"].shape or not np.array_equal(head, tensors["wte.weight"]):
-            raise ValueError(f"{directory}: lm_head.weight differs from wte.weight: "
-                             "untied lm_head not supported")
-    expected = param_shapes(cfg)
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise KeyError(f"{directory}: checkpoint does not match the config: missing keys {missing}, "
-                       f"unexpected keys {unexpected}")
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{directory}: {name} has shape {tuple(tensors[name].shape)}, expected {shape} "
-                             "from config.json")
-    return cfg, {name: tensors[name] for name in expected}
+    reader = HFReader(directory, dtype)
+    return reader.config, {name: reader.read("params", name) for name in reader.meta["params"]}
 
 
 def load_into(model, directory) -> GPTConfig:

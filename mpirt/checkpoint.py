@@ -45,11 +45,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 import mpirt
 import mpirt.backend as B
+from mpirt.tensorfile import SafetensorsFile, TensorFileError
 
 FORMAT, VERSION = "mpirt-checkpoint", 3  # 2: meta.sha256 covers meta.json; 3: sharded saves
 META, MODEL, OPTIM, LATEST = "meta.json", "model.safetensors", "optimizer.safetensors", "latest"
@@ -403,30 +404,35 @@ class CheckpointReader:
             if self.verify:
                 _verify_file(self.path / fname, info)
             try:
-                handle = self._handles[fname] = safe_open(str(self.path / fname), framework="numpy")
-            except (SafetensorError, OSError) as e:
+                handle = self._handles[fname] = SafetensorsFile(self.path / fname)
+            except (TensorFileError, OSError) as e:
                 raise CheckpointError(f"checkpoint file {self.path / fname}: unreadable ({e})") from None
         return handle
 
-    def read(self, kind: str, name: str, start=None, shape=None) -> np.ndarray:
+    def read(self, kind: str, name: str, start=None, shape=None, out=None) -> np.ndarray:
         """The box of tensor ``name`` at ``start`` (default: the origin) of ``shape`` (default:
-        the whole tensor), as a new array of the tensor's dtype."""
+        the whole tensor): written into ``out`` (a NumPy array of that shape, any dtype, e.g. a
+        view into a parameter; converted on the way, no copy of the box in between) and returned,
+        or a new array of the tensor's dtype when ``out`` is None."""
         e = self.entry(kind, name)
         full = tuple(e["shape"])
         start = tuple(start) if start is not None else (0,) * len(full)
         shape = tuple(shape) if shape is not None else full
         if len(start) != len(full) or any(s < 0 or s + n > g for s, n, g in zip(start, shape, full)):
             raise CheckpointError(f"{self.path}: the box {start} + {shape} is outside {name} of shape {full}")
-        out = np.empty(shape, dtype=e["dtype"])
+        if out is None:
+            out = np.empty(shape, dtype=e["dtype"])
+        elif tuple(out.shape) != shape:
+            raise ValueError(f"CheckpointReader.read: out has shape {tuple(out.shape)}, the box {shape}")
         filled = 0
         for sh in e["shards"]:
             where = f"{self.path / sh['file']}: {name} (key {sh['key']})"
             if "shape" in sh and not _overlap(start, shape, sh["start"], sh["shape"]):
                 continue  # format 3 records the box: no need to open the file
             try:
-                part = self._open(sh["file"]).get_slice(sh["key"])
-                stored = tuple(part.get_shape())
-            except SafetensorError as err:
+                part = self._open(sh["file"])
+                stored = part.shape(sh["key"])
+            except TensorFileError as err:
                 raise CheckpointError(f"{where}: unreadable ({err})") from None
             if tuple(sh.get("shape", stored)) != stored or len(stored) != len(full) or any(
                     s < 0 or s + n > g for s, n, g in zip(sh["start"], stored, full)):
@@ -436,8 +442,8 @@ class CheckpointReader:
             if box is None:
                 continue
             lo, hi = box
-            out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))] = \
-                part[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, sh["start"]))]
+            part.read(sh["key"], out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))],
+                      tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, sh["start"])))
             filled += int(np.prod([b - a for a, b in zip(lo, hi)]))
         if filled != out.size:
             raise CheckpointError(f"{self.path}: the shards of {name} cover {filled} of the {out.size} elements "

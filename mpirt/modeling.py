@@ -25,7 +25,11 @@ A registered class provides:
   ``activation_bytes_of(cfg, ...)`` (activations kept per micro-batch: the memory prediction)
   and ``check_config(cfg)``.
 - optionally Hugging Face interop: ``read_hf_config(path)`` (a ``config.json`` -> config field
-  values) and ``load_hf(directory, dtype)`` -> ``(cfg, full weights)``.
+  values), ``load_hf(directory, dtype)`` -> ``(cfg, full weights)`` and ``open_hf(directory,
+  dtype)`` -> ``(cfg, reader)``: a reader of boxes with the interface of
+  :class:`mpirt.checkpoint.CheckpointReader` (``meta``, ``entry``, ``read(..., out=)``), which the
+  engines load with ``load_sharded(reader, with_optimizer=False)``, each rank reading its own
+  boxes only. Without ``open_hf``, :func:`open_hf` wraps ``load_hf``'s full tensors.
 
 Dropout modules are seeded by name (:func:`seed_dropouts`), so the runtime can reseed any
 model's dropouts per rank without knowing where they are.
@@ -245,6 +249,46 @@ def hf_model_class(directory) -> type:
 def load_hf(directory, dtype="float32"):
     """``(config, full weights by mpirt name)`` from a Hugging Face model directory."""
     return hf_model_class(directory).load_hf(directory, dtype=dtype)
+
+
+def open_hf(directory, dtype="float32"):
+    """``(config, reader)`` of a Hugging Face model directory: the reader serves any box of any
+    weight (``engine.load_sharded(reader, with_optimizer=False)``); the model class's ``open_hf``
+    reads boxes from the files, else its ``load_hf`` tensors are read whole and served from memory."""
+    cls = hf_model_class(directory)
+    if hasattr(cls, "open_hf"):
+        return cls.open_hf(directory, dtype=dtype)
+    cfg, weights = cls.load_hf(directory, dtype=dtype)
+    return cfg, FullWeightsReader(weights, str(directory))
+
+
+class FullWeightsReader:
+    """Full weights in memory (name -> array) behind the box-reader interface of
+    :class:`mpirt.checkpoint.CheckpointReader` (weights only)."""
+
+    def __init__(self, weights: dict, path: str = "<memory>"):
+        self.weights, self.path = weights, path
+        self.meta = {"path": path, "step": 0, "optimizer": None, "optimizer_state": {}, "extra": {},
+                     "params": {n: {"shape": list(a.shape), "dtype": str(a.dtype)} for n, a in weights.items()}}
+
+    def entry(self, kind: str, name: str, shape=None) -> dict:
+        e = self.meta.get(kind, {}).get(name) if kind == "params" else None
+        if e is None:
+            raise KeyError(f"{self.path}: no tensor {name} under {kind}")
+        if shape is not None and tuple(e["shape"]) != tuple(shape):
+            raise ValueError(f"{self.path}: {name} has shape {tuple(e['shape'])}, {tuple(shape)} in the model")
+        return e
+
+    def read(self, kind: str, name: str, start=None, shape=None, out=None):
+        self.entry(kind, name)
+        a = self.weights[name]
+        start = tuple(start) if start is not None else (0,) * a.ndim
+        shape = tuple(shape) if shape is not None else a.shape
+        box = a[tuple(slice(s, s + n) for s, n in zip(start, shape))]
+        if out is None:
+            return box.copy()
+        out[...] = box
+        return out
 
 
 def load_model_config(name_or_path: str, overrides: dict | None = None):

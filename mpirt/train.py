@@ -35,7 +35,7 @@ from mpirt.precision import LossScaler, is_half
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.engine import build_engine
 from mpirt.parallel.schedules import check_shape
-from mpirt.modeling import apply_overrides, attention_core, config_from_dict, flops_per_token, load_hf, load_model_config, \
+from mpirt.modeling import apply_overrides, attention_core, config_from_dict, flops_per_token, load_model_config, open_hf, \
     num_parameters
 
 
@@ -75,9 +75,13 @@ FIXED_BY_WEIGHTS = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", 
                     "initializer_range")
 
 
-def resolve_model(cfg) -> tuple[object, dict | None, bool]:
-    """Model config, full initial weights from a HF directory (or None), and whether ``init_from``
-    is an mpirt checkpoint (weights, optimizer state and step are then loaded from it).
+def resolve_model(cfg) -> tuple[object, object | None, bool]:
+    """Model config, a reader of the initial weights in a HF directory (or None), and whether
+    ``init_from`` is an mpirt checkpoint (weights, optimizer state and step are then loaded from it).
+
+    The HF reader (:func:`mpirt.modeling.open_hf`) has read the headers only (names and shapes
+    checked against config.json, a stored head compared with the table); the engine has each rank
+    read its own boxes from the files (``engine.load_sharded(reader, with_optimizer=False)``).
 
     A checkpoint is verified end to end here (checksums included), before any collective, so a
     damaged one is refused in one line naming the file. With ``init_from``, ``--model.*``
@@ -99,7 +103,7 @@ def resolve_model(cfg) -> tuple[object, dict | None, bool]:
             raise ConfigError(f"init_from: {meta['path']}/meta.json holds no usable extra.model_config "
                               f"({err!r})") from None
     elif (path / "config.json").is_file():
-        (loaded, weights), resume = load_hf(path, dtype=cfg.dtype), False
+        (loaded, weights), resume = open_hf(path, dtype=cfg.dtype), False
     else:
         raise ConfigError(f"init_from: {source} is neither an mpirt checkpoint (no {path / 'latest'} or "
                           f"{path / 'meta.json'}) nor a Hugging Face GPT-2 directory (no {path / 'config.json'})")
@@ -338,7 +342,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window) if cfg.dtype == "float16" else None
     start_step = 0
     if hf_weights is not None:
-        engine.load_full_state(hf_weights, None)
+        engine.load_sharded(hf_weights, with_optimizer=False)  # this rank's boxes of the HF files only
     if resume:
         reader = CheckpointReader(cfg.init_from, verify=False)  # checksums: verified in resolve_model
         meta = reader.meta

@@ -137,8 +137,9 @@ def test_save_and_load_memory_stays_within_own_shard_plus_one_tensor(group, firs
         detail = (f"rank {comm.rank}: own shard {own.nbytes} B, largest tensor {largest} B; peak save {save_peak} B, "
                   f"load {load_peak} B")
         print(detail)
-        # loading a box: the array it returns and the slice safetensors read (both at most one tensor)
-        ok = save_peak <= own.nbytes + largest + SLACK and load_peak <= 2 * largest + SLACK
+        # loading reads each box straight into its place: what a load holds beyond the state is
+        # meta.json and the headers (test_build_memory.py measures the boxes alone: a few KB)
+        ok = save_peak <= own.nbytes + largest + SLACK and load_peak <= largest + SLACK
         if comm.rank == 0:
             a, b = load_state(path), load_state(again)
             ok = ok and all(np.array_equal(a[1][k], b[1][k]) for k in a[1])

@@ -135,7 +135,7 @@ def test_overrides_on_a_hf_directory(tmp_path):
                       "--model.n_inner=128"])  # n_inner 128 == 4 * n_embd: the same shapes
     model_cfg, weights, resume = resolve_model(cfg)
     assert (model_cfg.resid_pdrop, model_cfg.layer_norm_epsilon, resume) == (0.2, 1e-6, False)
-    assert weights["wte.weight"].shape == (256, 32)
+    assert weights.entry("params", "wte.weight", (256, 32))  # a reader of boxes: nothing read yet
     for arg, key in (("--model.n_head=4", "model.n_head: "), ("--model.initializer_range=0.5",
                                                               "model.initializer_range: ")):
         with pytest.raises(ConfigError, match=key):

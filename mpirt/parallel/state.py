@@ -4,9 +4,10 @@ Sharded checkpoints (:func:`save_shards` / :func:`load_shards`): each rank descr
 as boxes of the global tensors, from each parameter's ShardSpec and its tp coordinate (a blocked
 dimension, e.g. the fused qkv, gives one box per block) and, under ZeRO, from its flat segments
 (a segment of a flattened tp slice is a few boxes); loading asks the reader for exactly those
-boxes, so any layout loads what any other wrote, and no rank holds more than its own state plus
-one box. Full tensors (:func:`gather_state` / :func:`scatter_state`, collective) serve what comes
-as whole arrays, such as Hugging Face weights.
+boxes, each read straight into its place, so any layout loads what any other wrote, and no rank
+holds more than its own state (plus one box on a GPU, staged through the host). The same path
+initialises from a Hugging Face directory (``mpirt.models.hf.HFReader``). Full tensors
+(:func:`gather_state` / :func:`scatter_state`, collective) serve what comes as whole arrays.
 """
 from __future__ import annotations
 
@@ -173,8 +174,10 @@ def save_shards(writer, model, optimizer, tp_comm=None, *, replica: bool = True,
 
 def load_shards(reader, model, optimizer, tp_comm=None, *, with_optimizer: bool = True) -> None:
     """Fill this rank's weights (and optimizer state and scalars, ``with_optimizer``) from a
-    :class:`mpirt.checkpoint.CheckpointReader`, reading only the boxes this rank holds, whatever
-    layout wrote them. Collective over dp under ZeRO (the parameters are refreshed from shards)."""
+    :class:`mpirt.checkpoint.CheckpointReader` (or anything with its ``meta``, ``entry`` and
+    ``read(kind, name, start, shape, out=)``, such as ``mpirt.models.hf.HFReader``), reading only
+    the boxes this rank holds, whatever layout wrote them, each straight into its place (on NumPy no
+    box is held twice). Collective over dp under ZeRO (the parameters are refreshed from shards)."""
     tp, rank = _tp(tp_comm)
     if with_optimizer and reader.meta["optimizer"] is None:
         raise CheckpointError(f"{reader.path}: the checkpoint holds no optimizer state")
@@ -183,7 +186,10 @@ def load_shards(reader, model, optimizer, tp_comm=None, *, with_optimizer: bool 
             continue
         reader.entry(kind, name, getattr(p, "logical_shape", p.global_shape))
         for start, shape, view in _boxes(p, tp, rank, array, lo):
-            view[...] = B.asarray(reader.read(kind, name, start, shape), dtype=view.dtype)
+            if isinstance(view, np.ndarray):  # read straight into the parameter or state
+                reader.read(kind, name, start, shape, out=view)
+            else:  # a device array: one box on the host, then copied over
+                view[...] = B.asarray(reader.read(kind, name, start, shape), dtype=view.dtype)
     if with_optimizer:
         optimizer.load_scalars(reader.meta["optimizer"]["scalars"])
     if isinstance(optimizer, ZeroOptimizer):
