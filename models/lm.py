@@ -27,13 +27,12 @@ def check_seq_len(cfg, idx) -> None:
 def tied_head(x, wte_weight):
     """Logits ``x @ wte_weight^T``: (B, T, C) -> (B, T, V), as one GEMM over all tokens.
 
-    A plain matmul through a transpose (not ``ops.linear``): the weight gradient then flows back
-    through the transpose to the shared embedding table, also when a zero-bubble schedule defers
-    weight gradients (those only reach leaf weights).
+    ``ops.linear_transposed`` takes the shared (V, C) table itself as its weight: the table's
+    gradient from the head is a weight gradient like any other (added by its GEMM straight into
+    ``wte.grad``, deferred with the others by a zero-bubble schedule); the embedding lookup adds
+    its rows to the same buffer.
     """
-    b, t, c = x.shape
-    logits = ops.matmul(ops.reshape(x, (b * t, c)), ops.transpose(wte_weight, (1, 0)))  # (B*T, V)
-    return ops.reshape(logits, (b, t, wte_weight.shape[0]))
+    return ops.linear_transposed(x, wte_weight)
 
 
 def stack_costs(cfg, embed: LayerCost, block: LayerCost, head: LayerCost) -> list:

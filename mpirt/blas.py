@@ -12,7 +12,11 @@ may be C-ordered, the transpose of a C-ordered array, or a row- (column-) stride
 (MKL reads those through its leading dimension; BLIS takes only whole C-ordered arrays and their
 transposes). ``out`` may be C- or F-ordered (``C^T = B^T A^T``). A product the chosen library
 cannot take (another dtype, another layout, a read-only array for BLIS, an empty dimension) goes
-to NumPy: the result is always ``numpy.matmul``'s within float rounding.
+to NumPy: the result is always ``numpy.matmul``'s within float rounding. ``accumulate=True``
+computes ``out += a @ b`` in the GEMM itself (beta = 1: no temporary, no separate add pass; a
+weight gradient goes straight into ``.grad``); for NumPy's OpenBLAS through its own
+``cblas_?gemm`` (ctypes, which releases the GIL), where that symbol is not found as a temporary
+and an add.
 
 Which library: ``MPIRT_GEMM=openblas|blis|mkl`` forces one (a missing one degrades to OpenBLAS
 with a note). Otherwise the first use times every installed candidate on the products of a GPT
@@ -46,7 +50,8 @@ _INT_MAX = 2**31 - 1       # LP64 BLAS: dimensions and leading dimensions are C 
 
 @dataclass
 class Library:
-    """One GEMM library: its name, version and ``run(a, b, out) -> bool`` (False: declined)."""
+    """One GEMM library: its name, version and ``run(a, b, out, beta=0.0) -> bool`` (False:
+    declined): ``out = a @ b + beta * out``, beta 0 or 1."""
 
     name: str
     version: str
@@ -71,9 +76,64 @@ def _blas_form(a):
 # ---------------------------------------------------------------------------------------------
 # the candidates
 
-def _numpy_run(a, b, out) -> bool:
-    np.matmul(a, b, out=out)
+def _numpy_run(a, b, out, beta=0.0) -> bool:
+    if beta:
+        out += np.matmul(a, b)
+    else:
+        np.matmul(a, b, out=out)
     return True
+
+
+def _cblas_runner(fns: dict, int_max: int):
+    """``run(a, b, out, beta)`` on ``cblas_sgemm``/``cblas_dgemm`` (``fns``: dtype -> ctypes
+    function, row-major) for operands and ``out`` BLAS reads in place (see :func:`_blas_form`)."""
+    def run(a, b, out, beta=0.0) -> bool:
+        fn = fns.get(out.dtype)
+        if fn is None or a.dtype != out.dtype or b.dtype != out.dtype:
+            return False
+        fo = _blas_form(out)
+        if fo is None:
+            return False
+        if fo[0]:                                            # column-major out: C^T = B^T A^T
+            return run(b.T, a.T, out.T, beta)
+        fa, fb = _blas_form(a), _blas_form(b)
+        (m, k), n = a.shape, b.shape[1]
+        if fa is None or fb is None or max(m, n, k, fa[1], fb[1], fo[1]) > int_max:
+            return False
+        fn(101, 112 if fa[0] else 111, 112 if fb[0] else 111, m, n, k, 1.0,  # row-major; (no) trans
+           a.ctypes.data, fa[1], b.ctypes.data, fb[1], float(beta), out.ctypes.data, fo[1])
+        return True
+    return run
+
+
+def _cblas_functions(lib, names: dict, int_type) -> dict:
+    """dtype -> ``cblas_?gemm`` of ``lib`` with argument types set (``names``: dtype -> symbol)."""
+    fns = {}
+    for dtype, name in names.items():
+        fn = getattr(lib, name)
+        scalar = ctypes.c_float if np.dtype(dtype) == np.float32 else ctypes.c_double
+        e, i, p = ctypes.c_int, int_type, ctypes.c_void_p  # the enums stay C ints under ILP64
+        fn.argtypes = [e, e, e, i, i, i, scalar, p, i, p, i, scalar, p, i]
+        fn.restype = None
+        fns[np.dtype(dtype)] = fn
+    return fns
+
+
+def _openblas_cblas() -> tuple[dict, int]:
+    """(dtype -> the ``cblas_?gemm`` of the OpenBLAS NumPy loaded, its largest dimension): ILP64
+    symbols such as scipy-openblas's ``scipy_cblas_sgemm64_``; ({}, 0) where none is found."""
+    from mpirt.sysinfo import mapped_libraries
+    for path in mapped_libraries("openblas"):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix, int_type in (("scipy_", "64_", ctypes.c_int64), ("", "64_", ctypes.c_int64),
+                                         ("scipy_", "", ctypes.c_int)):
+            names = {np.float32: f"{prefix}cblas_sgemm{suffix}", np.float64: f"{prefix}cblas_dgemm{suffix}"}
+            if all(hasattr(lib, n) for n in names.values()):
+                return _cblas_functions(lib, names, int_type), 2 ** (8 * ctypes.sizeof(int_type) - 1) - 1
+    return {}, 0
 
 
 def _openblas() -> Library:
@@ -82,18 +142,25 @@ def _openblas() -> Library:
         version = f"{version.get('name', 'blas')} {version.get('version', '')}".strip()
     except (TypeError, KeyError):  # NumPy < 1.26 has no dict mode
         version = f"numpy {np.__version__}"
-    return Library("openblas", version, _numpy_run)
+    fns, int_max = _openblas_cblas()
+    accumulate = _cblas_runner(fns, int_max) if fns else None
+
+    def run(a, b, out, beta=0.0) -> bool:
+        if beta and accumulate is not None and accumulate(a, b, out, beta):
+            return True
+        return _numpy_run(a, b, out, beta)
+    return Library("openblas", version, run)
 
 
 def _blis() -> Library:
     import blis
     import blis.py as bp
 
-    def run(a, b, out) -> bool:
+    def run(a, b, out, beta=0.0) -> bool:
         if out.dtype != np.float32 or a.dtype != out.dtype or b.dtype != out.dtype:
             return False  # its float64 path ignores the transpose flags
         if not out.flags.c_contiguous:
-            return out.T.flags.c_contiguous and run(b.T, a.T, out.T)
+            return out.T.flags.c_contiguous and run(b.T, a.T, out.T, beta)
         forms = []
         for x in (a, b):  # its typed memoryviews take whole, writable, C-ordered arrays only
             if x.flags.c_contiguous and x.flags.writeable:
@@ -103,7 +170,7 @@ def _blis() -> Library:
             else:
                 return False
         (a2, ta), (b2, tb) = forms
-        bp.gemm(a2, b2, out=out, trans1=ta, trans2=tb, alpha=1.0, beta=0.0)
+        bp.gemm(a2, b2, out=out, trans1=ta, trans2=tb, alpha=1.0, beta=float(beta))
         return True
     return Library("blis", getattr(blis, "__version__", None) or _dist_version("blis"), run)
 
@@ -137,32 +204,8 @@ def _mkl() -> Library:
     text = ctypes.create_string_buffer(256)
     lib.MKL_Get_Version_String(text, len(text))
     version = text.value.decode(errors="replace").split(" for ")[0].replace("Intel(R) oneAPI Math Kernel Library ", "")
-    fns = {}
-    for dtype, name, scalar in ((np.float32, "cblas_sgemm", ctypes.c_float),
-                                (np.float64, "cblas_dgemm", ctypes.c_double)):
-        fn = getattr(lib, name)
-        i, p = ctypes.c_int, ctypes.c_void_p
-        fn.argtypes = [i, i, i, i, i, i, scalar, p, i, p, i, scalar, p, i]
-        fn.restype = None
-        fns[np.dtype(dtype)] = fn
-
-    def run(a, b, out) -> bool:
-        fn = fns.get(out.dtype)
-        if fn is None or a.dtype != out.dtype or b.dtype != out.dtype:
-            return False
-        fo = _blas_form(out)
-        if fo is None:
-            return False
-        if fo[0]:                                            # column-major out: C^T = B^T A^T
-            return run(b.T, a.T, out.T)
-        fa, fb = _blas_form(a), _blas_form(b)
-        (m, k), n = a.shape, b.shape[1]
-        if fa is None or fb is None or max(m, n, k, fa[1], fb[1], fo[1]) > _INT_MAX:
-            return False
-        fn(101, 112 if fa[0] else 111, 112 if fb[0] else 111, m, n, k, 1.0,  # row-major; (no) trans
-           a.ctypes.data, fa[1], b.ctypes.data, fb[1], 0.0, out.ctypes.data, fo[1])
-        return True
-    return Library("mkl", version, run)
+    fns = _cblas_functions(lib, {np.float32: "cblas_sgemm", np.float64: "cblas_dgemm"}, ctypes.c_int)
+    return Library("mkl", version, _cblas_runner(fns, _INT_MAX))
 
 
 _LOADERS = {"openblas": _openblas, "blis": _blis, "mkl": _mkl}
@@ -316,11 +359,18 @@ def describe() -> str:
     return text + (f"; {degraded[0]}" if degraded else "")
 
 
-def gemm(a, b, out=None):
-    """``out = a @ b`` for 2-D NumPy arrays on the current library (NumPy where it declines);
-    returns ``out`` (a new C-ordered array when None)."""
+def gemm(a, b, out=None, accumulate: bool = False):
+    """``out = a @ b`` (``accumulate``: ``out += a @ b``) for 2-D NumPy arrays on the current
+    library (NumPy where it declines); returns ``out`` (a new C-ordered array when None)."""
     if out is None:
+        if accumulate:
+            raise ValueError("gemm: accumulate=True needs out")
         out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
-    if 0 in a.shape or 0 in b.shape or not current().library.run(a, b, out):
-        _numpy_run(a, b, out)
+    beta = 1.0 if accumulate else 0.0
+    if 0 in a.shape or 0 in b.shape:
+        if not accumulate:
+            out[...] = 0
+        return out
+    if not current().library.run(a, b, out, beta):
+        _numpy_run(a, b, out, beta)
     return out

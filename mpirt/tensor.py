@@ -8,7 +8,9 @@ moment a leaf's gradient is final (data parallelism launches its allreduces from
 
 Functions with weights (linear, embedding) split their backward into an input-gradient pass and a
 weight-gradient pass, so a zero-bubble pipeline can run the second one later
-(``backward(defer_weight_grad=True)``).
+(``backward(defer_weight_grad=True)``). A weight Function that sets ``adds_weight_grads`` is handed
+its leaf weights' existing ``grad`` buffers (``grad_into``) and may add a weight's gradient into
+one itself (a GEMM with beta = 1) and return :data:`GRAD_ADDED` for it: no temporary, no second pass.
 """
 from __future__ import annotations
 
@@ -60,6 +62,18 @@ class enable_grad(contextlib.ContextDecorator):
         return self._ctx.__exit__(*exc)
 
 
+class _GradAdded:
+    """The type of :data:`GRAD_ADDED`."""
+
+    def __repr__(self):
+        return "GRAD_ADDED"
+
+
+# Returned by a Function's backward in place of a leaf weight's gradient that it has already added
+# into that leaf's ``grad`` (the buffer the engine handed it in ``grad_into``).
+GRAD_ADDED = _GradAdded()
+
+
 class Function:
     """One differentiable op.
 
@@ -71,9 +85,17 @@ class Function:
     Functions with weights set ``weight_inputs`` (positional indices) and implement
     ``backward_input`` (gradients of the other inputs) and ``backward_weight`` (gradients of the
     weights); their ``backward`` runs both.
+
+    With ``adds_weight_grads`` set, the engine puts ``grad_into`` (weight input index -> that
+    leaf's current ``grad`` array) on the Function before its weight pass runs; the Function may
+    add the gradient into that array in place and return :data:`GRAD_ADDED` instead of it (the
+    engine then only counts the edge: hooks fire as usual). The engine hands out no buffers when
+    gradients are collected elsewhere (``leaf_grads``) or a leaf has no ``grad`` yet.
     """
 
     weight_inputs: tuple[int, ...] = ()
+    adds_weight_grads: bool = False
+    grad_into: dict = {}  # read-only default; the engine sets a dict per Function instance
 
     @classmethod
     def apply(cls, *inputs, **kwargs) -> "Tensor":
@@ -263,9 +285,10 @@ class _Backward:
                 grads = fn.backward_input(g)
                 self.deferred.append((fn, g))
             else:
+                self._hand_grad_buffers(fn)
                 grads = fn.backward(g)
             for x, gx, needed in zip(fn.inputs, grads, fn.needs_input_grad):
-                if needed and gx is not None and x._ctx is not None:
+                if needed and gx is not None and gx is not GRAD_ADDED and x._ctx is not None:
                     if isinstance(gx, SparseGrad):
                         gx = gx.dense()
                     key = id(x._ctx)
@@ -277,10 +300,22 @@ class _Backward:
     def run_deferred(self) -> None:
         for fn, g in self.deferred:
             others = tuple(i for i in range(len(fn.inputs)) if i not in fn.weight_inputs)
+            self._hand_grad_buffers(fn)
             self._deliver_all(fn, fn.backward_weight(g), skip=others)
             if not self.retain_graph:
                 fn.__dict__.clear()
         self.deferred.clear()
+
+    def _hand_grad_buffers(self, fn: Function) -> None:
+        """Give a Function with ``adds_weight_grads`` the ``grad`` arrays of its leaf weights."""
+        if not fn.adds_weight_grads or self.leaf_grads is not None:
+            return
+        into = {}
+        for i in fn.weight_inputs:
+            x = fn.inputs[i] if i < len(fn.inputs) else None
+            if isinstance(x, Tensor) and x._ctx is None and fn.needs_input_grad[i] and x.grad is not None:
+                into[i] = x.grad
+        fn.grad_into = into
 
     def _deliver_all(self, fn: Function, grads, skip=()) -> None:
         """Deliver ``grads`` to the leaf inputs of ``fn`` whose positions are not in ``skip``."""
@@ -296,7 +331,7 @@ class _Backward:
                 key = id(leaf)
                 self.leaf_grads[key] = g if key not in self.leaf_grads else self.leaf_grads[key] + g
             return
-        if g is not None:
+        if g is not None and g is not GRAD_ADDED:  # GRAD_ADDED: the Function added it already
             if leaf.grad is None:  # a copy: g may alias a saved array or another gradient
                 leaf.grad = g.dense().astype(leaf.dtype, copy=False) if isinstance(g, SparseGrad) \
                     else B.xp.array(g, dtype=leaf.dtype, copy=True)

@@ -138,6 +138,8 @@ def op_cases() -> dict:
         "linear_bias": ("linear", lambda x, w, b: ops.linear(x, w, b),
                         [normal(2, 3, 4), normal(4, 5, seed=1), normal(5, seed=2)]),
         "linear_no_bias": ("linear", lambda x, w: ops.linear(x, w), [normal(3, 4), normal(4, 2, seed=1)]),
+        "linear_transposed": ("linear_transposed", lambda x, w: ops.linear_transposed(x, w),
+                              [normal(2, 3, 4), normal(5, 4, seed=1)]),
         "gelu": ("gelu", lambda x: ops.gelu(x), [2 * normal(3, 4)]),
         "softmax": ("softmax", lambda x: ops.softmax(x), [normal(2, 3, 5)]),
         "softmax_axis0": ("softmax", lambda x: ops.softmax(x, axis=0), [normal(4, 3)]),

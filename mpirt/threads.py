@@ -202,14 +202,26 @@ def _serial(task, caller: bool = False):
             _in_worker.active = False
 
 
-def _gemm(a, b, out=None):
-    """A 2-D product on the GEMM library :mod:`mpirt.blas` chose (``xp.matmul`` on CuPy)."""
+def _gemm(a, b, out=None, accumulate: bool = False):
+    """A 2-D product (``accumulate``: added into ``out``) on the GEMM library :mod:`mpirt.blas`
+    chose (``xp.matmul`` on CuPy)."""
     if B.name != "numpy":
+        if accumulate:
+            out += B.xp.matmul(a, b)
+            return out
         return B.xp.matmul(a, b, out=out)
-    return blas.gemm(a, b, out)
+    return blas.gemm(a, b, out, accumulate)
 
 
-def matmul(a, b, bias=None):
+def can_accumulate(out, a, b) -> bool:
+    """True when :func:`matmul` can add ``a @ b`` into ``out`` inside the GEMM (beta = 1): NumPy,
+    2-D, one float32/float64 dtype for all three, ``out`` C- or F-contiguous and writable."""
+    return (B.name == "numpy" and out.ndim == 2 and a.ndim == 2 and b.ndim == 2
+            and out.dtype == a.dtype == b.dtype and out.dtype.kind == "f" and out.dtype.itemsize >= 4
+            and (out.flags.c_contiguous or out.flags.f_contiguous) and out.flags.writeable)
+
+
+def matmul(a, b, bias=None, out=None, accumulate: bool = False):
     """``a @ b (+ bias)`` for ``a`` (..., M, K) and a 2-D ``b`` (K, N), or both batched with one
     batch shape, split over the pool: by rows of ``a``, by columns of ``b`` when ``b`` is the
     larger operand (each thread then packs only its part of it), or along K when K is much the
@@ -217,14 +229,26 @@ def matmul(a, b, bias=None):
     block of the result while it is in cache. 2-D products run on the GEMM library that
     :mod:`mpirt.blas` chose; batched ones on ``xp.matmul``. CuPy and small products run whole.
     Half operands on NumPy (which has no half GEMM) are multiplied in float32 and the result is
-    rounded once to their dtype, as a GPU GEMM accumulating in float32 would."""
+    rounded once to their dtype, as a GPU GEMM accumulating in float32 would.
+
+    ``accumulate=True`` adds the product into ``out`` (2-D ``a``, ``b``, ``out`` where
+    :func:`can_accumulate` holds, no bias): each thread's GEMM adds into its own block of
+    ``out`` (beta = 1), with no temporary and no separate pass; returns ``out``."""
     xp = B.xp
+    if accumulate:
+        if bias is not None or out is None or out.shape != (a.shape[0], b.shape[1]):
+            raise ValueError("matmul: accumulate=True needs 2-D operands, an out of their product's shape, no bias")
+        if not can_accumulate(out, a, b):
+            out += matmul(a, b)
+            return out
     half = a.dtype if is_half(a.dtype) else b.dtype if is_half(b.dtype) else None
     if half is not None and B.name == "numpy":
         return matmul(upcast(a), upcast(b), upcast(bias)).astype(half)
     if B.name != "numpy" or num_threads() < 2 or not _split_gemms or a.ndim < 2 or b.ndim < 2 \
             or a.shape[-1] * b.shape[-1] * (a.size // a.shape[-1]) < MIN_SPLIT_MACS \
             or (b.ndim > 2 and a.shape[:-2] != b.shape[:-2]):
+        if accumulate:
+            return _gemm(a, b, out, accumulate=True)
         if b.ndim == 2 and a.ndim >= 2:
             out = _gemm(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[1])
         else:
@@ -243,22 +267,27 @@ def matmul(a, b, bias=None):
     if k >= 16 * max(m, n):  # a long inner dimension (a vocabulary): split it, add the partials
         parts = for_blocks(lambda bk, at: _gemm(at.T, bk), b, a2.T,
                            block=-(-b.size // num_threads()), blas=True)
+        if accumulate:
+            for part in parts:
+                out += part
+            return out
         out = parts[0]                                      # fresh products: add in place
         for part in parts[1:]:
             out += part
         if bias is not None:
             out += bias
         return out.reshape(*a.shape[:-1], n)
-    out = xp.empty((m, n), dtype=out_dtype)
+    if not accumulate:
+        out = xp.empty((m, n), dtype=out_dtype)
     if b.size > a2.size:
         def columns(bt, ot, bias_part):
-            _gemm(a2, bt.T, ot.T)
+            _gemm(a2, bt.T, ot.T, accumulate)
             if bias_part is not None:
                 ot += bias_part[:, None]
         for_blocks(columns, b.T, out.T, bias, block=-(-b.size // num_threads()), blas=True)
     else:
         def rows(ap, op):
-            _gemm(ap, b, op)
+            _gemm(ap, b, op, accumulate)
             if bias is not None:
                 op += bias
         for_blocks(rows, a2, out, block=-(-a2.size // num_threads()), blas=True)

@@ -5,13 +5,24 @@ Products go through :func:`mpirt.threads.matmul`, which splits them over mpirt's
 from __future__ import annotations
 
 from mpirt.ops.basic import unbroadcast
-from mpirt.tensor import Function
-from mpirt.threads import matmul as _mm, run_tasks, sum_rows
+from mpirt.tensor import GRAD_ADDED, Function
+from mpirt.threads import can_accumulate, matmul as _mm, run_tasks, sum_rows
 
 
 def _macs(g, x) -> int:
     """Multiply-adds of the weight-gradient product ``x^T g`` (the size of a backward's GEMMs)."""
     return g.size * x.shape[-1]
+
+
+def _weight_product(fn: Function, i: int, a, b):
+    """The weight gradient ``a @ b`` of input ``i`` of ``fn``: added straight into the leaf's
+    ``grad`` (:data:`~mpirt.tensor.GRAD_ADDED` returned) when the engine handed that buffer over
+    and the GEMM can add into it; else a fresh array."""
+    into = fn.grad_into.get(i)
+    if into is not None and can_accumulate(into, a, b):
+        _mm(a, b, out=into, accumulate=True)
+        return GRAD_ADDED
+    return _mm(a, b)
 
 
 def _transposed(a) -> bool:
@@ -53,10 +64,12 @@ class Linear(Function):
     """``y = x @ weight + bias`` with ``weight`` of shape (in, out), as GPT-2's Conv1D.
 
     Leading dimensions of ``x`` are flattened so each product is one GEMM. The input gradient
-    and the weight gradient are separate passes (a zero-bubble schedule defers the latter).
+    and the weight gradient are separate passes (a zero-bubble schedule defers the latter); the
+    weight gradient's GEMM adds straight into ``weight.grad`` when it can (``adds_weight_grads``).
     """
 
     weight_inputs = (1, 2)
+    adds_weight_grads = True
 
     def backward(self, g):
         """Both passes at once; small products side by side on two threads (:func:`~mpirt.threads.run_tasks`)."""
@@ -77,9 +90,42 @@ class Linear(Function):
 
     def backward_weight(self, g):
         g2 = g.reshape(-1, g.shape[-1])  # (N, out)
-        gw = _mm(self.x.reshape(-1, self.x.shape[-1]).T, g2) if self.needs_input_grad[1] else None
+        gw = _weight_product(self, 1, self.x.reshape(-1, self.x.shape[-1]).T, g2) if self.needs_input_grad[1] else None
         gb = sum_rows(g2) if len(self.needs_input_grad) > 2 and self.needs_input_grad[2] else None
         return None, gw, gb
+
+
+class TransposedLinear(Function):
+    """``y = x @ weight^T`` with ``weight`` of shape (out, in): a tied output head, ``weight`` the
+    (V, C) token table. One GEMM over all leading dimensions of ``x``; the weight gradient
+    ``g^T x`` (out, in) is a separate pass that adds straight into ``weight.grad`` when it can,
+    so a (V, C) table's gradient is neither allocated nor added a second time."""
+
+    weight_inputs = (1,)
+    adds_weight_grads = True
+
+    def forward(self, x, weight):
+        if weight.ndim != 2:
+            raise ValueError(f"linear_transposed: weight must be 2-D (out, in), got shape {weight.shape}")
+        self.x, self.weight = x, weight
+        return _mm(x.reshape(-1, x.shape[-1]), weight.T).reshape(*x.shape[:-1], weight.shape[0])
+
+    def backward(self, g):
+        (gx, _), (_, gw) = run_tasks(lambda: self.backward_input(g), lambda: self.backward_weight(g),
+                                     macs=_macs(g, self.x))
+        return gx, gw
+
+    def backward_input(self, g):
+        gx = None
+        if self.needs_input_grad[0]:
+            gx = _mm(g.reshape(-1, g.shape[-1]), self.weight).reshape(self.x.shape)
+        return gx, None
+
+    def backward_weight(self, g):
+        if not self.needs_input_grad[1]:
+            return None, None
+        g2, x2 = g.reshape(-1, g.shape[-1]), self.x.reshape(-1, self.x.shape[-1])
+        return None, _weight_product(self, 1, g2.T, x2)
 
 
 def matmul(a, b):
@@ -90,3 +136,8 @@ def matmul(a, b):
 def linear(x, weight, bias=None):
     """Fused affine map ``x @ weight + bias``; ``weight`` is (in_features, out_features)."""
     return Linear.apply(x, weight, bias) if bias is not None else Linear.apply(x, weight)
+
+
+def linear_transposed(x, weight):
+    """``x @ weight^T`` for ``weight`` (out_features, in_features), no bias (a tied output head)."""
+    return TransposedLinear.apply(x, weight)
