@@ -13,8 +13,9 @@ in place into the score gradient ``dS = E * (r dP - r rowsum(dP * P))``, where
 ``rowsum(dP * P) = rowsum(dO * O)`` is taken on the (B, T, C) output instead of the (B, H, T, T)
 arrays. Heads are never copied out of ``qkv``: batched
 matmul on the strided (B, H, T, D) views costs the same as on contiguous copies (measured, NumPy +
-OpenBLAS); the products are copied into the merged (B, T, C) output and into one (B, T, 3C)
-gradient (see :func:`_merge_heads`).
+OpenBLAS); the forward's products are written straight into the (B, H, T, D) head view of the
+merged (B, T, C) output (NumPy 2's matmul takes that strided ``out=`` at full speed), and the
+backward's are copied, scaled, into one (B, T, 3C) gradient (see :func:`_merge_heads`).
 
 Causality skips work: queries go in chunks of ``QUERY_CHUNK``, and a chunk's scores, products and
 softmax cover only the keys up to its last query. Entries of the probability array above those
@@ -47,11 +48,22 @@ def _heads(a, n_head):
     return a.reshape(b, t, n_head, c // n_head).transpose(0, 2, 1, 3)
 
 
+_BIAS_CACHE: dict = {}
+
+
 def _causal_bias(t, dtype):
     """(T, T) array: 0 where key <= query, -inf above the diagonal (adding it is a cheaper pass
-    than a masked store)."""
+    than a masked store). Cached per size, dtype and backend (building it took ~115 us, a tenth
+    of a tiny layer's attention); read-only."""
     xp = B.xp
-    return xp.where(xp.tri(t, t, 0, dtype=bool), 0.0, -math.inf).astype(dtype, copy=False)
+    key = (t, str(dtype), xp.__name__)
+    bias = _BIAS_CACHE.get(key)
+    if bias is None:
+        bias = xp.where(xp.tri(t, t, 0, dtype=bool), 0.0, -math.inf).astype(dtype, copy=False)
+        if B.name == "numpy":
+            bias.flags.writeable = False
+        _BIAS_CACHE[key] = bias
+    return bias
 
 
 def _query_chunks(t):
@@ -63,9 +75,8 @@ def _query_chunks(t):
 def _merge_heads(src, dst, scale=None) -> None:
     """Write (B, H, T, D) ``src`` (times ``scale``) into (B, T, H*D) ``dst``, heads side by side.
 
-    Products go to a contiguous array first and are copied here: NumPy's matmul with this
-    transposed ``out=`` takes a slow non-BLAS loop (measured 40x slower at
-    (4, 8, 256, 256) @ (4, 8, 256, 64)).
+    The backward's gradients are summed over query chunks in contiguous arrays and copied here,
+    scaled, in one pass each.
     """
     b, h, t, d = src.shape
     view = dst.reshape(b, t, h, d).transpose(0, 2, 1, 3)
@@ -109,7 +120,7 @@ class CausalSelfAttention(Function):
             q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], n_head) for i in range(3))
             qs = xp.empty(q.shape, dtype=q.dtype)                   # C-ordered (q * scale would not be)
             xp.multiply(q, scale, out=qs)                           # scale the small operand
-            o = xp.empty(q.shape, dtype=q.dtype)
+            o = _heads(out, n_head)                                 # products land with heads merged
             for q0, q1 in zip(chunks, chunks[1:]):                  # keys [0, q1) only
                 s = p[:, :, q0:q1, :q1]
                 xp.matmul(qs[:, :, q0:q1], k[:, :, :q1].swapaxes(-1, -2), out=s)
@@ -122,7 +133,6 @@ class CausalSelfAttention(Function):
                 else:
                     xp.matmul(s * mask[:, :, q0:q1, :q1], v[:, :, :q1], out=pv)
                 pv *= _row_scale(s, keep_scale)                     # O = (E V) / rowsum(E)
-            _merge_heads(o, out)
         for_blocks(block, p, qkv, out, mask, blas=True)
         # out is saved by reference (the next linear layer saves it too); ops never write into it
         self.qkv, self.p, self.out, self.mask, self.keep_scale = qkv, p, out, mask, keep_scale
@@ -142,16 +152,20 @@ class CausalSelfAttention(Function):
             # rowsum(dP * P) = dO . O per query (FlashAttention's identity; dropout included), a
             # (B, T, C) product instead of a pass over (B, H, T, T)
             rowdot = xp.einsum("bthd,bthd->bht", g.reshape(b, t, h, -1), out.reshape(b, t, h, -1))
-            dq = xp.empty(q.shape, dtype=q.dtype)                   # every chunk writes its rows
-            dk, dv = xp.zeros(q.shape, dtype=q.dtype), xp.zeros(q.shape, dtype=q.dtype)
-            for q0, q1 in zip(chunks, chunks[1:]):                  # keys [0, q1) only
+            dq, dk, dv = (xp.empty(q.shape, dtype=q.dtype) for _ in range(3))
+            # The last chunk sees every key: it runs first and writes dk and dv (no zero fill),
+            # the others add into their keys' rows. Every chunk writes its own rows of dq.
+            for q0, q1 in reversed(list(zip(chunks, chunks[1:]))):  # keys [0, q1) only
                 ej = p[:, :, q0:q1, :q1]                            # E; P = E * r per row
                 r = _row_scale(ej, None)                            # (b, H, q, 1): 1 / rowsum(E)
                 gor = go[:, :, q0:q1] * r                           # r dO: P's row scale moved
                 ed = ej if mask is None else ej * mask[:, :, q0:q1, :q1]  # onto the small side
                 if mask is not None:
                     gor *= keep_scale
-                dv[:, :, :q1] += xp.matmul(ed.swapaxes(-1, -2), gor)    # dV = P^T dO
+                if q1 == t:
+                    xp.matmul(ed.swapaxes(-1, -2), gor, out=dv)         # dV = P^T dO
+                else:
+                    dv[:, :, :q1] += xp.matmul(ed.swapaxes(-1, -2), gor)
                 ds = xp.matmul(gor, v[:, :, :q1].swapaxes(-1, -2))      # r dP = r dO V^T
                 if mask is not None:
                     ds *= mask[:, :, q0:q1, :q1]
@@ -159,7 +173,10 @@ class CausalSelfAttention(Function):
                 ds -= rowdot_r
                 ds *= ej                                            # dS (masked entries: E = 0)
                 xp.matmul(ds, k[:, :, :q1], out=dq[:, :, q0:q1])
-                dk[:, :, :q1] += xp.matmul(ds.swapaxes(-1, -2), q[:, :, q0:q1])
+                if q1 == t:
+                    xp.matmul(ds.swapaxes(-1, -2), q[:, :, q0:q1], out=dk)
+                else:
+                    dk[:, :, :q1] += xp.matmul(ds.swapaxes(-1, -2), q[:, :, q0:q1])
             for i, (grad, factor) in enumerate(((dq, scale), (dk, scale), (dv, None))):
                 _merge_heads(grad, dqkv[..., i * c:(i + 1) * c], factor)
 
