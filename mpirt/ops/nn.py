@@ -295,12 +295,13 @@ def check_targets(logits, targets, reduction: str):
 class CrossEntropy(Function):
     """Log-softmax + negative log-likelihood in one op.
 
-    The forward writes the softmax probabilities into the one (N, V) array it allocates, a block
-    of rows at a time (:func:`~mpirt.threads.for_blocks`): max, subtract, exp, sum and normalise
-    run in cache, the array is written to memory once, and blocks run on all threads. The
-    backward turns that array *in place* into the gradient ``(softmax - onehot) * g / count``:
-    one backward per forward, a second one (``retain_graph``) raises instead of returning wrong
-    numbers.
+    The forward writes ``E = exp(x - rowmax)`` into the one (N, V) array it allocates, a block
+    of rows at a time (:func:`~mpirt.threads.for_blocks`): max, subtract, exp and the row sum run
+    in cache, the array is written to memory once, and blocks run on all threads. The softmax's
+    ``1 / rowsum(E)`` is kept per row, not applied: the backward turns E *in place* into the
+    gradient ``(softmax - onehot) * g / count`` with one row scale ``g / (count * rowsum)``
+    (one pass over (N, V) fewer). One backward per forward; a second one (``retain_graph``)
+    raises instead of returning wrong numbers.
     """
 
     def forward(self, logits, targets, ignore_index=-100, reduction="mean"):
@@ -314,26 +315,26 @@ class CrossEntropy(Function):
         if bool((((t < 0) | (t >= v)) & valid).any()):
             raise IndexError(f"cross_entropy: targets must be in [0, {v}) or ignore_index={ignore_index}")
         t = xp.where(valid, t, 0)
-        p = xp.empty_like(x)                                        # the one (N, V) array
-        lse = xp.empty((n, 1), dtype=x.dtype)
+        p = xp.empty_like(x)                                        # the one (N, V) array: E
+        lse, rsum = xp.empty((n, 1), dtype=x.dtype), xp.empty((n, 1), dtype=x.dtype)
 
-        def block(x, p, lse):
+        def block(x, p, lse, rsum):
             m = x.max(axis=1, keepdims=True)
             xp.subtract(x, m, out=p)
             xp.exp(p, out=p)
             s = p.sum(axis=1, keepdims=True)
-            p *= 1.0 / s                                            # in cache (~7 % of the pass); saves p only
+            xp.divide(1.0, s, out=rsum)                             # softmax = E / rowsum: applied in backward
             xp.log(s, out=lse)
             lse += m                                                # logsumexp per row
 
-        for_blocks(block, x, p, lse)
+        for_blocks(block, x, p, lse, rsum)
         nll = lse[:, 0] - x[xp.arange(n), t]
         nll *= valid
         count = valid.sum(dtype=x.dtype)
         loss = nll.sum()
         if reduction == "mean":
             loss = loss / xp.maximum(count, 1.0)
-        self.p, self.t, self.valid, self.count = p, t, valid, count
+        self.p, self.rsum, self.t, self.valid, self.count = p, rsum, t, valid, count
         self.reduction, self.shape = reduction, logits.shape
         return xp.asarray(loss, dtype=x.dtype)
 
@@ -349,7 +350,8 @@ class CrossEntropy(Function):
             scale = scale / xp.maximum(self.count, 1.0)
         rowscale = valid.astype(p.dtype)                            # ignored rows -> 0
         rowscale *= scale
-        for_blocks(lambda p, r: xp.multiply(p, r, out=p), p, rowscale[:, None], block=LIGHT_BLOCK)  # softmax * g / count
+        pscale = self.rsum * rowscale[:, None]                      # E / rowsum * g / count
+        for_blocks(lambda p, r: xp.multiply(p, r, out=p), p, pscale, block=LIGHT_BLOCK)  # softmax * g / count
         p[xp.arange(self.t.size), self.t] -= rowscale               # - onehot * g / count
         return p.reshape(self.shape), None
 
