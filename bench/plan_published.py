@@ -1,0 +1,77 @@
+"""The planner against published results: ZeRO's memory table, Megatron-LM's SC21 table 1 and the
+pipeline bubbles of 1F1B / interleaved / ZB-H1 at p = 8, m = 32 (mpirt.plan.published).
+
+    python bench/plan_published.py [--search-max-gpus 512]
+
+Pure model (no MPI, no timing): writes bench/results/planner_published.md (cited by docs/planner.md).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mpirt.plan import published as P  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--search-max-gpus", type=int, default=512, help="run the planner's search for rows up to this")
+    ap.add_argument("--gpu", default="a100")
+    a = ap.parse_args()
+    md = ["# The planner against published results", "",
+          f"`python bench/plan_published.py` ({time.strftime('%Y-%m-%d')}); pure model, no measurement.", ""]
+
+    md += ["## ZeRO: model-state memory per device, 7.5B parameters on 64 GPUs (Rajbhandari et al., SC20, Fig. 1)", "",
+           "| stage | paper GB | mpirt.memory.predict GB (7.47B GPT) | err | bytes_per_parameter at 7.5B | err | "
+           "mpirt's ZeRO-2 full-gradient transient GB |", "|---|---|---|---|---|---|---|"]
+    for r in P.zero_table():
+        md.append(f"| {r['stage']} | {r['paper_gb']} | {r['model_gb']:.2f} | {r['model_err_pct']:+.2f}% | "
+                  f"{r['exact_psi_gb']:.2f} | {r['exact_err_pct']:+.2f}% | {r['transient_gb']:.1f} |")
+
+    md += ["", "## Pipeline bubble at p = 8, m = 32 (unit costs: F = 1, B = 2; split: F = B = W = 1)", "",
+           "| schedule | simulated (idle / total) | theory (idle / total) | simulated (idle / ideal) | "
+           "paper (idle / ideal) | peak stash |", "|---|---|---|---|---|---|"]
+    for r in P.bubble_table(8, 32):
+        name = r["schedule"] + (f" v={r['chunks']}" if r["chunks"] > 1 else "")
+        md.append(f"| {name} | {100 * r['simulated']:.2f}% | {100 * r['theory']:.2f}% | "
+                  f"{100 * r['simulated_over_ideal']:.2f}% | {100 * r['paper_over_ideal']:.2f}% | {r['peak_stash']} |")
+
+    rows = []
+    for i, row in enumerate(P.MEGATRON):
+        saved = P.MEGATRON
+        P.MEGATRON = [row]
+        try:
+            rows += P.megatron_rows(a.gpu, search=row[6] <= a.search_max_gpus)
+        finally:
+            P.MEGATRON = saved
+    md += ["", "## Megatron-LM, Narayanan et al. SC21 table 1 (A100 80 GB; TFLOP/s per GPU as the paper counts)", "",
+           "| params | paper layout | GPUs | batch | paper TFLOP/s (% peak) | predicted, 1F1B | predicted, interleaved "
+           "v=2 | err (best of the two) | predicted peak GiB | bottleneck | planner's pick (same GPUs, batch) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        preds = [r[k] for k in ("pred_tflops_1f1b", "pred_tflops_interleaved") if k in r]
+        best = max(preds)
+        md.append(f"| {r['params_b']}B | {r['layout']} | {r['gpus']} | {r['batch']} | {r['paper_tflops']} "
+                  f"({r['paper_pct']}%) | {r.get('pred_tflops_1f1b', float('nan')):.0f} | "
+                  + (f"{r['pred_tflops_interleaved']:.0f}" if "pred_tflops_interleaved" in r else "-") + " | "
+                  f"{100 * (best - r['paper_tflops']) / r['paper_tflops']:+.0f}% | "
+                  f"{r.get('pred_mem_gib_1f1b', 0):.1f} | {r.get('bottleneck_1f1b')} | "
+                  + (f"{r['planner_best']} ({1e3 * r['planner_step_s']:.0f} ms/step)" if "planner_best" in r else
+                     "not searched") + " |")
+    md += ["", "Assumptions: micro-batches of one sequence, full activation recomputation (as the paper ran), "
+           "bfloat16, the `a100` preset (75% GEMM efficiency, 20 us per autograd Function, NVLink 240 GB/s and "
+           "InfiniBand 20 GB/s effective per GPU). The planner's pick minimises mpirt's predicted step time under "
+           "mpirt's memory model (micro-batches of up to 4 sequences)."]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "planner_published.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
