@@ -37,7 +37,7 @@ def main() -> None:
     from mpirt.grid import Grid
     from mpirt.modeling import flops_per_token, load_model_config
     from mpirt.monitor import Metrics, RunMonitor
-    from mpirt.parallel.engine import build_engine
+    from mpirt.parallel.engine import Engine
     from mpirt.train import open_dataset, plan_layout, vocab_from_data
 
     cfg = parse_args(train_args)
@@ -46,7 +46,7 @@ def main() -> None:
     data = open_dataset(cfg.data)
     model_cfg = vocab_from_data(cfg, load_model_config(cfg.model, cfg.model_overrides), data, layout["tp"])
     grid = Grid(layout["dp"], layout["pp"], layout["tp"])
-    engine = build_engine(cfg, model_cfg, grid, dropout_seed=1)
+    engine = Engine(cfg, model_cfg, grid, dropout_seed=1)
     flops_per_step = flops_per_token(model_cfg, cfg.seq_len) * cfg.batch_size * cfg.seq_len
     tmp = Path(tempfile.mkdtemp(prefix="mpirt-bench-monitor-")) if ctx.rank == 0 else None
     out = Path(ctx.comm.broadcast_object(str(tmp) if tmp else None))

@@ -33,7 +33,7 @@ from mpirt.monitor import Metrics, Progress, RunMonitor, format_seconds, monitor
 from mpirt.optim import cosine_lr
 from mpirt.precision import LossScaler, is_half
 from mpirt.parallel import tensor as TP
-from mpirt.parallel.engine import build_engine
+from mpirt.parallel.engine import Engine, zero_refusal
 from mpirt.parallel.schedules import check_shape
 from mpirt.modeling import apply_overrides, attention_core, config_from_dict, flops_per_token, load_model_config, open_hf, \
     num_parameters
@@ -46,8 +46,9 @@ def plan_layout(cfg, world_size: int) -> dict:
         check_layout(dp, cfg.pp, cfg.tp, world_size)
     except ValueError as err:
         raise ConfigError(f"dp/pp/tp: {err}") from None
-    if cfg.zero and (cfg.tp > 1 or cfg.pp > 1):
-        raise ConfigError(f"zero: ZeRO (zero={cfg.zero}) is for pure data parallelism; got tp={cfg.tp}, pp={cfg.pp}")
+    why = zero_refusal(cfg.zero, cfg.tp, cfg.pp)
+    if why:
+        raise ConfigError(f"zero: {why}")
     if cfg.pp > 1:
         if cfg.grad_accum > 1:
             raise ConfigError(f"grad_accum: with pp={cfg.pp} the pipeline's micro-batches replace gradient "
@@ -337,7 +338,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     is_main = ctx.rank == 0
     world_comm = ctx.comm
 
-    engine = build_engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed(f"dropout-dp{grid.coords['dp']}", rank=0))
+    engine = Engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed(f"dropout-dp{grid.coords['dp']}", rank=0))
     optimizer = engine.optimizer
     scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window) if cfg.dtype == "float16" else None
     start_step = 0

@@ -99,12 +99,12 @@ def _engine(layout: dict, comm):
     from mpirt.config import parse_args
     from mpirt.grid import Grid
     from mpirt.modeling import load_model_config
-    from mpirt.parallel.engine import build_engine
+    from mpirt.parallel.engine import Engine
 
     cfg = parse_args([f"--{k}={v}" for k, v in layout.items()] + ["--dtype=float64", "--seed=3"])
     model_cfg = load_model_config("tiny", {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 32})
     grid = Grid(layout.get("dp", 1), layout.get("pp", 1), layout.get("tp", 1), comm)
-    return build_engine(cfg, model_cfg, grid, dropout_seed=0), grid
+    return Engine(cfg, model_cfg, grid, dropout_seed=0), grid
 
 
 @pytest.mark.mpi

@@ -237,11 +237,15 @@ def test_buckets_group_by_size_in_reverse_order():
     order = [p.name for b in dp.buckets for p in b.params]
     sizes = [b.nbytes for b in dp.buckets]
     ok = order == [p.name for p in model.parameters()][::-1] and all(s >= 4000 for s in sizes[:-1])
-    # every grad is a view into its bucket; zeroing through the optimizer keeps the views
+    # every grad is a view into the store's gradient vector, each bucket a contiguous range of it;
+    # zeroing through the optimizer keeps the views
     opt = AdamW(model.parameters(), lr=LR)
     opt.zero_grad()
     model.zero_grad()
-    ok = ok and all(p.grad.base is b.flat for b in dp.buckets for p in b.params)
+    ok = ok and all(p.grad.base is dp.store.grad for p in dp.params)
+    edges = [(b.lo, b.hi) for b in dp.buckets]
+    ok = ok and edges[0][1] == dp.store.numel and edges[-1][0] == 0 and all(
+        lo == hi for (lo, _), (_, hi) in zip(edges, edges[1:]))
     agree(ok, f"order {order}, sizes {sizes}")
 
 

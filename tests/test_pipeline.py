@@ -5,14 +5,18 @@ complete group runs the same test, leftover ranks only join the verdict, so the 
 at 2, 4 and 8 ranks. Every rank computes the single-rank reference itself (no communication) and
 compares its own stage's parameters; the verdict is reduced over all ranks (:func:`conftest.agree`).
 """
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from mpirt.comm import Comm
+from mpirt.config import TrainConfig
 from mpirt.data import get_batch
 from mpirt.grid import Grid
 from mpirt.optim import AdamW, clip_grad_norm
+from mpirt.parallel.engine import Engine
 from mpirt.parallel.partition import layer_costs, partition
 from mpirt.parallel.pipeline import PipelineStage
 from mpirt.parallel.schedule_check import simulate
@@ -95,22 +99,26 @@ def reference(cfg, dtype, steps=STEPS, clip=None, rows=BATCH):
     return np.array(losses), grads, {n: p.data.copy() for n, p in model.named_parameters()}, norms, eval_loss
 
 
-def pipeline_run(g, cfg, dtype, schedule, m, chunks=1, steps=STEPS, clip=None, rows=BATCH, **kw):
+def pipeline_run(g, cfg, dtype, schedule, m, chunks=1, steps=STEPS, clip=None, rows=BATCH, zero=0, **kw):
+    """The stage, built here (split, wait mode ...), trained by the engine with ``zero``."""
     stage = PipelineStage(cfg, g, schedule, m, chunks, dtype=dtype, seed=1, **kw)
-    opt = AdamW(stage.parameters(), lr=LR, weight_decay=WD)
+    train_cfg = replace(TrainConfig(), dp=g.dp, pp=g.pp, tp=g.tp, dtype=dtype, lr=LR, weight_decay=WD, beta1=0.9,
+                        beta2=0.999, zero=zero, sequence_parallel=kw.get("sequence_parallel", False))
+    engine = Engine(train_cfg, cfg, g, dropout_seed=0, local=stage)
     d, dp = g.coords["dp"], g.dp
     losses, norms, grads, stats = [], [], None, []
     for step in range(steps):
         x, y = batch(step, d, dp, rows=rows)
-        losses.append(stage.train_step(x, y))
+        losses.append(engine.train_step(x, y))
         grads = grads or {n: p.grad.copy() for n, p in stage.named_parameters()}
         if clip is not None:
-            norms.append(stage.clip_grad_norm(clip))
-        opt.step()
+            norms.append(engine.clip(clip))
+        engine.optimizer.step()
         stats.append(dict(stage.stats))
     x, y = batch(100, d, dp, rows=rows)
-    eval_loss = stage.evaluate(x, y)
-    return stage, opt, np.array(losses), grads, norms, stats, eval_loss
+    eval_loss = engine.evaluate(x, y)
+    engine.close()
+    return stage, engine.optimizer, np.array(losses), grads, norms, stats, eval_loss
 
 
 def tied_copies_identical(stage, g) -> bool:
@@ -143,8 +151,8 @@ def parity(g, cfg, dtype, schedule, m, chunks=1, steps=STEPS, clip=None, rows=BA
     if clip is not None:
         errs["norm"] = float(np.abs(np.array(norms) - ref_norms).max() / np.abs(ref_norms).max())
     tol = TOL[dtype]
-    kinds = {str(a.dtype) for p in stage.parameters() for a in (p.data, p.grad)}
-    kinds |= {str(a.dtype) for st in opt.state for a in st.values()}
+    kinds = {str(a.dtype) for p in stage.parameters() for a in (p.data, p.grad) if a is not None}
+    kinds |= {str(a.dtype) for st in getattr(opt, "state", []) for a in st.values()}
     ok = all(e <= tol for e in errs.values()) and tied_copies_identical(stage, g) and kinds == {dtype}
     return ok, f"{schedule} pp={g.pp} dp={g.dp} tp={g.tp} {dtype}: errors {errs}, dtypes {kinds}", stage, stats
 
@@ -349,18 +357,14 @@ def test_each_dp_replica_of_a_pipeline_draws_its_own_embedding_dropout(grid):
     """Under dp x pp the embedding dropout (kept in the first and last stages' shell) is seeded per
     dp replica, like every block's: the replicas see different rows, so the same masks on all of
     them would correlate their noise."""
-    from dataclasses import replace
-
-    from mpirt.config import TrainConfig
     from mpirt.distributed import derive_seed
-    from mpirt.parallel.engine import PipelineEngine
 
     g = grid(2, dp=2)
     if g is None:
         return
     cfg = replace(TrainConfig(), pp=2, dp=2, batch_size=4, seq_len=SEQ, dtype="float64")
     model_cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, n_positions=SEQ, vocab_size=64, embd_pdrop=0.1)
-    engine = PipelineEngine(cfg, model_cfg, g, dropout_seed=derive_seed(0, 0, f"dropout-dp{g.coords['dp']}"))
+    engine = Engine(cfg, model_cfg, g, dropout_seed=derive_seed(0, 0, f"dropout-dp{g.coords['dp']}"))
     seeds = g.comm["dp"].allgather_object(engine.stage.shell.drop.seed if engine.stage.shell else None)
     engine.close()
     agree(seeds[0] is None or seeds[0] != seeds[1], f"pp rank {g.coords['pp']}: shell dropout seeds {seeds}")

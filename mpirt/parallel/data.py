@@ -8,10 +8,11 @@
     dp.finish()                             # wait for all of them; grads are now the dp average
     optimizer.step(); optimizer.zero_grad()
 
-Every parameter's ``.grad`` is a view into one flat bucket per ~``bucket_bytes`` (per dtype), made
-in reverse registration order, the order in which backward finishes the gradients. The autograd
-engine accumulates into ``p.grad`` in place and optimizers zero it in place, so the views stay
-valid; nothing may rebind ``p.grad`` (``finish`` checks and says which one was).
+The gradients live in the parameter store (:class:`mpirt.parallel.flat.FlatParams`: every
+``p.grad`` is a view into one flat vector); a bucket is a contiguous range of it of ~``bucket_bytes``,
+cut in reverse registration order, the order in which backward finishes the gradients. The
+autograd engine accumulates into ``p.grad`` in place and optimizers zero it in place, so the
+views stay valid; nothing may rebind ``p.grad`` (``finish`` checks and says which one was).
 
 A gradient hook on every parameter counts how many of a bucket's gradients are final; when the
 count is complete the bucket's non-blocking allreduce (average) is launched. Buckets are launched
@@ -40,6 +41,7 @@ import time
 import numpy as np
 
 import mpirt.backend as B
+from mpirt.parallel.flat import FlatParams
 
 
 def broadcast_parameters(params, comm, root: int = 0) -> None:
@@ -61,21 +63,11 @@ def broadcast_parameters(params, comm, root: int = 0) -> None:
 
 
 class _Bucket:
-    """A flat gradient buffer and the parameters whose ``.grad`` are views into it."""
+    """A range ``[lo, hi)`` of the store's flat gradient and the parameters whose gradients it holds."""
 
-    def __init__(self, index: int, params: list, dtype):
-        self.index, self.params, self.dtype = index, params, dtype
-        self.numel = sum(p.size for p in params)
-        self.flat = B.xp.zeros(self.numel, dtype=dtype)
-        self.views = []
-        offset = 0
-        for p in params:
-            view = self.flat[offset:offset + p.size].reshape(p.shape)
-            if p.grad is not None:
-                view[...] = p.grad
-            p.grad = view
-            self.views.append(view)
-            offset += p.size
+    def __init__(self, index: int, params: list, store, lo: int, hi: int):
+        self.index, self.params, self.lo, self.hi = index, params, lo, hi
+        self.flat = store.grad[lo:hi]  # the store keeps its gradient vector while DataParallel runs
         self.reset()
 
     def reset(self) -> None:
@@ -89,14 +81,16 @@ class _Bucket:
 
 
 class DataParallel:
-    """Replicate ``model`` over the ranks of ``comm`` and average gradients over them.
+    """Replicate a model over the ranks of ``comm`` and average gradients over them.
 
-    ``bucket_bytes``: target size of one flat gradient bucket (a bucket closes once it reaches
-    it; one large parameter may exceed it). ``overlap``: launch each bucket's allreduce from the
-    gradient hooks during backward (True) or allreduce all buckets in :meth:`finish` (False).
-    ``progress``: how MPI is progressed during backward with overlap, ``"test"`` or ``"thread"``
-    (see the module docstring). ``check_every``: run :meth:`check_replicas` on every
-    ``check_every``-th :meth:`finish` (0: never); it checks the weights of the previous step.
+    ``model``: a Module (its parameters go into a new :class:`~mpirt.parallel.flat.FlatParams`)
+    or a store that already holds them (a pipeline stage's). ``bucket_bytes``: target size of one
+    gradient bucket (a bucket closes once it reaches it; one large parameter may exceed it).
+    ``overlap``: launch each bucket's allreduce from the gradient hooks during backward (True) or
+    allreduce all buckets in :meth:`finish` (False). ``progress``: how MPI is progressed during
+    backward with overlap, ``"test"`` or ``"thread"`` (see the module docstring). ``check_every``:
+    run :meth:`check_replicas` on every ``check_every``-th :meth:`finish` (0: never); it checks the
+    weights of the previous step.
     """
 
     def __init__(self, model, comm, bucket_bytes: int = 25 * 2**20, overlap: bool = True,
@@ -105,12 +99,13 @@ class DataParallel:
             raise ValueError(f"DataParallel: progress must be 'test' or 'thread', got {progress!r}")
         if bucket_bytes < 1:
             raise ValueError(f"DataParallel: bucket_bytes must be >= 1, got {bucket_bytes}")
-        self.module, self.comm = model, comm
+        self.store = model if isinstance(model, FlatParams) else FlatParams(model.parameters())
+        self.module, self.comm = (None if model is self.store else model), comm
         self.overlap, self.progress, self.check_every = bool(overlap), progress, int(check_every)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = self.store.params
         self.names = [getattr(p, "name", "") or f"param{i}" for i, p in enumerate(self.params)]
         broadcast_parameters(self.params, comm)
-        self.buckets = self._make_buckets(self.params, int(bucket_bytes))
+        self.buckets = self._make_buckets(self.store, int(bucket_bytes))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._fired: set[int] = set()   # params whose hook fired since the last finish
         self._next_launch = 0           # buckets are launched strictly in index order
@@ -129,36 +124,34 @@ class DataParallel:
 
     # --- construction -----------------------------------------------------------------------
     @staticmethod
-    def _make_buckets(params, bucket_bytes: int) -> list[_Bucket]:
-        """Parameters in reverse registration order, cut into buckets of ~bucket_bytes per dtype."""
-        order = list(reversed(params))
-        groups, open_group, filled = [], {}, {}
-        for p in order:
-            g = open_group.setdefault(p.dtype, [])
-            if not g:
-                groups.append(g)
-                filled[p.dtype] = 0
-            g.append(p)
-            filled[p.dtype] += p.data.nbytes
-            if filled[p.dtype] >= bucket_bytes:
-                open_group[p.dtype] = []
-        # groups were opened in the order their first (latest-registered) parameter appears
-        return [_Bucket(i, g, g[0].dtype) for i, g in enumerate(groups)]
+    def _make_buckets(store, bucket_bytes: int) -> list[_Bucket]:
+        """The store's parameters in reverse order (the order backward finishes them), cut into
+        contiguous ranges of ~bucket_bytes."""
+        buckets, group, filled = [], [], 0
+        hi = store.numel
+        for p, (a, b) in reversed(list(zip(store.params, store.offsets))):
+            group.append(p)
+            filled += (b - a) * store.grad.itemsize
+            if filled >= bucket_bytes:
+                buckets.append(_Bucket(len(buckets), group, store, a, hi))
+                group, filled, hi = [], 0, a
+        if group:
+            buckets.append(_Bucket(len(buckets), group, store, 0, hi))
+        return buckets
 
     # --- the module interface -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def parameters(self):
-        return self.module.parameters()
+        return list(self.params)
 
     def named_parameters(self):
-        return self.module.named_parameters()
+        return [(p.name, p) for p in self.params]
 
     def zero_grad(self) -> None:
-        """Zero every gradient bucket in place."""
-        for b in self.buckets:
-            b.flat.fill(0)
+        """Zero the gradients in place."""
+        self.store.zero_grad()
 
     # --- hooks and synchronisation ----------------------------------------------------------
     @contextlib.contextmanager
@@ -249,11 +242,7 @@ class DataParallel:
     sync_gradients = finish
 
     def _check_views(self) -> None:
-        for b in self.buckets:
-            for p, view in zip(b.params, b.views):
-                if p.grad is not view:
-                    raise RuntimeError(f"DataParallel: {p.name or 'a parameter'}.grad was rebound; gradients "
-                                       "must stay views into their bucket (zero them in place, never set None)")
+        self.store.check_views("DataParallel")
 
     def _comm_thread(self) -> "_CommThread":
         if self._thread is None:
@@ -293,8 +282,7 @@ class DataParallel:
         """Bytes this rank holds persistently: parameters, gradient buckets and (when given) the
         optimizer's state (:meth:`mpirt.optim.Optimizer.memory_bytes`: moments and masters)."""
         opt = optimizer.memory_bytes()["optimizer"] if optimizer is not None else 0
-        return {"params": sum(int(p.data.nbytes) for p in self.params),
-                "grads": sum(b.nbytes for b in self.buckets), "optimizer": opt}
+        return {"params": int(self.store.data.nbytes), "grads": int(self.store.grad.nbytes), "optimizer": opt}
 
 
 class _CommThread:

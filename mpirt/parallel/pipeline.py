@@ -1,11 +1,12 @@
 """Pipeline parallelism: stage partitioning and the one executor that runs any schedule.
 
     stage = PipelineStage(model_cfg, grid, schedule="1f1b", microbatches=8, dtype="float32", seed=0)
-    opt = AdamW(stage.parameters(), lr=3e-4)
-    for step in range(steps):
-        loss = stage.train_step(x, y)   # every pp rank passes its dp share of the batch (same x, y)
-        norm = stage.clip_grad_norm(1.0)
-        opt.step()                      # train_step zeroes the gradients itself
+    loss = stage.train_step(x, y)   # every pp rank passes its dp share of the batch (same x, y)
+
+The stage is the pipeline's *local part*: it runs the schedule's forward and backward and sums
+the tied embedding's gradients. :class:`mpirt.parallel.engine.Engine` adds what every layout shares:
+the parameter store, the dp average (DataParallel or ZeRO), the sequence-parallel gradient sum,
+the one global-norm clip and the optimizer.
 
 The model's layers ``[embed, h.0, ..., h.{L-1}, head]`` are cut into ``S = pp * chunks`` contiguous
 virtual stages (:mod:`mpirt.parallel.partition`: balanced by a per-layer cost estimate, or a user
@@ -18,7 +19,6 @@ gradients are summed between those two ranks (one send/recv pair), so the copies
 With ``grid.tp > 1`` each stage's modules are made tensor parallel by the model's ``tp_plan``
 (:func:`mpirt.parallel.tensor.parallelize`); pipeline messages then go between the ranks of equal
 tp coordinate (``grid.comm["pp"]``), and with ``sequence_parallel`` carry ``T / tp`` positions.
-With ``grid.dp > 1`` the gradients are averaged over dp after the tied-weight sum.
 
 The schedule (:mod:`mpirt.parallel.schedules`) is checked before anything runs
 (:func:`mpirt.parallel.schedule_check.check`); then every rank walks its action list
@@ -32,14 +32,12 @@ activations and their estimated bytes are in :attr:`PipelineStage.stats` after e
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 
 import mpirt.backend as B
 from mpirt.modeling import block_class, build_model, check_config, lm_loss, model_class, seed_dropouts
 from mpirt.nn import Module, graph_parameters, stand_ins
-from mpirt.optim import FlatGrad, global_grad_norm, scale_grads, sum_over
 from mpirt.parallel.partition import layer_costs, partition
 from mpirt.parallel.pipeline_exec import PipelineExecutor
 from mpirt.parallel.schedule_check import check
@@ -150,19 +148,8 @@ class PipelineStage(PipelineExecutor):
         self._params = model.parameters()
         if any(p.dtype != self.dtype for p in self._params):
             raise TypeError(f"PipelineStage: parameters of mixed dtypes {sorted({str(p.dtype) for p in self._params})}")
-        n = sum(p.size for p in self._params)
-        self.flat_grad = B.xp.zeros(n, dtype=self.dtype)  # every p.grad is a view into it
-        off = 0
-        for p in self._params:
-            p.grad = self.flat_grad[off:off + p.size].reshape(p.shape)
-            off += p.size
-        named = dict(model.named_parameters())
-        # the norm counts every element once: the tied copy on the first rank only, and a
-        # parameter replicated over tp on tp rank 0 only
-        tp_rank = self.grid.comm["tp"].rank if self.tp > 1 else 0
-        self._counted = [p for name, p in named.items()
-                         if not (self.pp > 1 and self.has_head and name in self.tied_names)
-                         and not (tp_rank and "tp" not in p.spec.dims)]
+        # the norm counts every element once: the tied copy on the first rank only
+        self.tied_copy = self.tied_names if self.pp > 1 and self.has_head else []
 
     def _parallelize(self, model, seed: int, registered: list) -> None:
         """Tensor parallelism inside the stage: the model class's plan applied to this stage's
@@ -193,7 +180,12 @@ class PipelineStage(PipelineExecutor):
         return list(self.model.named_parameters())
 
     def zero_grad(self) -> None:
-        self.flat_grad.fill(0)
+        """Zero the gradients in place (views into a parameter store stay views)."""
+        for p in self._params:
+            if p.grad is None:
+                p.grad = B.xp.zeros_like(p.data)
+            else:
+                p.grad.fill(0)
 
     def describe_partition(self) -> str:
         """``stage s (rank r, chunk c): h.lo-h.hi [+ embed] [+ head]`` per virtual stage."""
@@ -203,36 +195,18 @@ class PipelineStage(PipelineExecutor):
             out.append(f"stage {s} (rank {s % self.pp}, chunk {s // self.pp}): h.{lo}..h.{hi - 1}{extra}")
         return "\n".join(out)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the gradients over the pipeline and tp (each element once)."""
-        tp = self.grid.comm["tp"] if self.tp > 1 else None
-        return global_grad_norm(self._counted, sum_over(tp, self.comm))
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale every gradient by ``max_norm / (norm + 1e-6)`` when the global norm exceeds
-        ``max_norm`` (as :func:`mpirt.optim.clip_grad_norm`; both tied copies alike); returns the
-        norm before clipping (non-finite: nothing is scaled)."""
-        return scale_grads([FlatGrad(self.flat_grad)], self.grad_norm(), max_norm)
-
     def train_step(self, x, y, loss_scale: float = 1.0) -> float:
         """Forward and backward of the batch ``(x, y)`` (this dp replica's rows, split into
-        ``microbatches``), then the tied-weight gradient sum over the pipeline ends and the
-        average over dp. The last stage seeds backward with ``loss_scale`` (the gradients are
-        then that many times the loss's). Returns the mean loss of the global batch on every rank."""
+        ``microbatches``), then the tied-weight gradient sum over the pipeline ends. The last stage
+        seeds backward with ``loss_scale`` (the gradients are then that many times the loss's).
+        Returns the mean loss of these rows on every pp rank. Averaging over dp, the sequence-
+        parallel gradient sum and clipping are the engine's (:class:`mpirt.parallel.engine.Engine`)."""
         self.loss_scale = float(loss_scale)
         x, y = self._prepare(x, y)
         self.zero_grad()
         loss = self._run(self.schedule, x, y, training=True)
-        t0 = time.perf_counter()
         self._sync_tied()
-        if self.sequence_parallel:
-            from mpirt.parallel.tensor import sync_sequence_parallel_grads
-            sync_sequence_parallel_grads(self.model, self.grid.comm["tp"])
-        if self.grid.dp > 1:
-            self.grid.comm["dp"].allreduce(self.flat_grad, op="avg", out=self.flat_grad)
-        loss = self._share_loss(loss)
-        self.stats["sync_t0"], self.stats["sync_s"] = t0, time.perf_counter() - t0
-        return loss
+        return self._share_loss(loss)
 
     def evaluate(self, x, y) -> float:
         """Mean loss of ``(x, y)`` without gradients (forward-only schedule)."""

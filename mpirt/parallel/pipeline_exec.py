@@ -229,8 +229,4 @@ class PipelineExecutor:
         if self.pp > 1:
             with self.comm.labelled(f"pp rank {self.rank}: loss from pp rank {self.pp - 1}"):
                 self.comm.broadcast(buf, root=self.pp - 1)
-        if self.grid.dp > 1:
-            dp = self.grid.comm["dp"]
-            with dp.labelled(f"pp rank {self.rank}: loss average over dp"):
-                dp.allreduce(buf, op="avg", out=buf)
         return float(buf[0])

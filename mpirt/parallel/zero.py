@@ -1,15 +1,16 @@
 """ZeRO: AdamW with its state, gradients and parameters sharded over the data-parallel ranks.
 
-The parameters are laid out as flat vectors ("groups"); each group is cut into ``dp`` contiguous
-chunks by :func:`mpirt.comm.chunk_bounds` and dp rank ``r`` owns chunk ``r`` of every group. The
+The parameters are laid out as flat vectors ("groups", :class:`mpirt.parallel.flat.FlatLayout`);
+each group is cut into ``dp`` contiguous chunks and dp rank ``r`` owns chunk ``r`` of every group. The
 owned chunks, concatenated, form this rank's *shard*: its AdamW state (``exp_avg``,
 ``exp_avg_sq``) and, from stage 2, its gradients, and at stage 3 its parameters, are flat arrays
 over the shard, and the update is one :func:`mpirt.optim.adamw_update` call over it (the same
 math as :class:`mpirt.optim.AdamW`; weight decay is applied first, element-wise, on the runs of
 the shard that belong to decayed parameters, exactly as AdamW applies it per parameter).
 
-* Stage 1: one group, all parameters. Each ``p.data`` and ``p.grad`` is a view into a full flat
-  vector. ``step`` allreduces (averages) the full gradient, updates the owned chunk, allgathers
+* Stage 1: one group, all parameters, kept in the parameter store
+  (:class:`mpirt.parallel.flat.FlatParams`): each ``p.data`` and ``p.grad`` is a view into a full
+  flat vector. ``step`` allreduces (averages) the full gradient, updates the owned chunk, allgathers
   the parameters. Per rank: params 4N + grads 4N + state 8N/dp bytes (fp32).
 * Stage 2: as stage 1, but ``step`` reduce-scatters the gradient, so only the owned chunk is kept.
   The full gradient exists only between :meth:`zero_grad` and :meth:`step` (backward accumulates
@@ -40,52 +41,53 @@ import contextlib
 import math
 
 import mpirt.backend as B
-from mpirt.comm import chunk_bounds
 from mpirt.nn import Module
-from mpirt.optim import FlatGrad, adamw_update, global_grad_norm, scale_grads, sum_over
+from mpirt.optim import adamw_update
 from mpirt.precision import compute_dtype, is_half
 from mpirt.parallel.data import broadcast_parameters
+from mpirt.parallel.flat import FlatLayout, FlatParams, allreduce_runs, clip_flat, is_partial, sum_squares
 from mpirt.parallel.zero3 import plan_units
 from mpirt.tensor import Tensor
 
 
-class _Group:
-    """Parameters laid out back to back in one flat vector, chunked over the dp ranks."""
+class _Group(FlatLayout):
+    """Parameters laid out back to back (a :class:`FlatLayout`), chunked over the dp ranks: this
+    rank owns ``[lo, hi)``, which sits at ``shard_offset`` in its concatenated shard."""
 
     def __init__(self, params, shapes, rank: int, size: int):
-        self.params = params
-        self.shapes = [shapes[id(p)] for p in params]
-        self.offsets, n = [], 0
-        for s in self.shapes:
-            k = math.prod(s)
-            self.offsets.append((n, n + k))
-            n += k
-        self.numel = n
-        self.bounds = chunk_bounds(n, size)
-        self.lo, self.hi = self.bounds[rank]
-        self.shard_offset = 0  # where this group's chunk starts in the rank's concatenated shard
+        super().__init__(params, shapes)
+        self.lo, self.hi = self.chunk(rank, size)
+        self.shard_offset = 0
         self.shard = None      # stage 3: a leaf Tensor over the chunk (data: params, grad: grads)
 
-    def views(self, flat):
-        """``flat`` (numel,) as one array per parameter."""
-        return [flat[a:b].reshape(s) for (a, b), s in zip(self.offsets, self.shapes)]
+    def shard_runs(self, select) -> list[tuple[int, int]]:
+        """:meth:`FlatLayout.runs` of the owned chunk, as positions in the rank's shard."""
+        return [(a + self.shard_offset, b + self.shard_offset) for a, b in self.runs(self.lo, self.hi, select)]
 
 
 class ZeroOptimizer:
     """AdamW sharded over the ranks of ``comm`` (a dp :class:`mpirt.comm.Comm`), ZeRO stage 1-3.
 
-    ``model_or_params``: a Module (required for stage 3) or a list of Parameters. ``lr``, ``betas``,
-    ``eps``, ``weight_decay`` and ``decay`` (predicate: which parameters are decayed; default
-    ``ndim >= 2``) as :class:`mpirt.optim.AdamW`. ``units`` (stage 3 only): a list of
-    ``(object, method_name)`` whose calls gather parameters; the default is the model's
-    ``embed``, each of ``h`` and ``head``. Parameters are broadcast from dp rank 0 at construction.
+    ``model_or_params``: a Module (required for stage 3), a list of Parameters, or (stages 1-2)
+    the :class:`~mpirt.parallel.flat.FlatParams` store that holds them (a pipeline stage's).
+    ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``decay`` (predicate: which parameters are
+    decayed; default ``ndim >= 2``) as :class:`mpirt.optim.AdamW`. ``units`` (stage 3 only): a
+    list of ``(object, method_name)`` whose calls gather parameters; the default is the model's
+    ``embed``, each of ``h`` and ``head``; ``probe_len``: the sequence length their one-time
+    parameter discovery runs at (sequence parallelism needs a multiple of tp).
+    Under tensor and pipeline parallelism (the distributed optimizer): ``counted(p)`` says whether
+    ``p``'s gradient counts in the norm on this rank (:func:`mpirt.parallel.flat.count_once`) and
+    ``norm_comms`` are the other axes over which ranks hold different parameters (tp, pp); the
+    dp group is then the ranks of one (pp, tp) coordinate. Parameters are broadcast from dp rank
+    0 at construction.
 
     Loop: ``zero_grad()``; forward/backward per micro-batch (scale the loss by 1/K); optionally
     ``clip_grad_norm(max_norm)``; ``step()``. All parameters must share one dtype.
     """
 
     def __init__(self, model_or_params, comm, stage: int = 1, lr: float = 1e-3, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, decay=None, units=None):
+                 eps: float = 1e-8, weight_decay: float = 0.01, decay=None, units=None, counted=None,
+                 norm_comms=(), probe_len: int = 1):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}")
         beta1, beta2 = betas
@@ -94,7 +96,11 @@ class ZeroOptimizer:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"ZeroOptimizer: lr ({lr}), eps ({eps}) and weight_decay ({weight_decay}) must be >= 0")
         self.model = model_or_params if isinstance(model_or_params, Module) else None
-        params = self.model.parameters() if self.model is not None else list(model_or_params)
+        store = model_or_params if isinstance(model_or_params, FlatParams) else None
+        if store is not None:
+            params = store.params
+        else:
+            params = self.model.parameters() if self.model is not None else list(model_or_params)
         self.params = [p for p in params if p.requires_grad]
         if len({id(p) for p in self.params}) != len(self.params):
             raise ValueError("ZeroOptimizer: a parameter appears twice in params")
@@ -110,13 +116,17 @@ class ZeroOptimizer:
         self.eps, self.weight_decay = float(eps), float(weight_decay)
         self.step_count = 0
         self.grad_scale = 1.0  # multiplies the gradient as the update reads it (1/loss scale)
+        self.norm_comms = tuple(norm_comms)
+        counted = counted or (store.counted if store is not None else (lambda p: True))
         decay = decay or (lambda p: p.ndim >= 2)
         self._decayed = {id(p): bool(decay(p)) for p in self.params}  # before stage 3 empties p.data
         self._shapes = {id(p): tuple(p.shape) for p in self.params}
         broadcast_parameters(self.params, comm)
 
         if stage == 3:
-            self.units, groups = plan_units(self, units)
+            if store is not None:
+                raise ValueError("ZeroOptimizer: stage 3 shards the parameters per unit; pass the model")
+            self.units, groups = plan_units(self, units, probe_len)
         else:
             groups = [self.params]
         self.groups = [_Group(g, self._shapes, self.rank, self.size) for g in groups]
@@ -130,50 +140,24 @@ class ZeroOptimizer:
         self.state_dtype = compute_dtype(self.dtype)
         self.exp_avg = xp.zeros(offset, dtype=self.state_dtype)
         self.exp_avg_sq = xp.zeros(offset, dtype=self.state_dtype)
-        self._decay_runs = self._decay_runs_of_shard()
+        self._decay_runs = [r for g in self.groups for r in g.shard_runs(lambda p: self._decayed[id(p)])]
+        self._counted_runs = [r for g in self.groups for r in g.shard_runs(counted)]
+        self._partial_runs = [r for g in self.groups for r in g.shard_runs(is_partial)]
         self._reduced = False
+        self.store = None
         if stage == 3:
             self._shard_parameters()
         else:
             g = self.groups[0]
-            self.flat_param = xp.empty(g.numel, dtype=self.dtype)
-            for p, v in zip(g.params, g.views(self.flat_param)):
-                v[...] = p.data
-                p.data = v
+            self.store = store or FlatParams(self.params, counted)
+            self.flat_param = self.store.data
             self.param_shard = self.flat_param[g.lo:g.hi]
-            self.flat_grad = None
             if stage == 1:
-                self.flat_grad = xp.zeros(g.numel, dtype=self.dtype)
-                self.grad_shard = self.flat_grad[g.lo:g.hi]
-                self._attach_full_grads(self.flat_grad, copy_existing=True)
+                self.grad_shard = self.store.grad[g.lo:g.hi]
             else:
                 self.grad_shard = xp.zeros(offset, dtype=self.dtype)
+                self.store.release_grads()
         self.master_shard = self.param_shard.astype(self.state_dtype) if is_half(self.dtype) else None
-
-    # --- construction -----------------------------------------------------------------------
-    def _decay_runs_of_shard(self) -> list[tuple[int, int]]:
-        """Maximal [start, stop) runs of the shard that belong to decayed parameters."""
-        runs = []
-        for p, a, b, start in self.owned_segments():
-            if not self._decayed[id(p)]:
-                continue
-            stop = start + b - a
-            if runs and runs[-1][1] == start:
-                runs[-1] = (runs[-1][0], stop)
-            else:
-                runs.append((start, stop))
-        return runs
-
-    def _attach_full_grads(self, flat, copy_existing: bool) -> None:
-        """Make every ``p.grad`` a view into the full flat gradient ``flat`` (stages 1 and 2)."""
-        g = self.groups[0]
-        for p, v in zip(g.params, g.views(flat)):
-            if copy_existing:
-                if p.grad is None:
-                    v.fill(0)
-                else:
-                    v[...] = p.grad
-            p.grad = v
 
     # --- stage 3: the sharded parameters (units: mpirt.parallel.zero3) ------------------------
     def _shard_parameters(self) -> None:
@@ -196,13 +180,7 @@ class ZeroOptimizer:
         """Which elements this rank owns: ``(param, start, stop, shard_start)`` means elements
         ``[start, stop)`` of ``param`` (flattened) are ``[shard_start, shard_start + stop - start)``
         of the rank's shard arrays (``param_shard``, ``grad_shard``, ``exp_avg``, ``exp_avg_sq``)."""
-        out = []
-        for g in self.groups:
-            for p, (a, b) in zip(g.params, g.offsets):
-                lo, hi = max(a, g.lo), min(b, g.hi)
-                if lo < hi:
-                    out.append((p, lo - a, hi - a, g.shard_offset + lo - g.lo))
-        return out
+        return [(p, a, b, g.shard_offset + pos) for g in self.groups for p, a, b, pos in g.segments(g.lo, g.hi)]
 
     def gather_parameters(self) -> dict:
         """Name -> full parameter as a host array (collective at stage 3)."""
@@ -219,36 +197,27 @@ class ZeroOptimizer:
         return out
 
     # --- the training step --------------------------------------------------------------------
+    @property
+    def flat_grad(self):
+        """Stages 1-2: the full local gradient (the store's), None while released (stage 2)."""
+        return None if self.store is None else self.store.grad
+
     def zero_grad(self) -> None:
         """Zero the gradients (stage 2: also allocate the transient full gradient for backward)."""
         self._reduced = False
-        if self.stage == 1:
-            self._attach_full_grads(self.flat_grad, copy_existing=False)
-            self.flat_grad.fill(0)
-        elif self.stage == 2:
-            self.flat_grad = B.xp.zeros(self.groups[0].numel, dtype=self.dtype)
-            self._attach_full_grads(self.flat_grad, copy_existing=False)
-            self.grad_shard.fill(0)
-        else:
+        if self.stage < 3:
+            self.store.zero_grad()
+        if self.stage > 1:
             self.grad_shard.fill(0)
 
-    def _full_grad(self):
-        """Stages 1-2: the full local gradient as one flat array (backward's accumulation buffer
-        when the ``p.grad`` views are intact, else assembled from the ``p.grad``)."""
-        g = self.groups[0]
-        flat = self.flat_grad
-        if flat is not None and all(p.grad is not None and p.grad.base is flat for p in g.params):
-            return flat
-        if flat is None:
-            flat = B.xp.zeros(g.numel, dtype=self.dtype)
-        for p, v in zip(g.params, g.views(flat)):
-            if p.grad is None:
-                v.fill(0)
-            elif p.grad is not v:
-                v[...] = p.grad
-        if self.stage == 1:
-            self._attach_full_grads(flat, copy_existing=False)
-        return flat
+    def sync_partial_grads(self, tp_comm) -> None:
+        """Sum over tp the partial gradients of sequence parallelism's replicated parameters
+        (stages 1-2: in the full gradient before it is reduced; stage 3: in the shard, where the
+        units' reduce-scatter already put them). Collective over tp."""
+        if self.stage < 3:
+            self.store.sync_partial_grads(tp_comm)
+        else:
+            allreduce_runs(tp_comm, self.grad_shard, self._partial_runs)
 
     def reduce_gradients(self) -> None:
         """Average the gradients over the dp ranks into this rank's gradient shard (stage 1:
@@ -259,22 +228,21 @@ class ZeroOptimizer:
         self._reduced = True
         B.synchronize()
         if self.stage == 1:
-            self.flat_grad = self._full_grad()
-            self.comm.allreduce(self.flat_grad, op="avg", out=self.flat_grad)
+            self.store.check_views("ZeroOptimizer")
+            self.comm.allreduce(self.store.grad, op="avg", out=self.store.grad)
         elif self.stage == 2:
-            full = self._full_grad()
-            self.comm.reduce_scatter(full, op="avg", out=self.grad_shard)
-            self.flat_grad = None
-            for p in self.params:
-                p.grad = None
+            self.store.check_views("ZeroOptimizer")
+            self.comm.reduce_scatter(self.store.grad, op="avg", out=self.grad_shard)
+            self.store.release_grads()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float | None) -> float:
         """Clip the (dp-averaged) gradient by its global L2 norm, as :func:`mpirt.optim.clip_grad_norm`:
-        scale by ``max_norm / (norm + 1e-6)`` when the norm exceeds ``max_norm``. The norm is the
-        sum of squares over this rank's shard, allreduced. Returns the norm before clipping."""
+        scale by ``max_norm / (norm + 1e-6)`` when the norm exceeds ``max_norm`` (None: only the
+        norm). The norm sums this rank's counted elements of its shard over dp and ``norm_comms``.
+        Returns the norm before clipping."""
         self.reduce_gradients()
-        norm = global_grad_norm([FlatGrad(self.grad_shard)], sum_over(self.comm))
-        return scale_grads([FlatGrad(self.flat_grad if self.stage == 1 else self.grad_shard)], norm, max_norm)
+        return clip_flat(sum_squares(self.grad_shard, self._counted_runs), (self.comm, *self.norm_comms),
+                         max_norm, [self.store.grad if self.stage == 1 else self.grad_shard])
 
     def step(self) -> None:
         """One AdamW update of this rank's shard; stages 1-2 then all-gather the parameters."""

@@ -1,7 +1,7 @@
 """ZeRO stage 3's unit machinery (used by :class:`mpirt.parallel.zero.ZeroOptimizer`).
 
 A *unit* is a method of the model (``embed``, each block's ``forward``, ``head``) whose call
-gathers the parameters it uses. :func:`plan_units` finds, by running the units once on one token,
+gathers the parameters it uses. :func:`plan_units` finds, by running the units once on one short row,
 which parameters each unit uses, and groups the parameters by the set of units that use them
 (GPT's tied ``wte``, used by ``embed`` and ``head``, is its own group). :class:`_Unit` replaces the
 method by a call through :class:`_ZeroUnit`, a Function whose forward all-gathers the unit's
@@ -21,17 +21,19 @@ from mpirt.nn import Dropout, graph_parameters
 from mpirt.tensor import Function, Tensor, enable_grad, no_grad
 
 
-def plan_units(opt, units):
+def plan_units(opt, units, probe_len: int = 1):
     """The :class:`_Unit` list of ``opt`` (a stage-3 ZeroOptimizer) and its parameter groups (lists
     of parameters, one per set of units that use the same parameters, in first-use order).
-    ``units``: a list of ``(object, method_name)``, or None for the model's embed / h / head."""
+    ``units``: a list of ``(object, method_name)``, or None for the model's embed / h / head;
+    ``probe_len``: tokens of the one-row batch the discovery runs (a multiple of tp under
+    sequence parallelism)."""
     model = opt.model
     if units is None:
         if not all(hasattr(model, a) for a in ("embed", "h", "head")):
             raise ValueError("ZeroOptimizer stage 3: the model has no embed/h/head interface; "
                              "pass units=[(object, method_name), ...]")
         units = [(model, "embed")] + [(blk, "forward") for blk in model.h] + [(model, "head")]
-    used = _discover_unit_params(opt, units)
+    used = _discover_unit_params(opt, units, probe_len)
     param_ids = {id(p) for p in opt.params}
     signature = {}
     for k, ps in enumerate(used):
@@ -53,15 +55,15 @@ def plan_units(opt, units):
     return plan, [ps for _, ps in groups]
 
 
-def _discover_unit_params(opt, units) -> list[list]:
-    """Run the units once on a 1x1 token batch to see which parameters each one uses."""
+def _discover_unit_params(opt, units, probe_len: int) -> list[list]:
+    """Run the units once on a (1, probe_len) token batch to see which parameters each one uses."""
     if len(units) == 1:
         return [opt.params]
     if [name for _, name in units][:1] != ["embed"]:
         raise ValueError("ZeroOptimizer stage 3: pass units whose first is the model's embed "
                          "(parameter discovery runs embed -> ... -> head on one token)")
     saved = _dropout_state(opt.model)
-    used, x = [], B.xp.zeros((1, 1), dtype=np.int64)
+    used, x = [], B.xp.zeros((1, probe_len), dtype=np.int64)
     with enable_grad():
         for k, (obj, name) in enumerate(units):
             inp = x if k == 0 else Tensor(x, requires_grad=True)
