@@ -58,31 +58,29 @@ def _set_threads(n: int) -> None:
     threads.set_num_threads(n)
 
 
-def measure_local(calib_model: str = "tiny") -> dict:
-    """The in-process constants (see the module docstring)."""
-    from mpirt import modeling, threads
+def _products_rate(d: int) -> float:
+    from mpirt import threads
     from mpirt.flops import layer_products
-    from mpirt.modeling import activation_bytes, layer_costs
-    from mpirt.tensor import Tensor
-    from mpirt.plan.work import ops_per_block
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    _set_threads(1)
-    dims, rates = (32, 64, 128, 256, 512), []
-    for d in dims:
-        prods = layer_products(d, 4 * d, 512, "float32")
-        flops = sum(2.0 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in prods)
-        rates.append(flops / _timeit(lambda: [threads.matmul(a, b) for a, b in prods]))
-    # r d / (d + d0) = rate  <=>  1/rate = 1/r + (d0/r) (1/d): a line in 1/d
-    x, y = np.array([1.0 / d for d in dims]), np.array([1.0 / r for r in rates])
-    slope, icept = np.polyfit(x, y, 1)
-    r_inf, d0 = 1.0 / icept, max(slope / icept, 0.0)
-    prods = layer_products(256, 1024, 512, "float32")
-    one = _timeit(lambda: [threads.matmul(a, b) for a, b in prods])
-    _set_threads(cores)
-    many = _timeit(lambda: [threads.matmul(a, b) for a, b in prods])
-    _set_threads(1)
-    speedup = max(0.0, (one / many - 1) / max(cores - 1, 1))
+    prods = layer_products(d, 4 * d, 512, "float32")
+    flops = sum(2.0 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in prods)
+    return flops / _timeit(lambda: [threads.matmul(a, b) for a, b in prods])
+
+
+def measure_compute(calib_model: str = "tiny", dims=(32, 64, 128, 256, 512)) -> dict:
+    """One rank's compute constants on its current threads (under ``mpiexec -n N`` all ranks
+    measure at once, so the figures are what each of N concurrent ranks gets): GEMM rates by
+    smallest dimension, elementwise bandwidth, the cost of one autograd Function, ``ew_passes``
+    (a block's forward + backward less its GEMMs and Functions, in kept bytes at that bandwidth)
+    and AdamW's step (``opt_tensor_s`` per parameter tensor, ``opt_byte_s`` per parameter byte,
+    from the calibration model at two widths)."""
+    from mpirt import modeling
+    from mpirt.modeling import activation_bytes, layer_costs
+    from mpirt.optim import AdamW
+    from mpirt.plan.work import ops_per_block
+    from mpirt.tensor import Tensor
+
+    rates = {float(d): _products_rate(d) for d in dims}
     a, b, c = (np.random.default_rng(0).random(4 * 2**20, dtype=np.float32) for _ in range(3))
     out = np.empty_like(a)
     t = _timeit(lambda: (np.multiply(a, b, out=out), np.add(out, c, out=out)))
@@ -97,18 +95,42 @@ def measure_local(calib_model: str = "tiny") -> dict:
         y = block(x)
         y.backward(np.ones(y.shape, dtype=np.float32))
 
-    small = _timeit(lambda: fb((2, 4, cfg.n_embd)), 0.3)
-    op_s = small / (2 * n_ops)
+    op_s = _timeit(lambda: fb((2, 4, cfg.n_embd)), 0.3) / (2 * n_ops)
     rows, seq = 4, 128
     full = _timeit(lambda: fb((rows, seq, cfg.n_embd)), 0.5)
     fwd = layer_costs(cfg, seq)[1].flops / 3 * rows * seq
     dim = min(rows * seq, cfg.n_embd, cfg.hidden)
-    gemm = 3 * fwd / float(np.interp(np.log(dim), np.log(dims), rates))
+    ds = sorted(rates)
+    gemm = 3 * fwd / float(np.interp(np.log(dim), np.log(ds), [rates[k] for k in ds]))
     kept = activation_bytes(cfg, batch=rows, seq_len=seq, itemsize=4)["block"]
     ew_passes = max(0.5, (full - gemm - 2 * n_ops * op_s) * bandwidth / kept)
-    return {"cores": cores, "gemm_rate_per_core": max(max(rates), r_inf), "gemm_half_dim": d0, "gemm_rates": dict(zip(dims, rates)),
-            "threads_per_core": speedup, "bandwidth_per_core": bandwidth, "op_overhead_s": op_s,
-            "ew_passes": ew_passes, "block_fb_s": full, "block_gemm_s": gemm, "calib_model": calib_model}
+    opt = []
+    for width in (cfg.n_embd // 4, cfg.n_embd):
+        small = modeling.build_model(modeling.apply_overrides(cfg, {"n_embd": width}), "float32", seed=0)
+        params = list(small.parameters())
+        for p in params:
+            p.grad = np.zeros_like(p.data)
+        adam = AdamW(params, lr=1e-3)
+        opt.append((len(params), sum(p.data.nbytes for p in params), _timeit(adam.step, 0.3)))
+    (n1, b1, t1), (n2, b2, t2) = opt
+    per_byte = max(0.0, (t2 - t1) / (b2 - b1))
+    per_tensor = max(0.0, (t1 - per_byte * b1) / n1)
+    return {"gemm_rates": rates, "bandwidth": bandwidth, "op_overhead_s": op_s, "ew_passes": ew_passes,
+            "block_fb_s": full, "block_gemm_s": gemm, "opt_tensor_s": per_tensor, "opt_byte_s": per_byte}
+
+
+def measure_local(calib_model: str = "tiny") -> dict:
+    """The in-process constants at one thread, and a second thread's GEMM speed-up."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _set_threads(1)
+    out = measure_compute(calib_model)
+    one = _products_rate(256)
+    _set_threads(cores)
+    many = _products_rate(256)
+    _set_threads(1)
+    out.update(cores=cores, threads_per_core=max(0.0, (many / one - 1) / max(cores - 1, 1)),
+               calib_model=calib_model)
+    return out
 
 
 def _fit(times: dict) -> list:
@@ -123,7 +145,11 @@ def mpi_worker() -> None:
     _set_threads(1)
     world = world_comm()
     n = world.size
-    result = {}
+    world.barrier()
+    mine = measure_compute()
+    every = world.allgather_object(mine)
+    result = {"compute": {k: (statistics.median(e[k] for e in every) if not isinstance(mine[k], dict) else
+                              {d: statistics.median(e[k][d] for e in every) for d in mine[k]}) for k in mine}}
     for g in [g for g in range(2, n + 1) if n % g == 0]:
         comm = world.split(world.rank // g, world.rank, axis="calib")
         fits = {}
@@ -180,7 +206,11 @@ def measure_mpi(ranks: list[int], launcher: str = "mpiexec") -> dict:
         line = [x for x in proc.stdout.splitlines() if x.startswith("CALIB ")]
         if proc.returncode or not line:
             raise RuntimeError(f"MPI calibration at {n} ranks failed: {proc.stderr.strip()[-500:]}")
-        out[n] = {int(g): v for g, v in json.loads(line[0][6:]).items()}
+        got = json.loads(line[0][6:])
+        compute = got.pop("compute")
+        compute["gemm_rates"] = {float(d): r for d, r in compute["gemm_rates"].items()}
+        out[n] = {int(g): v for g, v in got.items()}
+        out[n][0] = compute  # group 0: the compute constants each of the N ranks gets
     return out
 
 
@@ -224,20 +254,24 @@ def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):
     loc = measure_local(calib_model)
     loc.update(measure_process_bytes())
     coll = measure_mpi(ranks)
+    compute = {n: coll[n].pop(0) for n in coll}
+    compute[1] = {k: loc[k] for k in ("gemm_rates", "bandwidth", "op_overhead_s", "ew_passes", "opt_tensor_s",
+                                      "opt_byte_s")}
     p2p = coll.get(min(coll), {}).get(2, {}).get("p2p", [2e-6, 1 / 5e9]) if coll else [2e-6, 1 / 5e9]
     cores = loc["cores"]
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    peak = max(loc["gemm_rates"].values())
     return Cluster(name=name, devices_per_node=max(ranks + [1]), nodes=1,
-                   peak_flops={"float32": loc["gemm_rate_per_core"], "float64": loc["gemm_rate_per_core"] / 2,
-                               "bfloat16": loc["gemm_rate_per_core"]},
-                   memory_bytes=float(total), memory_bandwidth=loc["bandwidth_per_core"], gemm_efficiency=1.0,
-                   gemm_half_dim=loc["gemm_half_dim"], intra_latency=p2p[0], intra_bandwidth=1 / max(p2p[1], 1e-12),
+                   peak_flops={"float32": peak, "float64": peak / 2, "bfloat16": peak},
+                   memory_bytes=float(total), memory_bandwidth=loc["bandwidth"], gemm_efficiency=1.0,
+                   gemm_half_dim=0.0, intra_latency=p2p[0], intra_bandwidth=1 / max(p2p[1], 1e-12),
                    inter_latency=p2p[0], inter_bandwidth=1 / max(p2p[1], 1e-12), op_overhead_s=loc["op_overhead_s"],
                    ew_passes=loc["ew_passes"], overlap=False, cores=cores,
-                   threads_per_core=loc["threads_per_core"], process_bytes=loc["process_bytes"], collectives=coll, gemm_rates=loc["gemm_rates"], source="calibrated",
+                   threads_per_core=loc["threads_per_core"], process_bytes=loc["process_bytes"],
+                   compute_by_ranks=compute, collectives=coll, gemm_rates=loc["gemm_rates"], source="calibrated",
                    notes=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} at ranks {ranks}; load "
                          f"{os.getloadavg()[0]:.2f}; local: " + json.dumps(
-                             {k: v for k, v in loc.items() if k != "gemm_rates"}))
+                             {k: v for k, v in loc.items() if k != "gemm_rates"}, default=str))
 
 
 if __name__ == "__main__":

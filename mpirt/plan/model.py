@@ -19,7 +19,10 @@
   reduce-scatter + allgather; ZeRO-3: per unit an allgather forward and backward and a
   reduce-scatter) overlaps the last micro-batch's backward where the cluster progresses MPI on its
   own (``overlap``), else it is exposed whole.
-- **Optimizer**: AdamW's passes over the local parameters (~12 array passes of 4 bytes).
+- **Optimizer**: clipping's pass over the gradients and AdamW over the local shard: per tensor
+  and per byte as calibrated (else ~12 array passes of 4 bytes).
+- A calibrated CPU preset holds, per rank count N, the compute constants each of N concurrent
+  ranks measured (``compute_by_ranks``): those replace the ``cores / N`` scaling at that N.
 - **Memory**: :func:`mpirt.memory.predict` for rank 0 and the last stage's first rank (or all),
   with the cluster's calibrated process baseline and rank 0's writing counted on top of its peak.
 """
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpirt.plan.hardware import Cluster
-from mpirt.plan.work import Work, layer_work
+from mpirt.plan.work import Work, layer_work, tensors_per_block
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "p2p")
 
@@ -80,8 +83,18 @@ class _Machine:
     def __init__(self, cluster: Cluster, world: int, dtype: str):
         self.c, self.world, self.dtype = cluster, world, dtype
         per_node = min(world, cluster.devices_per_node) if cluster.cores == 0 else world // max(cluster.nodes, 1) or 1
-        if cluster.cores:
-            threads = max(1, cluster.cores // per_node)
+        self.table, self.bandwidth = cluster.gemm_rates, cluster.memory_bandwidth
+        self.op_s, self.ew_passes, self.opt = cluster.op_overhead_s, cluster.ew_passes, None
+        measured = cluster.compute_by_ranks.get(per_node) if cluster.cores else None
+        if measured:  # what each of per_node concurrent ranks measured at --calibrate: no scaling
+            self.table, self.bandwidth = measured["gemm_rates"], measured["bandwidth"]
+            self.op_s, self.ew_passes = measured["op_overhead_s"], measured["ew_passes"]
+            self.opt = (measured.get("opt_tensor_s", 0.0), measured.get("opt_byte_s", 0.0))
+            threads = max(1, int(cluster.cores // per_node))
+            self.share = 1 + (threads - 1) * cluster.threads_per_core if per_node == 1 else 1.0
+            self.python_share = 1.0
+        elif cluster.cores:
+            threads = max(1, int(cluster.cores // per_node))
             share = min(float(threads), cluster.cores / per_node)
             # one rank with two threads: the measured speed-up of the second thread
             self.share = 1 + (share - 1) * cluster.threads_per_core if share > 1 else share
@@ -92,7 +105,7 @@ class _Machine:
 
     def gemm_rate(self, d: float) -> float:
         """FLOP/s of one core (device) on GEMMs whose smallest dimension is ``d``."""
-        table = self.c.gemm_rates
+        table = self.table
         if table:
             dims = sorted(table)
             return float(np.interp(np.log(d), np.log(dims), [table[k] for k in dims]))
@@ -102,8 +115,16 @@ class _Machine:
         gemm = 0.0
         if w.gemm_flops:
             gemm = w.gemm_flops / (self.gemm_rate(w.gemm_dim) * self.share)
-        ew = w.ew_bytes * self.c.ew_passes * ew_share / (self.c.memory_bandwidth * self.share)
-        return gemm + ew + w.ops * self.c.op_overhead_s / self.python_share
+        ew = w.ew_bytes * self.ew_passes * ew_share / (self.bandwidth * self.share)
+        return gemm + ew + w.ops * self.op_s / self.python_share
+
+    def optimizer(self, tensors: float, shard_bytes: float, grad_bytes: float) -> float:
+        """Clipping (a pass over the gradients) and AdamW over this rank's shard: measured per
+        tensor and per byte where calibrated, else ~12 passes of 4 bytes per parameter."""
+        clip = grad_bytes / (self.bandwidth * self.share) + tensors * self.op_s / self.python_share
+        if self.opt:
+            return clip + tensors * self.opt[0] + shard_bytes * self.opt[1]
+        return clip + 12 * shard_bytes / (self.bandwidth * self.share) + 12 * self.op_s / self.python_share
 
 
 def _spans_nodes(cluster: Cluster, axis: str, layout: dict) -> bool:
@@ -236,8 +257,11 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     parts["grad_sync"] = exposed + tied + sp_sync + small
     n_local = max(local_params.values())
     shard = n_local / (dp if cfg.zero else 1)
-    parts["optimizer"] = mach.compute(Work(ew_bytes=shard * 12 * 4 / cluster.ew_passes, ops=12), 1.0) \
-        + mach.compute(Work(ew_bytes=n_local * e / cluster.ew_passes, ops=4), 1.0) + 2 * small
+    blocks_local = model_cfg.n_layer / pp
+    tensors = blocks_local * tensors_per_block(model_cfg) + 4
+    if cfg.zero:
+        tensors = max(1.0, tensors / dp)
+    parts["optimizer"] = mach.optimizer(tensors, shard * 4, n_local * e) + 2 * small
     parts["other"] = small + 20 * cluster.op_overhead_s / mach.python_share   # data, flags, monitor
     step = pipe + parts["grad_sync"] + parts["optimizer"] + parts["other"]
     if pp == 1:

@@ -46,6 +46,7 @@ def _count(model_type: str, frozen: tuple) -> int:
     block = modeling.block_class(cfg)(cfg, "float32").initialize(0)
     x = Tensor(np.ones((2, 4, cfg.n_embd), dtype=np.float32), requires_grad=True)
     out = block(x)
+    n_params = len(list(block.parameters()))
     seen, stack = set(), [out._ctx]
     while stack:
         fn = stack.pop()
@@ -53,11 +54,20 @@ def _count(model_type: str, frozen: tuple) -> int:
             continue
         seen.add(id(fn))
         stack += [getattr(i, "_ctx", None) for i in fn.inputs]
-    return len(seen)
+    return len(seen), n_params
 
 
 def ops_per_block(model_cfg) -> int:
     """Autograd Functions one forward of the model's block calls (its backward calls as many)."""
+    return _block_counts(model_cfg)[0]
+
+
+def tensors_per_block(model_cfg) -> int:
+    """Parameter tensors of one block (the optimizer's and clipping's per-tensor work)."""
+    return _block_counts(model_cfg)[1]
+
+
+def _block_counts(model_cfg) -> tuple:
     small = dataclasses.replace(model_cfg, n_embd=2 * 8, n_head=2, n_positions=8, vocab_size=16, n_layer=1)
     if hasattr(small, "n_inner") and model_cfg.n_inner is not None:
         small = dataclasses.replace(small, n_inner=32)
