@@ -21,6 +21,7 @@ from mpirt.nn import ShardSpec
 from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.data import DataParallel
+from mpirt.parallel.flat import FlatParams, count_once
 from mpirt.tensor import Tensor
 from mpirt.models import GPT, GPTConfig, Llama, LlamaConfig
 from mpirt.models.gpt import GPTMLP, CausalSelfAttention
@@ -397,7 +398,8 @@ def comparable(name, a):
 def tp_run(grid, dtype, sp, steps=STEPS):
     tp, dp = grid.comm["tp"], grid.comm["dp"]
     model = TP.parallelize(GPT(CFG, dtype=dtype), tp, sequence_parallel=sp, seed=1)
-    ddp = DataParallel(model, dp, bucket_bytes=4000) if dp.size > 1 else None
+    store = FlatParams(model.parameters(), count_once(tp.rank))
+    ddp = DataParallel(store, dp, bucket_bytes=4000) if dp.size > 1 else None
     opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses, norms = [], []
     for step in range(steps):
@@ -406,8 +408,8 @@ def tp_run(grid, dtype, sp, steps=STEPS):
         loss.backward()
         if ddp is not None:
             ddp.finish()                      # average over dp first (in-flight buckets), then the SP sum
-        TP.sync_sequence_parallel_grads(model, tp)
-        norms.append(TP.clip_grad_norm(model.parameters(), CLIP, {"tp": tp}))
+        store.sync_partial_grads(tp)
+        norms.append(store.clip(CLIP, [tp]))
         losses.append(dp.allreduce_scalar(loss.item()) / dp.size)
         opt.step()
     if ddp is not None:

@@ -32,7 +32,7 @@ from mpirt.nn import Dropout
 from mpirt.optim import AdamW
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.data import DataParallel
-from mpirt.parallel.flat import FlatParams, clip_flat, count_once, sum_squares
+from mpirt.parallel.flat import FlatParams, count_once
 from mpirt.parallel.pipeline import PipelineStage
 from mpirt.parallel.state import load_shards, save_shards
 from mpirt.parallel.zero import ZeroOptimizer
@@ -102,7 +102,6 @@ class Engine:
                 if grid.sizes["dp"] > 1:
                     self.ddp = DataParallel(self.store, self.dp_comm)
                 self.optimizer = AdamW(self.store.params, **hyper)
-                self._counted_runs = self.store.runs(0, self.store.numel, counted)
         self._norm_comms = norm_comms
         self._stats: dict = {}  # timers of the last train_step
 
@@ -162,8 +161,7 @@ class Engine:
         ``max_norm`` (None: only the norm); returns the norm before clipping."""
         if isinstance(self.optimizer, ZeroOptimizer):
             return self.optimizer.clip_grad_norm(max_norm)
-        return clip_flat(sum_squares(self.store.grad, self._counted_runs), self._norm_comms, max_norm,
-                         [self.store.grad])
+        return self.store.clip(max_norm, self._norm_comms)
 
     def evaluate(self, x, y) -> float:
         """Mean loss of the global batch (this replica's rows ``x``, ``y``), no gradients."""

@@ -93,6 +93,7 @@ class FlatParams(FlatLayout):
         super().__init__(params)
         self.dtype = params[0].dtype if params else B.xp.dtype("float32")
         self.counted = counted or (lambda p: True)
+        self._counted_runs = self.runs(0, self.numel, self.counted)
         self.data = B.xp.empty(self.numel, dtype=self.dtype)
         for p, v in zip(self.params, self.views(self.data)):
             v[...] = p.data
@@ -125,6 +126,11 @@ class FlatParams(FlatLayout):
             if p.grad is None or p.grad.base is not self.grad:
                 raise RuntimeError(f"{who}: {p.name or 'a parameter'}.grad was rebound; gradients must stay "
                                    "views into the flat store (zero them in place, never set None)")
+
+    def clip(self, max_norm: float | None, comms=()) -> float:
+        """:func:`clip_flat` of the whole gradient vector: the counted elements' squares summed over
+        ``comms`` (the axes over which ranks hold different parameters: tp, pp). Returns the norm."""
+        return clip_flat(sum_squares(self.grad, self._counted_runs), comms, max_norm, [self.grad])
 
     def sync_partial_grads(self, tp_comm) -> None:
         """Sum over tp the gradients of parameters that saw only this rank's sequence chunk

@@ -46,7 +46,7 @@ The package, one module per concern: :mod:`.layout` (the tp axis, divisibility, 
 padding), :mod:`.comm` (``f``/``g`` and the sequence Functions), :mod:`.layers` (parallel modules
 and their fused Functions), :mod:`.loss` (vocabulary-parallel head and cross-entropy),
 :mod:`.plan` (:func:`parallelize`, :func:`reseed_dropouts`), :mod:`.state` (shards, state dicts,
-gradient sync and norms, gathered logits), :mod:`.memory` (activation bytes, measured and predicted).
+gradient sync, gathered logits), :mod:`.memory` (activation bytes, measured and predicted).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ from .layout import AXIS, PaddedParameter, check_tp_layout, pad_rows, pad_vocab
 from .loss import VocabParallelCrossEntropy, VocabParallelHead, VocabParallelLoss, vocab_parallel_cross_entropy
 from .memory import activation_bytes, saved_activation_bytes
 from .plan import KINDS, parallelize, reseed_dropouts
-from .state import (clip_grad_norm, full_state_dict, gather_logits, gather_param, grad_norm, shard_param,
+from .state import (full_state_dict, gather_logits, gather_param, shard_param,
                     shard_state_dict, sync_sequence_parallel_grads)
 
 __all__ = [
@@ -77,7 +77,7 @@ __all__ = [
     "parallelize", "reseed_dropouts",
     # state
     "shard_param", "gather_param", "shard_state_dict", "full_state_dict", "sync_sequence_parallel_grads",
-    "grad_norm", "clip_grad_norm", "gather_logits",
+    "gather_logits",
     # memory
     "saved_activation_bytes", "activation_bytes",
 ]

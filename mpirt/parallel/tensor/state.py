@@ -1,12 +1,12 @@
 """Tensor-parallel state: sharding and gathering parameters and state dicts, the gradient sum of
-sequence-parallel replicated parameters, global gradient norms and clipping, gathered logits."""
+sequence-parallel replicated parameters of a model outside a parameter store, gathered logits.
+(Global norms and clipping over tp are the store's: :mod:`mpirt.parallel.flat`.)"""
 from __future__ import annotations
 
 import numpy as np
 
 import mpirt.backend as B
 from mpirt.nn import Module, Parameter
-from mpirt.optim import global_grad_norm, scale_grads, sum_over
 from mpirt.tensor import Tensor
 
 from .comm import GatherLastDim
@@ -78,24 +78,6 @@ def sync_sequence_parallel_grads(model: Module, comm) -> None:
         for p in group:
             p.grad[...] = flat[offset:offset + p.grad.size].reshape(p.grad.shape)
             offset += p.grad.size
-
-
-def grad_norm(params, comms: dict) -> float:
-    """Global L2 norm of the gradients of a model sharded over the axes of ``comms`` (axis name ->
-    Comm, e.g. ``{"tp": grid.comm["tp"], "pp": grid.comm["pp"]}``; leave out axes over which
-    gradients are identical, such as dp after averaging). Each element counts once: a parameter
-    split over an axis contributes its shard on every rank of that axis; one replicated over it
-    only on that axis's rank 0. Padded vocabulary rows have zero gradient."""
-    counted = [p for p in params
-               if not any(axis not in p.spec.dims and c.rank != 0 for axis, c in comms.items())]
-    return global_grad_norm(counted, sum_over(*comms.values()))
-
-
-def clip_grad_norm(params, max_norm: float, comms: dict) -> float:
-    """Scale every gradient by ``max_norm / (norm + 1e-6)`` when the global norm (:func:`grad_norm`)
-    exceeds ``max_norm``; returns the norm before clipping (non-finite: nothing is scaled)."""
-    params = list(params)
-    return scale_grads(params, grad_norm(params, comms), max_norm)
 
 
 def gather_logits(logits, comm, vocab_size: int):
