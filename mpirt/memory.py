@@ -125,7 +125,7 @@ def _kept(acts: dict, mode: str, recomputed: bool) -> int:
 
 
 def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
-            rank0_on_top: bool = False, checkpoint_gather: bool = True) -> dict:
+            rank0_on_top: bool = False, checkpoint_gather: bool = False) -> dict:
     """Predicted peak bytes of world rank ``rank`` by category (:data:`CATEGORIES`) plus ``"peak"``,
     their sum, from the run's config alone (pure: nothing is built or communicated).
 
@@ -138,8 +138,9 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     pipeline schedule's peak in flight; ``communication``: pipeline receive buffers, ZeRO-3's
     gathered unit (parameters and gradient); ``workspace``: the larger transient of the backward's
     gradient of the logits (plus one recomputed block, whole again) and, less the activations
-    (freed by then), what the end of the run holds: the full state a checkpoint gathers (every
-    rank without pp; pp rank 0 with it) and rank 0's writing (:data:`RANK0_EXTRA_BYTES`). Split
+    (freed by then), what saving a checkpoint holds: every rank streams the boxes it owns (format 3),
+    tensor by tensor, so the largest local tensor's weights and two moments, and rank 0's writing
+    (:data:`RANK0_EXTRA_BYTES`). Split
     (zero-bubble) schedules charge a recomputed micro-batch its unrecomputed bytes until W.
 
     The planner's options (defaults give the figures above): ``process_bytes`` replaces
@@ -147,9 +148,8 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     counts rank 0's writing on top of the larger transient instead of inside the end of the run's
     (freed activations stay resident: the allocator keeps them for reuse, so the writer's buffers
     come on top; measured ~10 MiB above the other ranks on runs whose activations outweigh the
-    gathered state); ``checkpoint_gather=False`` models the sharded checkpoint (format 3: every
-    rank streams the boxes it owns, tensor by tensor) as the largest local tensor's weights and
-    two moments instead of the gathered full state.
+    gathered state); ``checkpoint_gather=True`` models the older whole-state checkpoints instead (the
+    full state gathered on every rank without pp, on pp rank 0 with it).
     """
     from mpirt import recompute
     from mpirt.precision import bytes_per_parameter, compute_dtype
@@ -213,7 +213,7 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
         backward += acts["block"] if mode == "full" else acts["core"]
     gathers_state = pp == 1 or pos["pp"] == 0
     checkpoint = 3 * n_full * state_e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * tp * state_e
-    if not checkpoint_gather:  # one tensor (the token table is the largest) and its moments at a time
+    if not checkpoint_gather:  # format 3: one tensor (the token table is the largest) and its moments at a time
         checkpoint = 3 * max(costs[0].params, max(c.params for c in costs[1:-1]) / 4) / tp * state_e
     if rank == 0 and not rank0_on_top:  # writing the checkpoint, metrics and summary
         checkpoint += RANK0_EXTRA_BYTES
@@ -249,7 +249,7 @@ def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int 
              "parameters": "--zero 3 or a larger pp or tp",
              "activations": "--recompute selective/full, a smaller --batch-size or more --microbatches",
              "communication": "a larger pp or tp (smaller stages and units)",
-             "workspace": "a larger pp or tp (checkpoints gather full tensors)",
+             "workspace": "a larger tp or pp (smaller logits and tensors)",
              "baseline": "a larger budget: the process alone needs it",
              "data": "a larger budget: the dataset's files are mapped whole"}
     raise ValueError(f"memory_budget: {describe_rank(layout, worst)}: predicted peak {format_size(p['peak'])} > "
