@@ -188,3 +188,20 @@ def test_report_section_shows_prediction_against_measured():
     assert "| step time |" in text and "| peak memory (largest rank) |" in text and "pipeline bubble" in text
     assert f"{pred['step_time_s']['error_pct']:+.1f}%" in text
     assert "No prediction" in prediction_section({})[0]
+
+
+def test_calibration_measures_compute_and_mpi_at_a_rank_count():
+    """--calibrate's MPI part at 2 ranks: the compute figures each rank got and the fits per
+    collective (alpha, beta >= 0), which the model then uses at that world and group size."""
+    from mpirt.plan.calibrate import measure_mpi
+
+    got = measure_mpi([2])[2]
+    compute = got.pop(0)
+    assert compute["gemm_rates"] and all(r > 0 for r in compute["gemm_rates"].values())
+    assert compute["op_overhead_s"] > 0 and compute["bandwidth"] > 0 and compute["ew_passes"] > 0
+    for op in ("allreduce", "allgather", "reduce_scatter", "p2p"):
+        alpha, beta = got[2][op]
+        assert alpha > 0 and beta >= 0
+    c = cpu(cores=2, collectives={2: got}, compute_by_ranks={2: compute}).with_shape(1, 2)
+    est = estimate(cfg(dp=2), TINY, c)
+    assert est.parts["grad_sync"] >= got[2]["allreduce"][0]
