@@ -62,7 +62,8 @@ def self_check(cfg, model_cfg, layout: dict, measured: dict, data_bytes: int = 0
            "tokens_per_s": _err(est.tokens_per_s, measured.get("tokens_per_s")),
            "peak_memory_bytes": _err(est.memory["peak"], measured.get("peak_memory_bytes")),
            "parts_s": {p: _err(est.parts[p], br.get(f"{p}_s")) for p in PARTS},
-           "bubble_fraction": {"predicted": est.bubble,
+           # rank 0's idle time inside the schedule over its step, as the monitor measures it
+           "bubble_fraction": {"predicted": est.parts["bubble"] / est.step_s, "schedule_all_ranks": est.bubble,
                                "measured": (br.get("bubble_s", 0.0) / measured["step_time_s"])
                                if measured.get("step_time_s") else None},
            "bottleneck": est.bottleneck, "notes": est.notes}
