@@ -107,3 +107,15 @@ def pool_bytes() -> tuple[int, int]:
     import cupy
     pool = cupy.get_default_memory_pool()
     return int(pool.used_bytes()), int(pool.total_bytes())
+
+
+def limit_pool(limit: int | None) -> bool:
+    """Cap CuPy's default memory pool at ``limit`` bytes (``--memory-budget`` on a GPU: an
+    allocation past it raises CuPy's OutOfMemoryError instead of growing the pool); None lifts the
+    cap. Returns whether a pool was capped (False on NumPy, where the budget is checked against the
+    process's peak resident set instead)."""
+    if name != "cupy":
+        return False
+    import cupy
+    cupy.get_default_memory_pool().set_limit(size=int(limit or 0))
+    return limit is not None

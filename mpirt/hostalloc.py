@@ -42,3 +42,15 @@ def _mallopt() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # Setting the mmap threshold also stops glibc from adjusting both thresholds on its own.
     return bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)) and bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the kernel now (glibc ``malloc_trim``): for one-off
+    phases that free as much as they allocate, such as moving parameters into the flat store,
+    which would otherwise leave the freed copies resident and count them in the peak."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)

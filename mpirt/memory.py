@@ -139,7 +139,7 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     gathered unit (parameters and gradient); ``workspace``: the larger transient of the backward's
     gradient of the logits (plus one recomputed block, whole again) and, less the activations
     (freed by then), what saving a checkpoint holds: every rank streams the boxes it owns (format 3),
-    tensor by tensor, so the largest local tensor's weights and two moments, and rank 0's writing
+    one at a time, so at most the largest local tensor once and its finiteness mask, and rank 0's writing
     (:data:`RANK0_EXTRA_BYTES`). Split
     (zero-bubble) schedules charge a recomputed micro-batch its unrecomputed bytes until W.
 
@@ -213,8 +213,9 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
         backward += acts["block"] if mode == "full" else acts["core"]
     gathers_state = pp == 1 or pos["pp"] == 0
     checkpoint = 3 * n_full * state_e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * tp * state_e
-    if not checkpoint_gather:  # format 3: one tensor (the token table is the largest) and its moments at a time
-        checkpoint = 3 * max(costs[0].params, max(c.params for c in costs[1:-1]) / 4) / tp * state_e
+    if not checkpoint_gather:  # format 3: boxes stream from the arrays, one at a time copied when not
+        # contiguous, after a finiteness mask (1 byte per element); the token table is the largest
+        checkpoint = max(costs[0].params, max(c.params for c in costs[1:-1]) / 4) / tp * (state_e + 1)
     if rank == 0 and not rank0_on_top:  # writing the checkpoint, metrics and summary
         checkpoint += RANK0_EXTRA_BYTES
     # the step's transient comes on top of the activations, the end of the run's after they are freed

@@ -338,6 +338,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     is_main = ctx.rank == 0
     world_comm = ctx.comm
 
+    B.limit_pool(parse_size(cfg.memory_budget))  # on a GPU the pool itself holds the budget
     engine = Engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed(f"dropout-dp{grid.coords['dp']}", rank=0))
     optimizer = engine.optimizer
     scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window) if cfg.dtype == "float16" else None

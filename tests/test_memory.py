@@ -117,3 +117,19 @@ def test_measured_peak_over_budget_stops_every_rank(tiny_data, tmp_path, monkeyp
                                     for e in errors)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["exit_code"] == 5 and s["steps"] == 2 and not (tmp_path / "ckpt").exists()
+
+
+def test_budget_caps_the_cupy_pool(monkeypatch):
+    """On a GPU the budget is the CuPy pool's limit (a fake cupy records the call); NumPy: no-op."""
+    import sys
+    import types
+
+    import mpirt.backend as B
+
+    limits = []
+    pool = types.SimpleNamespace(set_limit=lambda size: limits.append(size))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=lambda: pool))
+    assert B.limit_pool(1 << 30) is False and limits == []  # NumPy backend: the RSS check holds the budget
+    monkeypatch.setattr(B, "name", "cupy")
+    assert B.limit_pool(3 << 30) is True and B.limit_pool(None) is False
+    assert limits == [3 << 30, 0]

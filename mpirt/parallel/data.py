@@ -45,10 +45,15 @@ from mpirt.parallel.flat import FlatParams
 
 
 def broadcast_parameters(params, comm, root: int = 0) -> None:
-    """Give every rank of ``comm`` the weights of rank ``root``, in place: the parameters grouped
-    by dtype (in order of first appearance), one flat broadcast per dtype. Collective; nothing to
-    do on a single rank."""
+    """Give every rank of ``comm`` the weights of rank ``root``, in place: a
+    :class:`~mpirt.parallel.flat.FlatParams` store's data vector in one broadcast (no copy), or a
+    list of parameters grouped by dtype, one flat broadcast per dtype. Collective; nothing to do
+    on a single rank."""
     if comm.size == 1:
+        return
+    if isinstance(params, FlatParams):
+        B.synchronize()
+        comm.broadcast(params.data, root=root)
         return
     params = list(params)
     for dtype in _dtypes_in_order(params):
@@ -104,7 +109,7 @@ class DataParallel:
         self.overlap, self.progress, self.check_every = bool(overlap), progress, int(check_every)
         self.params = self.store.params
         self.names = [getattr(p, "name", "") or f"param{i}" for i, p in enumerate(self.params)]
-        broadcast_parameters(self.params, comm)
+        broadcast_parameters(self.store, comm)
         self.buckets = self._make_buckets(self.store, int(bucket_bytes))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._fired: set[int] = set()   # params whose hook fired since the last finish

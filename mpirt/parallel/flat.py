@@ -23,9 +23,13 @@ from __future__ import annotations
 import math
 
 import mpirt.backend as B
+from mpirt.hostalloc import release_freed_memory
 from mpirt.comm import chunk_bounds
 from mpirt.optim import clip_coefficient
 from mpirt.precision import upcast
+
+
+_TRIM_EVERY = 8 << 20  # bytes moved into the store between two releases of the freed copies
 
 
 class FlatLayout:
@@ -95,9 +99,15 @@ class FlatParams(FlatLayout):
         self.counted = counted or (lambda p: True)
         self._counted_runs = self.runs(0, self.numel, self.counted)
         self.data = B.xp.empty(self.numel, dtype=self.dtype)
+        moved = 0
         for p, v in zip(self.params, self.views(self.data)):
             v[...] = p.data
             p.data = v
+            moved += v.nbytes
+            if moved >= _TRIM_EVERY:  # the freed copies would stay resident beside the store
+                release_freed_memory()
+                moved = 0
+        release_freed_memory()
         self.grad = None
         self.alloc_grads()
 

@@ -121,11 +121,11 @@ class ZeroOptimizer:
         decay = decay or (lambda p: p.ndim >= 2)
         self._decayed = {id(p): bool(decay(p)) for p in self.params}  # before stage 3 empties p.data
         self._shapes = {id(p): tuple(p.shape) for p in self.params}
-        broadcast_parameters(self.params, comm)
 
         if stage == 3:
             if store is not None:
                 raise ValueError("ZeroOptimizer: stage 3 shards the parameters per unit; pass the model")
+            broadcast_parameters(self.params, comm)
             self.units, groups = plan_units(self, units, probe_len)
         else:
             groups = [self.params]
@@ -150,6 +150,7 @@ class ZeroOptimizer:
         else:
             g = self.groups[0]
             self.store = store or FlatParams(self.params, counted)
+            broadcast_parameters(self.store, comm)
             self.flat_param = self.store.data
             self.param_shard = self.flat_param[g.lo:g.hi]
             if stage == 1:

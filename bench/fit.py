@@ -1,0 +1,185 @@
+"""The headline run: a GPT too big for one rank's memory budget trains on 8 ranks within it.
+
+    python bench/fit.py                       # gpt2-medium, 1.5 GiB per rank, dp2 x pp2 x tp2, ZeRO-1
+    python bench/fit.py --model gpt2 --budget 700MiB --single
+
+What it does, each step a real `mpiexec -n RANKS python -m mpirt.train` (or mpirt.checkpoint) run:
+
+1. predicts, from the config alone (:func:`mpirt.memory.predict`), the single-rank training
+   memory (weights, gradients, AdamW state, one micro-batch's activations, the process) and each
+   rank's peak under the layout; refuses to go on when the single rank needs < 4x the budget;
+2. trains ``--steps`` steps under ``--memory-budget`` (the run itself refuses a layout predicted not
+   to fit and stops with exit 5 when a rank's measured peak passes the budget) and writes a
+   sharded checkpoint;
+3. resumes that checkpoint on another layout (``--then``) for two more steps, under the budget;
+4. exports the checkpoint to a Hugging Face GPT-2 directory, tensor by tensor, and records the
+   exporting process's peak;
+5. with ``--single``, trains the same steps on one rank without a budget and compares the losses.
+
+It prints, per rank, the predicted and measured peak and the measured parameters, gradients and
+optimizer state against the budget, and the step times; and writes them to
+``bench/results/fit.json`` and ``bench/results/fit.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import LoadMonitor, write_results  # noqa: E402
+
+from mpirt.config import parse_args  # noqa: E402
+from mpirt.memory import CATEGORIES, format_size, parse_size, predict  # noqa: E402
+from mpirt.modeling import load_model_config  # noqa: E402
+from mpirt.train import plan_layout  # noqa: E402
+
+
+def train_args(a, layout: str, out: Path, steps: int, extra=()) -> list[str]:
+    return [f"--model={a.model}", *shlex.split(a.model_args), f"--data={a.data}", f"--out-dir={out}", f"--steps={steps}",
+            f"--seq-len={a.seq_len}", f"--batch-size={a.batch_size}", "--eval-batches=1", "--eval-interval=0",
+            "--log-interval=1", "--progress=false", "--warmup-steps=1", "--overwrite", *shlex.split(layout), *extra]
+
+
+def launch(cmd: list[str], ranks: int, timeout: float) -> tuple[subprocess.CompletedProcess, float, int]:
+    """Run ``python -m ...`` (under mpiexec when ranks > 1); returns the result, its wall time and
+    the largest peak RSS of a child process (bytes; ru_maxrss of the children waited for)."""
+    full = [sys.executable, "-m", *cmd]
+    if ranks > 1:
+        full = ["mpiexec", "-n", str(ranks), *full]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    result = subprocess.run(full, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if result.returncode != 0:
+        sys.exit(f"fit: {' '.join(full)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    return result, wall, peak
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of the child processes waited for so far (the runs this script launched)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def losses_of(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2-medium")
+    ap.add_argument("--model-args", default="", help="--model.<field>=... overrides, e.g. for a test-sized twin")
+    ap.add_argument("--budget", default="1.5GiB", help="per-rank --memory-budget")
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--layout", default="--dp=2 --pp=2 --tp=2 --zero=1 --recompute=selective --microbatches=2")
+    ap.add_argument("--then", default="--dp=4 --tp=2 --zero=2 --recompute=full",
+                    help="the layout the checkpoint resumes on")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--data", default="", help="a prepared dataset (default: this repository's sources, bytes)")
+    ap.add_argument("--out", default="", help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--single", action="store_true", help="also train on one rank and compare the losses")
+    ap.add_argument("--min-ratio", type=float, default=4.0, help="single-rank need / budget at least this")
+    ap.add_argument("--timeout", type=float, default=3600)
+    a = ap.parse_args()
+
+    out = Path(a.out or tempfile.mkdtemp(prefix="mpirt-fit-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if not a.data:
+        a.data = str(out / "data")
+        if not (Path(a.data) / "meta.json").exists():
+            from mpirt.data import prepare
+            prepare(ROOT / "mpirt", Path(a.data), pattern="*.py", val_fraction=0.2)
+    budget = parse_size(a.budget)
+    load = LoadMonitor().start()
+    children_cpu0 = children_cpu_s()
+
+    # 1. the prediction, from the config alone
+    cfg = parse_args(train_args(a, a.layout, out / "run", a.steps, [f"--memory-budget={a.budget}"]))
+    model_cfg = load_model_config(cfg.model, cfg.model_overrides)
+    layout = plan_layout(cfg, a.ranks)
+    data_bytes = sum(f.stat().st_size for f in Path(a.data).glob("*.bin"))
+    single_cfg = dataclasses.replace(cfg, dp=1, pp=1, tp=1, zero=0, recompute="none", microbatches=0,
+                                     sequence_parallel=False, memory_budget="")
+    single = predict(single_cfg, model_cfg, {"dp": 1, "pp": 1, "tp": 1}, 0, data_bytes)
+    predicted = [predict(cfg, model_cfg, layout, r, data_bytes) for r in range(a.ranks)]
+    ratio = single["peak"] / budget
+    print(f"fit: {a.model}: single rank needs {format_size(single['peak'])} "
+          f"({', '.join(f'{k} {format_size(single[k])}' for k in CATEGORIES)}) = {ratio:.2f}x the budget "
+          f"{format_size(budget)}; on {a.ranks} ranks ({a.layout}) the largest predicted peak is "
+          f"{format_size(max(p['peak'] for p in predicted))}", flush=True)
+    if ratio < a.min_ratio:
+        sys.exit(f"fit: the single rank needs only {ratio:.2f}x the budget (< {a.min_ratio}); pick a bigger model "
+                 "or a smaller --budget")
+
+    # 2. train under the budget, 3. resume on another layout, 4. export
+    run, then = out / "run", out / "then"
+    first, first_wall, _ = launch(["mpirt.train", *train_args(a, a.layout, run, a.steps,
+                                                               [f"--memory-budget={a.budget}"])],
+                                  a.ranks, a.timeout)
+    summary = json.loads((run / "summary.json").read_text())
+    _, then_wall, _ = launch(["mpirt.train", *train_args(a, a.then, then, a.steps + 2,
+                                                         [f"--memory-budget={a.budget}", f"--init-from={run / 'ckpt'}"])],
+                             a.ranks, a.timeout)
+    resumed = json.loads((then / "summary.json").read_text())
+    hf = out / "hf"
+    _, export_wall, export_peak = launch(["mpirt.checkpoint", "export", str(then / "ckpt"), str(hf)], 1, a.timeout)
+    compare = None
+    if a.single:
+        launch(["mpirt.train", *train_args(a, "", out / "single", a.steps)], 1, a.timeout)
+        ref, got = losses_of(out / "single"), losses_of(run)
+        compare = {"single_losses": ref, "layout_losses": got,
+                   "max_rel_err": max(abs(x - y) / abs(y) for x, y in zip(got, ref))}
+
+    # the table
+    memory = summary["monitor"]["memory_per_rank"]
+    rows = []
+    for r in range(a.ranks):
+        m, p = memory[r], predicted[r]
+        rows.append({"rank": r, "predicted_peak": p["peak"], "measured_peak": summary["peak_memory_bytes_per_rank"][r],
+                     "budget": budget, "params": m["params"], "grads": m["grads"], "optimizer": m["optimizer"],
+                     "activations_peak": m["activations_peak"],
+                     "predicted": {k: p[k] for k in CATEGORIES}})
+    within = all(row["measured_peak"] <= budget for row in rows) and resumed["peak_memory_bytes"] <= budget
+    notes = [f"Single rank needs {format_size(single['peak'])} = {ratio:.2f}x the budget (predicted: "
+             + ", ".join(f"{k} {format_size(single[k])}" for k in CATEGORIES) + ").",
+             f"Layout `{a.layout}`: {a.steps} steps, median step {summary['step_time_s']:.2f} s, loss "
+             f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, wall {first_wall:.0f} s.",
+             f"Resumed on `{a.then}`: to step {a.steps + 2}, loss {resumed['last_loss']:.4f}, largest peak "
+             f"{format_size(resumed['peak_memory_bytes'])}, median step {resumed['step_time_s']:.2f} s, "
+             f"wall {then_wall:.0f} s.",
+             f"Exported to a Hugging Face directory in {export_wall:.0f} s (largest peak RSS of any child of "
+             f"this script so far, training ranks included: {format_size(export_peak)}).",
+             f"Every rank within the budget: {'yes' if within else 'NO'}."]
+    if compare:
+        notes.append(f"One rank, same steps: losses {compare['single_losses']}, layout {compare['layout_losses']}, "
+                     f"max relative difference {compare['max_rel_err']:.2e}.")
+    header = ["rank", "predicted peak", "measured peak", "budget", "params", "grads", "optimizer", "activation stash"]
+    table = [[row["rank"], format_size(row["predicted_peak"]), format_size(row["measured_peak"]), format_size(budget),
+              format_size(row["params"]), format_size(row["grads"]), format_size(row["optimizer"]),
+              format_size(row["activations_peak"])] for row in rows]
+    write_results("fit", f"bench/fit.py: {a.model} on {a.ranks} ranks within {format_size(budget)} per rank",
+                  header, table, load.stop(own=children_cpu_s() - children_cpu0),
+                  {"model": a.model, "budget": budget, "ranks": a.ranks, "layout": a.layout, "then": a.then,
+                   "single_rank_prediction": single, "ratio": ratio, "rows": rows, "summary": summary,
+                   "resumed": resumed, "export_s": export_wall, "compare": compare, "within_budget": within},
+                  notes)
+    if not within:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
