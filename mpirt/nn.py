@@ -200,16 +200,23 @@ class Parameter(Tensor):
         full *= self.std  # in place: the same products as ``* std`` without a second full array
         return full
 
-    def init_slice(self, seed: int, axis_sizes: dict | None = None, axis_ranks: dict | None = None) -> np.ndarray:
+    def init_slice(self, seed: int, axis_sizes: dict | None = None, axis_ranks: dict | None = None,
+                   out: np.ndarray | None = None) -> np.ndarray:
         """This rank's slice (NumPy, in the parameter's dtype) of :meth:`full_init`, equal to
         ``spec.shard(full_init(seed))`` rounded to the dtype, without building the full tensor:
         the normal draws are generated in order, :data:`INIT_CHUNK` at a time along the first
         dimension (the generator's stream does not depend on how it is cut), and each chunk's part
-        in the slice is kept. Holds at most one chunk beyond the slice."""
+        in the slice is kept. Holds at most one chunk beyond the slice. ``out``: a NumPy array of
+        the slice's shape (any dtype, e.g. a view into a flat parameter store) to fill instead."""
         sizes, ranks = axis_sizes or {}, axis_ranks or {}
         shape, gen = self.global_shape, self._init_shape()
         local = self.spec.local_shape(shape, sizes)
-        out = np.zeros(local, dtype=self.dtype)
+        if out is None:
+            out = np.zeros(local, dtype=self.dtype)
+        elif tuple(out.shape) != local:
+            raise ValueError(f"init_slice: out has shape {tuple(out.shape)}, {self.name}'s slice {local}")
+        else:
+            out[...] = 0
         if self.init == "zeros":
             return out
         if not shape:
