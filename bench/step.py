@@ -10,6 +10,10 @@ attention's batched products are not in it. The three contenders alternate step 
 [min-max], and warns when the machine was too loaded for the figures to mean anything.
 
     python bench/step.py [--threads N] [--repeats 12] [--cases tiny,d512] [--quiet-wait 300]
+
+``--ops`` runs mpirt's step alone instead and gives where it goes: per Function class its calls
+per step and its forward and backward milliseconds (the fastest of the repeats: the least
+disturbed), the optimizer step, zero_grad, and the rest (the autograd engine, Python).
 """
 from __future__ import annotations
 
@@ -68,6 +72,82 @@ def torch_step(cfg, batch, seq_len, x, y):
     return step
 
 
+def op_profile(cfg, batch, seq_len, x, y, repeats: int, pause: float) -> list[list]:
+    """Rows (part, calls per step, forward ms, backward ms) of mpirt's step, each the minimum
+    over ``repeats`` steps. A Function's backward counts once, with the passes it runs inside."""
+    import collections
+    import statistics
+    from mpirt.optim import AdamW
+    from mpirt.modeling import build_model
+    from mpirt.tensor import Function
+
+    model = build_model(cfg, seed=0)
+    opt = AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    model.zero_grad()
+    spent, calls, depth = collections.defaultdict(float), collections.Counter(), [0]
+    restore = []
+
+    def timed(cls, name, fn, phase):
+        def wrapper(self, *a, **k):
+            if depth[0]:                                   # inside another op's backward: its time
+                return fn(self, *a, **k)
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *a, **k)
+            finally:
+                depth[0] -= 1
+                spent[cls.__name__, phase] += time.perf_counter() - t0
+                calls[cls.__name__, phase] += 1
+        return wrapper
+
+    def subclasses(c):
+        for sub in c.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+    for cls in set(subclasses(Function)):
+        for name, phase in (("forward", "fwd"), ("backward", "bwd"), ("backward_input", "bwd"),
+                            ("backward_weight", "bwd")):
+            if name in cls.__dict__:
+                restore.append((cls, name, cls.__dict__[name]))
+                setattr(cls, name, timed(cls, name, cls.__dict__[name], phase))
+    per_step = collections.defaultdict(list)
+    try:
+        for r in range(repeats + 1):
+            spent.clear()
+            calls.clear()
+            time.sleep(pause)
+            t0 = time.perf_counter()
+            _, loss = model(x, y)
+            loss.backward()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            opt.zero_grad()
+            t3 = time.perf_counter()
+            if r == 0:
+                continue                                   # warm-up
+            per_step["step", ""].append(t3 - t0)
+            per_step["optimizer step", ""].append(t2 - t1)
+            per_step["zero_grad", ""].append(t3 - t2)
+            per_step["engine and Python (rest)", ""].append(t1 - t0 - sum(spent.values()))
+            for key, v in spent.items():
+                per_step[key].append(v)
+            step_calls = dict(calls)
+    finally:
+        for cls, name, fn in restore:
+            setattr(cls, name, fn)
+    ops = sorted({k[0] for k in per_step if k[1]}, key=lambda n: -sum(min(per_step.get((n, ph), [0])) for ph in ("fwd", "bwd")))
+    ms = lambda key: f"{1e3 * min(per_step[key]):.2f}" if key in per_step else ""  # noqa: E731
+    rows = [["step", "", "", "", f"{1e3 * min(per_step['step', '']):.2f} (median {1e3 * statistics.median(per_step['step', '']):.2f})"]]
+    for name in ops:
+        total = sum(min(per_step.get((name, ph), [0])) for ph in ("fwd", "bwd"))
+        rows.append([name, str(step_calls.get((name, "fwd"), 0)), ms((name, "fwd")), ms((name, "bwd")), f"{1e3 * total:.2f}"])
+    for key in ("optimizer step", "zero_grad", "engine and Python (rest)"):
+        rows.append([key, "", "", "", ms((key, ""))])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="default: what training uses here")
@@ -78,6 +158,8 @@ def main() -> None:
     parser.add_argument("--quiet-wait", type=float, default=0.0,
                         help="wait up to this many seconds for a quiet machine before starting")
     parser.add_argument("--name", default="step", help="results file name under bench/results")
+    parser.add_argument("--ops", action="store_true",
+                        help="profile mpirt's step per op instead of racing (results NAME_ops)")
     args = parser.parse_args()
     import mpirt.threads
     from mpirt import blas
@@ -86,6 +168,20 @@ def main() -> None:
     gemm_library = blas.describe()
 
     BC.wait_for_quiet(args.quiet_wait)
+    if args.ops:
+        load, rows = BC.LoadMonitor().start(), []
+        for name in args.cases.split(","):
+            cfg, batch, seq_len = case_config(name)
+            rng = np.random.default_rng(0)
+            x = rng.integers(0, cfg.vocab_size, (batch, seq_len), dtype=np.int64)
+            y = rng.integers(0, cfg.vocab_size, (batch, seq_len), dtype=np.int64)
+            rows += [[name] + row for row in op_profile(cfg, batch, seq_len, x, y, args.repeats, args.pause)]
+        load.stop()
+        BC.write_results(f"{args.name}_ops", "Where mpirt's step goes, per op", ["case", "part", "calls",
+                         "forward ms", "backward ms", "ms"], rows, load, {"threads": threads, "gemm": gemm_library},
+                         [f"float32, {threads} threads; each figure the fastest of {args.repeats} steps "
+                          "(the parts' minima need not add up to the step's).", f"mpirt GEMM: {gemm_library}"])
+        return
     load = BC.LoadMonitor().start()
     rows, data = [], {"threads": threads, "gemm": gemm_library, "cases": {}}
     for name in args.cases.split(","):
