@@ -62,8 +62,9 @@ def main() -> None:
                   + (f"{r['pred_tflops_interleaved']:.0f}" if "pred_tflops_interleaved" in r else "-") + " | "
                   f"{100 * (best - r['paper_tflops']) / r['paper_tflops']:+.0f}% | "
                   f"{r.get('pred_mem_gib_1f1b', 0):.1f} | {r.get('bottleneck_1f1b')} | "
-                  + (f"{r['planner_best']} ({1e3 * r['planner_step_s']:.0f} ms/step)" if "planner_best" in r else
-                     "not searched") + " |")
+                  + (f"{r['planner_best']} ({1e3 * r['planner_step_s']:.0f} ms/step against "
+                     f"{1e3 * P.megatron_flops(r['batch'], 2048, *r['shape']) / (best * 1e12 * r['gpus']):.0f} for the "
+                     f"paper's layout)" if "planner_best" in r else "not searched") + " |")
     md += ["", "Assumptions: micro-batches of one sequence, full activation recomputation (as the paper ran), "
            "bfloat16, the `a100` preset (75% GEMM efficiency, 20 us per autograd Function, NVLink 240 GB/s and "
            "InfiniBand 20 GB/s effective per GPU). The planner's pick minimises mpirt's predicted step time under "

@@ -101,6 +101,7 @@ def megatron_rows(cluster_name: str = "a100", search: bool = False, schedules=("
         dp = gpus // (tp * pp)
         flops = megatron_flops(batch, 2048, layers, hidden)
         row = {"params_b": params, "layout": f"tp {tp} pp {pp} dp {dp}", "gpus": gpus, "batch": batch,
+               "shape": (layers, hidden),
                "paper_tflops": tflops, "paper_pct": pct}
         for sched in schedules if pp > 1 else ("1f1b",):
             chunks = 2 if sched == "interleaved" else 1
