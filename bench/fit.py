@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--single", action="store_true", help="also train on one rank and compare the losses")
     ap.add_argument("--min-ratio", type=float, default=4.0, help="single-rank need / budget at least this")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--results", default="", help="where fit.json/fit.md go (default bench/results)")
     a = ap.parse_args()
 
     out = Path(a.out or tempfile.mkdtemp(prefix="mpirt-fit-"))
@@ -176,7 +177,7 @@ def main() -> None:
                   {"model": a.model, "budget": budget, "ranks": a.ranks, "layout": a.layout, "then": a.then,
                    "single_rank_prediction": single, "ratio": ratio, "rows": rows, "summary": summary,
                    "resumed": resumed, "export_s": export_wall, "compare": compare, "within_budget": within},
-                  notes)
+                  notes, directory=Path(a.results) if a.results else None)
     if not within:
         sys.exit(1)
 

@@ -201,7 +201,7 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     params, grads, optimizer = (n_local * per_param[k] for k in ("params", "grads", "optimizer"))
     comm = 0.0
     if cfg.zero == 3:
-        unit = max(c.params for c in costs)  # the largest unit, gathered with its gradient
+        unit = max(c.params for c in costs) / tp  # the largest unit (its tp slice), gathered with its gradient
         comm += 2 * unit * e
     elif cfg.zero == 2:
         grads += n_local * e  # the full gradient while backward runs, beside the shard
@@ -246,8 +246,9 @@ def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int 
     if p["peak"] <= budget:
         return preds
     term = max(CATEGORIES, key=lambda k: p[k])
-    hints = {"optimizer_state": "--zero 1 or a larger pp or tp", "gradients": "--zero 2 or a larger pp or tp",
-             "parameters": "--zero 3 or a larger pp or tp",
+    zero_hint = {k: f"--zero {z} or a larger pp or tp" if cfg.zero < z and not (z == 3 and layout["pp"] > 1)
+                 else "a larger pp or tp" for k, z in (("optimizer_state", 1), ("gradients", 2), ("parameters", 3))}
+    hints = {**zero_hint,
              "activations": "--recompute selective/full, a smaller --batch-size or more --microbatches",
              "communication": "a larger pp or tp (smaller stages and units)",
              "workspace": "a larger tp or pp (smaller logits and tensors)",

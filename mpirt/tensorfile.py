@@ -108,6 +108,20 @@ class SafetensorsFile:
         if box is not None:
             src = src[tuple(box)]
         if out is None:
-            return np.array(src)
-        out[...] = src
+            out = np.array(src)
+        else:
+            out[...] = src
+        self._release(key)
         return out
+
+    def _release(self, key) -> None:
+        """Drop the tensor's pages from this process's mapping (they stay in the page cache): a
+        strided box touches pages across the whole stored tensor, which would otherwise count in
+        the reader's resident set until the file is closed."""
+        if self._map is None or not hasattr(self._map, "madvise"):
+            return
+        _, dtype, shape, begin = self._entry(key)
+        lo = (self._base + begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = self._base + begin + math.prod(shape) * np.dtype(dtype).itemsize
+        if hi > lo:
+            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)

@@ -50,6 +50,9 @@ from mpirt.parallel.zero3 import plan_units
 from mpirt.tensor import Tensor
 
 
+PIECE_BYTES = 16 << 20  # the update and stage 1's allreduce run over pieces of the shard this large
+
+
 class _Group(FlatLayout):
     """Parameters laid out back to back (a :class:`FlatLayout`), chunked over the dp ranks: this
     rank owns ``[lo, hi)``, which sits at ``shard_offset`` in its concatenated shard."""
@@ -228,9 +231,12 @@ class ZeroOptimizer:
             return
         self._reduced = True
         B.synchronize()
-        if self.stage == 1:
+        if self.stage == 1:  # in pieces: MPI's temporary buffers stay as small as one
             self.store.check_views("ZeroOptimizer")
-            self.comm.allreduce(self.store.grad, op="avg", out=self.store.grad)
+            grad, piece = self.store.grad, max(1, PIECE_BYTES // self.store.grad.itemsize)
+            for a in range(0, grad.size, piece):
+                part = grad[a:a + piece]
+                self.comm.allreduce(part, op="avg", out=part)
         elif self.stage == 2:
             self.store.check_views("ZeroOptimizer")
             self.comm.reduce_scatter(self.store.grad, op="avg", out=self.grad_shard)
@@ -246,20 +252,28 @@ class ZeroOptimizer:
                          max_norm, [self.store.grad if self.stage == 1 else self.grad_shard])
 
     def step(self) -> None:
-        """One AdamW update of this rank's shard; stages 1-2 then all-gather the parameters."""
+        """One AdamW update of this rank's shard; stages 1-2 then all-gather the parameters.
+        The update runs piece by piece (:data:`PIECE_BYTES`): its temporaries stay that small."""
         self.reduce_gradients()
         self.step_count += 1
-        param, grad, scale = self.param_shard, self.grad_shard, float(self.grad_scale)
-        if self.master_shard is not None:  # half: update the float32 master, unscaled in float32
-            param, grad = self.master_shard, B.xp.multiply(grad, scale, dtype=self.state_dtype)
-        elif scale != 1.0:
-            grad *= scale
+        scale, xp = float(self.grad_scale), B.xp
         if self.weight_decay:
             keep = 1.0 - self.lr * self.weight_decay
+            param = self.param_shard if self.master_shard is None else self.master_shard
             for a, b in self._decay_runs:
                 param[a:b] *= keep
-        adamw_update(param, grad, self.exp_avg, self.exp_avg_sq, step=self.step_count,
-                     lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=0.0)
+        n = self.shard_numel
+        piece = max(1, PIECE_BYTES // self.exp_avg.itemsize)
+        scratch = xp.empty(min(n, piece), dtype=self.state_dtype)
+        for a in range(0, n, piece):
+            b = min(a + piece, n)
+            param, grad = self.param_shard[a:b], self.grad_shard[a:b]
+            if self.master_shard is not None:  # half: update the float32 master, unscaled in float32
+                param, grad = self.master_shard[a:b], xp.multiply(grad, scale, dtype=self.state_dtype)
+            elif scale != 1.0:
+                grad *= scale
+            adamw_update(param, grad, self.exp_avg[a:b], self.exp_avg_sq[a:b], step=self.step_count, lr=self.lr,
+                         beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=0.0, scratch=scratch[:b - a])
         if self.master_shard is not None:
             self.param_shard[...] = self.master_shard  # rounded to nearest even
         if self.stage < 3:
