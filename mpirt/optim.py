@@ -123,15 +123,19 @@ class Optimizer:
         self.state = [{k: B.xp.zeros(p.shape, dtype=compute_dtype(p.dtype)) for k in self.state_names}
                       for p in self.params]
         self._scratch: dict = {}  # (use, dtype) -> flat buffer as large as the largest parameter using it
+        # Sizes and compute dtypes once: local shapes are fixed, and a Parameter's size property
+        # costs a NumPy call (~5 us; twice per parameter per step added up to ~0.3 ms on the tiny GPT).
+        self._sizes = [math.prod(p.shape) for p in self.params]
+        self._dtypes = [compute_dtype(p.dtype) for p in self.params]
 
-    def _scratch_for(self, p, use: str = "update"):
-        """A scratch array shaped like ``p`` in its compute dtype (``use`` keeps two apart)."""
-        dtype = compute_dtype(p.dtype)
+    def _scratch_for(self, i: int, use: str = "update"):
+        """A scratch array shaped like parameter ``i`` in its compute dtype (``use`` keeps two apart)."""
+        dtype = self._dtypes[i]
         buf = self._scratch.get((use, dtype))
         if buf is None:
-            size = max(q.size for q in self.params if compute_dtype(q.dtype) == dtype)
+            size = max(n for n, d in zip(self._sizes, self._dtypes) if d == dtype)
             buf = self._scratch[use, dtype] = B.xp.empty(size, dtype=dtype)
-        return buf[:p.size].reshape(p.shape)
+        return buf[:self._sizes[i]].reshape(self.params[i].shape)
 
     def zero_grad(self) -> None:
         """Zero every gradient in place; allocate a zero buffer where ``grad`` is None (never rebinds)."""
@@ -153,11 +157,11 @@ class Optimizer:
             if master is None:
                 if scale != 1.0:
                     p.grad *= scale
-                self._update(i, p.data, p.grad, state, self._scratch_for(p))
+                self._update(i, p.data, p.grad, state, self._scratch_for(i))
             else:
-                grad = self._scratch_for(p, "grad")
+                grad = self._scratch_for(i, "grad")
                 B.xp.multiply(p.grad, scale, out=grad, dtype=grad.dtype)  # in float32: no underflow
-                self._update(i, master, grad, state, self._scratch_for(p))
+                self._update(i, master, grad, state, self._scratch_for(i))
                 p.data[...] = master                    # rounded to nearest even
 
     def _update(self, i: int, param, grad, state, scratch) -> None:
