@@ -34,6 +34,7 @@ from mpirt.optim import cosine_lr
 from mpirt.precision import LossScaler, is_half
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.engine import Engine, zero_refusal
+from mpirt.plan import format_lines as prediction_lines, self_check
 from mpirt.parallel.schedules import check_shape
 from mpirt.modeling import apply_overrides, attention_core, config_from_dict, flops_per_token, load_model_config, open_hf, \
     num_parameters
@@ -541,7 +542,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "memory_budget_bytes": budget,
         **monitored,
     }
-    if is_main:
+    if is_main:  # the performance model's prediction for this layout beside what was measured
+        summary["prediction"] = self_check(cfg, model_cfg, layout, summary, data.train.nbytes + data.val.nbytes)
         _write_json(out / "summary.json", summary)
         print(end_block(summary, out, start_step), file=sys.stderr, flush=True)
     if exit_code:
@@ -563,6 +565,7 @@ def end_block(summary: dict, out: Path, start_step: int) -> str:
              f"mpirt:   checkpoint " + (f"{out / 'ckpt'} (step {s['last_checkpoint_step']})"
                                        if s["last_checkpoint_step"] is not None else "none")
              + f", summary {out / 'summary.json'}, metrics {out / 'metrics'}/"] + monitor_lines(s, out)
+    lines += [f"mpirt:   model: {line}" for line in prediction_lines(s.get("prediction"))]
     if s["stopped"]:
         lines.append("mpirt:   " + ("continue with the same command and --resume auto"
                                      if s["exit_code"] == jobctl.EXIT_STOPPED else

@@ -26,6 +26,12 @@ def test_train_writes_summary_checkpoint_and_samples(tiny_data, tmp_path):
     assert summary["layout"] == {"dp": 1, "tp": 1, "pp": 1}
     assert summary["last_loss"] < summary["first_loss"]
     assert 0 < summary["mfu"] < 1 and summary["tokens_per_s"] > 0
+    # the performance model's self-check: predicted beside measured, with the error in percent
+    pred = summary["prediction"]
+    assert "error" not in pred, pred
+    assert pred["step_time_s"]["measured"] == summary["step_time_s"] and pred["step_time_s"]["predicted"] > 0
+    assert pred["peak_memory_bytes"]["measured"] == summary["peak_memory_bytes"]
+    assert pred["peak_memory_bytes"]["error_pct"] is not None
     assert len(read_metrics(out)) == 6
 
     text = run_module("mpirt.sample", f"--ckpt={out / 'ckpt'}", "--tokens=20", "--prompt=def ").stdout
