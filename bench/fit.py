@@ -1,6 +1,6 @@
 """The headline run: a GPT too big for one rank's memory budget trains on 8 ranks within it.
 
-    python bench/fit.py                       # gpt2-medium, 1.5 GiB per rank, dp2 x pp2 x tp2, ZeRO-1
+    python bench/fit.py                       # gpt2-medium, 1.5 GiB per rank, dp2 x tp4, ZeRO-1
     python bench/fit.py --model gpt2 --budget 700MiB --single
 
 What it does, each step a real `mpiexec -n RANKS python -m mpirt.train` (or mpirt.checkpoint) run:
@@ -47,7 +47,7 @@ from mpirt.train import plan_layout  # noqa: E402
 
 def train_args(a, layout: str, out: Path, steps: int, extra=()) -> list[str]:
     return [f"--model={a.model}", *shlex.split(a.model_args), f"--data={a.data}", f"--out-dir={out}", f"--steps={steps}",
-            f"--seq-len={a.seq_len}", f"--batch-size={a.batch_size}", "--eval-batches=1", "--eval-interval=0",
+            f"--seq-len={a.seq_len}", f"--batch-size={a.batch_size}", f"--lr={a.lr}", "--eval-batches=1", "--eval-interval=0",
             "--log-interval=1", "--progress=false", "--warmup-steps=1", "--overwrite", *shlex.split(layout), *extra]
 
 
@@ -83,12 +83,12 @@ def main() -> None:
     ap.add_argument("--model-args", default="", help="--model.<field>=... overrides, e.g. for a test-sized twin")
     ap.add_argument("--budget", default="1.5GiB", help="per-rank --memory-budget")
     ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--layout", default="--dp=2 --pp=2 --tp=2 --zero=1 --recompute=selective --microbatches=2")
-    ap.add_argument("--then", default="--dp=4 --tp=2 --zero=2 --recompute=full",
-                    help="the layout the checkpoint resumes on")
+    ap.add_argument("--layout", default="--dp=2 --tp=4 --zero=1 --recompute=selective")
+    ap.add_argument("--then", default="--tp=8", help="the layout the checkpoint resumes on")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--data", default="", help="a prepared dataset (default: this repository's sources, bytes)")
     ap.add_argument("--out", default="", help="where the runs go (default: a temporary directory)")
     ap.add_argument("--single", action="store_true", help="also train on one rank and compare the losses")

@@ -2,6 +2,7 @@
 chunk, and the memory (tracemalloc: NumPy reports its allocations to it) of building a model, a
 tensor-parallel model, a pipeline stage, loading a sharded checkpoint and initialising from a
 Hugging Face directory, each against this rank's own slices plus the largest full parameter."""
+import contextlib
 import os
 import shutil
 import tempfile
@@ -189,6 +190,47 @@ def test_pipeline_stage_build_holds_its_layers_plus_one_parameter(group, pp, tp)
         stage, peak, held = traced(make)
         ok, detail = check_build(stage.parameters(), peak, held)
         ok = ok and _same_as_single_rank(stage.named_parameters(), grid.coords["tp"], tp)
+        grid.free()
+    agree(ok, detail)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("zero, tp", [(3, 1), (3, 2), (1, 2), (0, 1)])
+def test_engine_build_holds_its_shard_plus_one_parameter(group, zero, tp, monkeypatch):
+    """The engine builds the model lazily and generates each parameter's slice straight into the
+    parameter store (ZeRO-1/2, DataParallel) or, at ZeRO-3, one parameter at a time of which the
+    rank keeps its chunk: the peak is what the rank holds (parameters, gradients, AdamW state)
+    plus one full parameter (and one chunk of draws, made small here), and the values are the
+    single-rank model's."""
+    from dataclasses import replace
+
+    from conftest import agree
+    from mpi4py import MPI
+
+    from mpirt.config import TrainConfig
+    from mpirt.grid import Grid
+    from mpirt.parallel.engine import Engine
+    if MPI.COMM_WORLD.size < 2 * tp:
+        pytest.skip(f"needs {2 * tp} ranks")
+    comm = group(2 * tp)
+    ok, detail = True, ""
+    if comm is not None:
+        monkeypatch.setattr(nn, "INIT_CHUNK", 4096)
+        grid = Grid(2, 1, tp, comm)
+        cfg = replace(TrainConfig(), dp=2, tp=tp, zero=zero, dtype="float64", seed=1)
+        make = lambda: Engine(cfg, gpt_cfg(), grid, dropout_seed=0)  # noqa: E731
+        make().close()  # warm: imports, communicators
+        engine, peak, held = traced(make)
+        opt = engine.optimizer
+        own = sum(opt.memory_bytes().values()) if zero else sum(engine.ddp.memory_bytes(opt).values())
+        largest = largest_full(engine.model.parameters())
+        detail = f"zero {zero} tp {tp}: own {own} B, largest full {largest} B, peak {peak} B, held {held} B"
+        print(detail)
+        slack = SLACK * (2 if zero == 3 else 1)  # ZeRO-3: its unit plan, groups and the chunk's index arrays
+        ok = peak <= own + largest + slack and held <= own + slack
+        with opt.full_parameters() if zero == 3 else contextlib.nullcontext():
+            ok = ok and _same_as_single_rank(engine.model.named_parameters(), grid.coords["tp"], tp)
+        engine.close()
         grid.free()
     agree(ok, detail)
 

@@ -49,6 +49,18 @@ def zero_refusal(zero: int, tp: int, pp: int) -> str | None:
     return None
 
 
+def seeded_init(seed: int, axis_sizes: dict, axis_ranks: dict):
+    """``init(p, out=None)``: parameter ``p``'s slice of its seeded initial tensor
+    (:meth:`mpirt.nn.Parameter.init_slice`), written into ``out`` when given (a device array
+    through one host slice)."""
+    def init(p, out=None):
+        if out is not None and B.is_device_array(out):
+            out[...] = B.asarray(p.init_slice(seed, axis_sizes, axis_ranks))
+            return out
+        return p.init_slice(seed, axis_sizes, axis_ranks, out=out)
+    return init
+
+
 class Engine:
     """This rank's part of the model on ``grid``, its parameter store, dp sync and optimizer.
 
@@ -74,10 +86,13 @@ class Engine:
             roots = (self.model, self.stage.shell)  # the embedding dropout stays in the ends' shell
         else:
             self.stage = None
-            # every layout starts from the same weights: full tensors from the seed, then sliced
-            self.model = build_model(model_cfg, dtype=cfg.dtype, seed=cfg.seed if tp == 1 else None)
+            # built lazily (no arrays); every layout starts from the single-rank weights: each
+            # parameter's slice of its seeded tensor is generated straight into the store (ZeRO-3:
+            # one parameter at a time, of which the rank keeps its shard)
+            self.model = build_model(model_cfg, dtype=cfg.dtype)
             if tp > 1:
-                TP.parallelize(self.model, self.tp_comm, sequence_parallel=cfg.sequence_parallel, seed=cfg.seed)
+                TP.parallelize(self.model, self.tp_comm, sequence_parallel=cfg.sequence_parallel)
+            init = seeded_init(cfg.seed, {"tp": tp}, {"tp": grid.coords["tp"]})
             blocks, tied_copy, roots = dict(enumerate(self.model.h)), (), (self.model,)
         if local is None:
             for part in filter(None, roots):  # each dp replica draws its own masks
@@ -91,10 +106,10 @@ class Engine:
         self.ddp = self.store = None
         if cfg.zero == 3:
             self.optimizer = ZeroOptimizer(self.model, self.dp_comm, stage=3, counted=counted, norm_comms=norm_comms,
-                                           probe_len=tp if sp else 1, **hyper)
+                                           probe_len=tp if sp else 1, init=init, **hyper)
         else:
             params = self.stage.parameters() if self.stage else self.model.parameters()
-            self.store = FlatParams(params, counted)
+            self.store = FlatParams(params, counted, init=None if self.stage else init)
             if cfg.zero:
                 self.optimizer = ZeroOptimizer(self.store, self.dp_comm, stage=cfg.zero, norm_comms=norm_comms,
                                                **hyper)

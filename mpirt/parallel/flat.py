@@ -85,9 +85,11 @@ class FlatParams(FlatLayout):
 
     ``counted(p) -> bool``: whether ``p``'s gradient counts in the global norm on this rank
     (:func:`count_once`; default every parameter). Every ``p.data`` becomes a view into
-    :attr:`data` (values kept) and every ``p.grad`` a view into :attr:`grad` (zeroed)."""
+    :attr:`data` (values kept) and every ``p.grad`` a view into :attr:`grad` (zeroed). A lazy
+    parameter (no array yet) is materialised in its view by ``init(p, out=view)`` (e.g.
+    :meth:`mpirt.nn.Parameter.init_slice`), so its values are never held twice."""
 
-    def __init__(self, params, counted=None):
+    def __init__(self, params, counted=None, init=None):
         params = [p for p in params if p.requires_grad]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("FlatParams: a parameter appears twice")
@@ -101,7 +103,10 @@ class FlatParams(FlatLayout):
         self.data = B.xp.empty(self.numel, dtype=self.dtype)
         moved = 0
         for p, v in zip(self.params, self.views(self.data)):
-            v[...] = p.data
+            if p.materialized or init is None:
+                v[...] = p.data
+            else:
+                init(p, out=v)
             p.data = v
             moved += v.nbytes
             if moved >= _TRIM_EVERY:  # the freed copies would stay resident beside the store

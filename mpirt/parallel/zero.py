@@ -41,7 +41,7 @@ import contextlib
 import math
 
 import mpirt.backend as B
-from mpirt.nn import Module
+from mpirt.nn import Module, stand_ins
 from mpirt.optim import adamw_update
 from mpirt.precision import compute_dtype, is_half
 from mpirt.parallel.data import broadcast_parameters
@@ -82,7 +82,9 @@ class ZeroOptimizer:
     ``p``'s gradient counts in the norm on this rank (:func:`mpirt.parallel.flat.count_once`) and
     ``norm_comms`` are the other axes over which ranks hold different parameters (tp, pp); the
     dp group is then the ranks of one (pp, tp) coordinate. Parameters are broadcast from dp rank
-    0 at construction.
+    0 at construction, except lazy ones (no array yet): ``init(p, out=None)`` gives their value
+    on every rank alike (e.g. :meth:`mpirt.nn.Parameter.init_slice`); at stage 3 one parameter is
+    generated at a time and the rank keeps its chunk, so the model is never held whole.
 
     Loop: ``zero_grad()``; forward/backward per micro-batch (scale the loss by 1/K); optionally
     ``clip_grad_norm(max_norm)``; ``step()``. All parameters must share one dtype.
@@ -90,7 +92,7 @@ class ZeroOptimizer:
 
     def __init__(self, model_or_params, comm, stage: int = 1, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, decay=None, units=None, counted=None,
-                 norm_comms=(), probe_len: int = 1):
+                 norm_comms=(), probe_len: int = 1, init=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}")
         beta1, beta2 = betas
@@ -128,8 +130,11 @@ class ZeroOptimizer:
         if stage == 3:
             if store is not None:
                 raise ValueError("ZeroOptimizer: stage 3 shards the parameters per unit; pass the model")
-            broadcast_parameters(self.params, comm)
-            self.units, groups = plan_units(self, units, probe_len)
+            self._init = init
+            if all(p.materialized for p in self.params):
+                broadcast_parameters(self.params, comm)
+            with stand_ins(self.params):  # the one-row discovery run needs no real values
+                self.units, groups = plan_units(self, units, probe_len)
         else:
             groups = [self.params]
         self.groups = [_Group(g, self._shapes, self.rank, self.size) for g in groups]
@@ -152,8 +157,10 @@ class ZeroOptimizer:
             self._shard_parameters()
         else:
             g = self.groups[0]
-            self.store = store or FlatParams(self.params, counted)
-            broadcast_parameters(self.store, comm)
+            lazy = any(not p.materialized for p in self.params)
+            self.store = store or FlatParams(self.params, counted, init=init)
+            if not lazy:  # seeded values are the same on every rank already
+                broadcast_parameters(self.store, comm)
             self.flat_param = self.store.data
             self.param_shard = self.flat_param[g.lo:g.hi]
             if stage == 1:
@@ -169,10 +176,11 @@ class ZeroOptimizer:
         self.param_shard = xp.empty(self.shard_numel, dtype=self.dtype)
         self.grad_shard = xp.zeros(self.shard_numel, dtype=self.dtype)
         self._placeholder = xp.empty(0, dtype=self.dtype)
-        for g in self.groups:
+        for g in self.groups:  # one parameter at a time: this rank keeps its chunk of each
+            for p, lo, hi, pos in g.segments(g.lo, g.hi):
+                value = p.data if p.materialized else self._init(p)
+                self.param_shard[g.shard_offset + pos:g.shard_offset + pos + hi - lo] = B.asarray(value.reshape(-1)[lo:hi])
             a, b = g.shard_offset, g.shard_offset + g.hi - g.lo
-            full = xp.concatenate([p.data.reshape(-1) for p in g.params])
-            self.param_shard[a:b] = full[g.lo:g.hi]
             g.shard = Tensor(self.param_shard[a:b], requires_grad=True)
             g.shard.grad = self.grad_shard[a:b]
         for p in self.params:
