@@ -1,7 +1,7 @@
 """The headline run: a GPT too big for one rank's memory budget trains on 8 ranks within it.
 
     python bench/fit.py                       # gpt2-medium, 1.5 GiB per rank, dp2 x tp4, ZeRO-1
-    python bench/fit.py --model gpt2 --budget 700MiB --single
+    python bench/fit.py --model gpt2 --budget 700MiB --single --layout="--dp=2 --tp=4 --zero=1"
 
 What it does, each step a real `mpiexec -n RANKS python -m mpirt.train` (or mpirt.checkpoint) run:
 
@@ -41,8 +41,8 @@ from common import LoadMonitor, write_results  # noqa: E402
 
 from mpirt.config import parse_args  # noqa: E402
 from mpirt.memory import CATEGORIES, format_size, parse_size, predict  # noqa: E402
-from mpirt.modeling import load_model_config  # noqa: E402
-from mpirt.train import plan_layout  # noqa: E402
+from mpirt.modeling import load_model_config, num_parameters  # noqa: E402
+from mpirt.train import open_dataset, plan_layout, vocab_from_data  # noqa: E402
 
 
 def train_args(a, layout: str, out: Path, steps: int, extra=()) -> list[str]:
@@ -80,7 +80,9 @@ def losses_of(out: Path) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2-medium")
-    ap.add_argument("--model-args", default="", help="--model.<field>=... overrides, e.g. for a test-sized twin")
+    ap.add_argument("--model-args", default="--model.vocab_size=50257",
+                    help="--model.<field>=... overrides (default: GPT-2's vocabulary, which training from "
+                         "scratch would otherwise take from the byte-level data: 256)")
     ap.add_argument("--budget", default="1.5GiB", help="per-rank --memory-budget")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--layout", default="--dp=2 --tp=4 --zero=1 --recompute=selective")
@@ -110,8 +112,9 @@ def main() -> None:
 
     # 1. the prediction, from the config alone
     cfg = parse_args(train_args(a, a.layout, out / "run", a.steps, [f"--memory-budget={a.budget}"]))
-    model_cfg = load_model_config(cfg.model, cfg.model_overrides)
     layout = plan_layout(cfg, a.ranks)
+    model_cfg = vocab_from_data(cfg, load_model_config(cfg.model, cfg.model_overrides), open_dataset(cfg.data),
+                                layout["tp"])  # the model train.py builds
     data_bytes = sum(f.stat().st_size for f in Path(a.data).glob("*.bin"))
     single_cfg = dataclasses.replace(cfg, dp=1, pp=1, tp=1, zero=0, recompute="none", microbatches=0,
                                      sequence_parallel=False, memory_budget="")
@@ -155,7 +158,8 @@ def main() -> None:
                      "activations_peak": m["activations_peak"],
                      "predicted": {k: p[k] for k in CATEGORIES}})
     within = all(row["measured_peak"] <= budget for row in rows) and resumed["peak_memory_bytes"] <= budget
-    notes = [f"Single rank needs {format_size(single['peak'])} = {ratio:.2f}x the budget (predicted: "
+    notes = [f"{a.model} {a.model_args}: {num_parameters(model_cfg) / 1e6:.1f}M parameters. "
+             f"Single rank needs {format_size(single['peak'])} = {ratio:.2f}x the budget (predicted: "
              + ", ".join(f"{k} {format_size(single[k])}" for k in CATEGORIES) + ").",
              f"Layout `{a.layout}`: {a.steps} steps, median step {summary['step_time_s']:.2f} s, loss "
              f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, wall {first_wall:.0f} s.",

@@ -84,6 +84,7 @@ class Engine:
                 seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
             self.model, blocks, tied_copy = self.stage.model, self.stage.blocks, self.stage.tied_copy
             roots = (self.model, self.stage.shell)  # the embedding dropout stays in the ends' shell
+            init = None  # the stage initialises its own layers
         else:
             self.stage = None
             # built lazily (no arrays); every layout starts from the single-rank weights: each
@@ -109,7 +110,7 @@ class Engine:
                                            probe_len=tp if sp else 1, init=init, **hyper)
         else:
             params = self.stage.parameters() if self.stage else self.model.parameters()
-            self.store = FlatParams(params, counted, init=None if self.stage else init)
+            self.store = FlatParams(params, counted, init=init)
             if cfg.zero:
                 self.optimizer = ZeroOptimizer(self.store, self.dp_comm, stage=cfg.zero, norm_comms=norm_comms,
                                                **hyper)
