@@ -327,34 +327,12 @@ def global_grad_norm(params, allreduce_sq=None) -> float:
     return math.sqrt(sq)
 
 
-def sum_over(*comms):
-    """An ``allreduce_sq`` for :func:`global_grad_norm`: sums a float over each given comm in turn
-    (None and single-rank comms are skipped; ``sum_over()`` is the identity)."""
-    comms = [c for c in comms if c is not None and c.size > 1]
-
-    def allreduce_sq(sq: float) -> float:
-        for c in comms:
-            sq = c.allreduce_scalar(sq)
-        return sq
-    return allreduce_sq
-
-
-class FlatGrad:
-    """A flat gradient buffer in the form :func:`global_grad_norm` and :func:`scale_grads` take (an
-    object with ``.grad``): for layouts that keep their gradients in one array (ZeRO shards, a
-    pipeline stage's flat gradient), so the norm and the scaling run once over the buffer."""
-    __slots__ = ("grad",)
-
-    def __init__(self, grad):
-        self.grad = grad
-
-
 def clip_coefficient(norm: float, max_norm: float) -> float | None:
     """The clipping rule, in one place: the factor ``max_norm / (norm + 1e-6)`` to scale every
     gradient by when the global ``norm`` exceeds ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``),
     else None: nothing to scale, also for a non-finite norm (scaling by 0 would turn infinite
-    gradients into NaN; the caller can skip the step). Every ``clip_grad_norm`` in mpirt
-    (replicated, tensor parallel, ZeRO, pipeline) applies it to its own gradient layout."""
+    gradients into NaN; the caller can skip the step). :func:`clip_grad_norm` and the parameter
+    store's clip (:func:`mpirt.parallel.flat.clip_flat`, every parallel layout) apply it."""
     return float(max_norm) / (norm + 1e-6) if math.isfinite(norm) and norm > max_norm else None
 
 
