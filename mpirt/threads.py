@@ -18,6 +18,11 @@ can reach it, and with more than one thread :func:`matmul` splits each product o
 to NumPy's OpenBLAS (another BLAS, no ``/proc``) it keeps its own threads and products are not
 split.
 
+On a shared machine a pool thread may not get a core at once: the calling thread then does the
+work itself rather than wait for it (it drains every block of :func:`for_blocks`, and runs a task of
+:func:`run_tasks` that no pool thread has started yet), so another process holding one core slows
+a pass instead of stalling it.
+
 Blocks are ``BLOCK`` elements: several passes over one block find it in cache, and blocks are
 long enough that threads rarely wait for the GIL between ufunc calls. Waking a pool thread costs
 about 80 us here, so small work stays on the calling thread. On CuPy, with one thread and for
@@ -161,10 +166,12 @@ def for_blocks(kernel, *arrays, block: int | None = None, blas: bool = False) ->
     try:
         _drain(kernel, arrays, bounds, next_block, results, False)
     finally:
-        for f in futures:  # the arrays stay in use until every helper is done
-            f.exception()
+        for f in futures:  # the arrays stay in use until every helper is done; one that has
+            if not f.cancel():  # not started yet (its core busy elsewhere) has nothing left to do
+                f.exception()
     for f in futures:
-        f.result()
+        if not f.cancelled():
+            f.result()
     return results
 
 
@@ -186,10 +193,22 @@ def run_tasks(*tasks, macs: int = 0) -> list:
     futures = [_executor().submit(_serial, t) for t in tasks[1:]]
     try:
         first = _serial(tasks[0], caller=True)
+    except BaseException:
+        for f in futures:  # the arrays stay in use until every started helper is done
+            if not f.cancel():
+                f.exception()
+        raise
+    # A task whose pool thread has not started it yet (another process holds that core) runs
+    # here instead of keeping this thread waiting for the pool thread to be scheduled.
+    results = [first]
+    try:
+        for t, f in zip(tasks[1:], futures):
+            results.append(_serial(t, caller=True) if f.cancel() else f.result())
     finally:
-        for f in futures:  # the arrays stay in use until every helper is done
-            f.exception()
-    return [first] + [f.result() for f in futures]
+        for f in futures:
+            if not f.cancel():
+                f.exception()
+    return results
 
 
 def _serial(task, caller: bool = False):
