@@ -197,11 +197,13 @@ def test_calibration_measures_compute_and_mpi_at_a_rank_count():
 
     got = measure_mpi([2])[2]
     compute = got.pop(0)
-    assert compute["gemm_rates"] and all(r > 0 for r in compute["gemm_rates"].values())
-    assert compute["op_overhead_s"] > 0 and compute["bandwidth"] > 0 and compute["ew_passes"] > 0
+    assert compute["block_fb_s"] > 0
+    compute["slowdown"] = 2.0
     for op in ("allreduce", "allgather", "reduce_scatter", "p2p"):
         alpha, beta = got[2][op]
         assert alpha > 0 and beta >= 0
     c = cpu(cores=2, collectives={2: got}, compute_by_ranks={2: compute}).with_shape(1, 2)
     est = estimate(cfg(dp=2), TINY, c)
     assert est.parts["grad_sync"] >= got[2]["allreduce"][0]
+    alone = estimate(cfg(dp=2), TINY, dataclasses.replace(c, compute_by_ranks={}))
+    assert est.parts["forward"] == pytest.approx(2 * alone.parts["forward"], rel=1e-6)  # cores / 2 = 1: no slowdown

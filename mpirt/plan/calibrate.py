@@ -14,7 +14,9 @@ Measured in this process (one BLAS thread, then the node's cores):
   measured bandwidth (the non-GEMM passes' traffic per kept byte).
 
 Measured under ``mpiexec -n N`` for each N of ``--ranks`` (the ranks oversubscribe the cores as the
-training runs do): for every group size g dividing N, all groups at once (consecutive ranks),
+training runs do): every rank's median forward + backward of the calibration block at once, over
+one rank's alone (``compute_by_ranks[N]["slowdown"]``: what sharing the cores costs each rank,
+measured rather than assumed); for every group size g dividing N, all groups at once (consecutive ranks),
 allreduce, allgather and reduce-scatter of 64 B to 4 MiB, and one-way point-to-point between
 neighbours (ping-pong / 2); each fitted ``alpha + beta n`` (alpha: the 64-byte time; beta: the
 slope to 4 MiB). The process baseline of memory: a 2-rank run of a one-block model
@@ -35,16 +37,16 @@ import numpy as np
 SIZES = (64, 256 * 2**10, 4 * 2**20)
 
 
-def _timeit(fn, seconds: float = 0.2, min_reps: int = 3) -> float:
-    """The fastest of repeated calls (least disturbed by other processes)."""
+def _timeit(fn, seconds: float = 0.2, min_reps: int = 3, stat=min) -> float:
+    """The fastest of repeated calls (least disturbed by other processes), or ``stat`` of them
+    (the median for work that spans scheduler time slices: what a rank sharing a core gets)."""
     fn()
-    best, t_end, n = float("inf"), time.perf_counter() + seconds, 0
-    while n < min_reps or time.perf_counter() < t_end:
+    times, t_end = [], time.perf_counter() + seconds
+    while len(times) < min_reps or time.perf_counter() < t_end:
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-        n += 1
-    return best
+        times.append(time.perf_counter() - t0)
+    return stat(times)
 
 
 def _set_threads(n: int) -> None:
@@ -97,7 +99,7 @@ def measure_compute(calib_model: str = "tiny", dims=(32, 64, 128, 256, 512)) -> 
 
     op_s = _timeit(lambda: fb((2, 4, cfg.n_embd)), 0.3) / (2 * n_ops)
     rows, seq = 4, 128
-    full = _timeit(lambda: fb((rows, seq, cfg.n_embd)), 0.5)
+    full = _timeit(lambda: fb((rows, seq, cfg.n_embd)), 0.6, 5, statistics.median)
     fwd = layer_costs(cfg, seq)[1].flops / 3 * rows * seq
     dim = min(rows * seq, cfg.n_embd, cfg.hidden)
     ds = sorted(rates)
@@ -117,6 +119,24 @@ def measure_compute(calib_model: str = "tiny", dims=(32, 64, 128, 256, 512)) -> 
     per_tensor = max(0.0, (t1 - per_byte * b1) / n1)
     return {"gemm_rates": rates, "bandwidth": bandwidth, "op_overhead_s": op_s, "ew_passes": ew_passes,
             "block_fb_s": full, "block_gemm_s": gemm, "opt_tensor_s": per_tensor, "opt_byte_s": per_byte}
+
+
+def measure_block(calib_model: str = "tiny") -> float:
+    """Median seconds of one block's forward + backward at 4 x 128 tokens on this rank (under
+    ``mpiexec -n N`` every rank at once: what sharing the cores costs each of them)."""
+    from mpirt import modeling
+    from mpirt.tensor import Tensor
+
+    cfg = modeling.load_model_config(calib_model)
+    block = modeling.block_class(cfg)(cfg, "float32").initialize(0)
+    x0 = np.random.default_rng(1).standard_normal((4, 128, cfg.n_embd)).astype(np.float32)
+
+    def fb():
+        x = Tensor(x0, requires_grad=True)
+        y = block(x)
+        y.backward(np.ones(y.shape, dtype=np.float32))
+
+    return _timeit(fb, 1.0, 5, statistics.median)
 
 
 def measure_local(calib_model: str = "tiny") -> dict:
@@ -146,10 +166,8 @@ def mpi_worker() -> None:
     world = world_comm()
     n = world.size
     world.barrier()
-    mine = measure_compute()
-    every = world.allgather_object(mine)
-    result = {"compute": {k: (statistics.median(e[k] for e in every) if not isinstance(mine[k], dict) else
-                              {d: statistics.median(e[k][d] for e in every) for d in mine[k]}) for k in mine}}
+    mine = measure_block()
+    result = {"compute": {"block_fb_s": statistics.median(world.allgather_object(mine))}}
     for g in [g for g in range(2, n + 1) if n % g == 0]:
         comm = world.split(world.rank // g, world.rank, axis="calib")
         fits = {}
@@ -208,9 +226,8 @@ def measure_mpi(ranks: list[int], launcher: str = "mpiexec") -> dict:
             raise RuntimeError(f"MPI calibration at {n} ranks failed: {proc.stderr.strip()[-500:]}")
         got = json.loads(line[0][6:])
         compute = got.pop("compute")
-        compute["gemm_rates"] = {float(d): r for d, r in compute["gemm_rates"].items()}
         out[n] = {int(g): v for g, v in got.items()}
-        out[n][0] = compute  # group 0: the compute constants each of the N ranks gets
+        out[n][0] = compute  # group 0: the block time each of the N concurrent ranks measured
     return out
 
 
@@ -254,9 +271,11 @@ def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):
     loc = measure_local(calib_model)
     loc.update(measure_process_bytes())
     coll = measure_mpi(ranks)
-    compute = {n: coll[n].pop(0) for n in coll}
-    compute[1] = {k: loc[k] for k in ("gemm_rates", "bandwidth", "op_overhead_s", "ew_passes", "opt_tensor_s",
-                                      "opt_byte_s")}
+    # per rank count: each concurrent rank's block time over one rank's alone (1 thread)
+    compute = {n: {"block_fb_s": coll[n].pop(0)["block_fb_s"]} for n in coll}
+    compute[1] = {"block_fb_s": loc["block_fb_s"]}
+    for n in compute:
+        compute[n]["slowdown"] = compute[n]["block_fb_s"] / loc["block_fb_s"]
     p2p = coll.get(min(coll), {}).get(2, {}).get("p2p", [2e-6, 1 / 5e9]) if coll else [2e-6, 1 / 5e9]
     cores = loc["cores"]
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -266,7 +285,8 @@ def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):
                    memory_bytes=float(total), memory_bandwidth=loc["bandwidth"], gemm_efficiency=1.0,
                    gemm_half_dim=0.0, intra_latency=p2p[0], intra_bandwidth=1 / max(p2p[1], 1e-12),
                    inter_latency=p2p[0], inter_bandwidth=1 / max(p2p[1], 1e-12), op_overhead_s=loc["op_overhead_s"],
-                   ew_passes=loc["ew_passes"], overlap=False, cores=cores,
+                   ew_passes=loc["ew_passes"], overlap=False, cores=cores, opt_tensor_s=loc["opt_tensor_s"],
+                   opt_byte_s=loc["opt_byte_s"],
                    threads_per_core=loc["threads_per_core"], process_bytes=loc["process_bytes"],
                    compute_by_ranks=compute, collectives=coll, gemm_rates=loc["gemm_rates"], source="calibrated",
                    notes=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} at ranks {ranks}; load "

@@ -51,9 +51,11 @@ class Cluster:
     threads_per_core: float = 1.0       # CPU: speed-up of a second GEMM thread (measured)
     collectives: dict = field(default_factory=dict)   # CPU: {world: {group: {op: [alpha, beta]}}}
     gemm_rates: dict = field(default_factory=dict)    # calibrated: {smallest dim: FLOP/s of one core}
-    # calibrated: per rank count N on a node, what each of N concurrent ranks measured: gemm_rates,
-    # bandwidth, op_overhead_s, ew_passes, opt_tensor_s, opt_byte_s (replaces the cores / N scaling)
+    # calibrated: per rank count N on a node, {"slowdown": a block's forward + backward on each of N
+    # concurrent ranks over one rank's alone, "block_fb_s"} (replaces the cores / N scaling at that N)
     compute_by_ranks: dict = field(default_factory=dict)
+    opt_tensor_s: float = 0.0           # calibrated AdamW step: per parameter tensor
+    opt_byte_s: float = 0.0             # and per parameter byte (0: ~12 passes at the bandwidth)
     checkpoint_gather: bool = False     # memory: the end of a run gathers the full state (older checkpoints)
     process_bytes: float = 0.0          # a rank's process baseline (0: mpirt.memory.PROCESS_BYTES); calibrated
     source: str = "data sheet"
@@ -76,8 +78,7 @@ class Cluster:
         known = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k in known}
         d["gemm_rates"] = {float(k): v for k, v in d.get("gemm_rates", {}).items()}
-        d["compute_by_ranks"] = {int(n): {**c, "gemm_rates": {float(k): v for k, v in c.get("gemm_rates", {}).items()}}
-                                 for n, c in d.get("compute_by_ranks", {}).items()}
+        d["compute_by_ranks"] = {int(n): c for n, c in d.get("compute_by_ranks", {}).items()}
         d["collectives"] = {int(w): {int(g): ops for g, ops in by.items()} for w, by in d.get("collectives", {}).items()}
         return cls(**d)
 

@@ -21,8 +21,8 @@
   own (``overlap``), else it is exposed whole.
 - **Optimizer**: clipping's pass over the gradients and AdamW over the local shard: per tensor
   and per byte as calibrated (else ~12 array passes of 4 bytes).
-- A calibrated CPU preset holds, per rank count N, the compute constants each of N concurrent
-  ranks measured (``compute_by_ranks``): those replace the ``cores / N`` scaling at that N.
+- A calibrated CPU preset holds, per rank count N, how much slower a block runs on each of N
+  concurrent ranks than on one alone (``compute_by_ranks``): that replaces ``cores / N`` at that N.
 - **Memory**: :func:`mpirt.memory.predict` for rank 0 and the last stage's first rank (or all),
   with the cluster's calibrated process baseline and rank 0's writing counted on top of its peak.
 """
@@ -84,15 +84,11 @@ class _Machine:
         self.c, self.world, self.dtype = cluster, world, dtype
         per_node = min(world, cluster.devices_per_node) if cluster.cores == 0 else world // max(cluster.nodes, 1) or 1
         self.table, self.bandwidth = cluster.gemm_rates, cluster.memory_bandwidth
-        self.op_s, self.ew_passes, self.opt = cluster.op_overhead_s, cluster.ew_passes, None
-        measured = cluster.compute_by_ranks.get(per_node) if cluster.cores else None
-        if measured:  # what each of per_node concurrent ranks measured at --calibrate: no scaling
-            self.table, self.bandwidth = measured["gemm_rates"], measured["bandwidth"]
-            self.op_s, self.ew_passes = measured["op_overhead_s"], measured["ew_passes"]
-            self.opt = (measured.get("opt_tensor_s", 0.0), measured.get("opt_byte_s", 0.0))
-            threads = max(1, int(cluster.cores // per_node))
-            self.share = 1 + (threads - 1) * cluster.threads_per_core if per_node == 1 else 1.0
-            self.python_share = 1.0
+        self.op_s, self.ew_passes = cluster.op_overhead_s, cluster.ew_passes
+        self.opt = (cluster.opt_tensor_s, cluster.opt_byte_s) if cluster.opt_byte_s or cluster.opt_tensor_s else None
+        measured = cluster.compute_by_ranks.get(per_node) if cluster.cores and per_node > 1 else None
+        if measured:  # each of per_node concurrent ranks, measured at --calibrate: its slowdown
+            self.share = self.python_share = 1.0 / measured["slowdown"]
         elif cluster.cores:
             threads = max(1, int(cluster.cores // per_node))
             share = min(float(threads), cluster.cores / per_node)
