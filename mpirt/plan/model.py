@@ -245,7 +245,11 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     if cluster.overlap and dp_s and cfg.zero != 3:
         exposed = max(dp_s / max(1, -(-dp_bytes // (25 * 2**20))), dp_s - 0.9 * last_b)
     comm["dp"] = {"bytes": dp_bytes, "s": dp_s}
-    small = coll_time(cluster, "allreduce", 32, world, world, world > cluster.devices_per_node and not cluster.cores)
+    # the loss's allreduce over dp ends the step's sync; clipping reduces the norm over the group that
+    # shards the gradients (ZeRO: dp; tp; pp: the stages' tp x pp), none for plain data parallelism
+    small = coll_time(cluster, "allreduce", 8, dp, world, dp_span)
+    clip_group = (dp if cfg.zero else 1) * tp * pp
+    clip = coll_time(cluster, "allreduce", 8, clip_group, world, clip_group > cluster.devices_per_node and not cluster.cores)
     tied = coll_time(cluster, "p2p", costs[0].params / tp * red_e, 2, world, _spans_nodes(cluster, "pp", layout)) \
         if pp > 1 else 0.0
     sp_sync = coll_time(cluster, "allreduce", 4 * model_cfg.n_embd * model_cfg.n_layer * e, tp, world, tp_span) \
@@ -257,8 +261,8 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     tensors = blocks_local * tensors_per_block(model_cfg) + 4
     if cfg.zero:
         tensors = max(1.0, tensors / dp)
-    parts["optimizer"] = mach.optimizer(tensors, shard * 4, n_local * e) + 2 * small
-    parts["other"] = small + 20 * cluster.op_overhead_s / mach.python_share   # data, flags, monitor
+    parts["optimizer"] = mach.optimizer(tensors, shard * 4, n_local * e) + clip
+    parts["other"] = 20 * cluster.op_overhead_s / mach.python_share   # data, monitor (the flags come after the step)
     step = pipe + parts["grad_sync"] + parts["optimizer"] + parts["other"]
     if pp == 1:
         parts["forward"] += 0.0
