@@ -81,3 +81,15 @@ def test_a_project_with_its_own_models_package_trains(tmp_path, tiny_data, insta
     assert Path(seen[1]).parent.resolve() == expected.resolve()
     sh(python, "-m", "mpirt.train", *TRAIN, f"--data={tiny_data}", f"--out-dir={tmp_path / 'out'}", cwd=project, env=env)
     assert (tmp_path / "out" / "summary.json").is_file()
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """A subpackage missing from pyproject's explicit list works in the editable install and is
+    absent from a wheel (mpirt.plan once was): every folder of mpirt/ and models/ with an
+    __init__.py must be listed."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "mpirt").rglob("__init__.py")}
+    found |= {".".join(("mpirt",) + p.parent.relative_to(ROOT).parts) for p in (ROOT / "models").rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
