@@ -98,7 +98,9 @@ class GPT(TiedLM):
         check_seq_len(self.config, idx)
         tok = self.wte(idx)                                        # (B, T, C)
         pos = self.wpe(B.xp.arange(idx.shape[1]))                  # (T, C)
-        return self.drop(tok + pos)
+        # pos + tok (the same sum): the backward then runs the wte lookup's gradient after wpe's, so
+        # the tied wte (registered first: DataParallel's last bucket) is the last gradient to be final
+        return self.drop(pos + tok)
 
     @classmethod
     def check_config(cls, cfg: GPTConfig) -> None:
