@@ -35,7 +35,7 @@ import common as BC  # noqa: E402
 
 from mpirt.config import TrainConfig  # noqa: E402
 from mpirt.modeling import load_model_config  # noqa: E402
-from mpirt.plan import hardware, self_check  # noqa: E402
+from mpirt.plan import estimate, hardware, self_check  # noqa: E402
 from mpirt.plan.search import describe, plan  # noqa: E402
 
 # (name, ranks, flags): DP, ZeRO stages, TP, SP, PP schedules, recompute, composed
@@ -109,13 +109,47 @@ def run_one(name: str, n: int, kw: dict, steps: int, out_root: Path) -> dict:
     return {"summary": summary, "load": load.as_dict(), "others": load.others_share}
 
 
+def recompare(log: Path, preset: str, out: Path) -> None:
+    """The current preset's predictions against the measured medians of an earlier run's printed
+    table (``--recompare LOG``): for a run measured on a quiet machine whose calibration was not."""
+    import re
+
+    model_cfg, base = load_model_config("tiny"), TrainConfig()
+    cluster = hardware.load(preset)
+    known = {name: (n, kw) for name, n, kw in LAYOUTS}
+    rows, errs = [], []
+    for line in log.read_text().splitlines():
+        m = re.match(r"^(\S+)\s+(\d+)\s+[\d.]+\s+([\d.]+) \[([\d.]+)-([\d.]+)\]", line)
+        if not m or m.group(1) not in known:
+            continue
+        name, (n, kw) = m.group(1), known[m.group(1)]
+        est = estimate(dataclasses.replace(base, **kw), model_cfg, cluster.with_shape(1, n))
+        med = float(m.group(3))
+        err = 100 * (1e3 * est.step_s - med) / med
+        if n >= 2:
+            errs.append(abs(err))
+        rows.append([name, n, f"{1e3 * est.step_s:.1f}", f"{med:.1f} [{m.group(4)}-{m.group(5)}]", f"{err:+.1f}%",
+                     f"{100 * est.parts['bubble'] / est.step_s:.1f}%", est.bottleneck])
+    header = ["layout", "ranks", "step pred ms", "step meas ms [min-max]", "err", "bubble pred", "bottleneck"]
+    md = [f"# Performance model ({preset}, {cluster.notes[:60]}) vs the step times of `{log.name}`", "",
+          BC.markdown_table(header, rows), "",
+          f"{sum(e <= 10 for e in errs)} of {len(errs)} multi-rank layouts within 10%; median |error| "
+          f"{statistics.median(errs):.1f}%", ""]
+    out.write_text("\n".join(md))
+    print("\n".join(md))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--recompare", default="", help="a saved log of this script: predict its measured layouts again")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default="")
     ap.add_argument("--preset", default="local")
     a = ap.parse_args()
+    if a.recompare:
+        recompare(Path(a.recompare), a.preset, BC.RESULTS / "planner_validation_recompared.md")
+        return
     model_cfg = load_model_config("tiny")
     base = TrainConfig()
     layouts = [x for x in LAYOUTS if not a.only or x[0] in a.only.split(",")]

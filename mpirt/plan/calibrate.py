@@ -18,7 +18,9 @@ training runs do): every rank's median forward + backward of the calibration blo
 one rank's alone (``compute_by_ranks[N]["slowdown"]``: what sharing the cores costs each rank,
 measured rather than assumed); for every group size g dividing N, all groups at once (consecutive ranks),
 allreduce, allgather and reduce-scatter of 64 B to 4 MiB, and one-way point-to-point between
-neighbours (ping-pong / 2); each fitted ``alpha + beta n`` (alpha: the 64-byte time; beta: the
+neighbours (ping-pong / 2), each timed as 10 calls back to back (the ranks in lockstep, as a
+layer's collectives run; a barrier before every single call would add a rescheduling of the
+oversubscribed ranks to each); each fitted ``alpha + beta n`` (alpha: the 64-byte time; beta: the
 slope to 4 MiB). The process baseline of memory: a 2-rank run of a one-block model
 (:func:`measure_process_bytes`). Saved as the preset ``--save-as`` (default ``local``) in
 :data:`mpirt.plan.hardware.CACHE`.
@@ -35,6 +37,7 @@ import time
 import numpy as np
 
 SIZES = (64, 256 * 2**10, 4 * 2**20)
+REPS = 10  # calls timed back to back per sample
 
 
 def _timeit(fn, seconds: float = 0.2, min_reps: int = 3, stat=min) -> float:
@@ -181,11 +184,12 @@ def mpi_worker() -> None:
                       "allgather": lambda: comm.allgather_flat(shard, elems, out=x),
                       "reduce_scatter": lambda: comm.reduce_scatter(x, out=shard)}[op]
                 samples = []
-                for _ in range(7):
+                for _ in range(3):  # back to back, as a layer's collectives follow each other in lockstep
                     world.barrier()
                     t0 = time.perf_counter()
-                    fn()
-                    samples.append(time.perf_counter() - t0)
+                    for _ in range(REPS):
+                        fn()
+                    samples.append((time.perf_counter() - t0) / REPS)
                 times[size] = statistics.median(world.allgather_object(statistics.median(samples)))
             fits[op] = _fit(times)
         if g == 2:
@@ -194,17 +198,17 @@ def mpi_worker() -> None:
                 x = np.ones(max(1, size // 4), dtype=np.float32)
                 peer = comm.rank ^ 1
                 samples = []
-                for _ in range(7):
+                for _ in range(3):
                     world.barrier()
                     t0 = time.perf_counter()
-                    for _ in range(2):
+                    for _ in range(REPS // 2):
                         if comm.rank == 0:
                             comm.send(x, peer)
                             comm.recv(x, peer)
                         else:
                             comm.recv(x, peer)
                             comm.send(x, peer)
-                    samples.append((time.perf_counter() - t0) / 4)
+                    samples.append((time.perf_counter() - t0) / REPS)
                 times[size] = statistics.median(world.allgather_object(statistics.median(samples)))
             fits["p2p"] = _fit(times)
         result[g] = fits
