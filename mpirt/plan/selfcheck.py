@@ -30,7 +30,7 @@ def this_machine(world: int) -> hardware.Cluster:
                 return hardware.load(key).with_shape(1, world)
     try:
         cluster = hardware.load("local")
-    except ValueError:
+    except (ValueError, KeyError, TypeError):  # none saved, or saved by an older mpirt: recalibrate
         cluster = hardware.load("cpu")
         cluster.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return cluster.with_shape(1, world)
