@@ -71,7 +71,8 @@ def activation_bytes(*, n_layer, n_embd, n_head, hidden, vocab_size, batch, seq_
     this is Korthikanti et al.'s ``sbh (10 + 24/t + 5as/(ht))`` with fp32 instead of 16-bit
     activations and no dropout masks.)
 
-    Outside the layers: ln_f (bsh + bs) / p, the head input bsh / p, the loss softmax b s V' / t;
+    Outside the layers: ln_f (bsh + bs) / p, the head input bsh / p, the loss softmax b s V' / t
+    (at t = 1 with its 1/rowsum per row, bs);
     int64 index arrays: targets bs and token ids (bs at t = 1, else ~bs/t: only the ids in this
     rank's vocabulary range), position ids s / p; bool masks: 1 (t = 1) or 3 (t > 1) of bs bytes.
     The ~bs/t term assumes ids spread evenly over the vocabulary (the only data-dependent term).
@@ -80,6 +81,6 @@ def activation_bytes(*, n_layer, n_embd, n_head, hidden, vocab_size, batch, seq_
     v = pad_vocab(vocab_size, t)
     p = t if sequence_parallel else 1
     layer = (4 * b * s * h + 2 * b * s) / p + (4 * b * s * h + 2 * b * s * f + a * b * s * s) / t
-    outside = (2 * b * s * h + b * s) / p + b * s * v / t
+    outside = (2 * b * s * h + b * s) / p + b * s * v / t + (b * s if t == 1 else 0)  # t = 1: the loss's 1/rowsum
     index = 8 * (b * s + b * s / t + s / p) + (3 * b * s if t > 1 else b * s)
     return int(round(itemsize * (n_layer * layer + outside) + index))
