@@ -217,16 +217,18 @@ def test_hooks_launch_buckets_in_reverse_layer_order_during_backward():
     names = [p.name for p in model.parameters()]
     dp = DataParallel(model, comm, bucket_bytes=1)  # one parameter per bucket
     assert [b.params[0].name for b in dp.buckets] == names[::-1]
-    seen_by_last_hook = []
-    model.wte.weight.register_hook(lambda p: seen_by_last_hook.append(list(dp.launch_log)))  # fires last
+    seen = []  # (parameter, buckets launched when its gradient became final), in hook order
+    for p in model.parameters():  # after DataParallel's own hooks, so they see its launches
+        p.register_hook(lambda p: seen.append((p.name, list(dp.launch_log))))
     x, y = batch(0, comm.rank, comm.size)
     dp(x, y)[1].backward()
     log = list(dp.launch_log)
     dp.finish()
     n = len(dp.buckets)
     # launched in bucket order, i.e. reverse registration order, all before finish(); by the time
-    # the last gradient (the tied embedding: used first in forward) is final, all others are in flight
-    agree(log == list(range(n)) and seen_by_last_hook == [list(range(n))], f"log {log}, {seen_by_last_hook}")
+    # the last gradient is final (the embeddings: used first in forward), all buckets are in flight
+    agree(log == list(range(n)) and seen[-1][1] == list(range(n)) and seen[-1][0] in ("wte.weight", "wpe.weight"),
+          f"log {log}, last hooks {seen[-2:]}")
 
 
 @pytest.mark.mpi(min_size=2)
