@@ -2,11 +2,11 @@
 
 Every parallel strategy keeps its parameters and gradients here, so the layout is written once:
 
-    store = FlatParams(params, counted=count_once(grid, tied_names))  # p.data / p.grad are views
+    store = FlatParams(params, count_once(tp_rank, tied_copy), init)  # p.data / p.grad are views
     DataParallel(store, dp_comm)         # buckets: ranges of store.grad, allreduced over dp
     ZeroOptimizer(store, dp_comm, 1|2)   # dp chunk r of the flat vector: this rank's shard
     store.sync_partial_grads(tp_comm)    # sequence-parallel partial gradients, summed over tp
-    clip_flat(...)                       # one global-norm clip for every layout
+    store.clip(max_norm, [tp, pp])       # the one global-norm clip (clip_flat; ZeRO: over its shard)
 
 :class:`FlatLayout` is the arithmetic only (offsets, per-parameter views, dp chunks, which
 elements of a range belong to which parameter); ZeRO-3 uses one per unit group.
@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 
 import mpirt.backend as B
-from mpirt.hostalloc import release_freed_memory
 from mpirt.comm import chunk_bounds
+from mpirt.hostalloc import release_freed_memory
 from mpirt.optim import clip_coefficient
 from mpirt.precision import upcast
 
