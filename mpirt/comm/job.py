@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -53,10 +54,23 @@ def install_abort_on_error() -> None:
             sys.stderr.write(flight.dump(MPI.COMM_WORLD.rank) + "\n")
         sys.stderr.flush()
         if not alone:
-            MPI.COMM_WORLD.Abort(1)
+            abort_job(1)
 
     hook.mpirt_abort = True
     sys.excepthook = hook
+
+
+ABORT_DRAIN_S = 0.5  # time the launcher gets to forward what a rank printed before its abort
+
+
+def abort_job(code: int) -> None:
+    """``MPI_Abort`` the whole job with ``code`` after flushing this rank's output and giving the
+    launcher :data:`ABORT_DRAIN_S` to forward it: the abort kills hydra's I/O forwarding with the
+    processes, which otherwise can cut a traceback or a report short (seen once in CI)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(ABORT_DRAIN_S)
+    MPI.COMM_WORLD.Abort(code)
 
 
 def first_error(message: str | None) -> tuple[int, str] | None:

@@ -13,7 +13,7 @@ the slots a few times a second. Two things end the job:
   :data:`REPLY_S`. Ranks of the communicator whose count is behind, or who do not answer, never
   arrived; for a point-to-point call the peer is the one waited for. The rank prints the call in
   the runtime's terms (op, axis, bytes, and its label, e.g. a pipeline action), the missing ranks
-  with their state, its own ring, and calls ``MPI.COMM_WORLD.Abort(EXIT_TIMEOUT)``: the job
+  with their state, its own ring, and calls ``abort_job(EXIT_TIMEOUT)`` (``MPI_Abort`` once its output is out): the job
   exits with code **4** (:data:`EXIT_TIMEOUT`).
 - **A rank that exits on its own.** At exit (``sys.exit``, ``SystemExit`` or the end of the
   program) a rank tells the others it is leaving, with its collective counts, and waits for them
@@ -41,6 +41,7 @@ from mpi4py import MPI
 
 from mpirt.comm.core import Comm
 from mpirt.comm.flight import CHAN, COUNT, PEER, channels, describe, dump, state, waiting
+from mpirt.comm.job import abort_job
 from mpirt.comm.registry import _clock
 
 EXIT_TIMEOUT = 4      # the job's exit code after a watchdog timeout
@@ -130,7 +131,7 @@ class Watchdog:
         lines = [f"mpirt watchdog: rank {self.rank}: {headline}; ending the job with exit code {code}",
                  *_missing(call, answers, self.rank), dump(self.rank)]
         _write("\n".join(lines))
-        MPI.COMM_WORLD.Abort(code)
+        abort_job(code)
 
     def _ask(self, call: list) -> dict:
         query = {"what": describe(call), "key": call[CHAN].key}
