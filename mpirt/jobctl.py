@@ -64,12 +64,17 @@ def slurm_end_time(env=None) -> float | None:
     job = env.get("SLURM_JOB_ID")
     if not job:
         return None
-    try:
-        out = subprocess.run(["squeue", "-h", "-o", "%e", "-j", job], capture_output=True, text=True,
-                             timeout=30).stdout.strip()
-        return _dt.datetime.fromisoformat(out).timestamp()  # local time, as squeue prints it
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
+    for attempt in range(3):  # a busy slurmctld may drop a query: ask again before giving up
+        try:
+            out = subprocess.run(["squeue", "-h", "-o", "%e", "-j", job], capture_output=True, text=True,
+                                 timeout=30).stdout.strip()
+            return _dt.datetime.fromisoformat(out).timestamp()  # local time, as squeue prints it
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, subprocess.SubprocessError):
+            if attempt < 2:
+                time.sleep(1.0)
+    return None
 
 
 class Deadline:
@@ -90,6 +95,9 @@ class Deadline:
         if not time_limit:
             return cls(None)
         end = slurm_end_time() if time_limit == "slurm" else start + parse_duration(time_limit)
+        if end is None and os.environ.get("SLURM_JOB_ID"):
+            print(f"mpirt: warning: --time-limit slurm: could not read job {os.environ['SLURM_JOB_ID']}'s end "
+                  "time from squeue; running without a time limit", file=sys.stderr, flush=True)
         return cls(end, min(30.0, 0.1 * (end - start)) if end is not None else 0.0)
 
     def left(self, now: float | None = None) -> float:

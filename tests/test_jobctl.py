@@ -27,6 +27,35 @@ def test_slurm_end_time_prefers_the_environment():
     assert jobctl.slurm_end_time({}) is None
 
 
+def fake_squeue(tmp_path, monkeypatch, failures: int) -> None:
+    """An ``squeue`` on PATH that fails ``failures`` times (as when slurmctld drops the query),
+    then prints an end time."""
+    counter = tmp_path / "calls"
+    script = tmp_path / "squeue"
+    script.write_text(f"""#!/bin/sh
+n=$(cat {counter} 2>/dev/null || echo 0); echo $((n + 1)) > {counter}
+[ "$n" -lt {failures} ] && {{ echo "slurm_load_jobs error: Socket timed out" >&2; exit 1; }}
+echo 2030-01-02T03:04:05
+""")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_slurm_end_time_asks_squeue_again_when_a_query_fails(tmp_path, monkeypatch):
+    fake_squeue(tmp_path, monkeypatch, failures=1)
+    import datetime
+    assert jobctl.slurm_end_time({"SLURM_JOB_ID": "7"}) == datetime.datetime(2030, 1, 2, 3, 4, 5).timestamp()
+    assert (tmp_path / "calls").read_text().strip() == "2"
+
+
+def test_an_unreadable_slurm_end_time_is_reported(tmp_path, monkeypatch, capsys):
+    fake_squeue(tmp_path, monkeypatch, failures=99)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert jobctl.Deadline.from_config("slurm", 0.0, parse_duration).end is None
+    assert (tmp_path / "calls").read_text().strip() == "3"
+    assert "could not read job 7's end time" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("env, name, tasks", [
     ({"PMI_RANK": "0", "PMI_SIZE": "4"}, "mpiexec (hydra)", 4),
     ({"PMI_RANK": "0", "PMI_SIZE": "2", "SLURM_STEP_ID": "0", "SLURM_MPI_TYPE": "pmi2"}, "srun --mpi=pmi2", 2),

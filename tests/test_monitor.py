@@ -85,7 +85,8 @@ def test_a_slowed_rank_is_named_and_the_others_wait(straggler_run):
     r0, r1 = records(out, 0), records(out, 1)
     slowed = [(a, b) for a, b in zip(r0, r1) if a["step"] >= 4]
     for a, b in slowed:
-        assert b["injected_s"] == pytest.approx(SLOW, abs=0.02)
+        # a sleep never ends early; on a loaded machine it may end late (CI saw +28 ms)
+        assert SLOW - 0.002 <= b["injected_s"] < 2 * SLOW
         assert b["compute_s"] > a["compute_s"] + 0.5 * SLOW
     before = np.mean([a["mpi_wait_s"] for a in r0 if a["step"] == 2])
     after = np.mean([a["mpi_wait_s"] for a, _ in slowed])

@@ -61,10 +61,18 @@ def submit(script, *args, sbatch=(), env=None, fault: str | None = None) -> str:
     return out.strip().split(";")[0]
 
 
-def job(jid: str) -> dict:
-    """The job's fields from ``scontrol show job``."""
-    text = run("scontrol", "show", "job", "-o", jid)
-    return dict(re.findall(r"(\w+)=(\S*)", text))
+def job(jid: str, tries: int = 5) -> dict:
+    """The job's fields from ``scontrol show job``. A poll that loses its connection to slurmctld
+    (CI once saw scontrol killed by SIGPIPE while the controller was busy) is retried; the last
+    failure is raised."""
+    for attempt in range(tries):
+        try:
+            text = run("scontrol", "show", "job", "-o", jid)
+            return dict(re.findall(r"(\w+)=(\S*)", text))
+        except AssertionError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(1.0)
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
