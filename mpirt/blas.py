@@ -41,7 +41,7 @@ from typing import Callable
 
 import numpy as np
 
-from mpirt.sysinfo import cpu_model
+from mpirt.sysinfo import cache_dir, cpu_model
 
 NAMES = ("openblas", "blis", "mkl")
 ENV = "MPIRT_GEMM"
@@ -263,7 +263,7 @@ def machine_key(libraries: dict[str, Library]) -> str:
 
 def cache_path() -> Path:
     """``$MPIRT_CACHE/gemm.json`` (default ``~/.cache/mpirt/gemm.json``)."""
-    return Path(os.environ.get("MPIRT_CACHE") or Path.home() / ".cache" / "mpirt") / "gemm.json"
+    return cache_dir() / "gemm.json"
 
 
 def _read_cache(path: Path) -> dict:

@@ -19,6 +19,7 @@ import contextlib
 import math
 
 import mpirt.backend as B
+from mpirt import kernels
 from mpirt.precision import compute_dtype, is_half, upcast
 from mpirt.threads import fill_zero, for_blocks
 
@@ -62,14 +63,14 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, ep
     computed as ``m * (lr*c2/c1) / (sqrt(v) + eps*c2)`` with ``c1 = 1-beta1^t``, ``c2 = sqrt(1-beta2^t)``.
     ``scratch`` is an array shaped like ``param`` (allocated when None); ``grad`` is not modified.
 
-    The dozen passes run block by block (:func:`~mpirt.threads.for_blocks`) when all five arrays
-    are contiguous: each block of the four arrays is read from memory once and the blocks run on
-    all threads.
+    With the C kernels (:mod:`mpirt.kernels`) and contiguous NumPy arrays it is one pass (no
+    scratch), in the same order of operations. Otherwise the dozen NumPy passes run block by block
+    (:func:`~mpirt.threads.for_blocks`) when all five arrays are contiguous: each block of the four
+    arrays is read from memory once and the blocks run on all threads.
     """
     xp = B.xp
     step, lr, beta1, beta2 = int(step), float(lr), float(beta1), float(beta2)
     eps, weight_decay = float(eps), float(weight_decay)
-    s = xp.empty_like(param) if scratch is None else scratch
     c1, c2 = 1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step)
 
     def block(p, g, m, v, s):
@@ -88,6 +89,13 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, ep
         s *= lr * c2 / c1
         p -= s
 
+    if kernels.usable(param, grad, exp_avg, exp_avg_sq):         # one C pass, no scratch
+        def fused(p, g, m, v):
+            kernels.call("adamw", p.dtype, p, g, m, v, p.size, 1.0 - lr * weight_decay, beta1, beta2, eps * c2,
+                         lr * c2 / c1)
+        for_blocks(fused, *(a.reshape(-1) for a in (param, grad, exp_avg, exp_avg_sq)))
+        return
+    s = xp.empty_like(param) if scratch is None else scratch
     arrays = (param, grad, exp_avg, exp_avg_sq, s)
     if all(a.flags.c_contiguous for a in arrays):
         for_blocks(block, *(a.reshape(-1) for a in arrays))

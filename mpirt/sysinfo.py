@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 from typing import Callable
 
 
@@ -46,3 +47,9 @@ def cpu_model() -> str:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), fallback)
     except OSError:
         return fallback
+
+
+def cache_dir() -> Path:
+    """Where mpirt keeps what it measured or built for this machine (the GEMM verdict, the compiled
+    kernels): ``$MPIRT_CACHE``, default ``~/.cache/mpirt``."""
+    return Path(os.environ.get("MPIRT_CACHE") or Path.home() / ".cache" / "mpirt")

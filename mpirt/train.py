@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 import mpirt.backend as B
-from mpirt import blas, comm, faults, jobctl
+from mpirt import blas, comm, faults, jobctl, kernels
 from mpirt.checkpoint import (CheckpointError, CheckpointReader, looks_like_checkpoint,
                               read_checkpoint_meta, verify_checkpoint)
 from mpirt.checkpoint_sharded import save_sharded
@@ -258,7 +258,7 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
         f"mpirt: world_size {ctx.size} ({launch['name']}, PMI {launch['pmi']}), layout {lay}",
         f"mpirt: backend {ctx.backend}, comm engine {engine_name}, BLAS threads/rank {ctx.blas_threads} "
         f"({ctx.blas_note}), comm timeout " + (f"{comm_timeout(cfg, model_cfg):.0f} s" if comm_timeout(cfg, model_cfg) else "off"),
-        *([f"mpirt: GEMM {blas.describe()}"] if ctx.backend == "numpy" else []),
+        *([f"mpirt: GEMM {blas.describe()}; kernels {kernels.describe()}"] if ctx.backend == "numpy" else []),
         f"mpirt: model {cfg.model} ({num_parameters(model_cfg) / 1e6:.2f}M parameters, {model_cfg.n_layer} layers, "
         f"n_embd {model_cfg.n_embd}, vocab {model_cfg.vocab_size}), {cfg.dtype}" + (
             " (float32 master weights, moments and reductions" + (

@@ -8,10 +8,12 @@ Memory: the forward keeps one (B, H, T, T) array, the unnormalised probabilities
 ``E = exp(S - rowmax(S))`` (mask and exponent done in place on the score array). The softmax's
 row scale ``r = 1 / rowsum(E)`` is applied to the small side of each product instead of to E
 (``O = r (E V)``; backward: ``r dO`` in place of ``dO``), which saves a pass over the (B, H, T, T)
-array each way; row sums are products with a ones vector. The backward turns ``r dP = (r dO) V^T``
-in place into the score gradient ``dS = E * (r dP - r rowsum(dP * P))``, where
-``rowsum(dP * P) = rowsum(dO * O)`` is taken on the (B, T, C) output instead of the (B, H, T, T)
-arrays. Heads are never copied out of ``qkv``: batched
+array each way; ``r`` is kept per query, (B, H, T, 1), for the backward. With the C kernels
+(:mod:`mpirt.kernels`) the mask, row max, exponent and row sum of a chunk are one pass, and so is
+the score gradient below; the NumPy form takes row sums as products with a ones vector. The
+backward turns ``r dP = (r dO) V^T`` in place into the score gradient
+``dS = E * (r dP - r rowsum(dP * P))``, where ``rowsum(dP * P) = rowsum(dO * O)`` is taken on the
+(B, T, C) output instead of the (B, H, T, T) arrays. Heads are never copied out of ``qkv``: batched
 matmul on the strided (B, H, T, D) views costs the same as on contiguous copies (measured, NumPy +
 OpenBLAS); the forward's products are written straight into the (B, H, T, D) head view of the
 merged (B, T, C) output (NumPy 2's matmul takes that strided ``out=`` at full speed), and the
@@ -31,6 +33,7 @@ import math
 import numpy as np
 
 import mpirt.backend as B
+from mpirt import kernels
 from mpirt.precision import float32_compute
 from mpirt.ops.dropout import _check_p, dropout_mask
 from mpirt.tensor import Function
@@ -92,11 +95,12 @@ def _row_max(s):
     return B.xp.fmax.reduce(s, axis=-1, keepdims=True) if B.name == "numpy" else s.max(axis=-1, keepdims=True)
 
 
-def _row_scale(e, factor):
-    """``factor / rowsum(e)`` per row of ``e`` (..., q, k), keepdims. The row sum is a product
-    with a ones vector (BLAS, ~4x faster than NumPy's sum reduction along a short last axis)."""
+def _row_scale(e, factor, out=None):
+    """``factor / rowsum(e)`` per row of ``e`` (..., q, k), keepdims (into ``out`` when given). The
+    row sum is a product with a ones vector (BLAS, ~4x faster than NumPy's sum reduction along a
+    short last axis)."""
     total = B.xp.matmul(e, B.xp.ones((e.shape[-1], 1), dtype=e.dtype))
-    return B.xp.divide(1.0 if factor is None else factor, total, out=total)
+    return B.xp.divide(1.0 if factor is None else factor, total, out=total if out is None else out)
 
 @float32_compute
 class CausalSelfAttention(Function):
@@ -110,33 +114,40 @@ class CausalSelfAttention(Function):
             raise ValueError(f"causal_self_attention: n_head={n_head} does not divide C={c}")
         scale = 1.0 / math.sqrt(c // n_head)
         p = xp.empty((b, n_head, t, t), dtype=qkv.dtype)            # probabilities (lower triangle)
+        rinv = xp.empty((b, n_head, t, 1), dtype=qkv.dtype)         # 1 / rowsum(E) per query
         out = xp.empty((b, t, c), dtype=qkv.dtype)
         bias, chunks = _causal_bias(t, p.dtype), _query_chunks(t)
         mask = keep_scale = None
         if dropout_p > 0:
             mask, keep_scale = dropout_mask(p.shape, dropout_p, seed), 1.0 / (1.0 - dropout_p)
+        fused = kernels.usable(p, rinv)
 
-        def block(p, qkv, out, mask):                               # a few batch rows
+        def block(p, rinv, qkv, out, mask):                         # a few batch rows
             q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], n_head) for i in range(3))
             qs = xp.empty(q.shape, dtype=q.dtype)                   # C-ordered (q * scale would not be)
             xp.multiply(q, scale, out=qs)                           # scale the small operand
             o = _heads(out, n_head)                                 # products land with heads merged
             for q0, q1 in zip(chunks, chunks[1:]):                  # keys [0, q1) only
-                s = p[:, :, q0:q1, :q1]
+                s, r = p[:, :, q0:q1, :q1], rinv[:, :, q0:q1]
                 xp.matmul(qs[:, :, q0:q1], k[:, :, :q1].swapaxes(-1, -2), out=s)
-                s[..., q0:] += bias[q0:q1, q0:q1]                   # -inf above the diagonal
-                s -= _row_max(s)
-                xp.exp(s, out=s)                                    # E: unnormalised, kept
+                if fused:                                           # E and 1 / rowsum(E) in one pass
+                    kernels.call("causal_softmax", s.dtype, s, r, p.shape[0] * n_head, t * t, q1 - q0, q1, t,
+                                 q0, t)
+                else:
+                    s[..., q0:] += bias[q0:q1, q0:q1]               # -inf above the diagonal
+                    s -= _row_max(s)
+                    xp.exp(s, out=s)                                # E: unnormalised, kept
+                    _row_scale(s, None, out=r)
                 pv = o[:, :, q0:q1]
                 if mask is None:
                     xp.matmul(s, v[:, :, :q1], out=pv)
                 else:
                     xp.matmul(s * mask[:, :, q0:q1, :q1], v[:, :, :q1], out=pv)
-                pv *= _row_scale(s, keep_scale)                     # O = (E V) / rowsum(E)
-        for_blocks(block, p, qkv, out, mask, blas=True)
+                pv *= r if keep_scale is None else r * keep_scale   # O = (E V) / rowsum(E)
+        for_blocks(block, p, rinv, qkv, out, mask, blas=True)
         # out is saved by reference (the next linear layer saves it too); ops never write into it
-        self.qkv, self.p, self.out, self.mask, self.keep_scale = qkv, p, out, mask, keep_scale
-        self.n_head, self.scale, self.chunks = n_head, scale, chunks
+        self.qkv, self.p, self.rinv, self.out, self.mask, self.keep_scale = qkv, p, rinv, out, mask, keep_scale
+        self.n_head, self.scale, self.chunks, self.fused = n_head, scale, chunks, fused
         return out
 
     def backward(self, g):
@@ -145,7 +156,7 @@ class CausalSelfAttention(Function):
         c = self.qkv.shape[-1] // 3
         dqkv = xp.empty(self.qkv.shape, dtype=self.qkv.dtype)
 
-        def block(p, qkv, g, out, mask, dqkv):                     # a few batch rows
+        def block(p, rinv, qkv, g, out, mask, dqkv):               # a few batch rows
             q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], h) for i in range(3))
             go = _heads(g, h)                                       # (b, H, T, D)
             b, t = g.shape[:2]
@@ -157,7 +168,7 @@ class CausalSelfAttention(Function):
             # the others add into their keys' rows. Every chunk writes its own rows of dq.
             for q0, q1 in reversed(list(zip(chunks, chunks[1:]))):  # keys [0, q1) only
                 ej = p[:, :, q0:q1, :q1]                            # E; P = E * r per row
-                r = _row_scale(ej, None)                            # (b, H, q, 1): 1 / rowsum(E)
+                r = rinv[:, :, q0:q1]                               # (b, H, q, 1): 1 / rowsum(E)
                 gor = go[:, :, q0:q1] * r                           # r dO: P's row scale moved
                 ed = ej if mask is None else ej * mask[:, :, q0:q1, :q1]  # onto the small side
                 if mask is not None:
@@ -170,8 +181,12 @@ class CausalSelfAttention(Function):
                 if mask is not None:
                     ds *= mask[:, :, q0:q1, :q1]
                 rowdot_r = rowdot[:, :, q0:q1, None] * r
-                ds -= rowdot_r
-                ds *= ej                                            # dS (masked entries: E = 0)
+                if self.fused:                                      # dS = E (r dP - rowdot r), one pass
+                    kernels.call("softmax_grad", ds.dtype, ds, ej, rowdot_r, ds.shape[0] * h, t * t, q1 - q0,
+                                 q1, t)
+                else:
+                    ds -= rowdot_r
+                    ds *= ej                                        # dS (masked entries: E = 0)
                 xp.matmul(ds, k[:, :, :q1], out=dq[:, :, q0:q1])
                 if q1 == t:
                     xp.matmul(ds.swapaxes(-1, -2), q[:, :, q0:q1], out=dk)
@@ -180,7 +195,7 @@ class CausalSelfAttention(Function):
             for i, (grad, factor) in enumerate(((dq, scale), (dk, scale), (dv, None))):
                 _merge_heads(grad, dqkv[..., i * c:(i + 1) * c], factor)
 
-        for_blocks(block, self.p, self.qkv, g, self.out, self.mask, dqkv, blas=True)
+        for_blocks(block, self.p, self.rinv, self.qkv, g, self.out, self.mask, dqkv, blas=True)
         return (dqkv,)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import mpirt.backend as B
+from mpirt import kernels
 from mpirt.precision import compute_dtype, float32_compute, upcast
 from mpirt.tensor import Function, SparseGrad, Tensor, is_grad_enabled
 from mpirt.threads import LIGHT_BLOCK, add_up, for_blocks
@@ -53,6 +54,11 @@ def _gelu_block(x, y, d):
     y *= x
 
 
+def _gelu_c(x, y, d):
+    """:func:`_gelu_block` in one C pass (:mod:`mpirt.kernels`)."""
+    kernels.call("gelu", x.dtype, x, y, d, x.size)
+
+
 @float32_compute
 class Gelu(Function):
     """GPT-2's tanh GELU. While a block of ``x`` is in cache the forward also computes the
@@ -62,7 +68,8 @@ class Gelu(Function):
         xp = B.xp
         y = xp.empty(x.shape, dtype=x.dtype)
         self.d = xp.empty_like(y) if self.needs_input_grad[0] and is_grad_enabled() else None
-        for_blocks(_gelu_block, x.reshape(-1), y.reshape(-1), None if self.d is None else self.d.reshape(-1))
+        flat = (x.reshape(-1), y.reshape(-1), None if self.d is None else self.d.reshape(-1))
+        for_blocks(_gelu_c if kernels.usable(*flat) else _gelu_block, *flat)
         return y
 
     def backward(self, g):
@@ -145,6 +152,9 @@ class LayerNorm(Function):
         xhat, y = xp.empty(x2.shape, dtype=x.dtype), xp.empty(x2.shape, dtype=x.dtype)
         rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
 
+        def fused(x, xhat, rstd, y):
+            kernels.call("layer_norm_forward", x.dtype, x, weight, bias, xhat, rstd, y, x.shape[0], n, eps)
+
         def block(x, xhat, rstd, y):
             xp.subtract(x, _row_means(x), out=xhat)
             var = xp.einsum("ij,ij->i", xhat, xhat)[:, None]   # (rows, 1), no (rows, C) temporary
@@ -160,7 +170,7 @@ class LayerNorm(Function):
                 if bias is not None:
                     y += bias
 
-        for_blocks(block, x2, xhat, rstd, y)
+        for_blocks(fused if kernels.usable(x2, weight, bias) else block, x2, xhat, rstd, y)
         self.xhat, self.rstd, self.weight, self.shape = xhat, rstd, weight, x.shape
         return y.reshape(x.shape)
 
@@ -181,6 +191,11 @@ class LayerNorm(Function):
         g2 = g.reshape(-1, n)
         gx = xp.empty(xhat.shape, dtype=xhat.dtype) if want_x else None
 
+        def fused(g, xhat, rstd, gx):
+            gw, gb = (xp.zeros(n, dtype=xhat.dtype) if want else None for want in (want_w, want_b))
+            kernels.call("layer_norm_backward", xhat.dtype, g, xhat, rstd, weight, gx, gw, gb, xhat.shape[0], n)
+            return gw, gb
+
         def block(g, xhat, rstd, gx):
             # dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)),  gxhat = g * weight
             gw = xp.einsum("ij,ij->j", g, xhat) if want_w else None
@@ -199,7 +214,7 @@ class LayerNorm(Function):
                 gxhat *= rstd
             return gw, gb
 
-        parts = for_blocks(block, g2, xhat, self.rstd, gx)
+        parts = for_blocks(fused if kernels.usable(g2, xhat, weight) else block, g2, xhat, self.rstd, gx)
         gw = add_up([p[0] for p in parts]) if want_w else None
         gb = add_up([p[1] for p in parts]) if want_b else None
         return (None if gx is None else gx.reshape(self.shape)), gw, gb

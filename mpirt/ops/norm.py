@@ -7,6 +7,7 @@ input pass and a (deferrable) weight pass.
 from __future__ import annotations
 
 import mpirt.backend as B
+from mpirt import kernels
 from mpirt.precision import float32_compute
 from mpirt.tensor import Function
 from mpirt.threads import add_up, for_blocks
@@ -23,6 +24,9 @@ class RMSNorm(Function):
         xhat, y = xp.empty(x2.shape, dtype=x.dtype), xp.empty(x2.shape, dtype=x.dtype)
         rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
 
+        def fused(x, xhat, rstd, y):
+            kernels.call("rms_norm_forward", x.dtype, x, weight, xhat, rstd, y, x.shape[0], n, eps)
+
         def block(x, xhat, rstd, y):
             ms = xp.einsum("ij,ij->i", x, x)[:, None]           # (rows, 1)
             ms *= 1.0 / n
@@ -32,7 +36,7 @@ class RMSNorm(Function):
             xp.multiply(x, rstd, out=xhat)
             xp.multiply(xhat, weight, out=y)
 
-        for_blocks(block, x2, xhat, rstd, y)
+        for_blocks(fused if kernels.usable(x2, weight) else block, x2, xhat, rstd, y)
         self.xhat, self.rstd, self.weight, self.shape = xhat, rstd, weight, x.shape
         return y.reshape(x.shape)
 
@@ -53,6 +57,11 @@ class RMSNorm(Function):
         g2 = g.reshape(-1, n)
         gx = xp.empty(xhat.shape, dtype=xhat.dtype) if want_x else None
 
+        def fused(g, xhat, rstd, gx):
+            gw = xp.zeros(n, dtype=xhat.dtype) if want_w else None
+            kernels.call("rms_norm_backward", xhat.dtype, g, xhat, rstd, weight, gx, gw, xhat.shape[0], n)
+            return gw
+
         def block(g, xhat, rstd, gx):
             gw = xp.einsum("ij,ij->j", g, xhat) if want_w else None
             if gx is not None:
@@ -63,7 +72,7 @@ class RMSNorm(Function):
                 gx *= rstd
             return gw
 
-        parts = for_blocks(block, g2, xhat, self.rstd, gx)
+        parts = for_blocks(fused if kernels.usable(g2, xhat, weight) else block, g2, xhat, self.rstd, gx)
         gw = add_up(parts) if want_w else None
         return (None if gx is None else gx.reshape(self.shape)), gw
 

@@ -1,0 +1,136 @@
+"""Fused CPU kernels in C: layer norm, RMS norm, GELU, the attention's causal softmax and AdamW,
+each one pass over its rows where the NumPy form makes several.
+
+The source (``kernels.c``, ``kernels_body.h``) ships with mpirt and is compiled on first use on
+the machine that runs it (``cc -O3 -march=native``: the nodes of a cluster may differ, so nothing
+is built at install time), into ``$MPIRT_CACHE`` under a name that hashes the source, the flags,
+the compiler and the CPU; later starts load the cached library. Ranks that compile at once each
+write their own temporary file and rename it into place. The functions are called through
+ctypes, which releases the GIL: the ops hand row blocks of one call to mpirt's thread pool.
+
+Without a C compiler, or with ``MPIRT_KERNELS=numpy``, :func:`library` is None and every op runs
+its NumPy form (the ops test both). :func:`describe` says which, for the start-up banner.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from mpirt.sysinfo import cache_dir, cpu_model
+
+SOURCES = ("kernels.c", "kernels_body.h")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
+         "-std=c11")
+
+_lock = threading.Lock()
+_loaded: tuple | None = None   # (CDLL or None, how: str)
+
+P, L, D = ctypes.c_void_p, ctypes.c_long, ctypes.c_double
+SIGNATURES = {
+    "layer_norm_forward": (P, P, P, P, P, P, L, L, D),
+    "layer_norm_backward": (P, P, P, P, P, P, P, L, L),
+    "rms_norm_forward": (P, P, P, P, P, L, L, D),
+    "rms_norm_backward": (P, P, P, P, P, P, L, L),
+    "gelu": (P, P, P, L),
+    "causal_softmax": (P, P, L, L, L, L, L, L, L),
+    "softmax_grad": (P, P, P, L, L, L, L, L),
+    "adamw": (P, P, P, P, L, D, D, D, D, D),
+}
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile the sources into ``target`` (atomically: a temporary file renamed into place)."""
+    here = Path(__file__).parent
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(here / "kernels.c")], capture_output=True,
+                                text=True, timeout=120)
+        if result.returncode:
+            raise RuntimeError(f"{cc} exited {result.returncode}: {result.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> tuple:
+    if os.environ.get("MPIRT_KERNELS", "").strip().lower() in ("numpy", "off", "0"):
+        return None, "numpy (MPIRT_KERNELS=numpy)"
+    cc = _compiler()
+    if cc is None:
+        return None, "numpy (no C compiler: set CC or install cc for the fused kernels)"
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((here / name).read_bytes())
+    digest.update(repr((FLAGS, os.path.realpath(cc), cpu_model(), np.dtype(ctypes.c_long).itemsize)).encode())
+    target = cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
+    how = f"C ({os.path.basename(cc)} {' '.join(FLAGS[:2])}, cached)"
+    try:
+        if not target.exists():
+            _build(cc, target)
+            how = f"C ({os.path.basename(cc)} {' '.join(FLAGS[:2])}, built now)"
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        return None, f"numpy (the C kernels did not build: {err})"
+    for name, args in SIGNATURES.items():
+        for suffix in ("_f32", "_f64"):
+            fn = getattr(lib, name + suffix)
+            fn.argtypes, fn.restype = args, None
+    return lib, how
+
+
+def library():
+    """The compiled kernels (a ctypes library), or None when the NumPy forms run instead."""
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                _loaded = _load()
+    return _loaded[0]
+
+
+def describe() -> str:
+    """Which kernels run, for the start-up banner: ``C (cc -O3 -march=native, cached)`` or
+    ``numpy (why)``."""
+    library()
+    return _loaded[1]
+
+
+def usable(*arrays) -> bool:
+    """Whether the C kernels can take these arrays: the kernels are loaded and every array is a
+    C-contiguous NumPy float32 or float64 array of one dtype (None entries are skipped)."""
+    if library() is None:
+        return False
+    dtype = None
+    for a in arrays:
+        if a is None:
+            continue
+        if type(a) is not np.ndarray or not a.flags.c_contiguous or a.dtype.char not in "fd":
+            return False
+        if dtype is not None and a.dtype != dtype:
+            return False
+        dtype = a.dtype
+    return True
+
+
+def call(name: str, dtype, *args) -> None:
+    """Call kernel ``name`` for ``dtype`` (float32 or float64); array arguments are passed by their
+    data pointer, None as NULL, numbers as they are."""
+    fn = getattr(library(), name + ("_f32" if dtype == np.float32 else "_f64"))
+    fn(*(a.ctypes.data if isinstance(a, np.ndarray) else a for a in args))

@@ -1,0 +1,221 @@
+"""The fused C kernels (mpirt.kernels) against the NumPy forms they replace, and how they are built.
+
+Every op that has a C kernel runs twice on the same inputs, once with the kernels and once with
+them switched off, for float32 and float64: outputs and every gradient must agree (float64 to
+rounding, float32 to the fast exp's few ulp), and NaN/inf must land where NumPy puts them. The
+build tests compile into a fresh cache in subprocesses: built once, then loaded; several processes
+building at once; no compiler; MPIRT_KERNELS=numpy.
+"""
+import contextlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpirt import kernels, ops
+from mpirt.tensor import Tensor
+
+
+def test_the_kernels_load():
+    """CI machines have a C compiler: the fused kernels must be what runs there."""
+    assert kernels.library() is not None, kernels.describe()
+    assert kernels.describe().startswith("C (")
+
+
+def kernels_on():
+    """The default: the C kernels as loaded (a context, to pair with ``numpy_forms``)."""
+    return contextlib.nullcontext()
+
+
+@pytest.fixture
+def numpy_forms(monkeypatch):
+    """Switch the kernels off for the duration of a call: ``with numpy_forms(): ...``."""
+    @contextlib.contextmanager
+    def off():
+        saved = kernels._loaded
+        monkeypatch.setattr(kernels, "_loaded", (None, "numpy (test)"))
+        try:
+            yield
+        finally:
+            monkeypatch.setattr(kernels, "_loaded", saved)
+    return off
+
+
+def run_op(f, arrays, grad_seed=1):
+    """Outputs and input gradients of ``f`` on Tensors of ``arrays`` (ops never write their inputs)."""
+    ts = [Tensor(a, requires_grad=True) for a in arrays]
+    out = f(*ts)
+    g = np.random.default_rng(grad_seed).standard_normal(out.shape).astype(out.data.dtype)
+    (out * Tensor(g)).sum().backward()
+    return [out.data] + [t.grad for t in ts]
+
+
+def rng_arrays(dtype, *shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+N, C = 300, 96  # rows not a multiple of anything the kernels vectorise by
+CASES = {
+    "layer_norm": (lambda x, w, b: ops.layer_norm(x, w, b), [(N, C), (C,), (C,)]),
+    "layer_norm_no_affine": (lambda x: ops.layer_norm(x), [(N, C)]),
+    "rms_norm": (lambda x, w: ops.rms_norm(x, w), [(N, C), (C,)]),
+    "gelu": (lambda x: ops.gelu(x * 3.0), [(N, C)]),
+    "attention": (lambda qkv: ops.causal_self_attention(qkv, n_head=3), [(2, 150, 3 * 48)]),
+    "attention_dropout": (lambda qkv: ops.causal_self_attention(qkv, n_head=2, dropout_p=0.25, seed=5),
+                          [(2, 70, 3 * 16)]),
+}
+
+
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-11), (np.float32, 2e-5)])
+@pytest.mark.parametrize("name", list(CASES))
+def test_c_kernels_match_the_numpy_forms(name, dtype, rtol, numpy_forms):
+    f, shapes = CASES[name]
+    arrays = rng_arrays(dtype, *shapes)
+    fused = run_op(f, arrays)
+    with numpy_forms():
+        plain = run_op(f, arrays)
+    for i, (a, b) in enumerate(zip(fused, plain)):
+        assert a.dtype == b.dtype == dtype
+        scale = np.abs(b).max()
+        np.testing.assert_allclose(a, b, rtol=0, atol=rtol * scale, err_msg=f"{name}: output/grad {i}")
+
+
+KERNELS_OF = {"layer_norm": {"layer_norm_forward", "layer_norm_backward"},
+              "layer_norm_no_affine": {"layer_norm_forward", "layer_norm_backward"},
+              "rms_norm": {"rms_norm_forward", "rms_norm_backward"}, "gelu": {"gelu"},
+              "attention": {"causal_softmax", "softmax_grad"}, "attention_dropout": {"causal_softmax", "softmax_grad"}}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_op_runs_its_c_kernels(name, monkeypatch):
+    """The comparison above compares something: with the kernels on, each op calls its C kernels."""
+    called, real = set(), kernels.call
+    monkeypatch.setattr(kernels, "call", lambda kernel, *a: (called.add(kernel), real(kernel, *a)))
+    f, shapes = CASES[name]
+    run_op(f, rng_arrays(np.float32, *shapes))
+    assert called == KERNELS_OF[name]
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_adamw_is_bit_equal_to_the_numpy_form(dtype, weight_decay, numpy_forms, monkeypatch):
+    """Same operations in the same order, no contraction (-std=c11): the same bits, so switching
+    kernels on or off never changes a run's parameters."""
+    from mpirt.optim import adamw_update
+    rng = np.random.default_rng(3)
+    start = [rng.standard_normal(70_001).astype(dtype) for _ in range(4)]
+    start[3] = np.abs(start[3])
+    called, real = [], kernels.call
+    monkeypatch.setattr(kernels, "call", lambda kernel, *a: (called.append(kernel), real(kernel, *a)))
+    runs = []
+    for context in (kernels_on, numpy_forms):
+        arrays = [a.copy() for a in start]
+        with context():
+            for step in (1, 2, 3):
+                adamw_update(*arrays, step=step, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=weight_decay)
+        runs.append(arrays)
+    assert called and set(called) == {"adamw"}
+    for fused, plain in zip(*runs):
+        np.testing.assert_array_equal(fused, plain)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_results_do_not_depend_on_where_the_arrays_sit(dtype):
+    """Row sums keep fixed partial sums: the same input at another address (here shifted by one
+    element) gives the same bits, so a rerun or another layout repeats a run exactly."""
+    def at_offset(a, k):
+        buf = np.empty(a.size + k, dtype=a.dtype)
+        view = buf[k:].reshape(a.shape)
+        view[...] = a
+        return view
+    for name, (f, shapes) in CASES.items():
+        arrays = rng_arrays(dtype, *shapes)
+        runs = [run_op(f, [at_offset(a, k) for a in arrays]) for k in (0, 1, 3)]
+        for other in runs[1:]:
+            for a, b in zip(runs[0], other):
+                np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gelu_without_grad_gives_the_same_bits(dtype):
+    """The forward with and without the derivative (no_grad, recomputation) must agree exactly."""
+    from mpirt.tensor import no_grad
+    x = rng_arrays(dtype, (N, C))[0] * 4
+    with_grad = ops.gelu(Tensor(x, requires_grad=True)).data
+    with no_grad():
+        without = ops.gelu(Tensor(x)).data
+    np.testing.assert_array_equal(with_grad, without)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_non_finite_values_land_where_numpy_puts_them(dtype, numpy_forms):
+    x = rng_arrays(dtype, (8, 32))[0]
+    x[1, 3], x[4, 0], x[6, 7] = np.nan, np.inf, -np.inf
+    qkv = rng_arrays(dtype, (1, 16, 3 * 8))[0]
+    qkv[0, 5, 2] = np.nan                              # a query: its row of scores
+    for f, a in ((ops.gelu, x), (ops.layer_norm, x), (lambda t: ops.causal_self_attention(t, n_head=2), qkv)):
+        fused = f(Tensor(a)).data
+        with numpy_forms():
+            plain = f(Tensor(a)).data
+        # the same elements non-finite (GELU(-inf) is NaN one way and -inf the other: either
+        # trips the non-finite checks), and a NaN input stays NaN
+        np.testing.assert_array_equal(np.isfinite(fused), np.isfinite(plain))
+        if a.shape == fused.shape:
+            assert np.isnan(fused[np.isnan(a)]).all()
+        ok = np.isfinite(plain)
+        np.testing.assert_allclose(fused[ok], plain[ok], rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_is_accurate_over_the_float32_range():
+    """The C GELU (sigmoid form, its own vectorised exp) against float64: within 2e-5 relative
+    wherever the value is above 1e-30 (the argument's own float32 rounding costs ~1e-5 in the far
+    negative tail, where NumPy's ``1 + tanh`` form cancels to nothing)."""
+    x = np.linspace(-20, 20, 200_001, dtype=np.float32)
+    fused = ops.gelu(Tensor(x)).data
+    xd = x.astype(np.float64)
+    exact = xd / (1 + np.exp(-2 * np.sqrt(2 / np.pi) * (xd + 0.044715 * xd ** 3)))
+    np.testing.assert_allclose(fused, exact, rtol=2e-5, atol=1e-30)
+
+
+# ---------------------------------------------------------------------------------------------
+# building and loading, in fresh processes
+# ---------------------------------------------------------------------------------------------
+def describe_in(cache, **env):
+    code = "from mpirt import kernels; print(kernels.describe())"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "MPIRT_CACHE": str(cache), **env})
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_built_once_then_loaded_from_the_cache(tmp_path):
+    assert describe_in(tmp_path) == "C (cc -O3 -march=native, built now)"
+    assert describe_in(tmp_path) == "C (cc -O3 -march=native, cached)"
+    assert len(list(tmp_path.glob("kernels-*.so"))) == 1
+
+
+def test_processes_building_at_once_all_load_one_library(tmp_path):
+    code = "from mpirt import kernels; assert kernels.library() is not None, kernels.describe()"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "MPIRT_CACHE": str(tmp_path)},
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    for p in procs:
+        assert p.wait(timeout=180) == 0, p.stderr.read()
+    assert [p.name for p in tmp_path.iterdir()] == [next(tmp_path.glob("kernels-*.so")).name]  # no temporaries left
+
+
+def test_without_a_compiler_or_when_switched_off_the_numpy_forms_run(tmp_path):
+    text = describe_in(tmp_path, CC="/nonexistent/cc")
+    assert text.startswith("numpy (no C compiler")
+    assert describe_in(tmp_path, MPIRT_KERNELS="numpy") == "numpy (MPIRT_KERNELS=numpy)"
+    assert not list(tmp_path.glob("kernels-*"))
+
+
+def test_a_failing_build_is_reported_and_the_numpy_forms_run(tmp_path):
+    fake = tmp_path / "badcc"
+    fake.write_text("#!/bin/sh\necho 'badcc: internal error' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    text = describe_in(tmp_path / "cache", CC=str(fake))
+    assert text.startswith("numpy (the C kernels did not build: ") and "badcc: internal error" in text
