@@ -5,7 +5,8 @@ Same shapes, float32, same thread count, same global batch; PyTorch uses
 ``F.scaled_dot_product_attention`` and ``torch.optim.AdamW``. The GEMM floor is every linear
 product of the step (qkv, proj, fc, fc2, the tied head; forward and both backward products) on
 the GEMM library mpirt chose, split over its pool as in the step (:mod:`bench.gemm`); the
-attention's batched products are not in it. The three contenders alternate step by step
+attention's batched products are not in it. A fourth contender is mpirt's step with its C kernels
+off (the NumPy forms, :func:`mpirt.kernels.numpy_forms`). The contenders alternate step by step
 (bench/common.py); the table gives median [min-max] ms and the per-step ratios' median
 [min-max], and warns when the machine was too loaded for the figures to mean anything.
 
@@ -40,7 +41,10 @@ def set_threads(n: int) -> None:
     mpirt.threads.set_num_threads(n)
 
 
-def mpirt_step(cfg, batch, seq_len, x, y):
+def mpirt_step(cfg, batch, seq_len, x, y, fused: bool = True):
+    """mpirt's step; ``fused=False`` runs every op's NumPy form instead of the C kernels."""
+    import contextlib
+    from mpirt import kernels
     from mpirt.optim import AdamW
     from mpirt.modeling import build_model
     model = build_model(cfg, seed=0)
@@ -48,10 +52,11 @@ def mpirt_step(cfg, batch, seq_len, x, y):
     model.zero_grad()
 
     def step():
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        with contextlib.nullcontext() if fused else kernels.numpy_forms():
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
         return loss.item()
     return step, model.num_parameters()
 
@@ -166,6 +171,8 @@ def main() -> None:
     threads = args.threads or mpirt.threads.default_num_threads()
     set_threads(threads)
     gemm_library = blas.describe()
+    from mpirt import kernels
+    kernels_note = kernels.describe()
 
     BC.wait_for_quiet(args.quiet_wait)
     if args.ops:
@@ -180,7 +187,8 @@ def main() -> None:
         BC.write_results(f"{args.name}_ops", "Where mpirt's step goes, per op", ["case", "part", "calls",
                          "forward ms", "backward ms", "ms"], rows, load, {"threads": threads, "gemm": gemm_library},
                          [f"float32, {threads} threads; each figure the fastest of {args.repeats} steps "
-                          "(the parts' minima need not add up to the step's).", f"mpirt GEMM: {gemm_library}"])
+                          "(the parts' minima need not add up to the step's).",
+                          f"mpirt GEMM: {gemm_library}; kernels: {kernels_note}"])
         return
     load = BC.LoadMonitor().start()
     rows, data = [], {"threads": threads, "gemm": gemm_library, "cases": {}}
@@ -191,25 +199,28 @@ def main() -> None:
         y = rng.integers(0, cfg.vocab_size, (batch, seq_len), dtype=np.int64)
         m_step, n_params = mpirt_step(cfg, batch, seq_len, x, y)
         products = step_products(cfg, batch, seq_len)
-        times = BC.alternate({"mpirt": m_step, "torch": torch_step(cfg, batch, seq_len, x, y),
+        times = BC.alternate({"mpirt": m_step, "mpirt_numpy": mpirt_step(cfg, batch, seq_len, x, y, fused=False)[0],
+                              "torch": torch_step(cfg, batch, seq_len, x, y),
                               "floor": lambda: step_gemms(products)}, args.repeats,
                              before=lambda: time.sleep(args.pause))
         s = {k: BC.spread(v) for k, v in times.items()}
         vs_torch = BC.paired_ratio(times["mpirt"], times["torch"])
         vs_floor = BC.paired_ratio(times["mpirt"], times["floor"])
+        vs_numpy = BC.paired_ratio(times["mpirt"], times["mpirt_numpy"])
         tokens = batch * seq_len
         rows.append([name, f"{n_params:,}", f"{batch} x {seq_len}", BC.fmt_spread(s["mpirt"]),
-                     BC.fmt_spread(s["torch"]), BC.fmt_spread(s["floor"]), BC.fmt_ratio(vs_torch),
-                     BC.fmt_ratio(vs_floor), f"{tokens / s['mpirt']['median']:,.0f}",
-                     f"{tokens / s['torch']['median']:,.0f}"])
+                     BC.fmt_spread(s["mpirt_numpy"]), BC.fmt_spread(s["torch"]), BC.fmt_spread(s["floor"]),
+                     BC.fmt_ratio(vs_numpy), BC.fmt_ratio(vs_torch), BC.fmt_ratio(vs_floor),
+                     f"{tokens / s['mpirt']['median']:,.0f}", f"{tokens / s['torch']['median']:,.0f}"])
         data["cases"][name] = {"params": n_params, "batch": batch, "seq_len": seq_len, "config": dataclasses.asdict(cfg), "seconds": times,
-                               "mpirt_vs_torch": vs_torch, "mpirt_vs_floor": vs_floor}
+                               "mpirt_vs_torch": vs_torch, "mpirt_vs_floor": vs_floor, "mpirt_vs_numpy_forms": vs_numpy}
     load.stop()
-    header = ["case", "params", "B x T", "mpirt ms", "torch ms", "GEMM floor ms", "mpirt/torch",
-              "mpirt/floor", "mpirt tok/s", "torch tok/s"]
-    notes = [f"float32, {threads} threads each; median [min-max] of {args.repeats} steps, the three "
-             "alternated step by step; ratios: median [min-max] of the per-round ratios.",
-             f"mpirt GEMM: {gemm_library}"]
+    header = ["case", "params", "B x T", "mpirt ms", "mpirt NumPy forms ms", "torch ms", "GEMM floor ms",
+              "mpirt/NumPy forms", "mpirt/torch", "mpirt/floor", "mpirt tok/s", "torch tok/s"]
+    notes = [f"float32, {threads} threads each; median [min-max] of {args.repeats} steps, the four "
+             "alternated step by step; ratios: median [min-max] of the per-round ratios. "
+             "\"NumPy forms\": mpirt's step with the C kernels off (MPIRT_KERNELS=numpy).",
+             f"mpirt GEMM: {gemm_library}; kernels: {kernels_note}"]
     BC.write_results(args.name, "One GPT training step: mpirt, PyTorch eager, GEMM floor", header, rows,
                      load, data, notes)
 

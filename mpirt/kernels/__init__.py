@@ -13,6 +13,7 @@ its NumPy form (the ops test both). :func:`describe` says which, for the start-u
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -110,6 +111,18 @@ def describe() -> str:
     ``numpy (why)``."""
     library()
     return _loaded[1]
+
+
+@contextlib.contextmanager
+def numpy_forms():
+    """Context: inside, every op runs its NumPy form (for side-by-side benchmarks and tests)."""
+    global _loaded
+    library()
+    saved, _loaded = _loaded, (None, "numpy (numpy_forms)")
+    try:
+        yield
+    finally:
+        _loaded = saved
 
 
 def usable(*arrays) -> bool:
