@@ -198,6 +198,14 @@ def test_processes_building_at_once_all_load_one_library(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [next(tmp_path.glob("kernels-*.so")).name]  # no temporaries left
 
 
+def test_a_damaged_cache_entry_is_built_again(tmp_path):
+    assert describe_in(tmp_path).endswith("built now)")
+    (so,) = tmp_path.glob("kernels-*.so")
+    so.write_bytes(b"not a shared library")
+    assert describe_in(tmp_path).endswith("built now)")
+    assert describe_in(tmp_path).endswith("cached)")
+
+
 def test_without_a_compiler_or_when_switched_off_the_numpy_forms_run(tmp_path):
     text = describe_in(tmp_path, CC="/nonexistent/cc")
     assert text.startswith("numpy (no C compiler")

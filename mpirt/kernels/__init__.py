@@ -47,6 +47,15 @@ SIGNATURES = {
 }
 
 
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo``), "" where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
 def _compiler() -> str | None:
     cc = os.environ.get("CC") or "cc"
     return shutil.which(cc)
@@ -79,14 +88,22 @@ def _load() -> tuple:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((here / name).read_bytes())
-    digest.update(repr((FLAGS, os.path.realpath(cc), cpu_model(), np.dtype(ctypes.c_long).itemsize)).encode())
+    # -march=native: nodes that share a home directory but not an instruction set (a VM hiding
+    # AVX-512 behind the same model name) must not share a library
+    digest.update(repr((FLAGS, os.path.realpath(cc), cpu_model(), _cpu_flags(), ctypes.sizeof(ctypes.c_long))).encode())
     target = cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
     how = f"C ({os.path.basename(cc)} {' '.join(FLAGS[:2])}, cached)"
     try:
-        if not target.exists():
+        lib = None
+        if target.exists():
+            try:
+                lib = ctypes.CDLL(str(target))
+            except OSError:  # a damaged cache entry: build it again
+                lib = None
+        if lib is None:
             _build(cc, target)
             how = f"C ({os.path.basename(cc)} {' '.join(FLAGS[:2])}, built now)"
-        lib = ctypes.CDLL(str(target))
+            lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         return None, f"numpy (the C kernels did not build: {err})"
     for name, args in SIGNATURES.items():
