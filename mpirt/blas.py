@@ -41,7 +41,7 @@ from typing import Callable
 
 import numpy as np
 
-from mpirt.sysinfo import cache_dir, cpu_model
+from mpirt.sysinfo import cache_dir, cpu_model, read_cache, update_cache
 
 NAMES = ("openblas", "blis", "mkl")
 ENV = "MPIRT_GEMM"
@@ -266,26 +266,6 @@ def cache_path() -> Path:
     return cache_dir() / "gemm.json"
 
 
-def _read_cache(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(path: Path, key: str, entry: dict) -> None:
-    """Add ``entry`` under ``key``; atomic (ranks of one node may calibrate at once). A cache that
-    cannot be written costs a calibration per start, nothing else."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_cache(path)
-        data[key] = entry
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
 
 # ---------------------------------------------------------------------------------------------
 # the choice
@@ -321,7 +301,7 @@ def choose(name: str | None = None, use_cache: bool = True) -> Choice:
         choice = Choice(found[forced], how, notes=notes)
     else:
         key, path = machine_key(found), cache_path()
-        entry = _read_cache(path).get(key) if use_cache else None
+        entry = read_cache(path).get(key) if use_cache else None
         if entry and entry.get("choice") in found:
             choice = Choice(found[entry["choice"]], "cached", entry.get("seconds", {}), notes)
         else:
@@ -329,7 +309,7 @@ def choose(name: str | None = None, use_cache: bool = True) -> Choice:
             best = min(seconds, key=seconds.get) if seconds else "openblas"
             choice = Choice(found[best], "calibrated", seconds, notes)
             if use_cache and seconds:
-                _write_cache(path, key, {"choice": best, "seconds": seconds,
+                update_cache(path, key, {"choice": best, "seconds": seconds,
                                          "versions": {n: lib.version for n, lib in found.items()}})
     _choice = choice
     return choice

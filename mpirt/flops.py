@@ -19,7 +19,8 @@ units, :func:`cpu_flops_per_cycle`; the clock is cpufreq's maximum: a base clock
 counted for the cores the GEMM threads can use (mpirt's pool, :mod:`mpirt.threads`; at most the
 node's cores over its ranks). When neither can
 be read, the peak is :func:`gemm_rate` itself: a calibration on the same threads and GEMM path
-as training. A vendor peak below the measured GEMM rate (a clock read below the boost clock)
+as training, or the best such rate measured on this machine before (:func:`remembered_gemm_rate`:
+a start under load must not lower the peak). A vendor peak below the measured GEMM rate (a clock read below the boost clock)
 is replaced by the measured rate. The source is reported with the figure (banner, summary).
 
 **The GEMM floor**: the step's model FLOPs at the rate :func:`gemm_rate` measures for products
@@ -29,6 +30,8 @@ GEMM floor`` says how far a step is from what the BLAS library allows on these s
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -153,6 +156,26 @@ def gemm_rate(products: list, seconds: float = 0.3) -> float:
         B.synchronize()
         best = min(best, time.perf_counter() - t0)
     return flops / best
+
+
+def remembered_gemm_rate(products: list, measured: float, ranks_on_node: int = 1) -> float:
+    """The higher of ``measured`` (:func:`gemm_rate`) and the best rate measured on this machine
+    before for the same products, threads, ranks sharing the node and GEMM library
+    (``$MPIRT_CACHE/gemm_rate.json``); a
+    new best is recorded. A start under others' load measures a rate that later steps beat (an
+    MFU above 100 %, a step "faster" than its GEMM floor); the best rate seen is the better
+    bound. For the NumPy backend (a GPU's peak is its data sheet's)."""
+    from mpirt import blas, threads
+    from mpirt.sysinfo import cache_dir, cpu_model, read_cache, update_cache
+    lib = blas.current().library
+    text = json.dumps([cpu_model(), threads.num_threads(), ranks_on_node, lib.name, lib.version,
+                       [(a.shape, b.shape, str(a.dtype)) for a, b in products]])
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = cache_dir() / "gemm_rate.json"
+    best = float(read_cache(path).get(key, 0.0))
+    if measured > best:
+        update_cache(path, key, measured)
+    return max(measured, best)
 
 
 def resolve_peak(dtype: str, cores: float, measured_gemm: float, flag: float = 0.0) -> Peak:

@@ -180,6 +180,8 @@ class RunMonitor:
         products = flops.layer_products(model_cfg.n_embd, hidden, rows, cfg.dtype)
         self.world.barrier()  # every rank times together, sharing the node as in training
         rate = flops.gemm_rate(products)
+        if B.name == "numpy":  # a start under load must not make a peak that later steps beat
+            rate = flops.remembered_gemm_rate(products, rate, ctx.local_size)
         cores = min(threads.num_threads(), (os.cpu_count() or 1) / ctx.local_size)
         if B.name == "numpy":  # ranks oversubscribing the cores get their share of them, not a core each
             rate *= cores / threads.num_threads()

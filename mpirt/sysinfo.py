@@ -7,6 +7,7 @@ anything new.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -53,3 +54,26 @@ def cache_dir() -> Path:
     """Where mpirt keeps what it measured or built for this machine (the GEMM verdict, the compiled
     kernels): ``$MPIRT_CACHE``, default ``~/.cache/mpirt``."""
     return Path(os.environ.get("MPIRT_CACHE") or Path.home() / ".cache" / "mpirt")
+
+
+def read_cache(path: Path) -> dict:
+    """A JSON cache file of :func:`cache_dir` as a dict; {} when missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def update_cache(path: Path, key: str, entry) -> None:
+    """Set ``key`` to ``entry`` in the JSON cache ``path``; atomic (the ranks of a node may write at
+    once: each replaces the file whole). A cache that cannot be written costs a measurement per
+    start, nothing else."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = read_cache(path)
+        data[key] = entry
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -224,6 +224,21 @@ def test_peak_table_and_cpu_flops_per_cycle():
     assert peak.source == "calibrated" and peak.per_rank == 1e15
 
 
+def test_a_start_under_load_keeps_the_best_gemm_rate_seen(tmp_path, monkeypatch):
+    """The calibrated peak is the best GEMM rate this machine gave for these products: a rate
+    measured under load (lower) does not replace it; a higher one does; another node sharing or
+    other shapes have their own entry."""
+    from mpirt import flops
+    monkeypatch.setenv("MPIRT_CACHE", str(tmp_path))
+    products = flops.layer_products(32, 128, 64, "float32")
+    assert flops.remembered_gemm_rate(products, 5e10) == 5e10            # first start: recorded
+    assert flops.remembered_gemm_rate(products, 2e10) == 5e10            # under load: the best seen
+    assert flops.remembered_gemm_rate(products, 6e10) == 6e10            # faster: the new best
+    assert flops.remembered_gemm_rate(products, 1e10, ranks_on_node=4) == 1e10  # 4 ranks share the node
+    assert flops.remembered_gemm_rate(flops.layer_products(64, 256, 64, "float32"), 3e10) == 3e10
+    assert len(json.loads((tmp_path / "gemm_rate.json").read_text())) == 3
+
+
 def test_slow_fault_parses_and_needs_seconds():
     from mpirt import faults
 
