@@ -145,7 +145,8 @@ def test_time_limit_stops_with_a_checkpoint_before_the_limit(tiny_data, tmp_path
     assert result.returncode == EXIT_STOPPED, result.stderr
     s = summary(out)
     assert "time limit" in s["stopped"] and s["last_checkpoint_step"] == s["steps"] > 0
-    assert wall < 8 + 5  # the training script's own clock starts after the interpreter and MPI start
+    assert s["wall_time_s"] < 8  # on the script's own clock, which the limit counts from
+    assert wall < 8 + 20  # the launcher, interpreters and MPI start before that clock (slow under load)
 
 
 def test_steps_per_job_splits_a_run_into_jobs(tiny_data, tmp_path):
