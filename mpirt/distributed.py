@@ -99,8 +99,21 @@ def init_distributed(seed: int, backend: str = "auto", threads: int | None = Non
         threads.set_num_threads(count)
     else:
         got = blas_threads()
+    if name == "numpy":
+        agree_on_kernels(world)
     return Context(info.rank, info.size, info.local_rank, info.local_size, int(seed), name, device,
                    got, note, world)
+
+
+def agree_on_kernels(comm: C.Comm) -> None:
+    """Every rank runs the same op forms: the C kernels (:mod:`mpirt.kernels`) only if every rank
+    has them. Replicated parameters (layer norms under tp without sequence parallelism) get their
+    gradients on each rank independently; one computed by C and another by NumPy would differ in
+    the last bits and drift apart."""
+    from mpirt import kernels
+    have = comm.allgather_object(kernels.library() is not None)
+    if not all(have) and kernels.library() is not None:
+        kernels.disable(f"rank {have.index(False)} cannot run the C kernels: every rank runs the NumPy forms")
 
 
 def check_same_config(comm: C.Comm, cfg) -> str:

@@ -172,7 +172,8 @@ def remembered_gemm_rate(products: list, measured: float, ranks_on_node: int = 1
                        [(a.shape, b.shape, str(a.dtype)) for a, b in products]])
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     path = cache_dir() / "gemm_rate.json"
-    best = float(read_cache(path).get(key, 0.0))
+    best = read_cache(path).get(key, 0.0)
+    best = float(best) if isinstance(best, (int, float)) else 0.0
     if measured > best:
         update_cache(path, key, measured)
     return max(measured, best)

@@ -89,7 +89,9 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, ep
         s *= lr * c2 / c1
         p -= s
 
-    if kernels.usable(param, grad, exp_avg, exp_avg_sq):         # one C pass, no scratch
+    state = (param, exp_avg, exp_avg_sq)
+    if (kernels.usable(grad, *state) and grad.shape == param.shape
+            and all(a.shape == param.shape and a.flags.writeable for a in state)):  # one C pass, no scratch
         def fused(p, g, m, v):
             kernels.call("adamw", p.dtype, p, g, m, v, p.size, 1.0 - lr * weight_decay, beta1, beta2, eps * c2,
                          lr * c2 / c1)

@@ -59,9 +59,10 @@ def cache_dir() -> Path:
 def read_cache(path: Path) -> dict:
     """A JSON cache file of :func:`cache_dir` as a dict; {} when missing or unreadable."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def update_cache(path: Path, key: str, entry) -> None:

@@ -28,8 +28,10 @@ import numpy as np
 from mpirt.sysinfo import cache_dir, cpu_model
 
 SOURCES = ("kernels.c", "kernels_body.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
-         "-std=c11")
+# -ffp-contract=off and -fno-fast-math spelled out: GCC implies them under -std=c11, clang and icx
+# do not, and AdamW's bit-equality and the NaN/inf behaviour depend on them
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
+         "-fno-fast-math", "-fPIC", "-shared", "-std=c11")
 
 _lock = threading.Lock()
 _loaded: tuple | None = None   # (CDLL or None, how: str)
@@ -81,6 +83,13 @@ def _build(cc: str, target: Path) -> None:
 def _load() -> tuple:
     if os.environ.get("MPIRT_KERNELS", "").strip().lower() in ("numpy", "off", "0"):
         return None, "numpy (MPIRT_KERNELS=numpy)"
+    try:
+        return _build_and_load()
+    except Exception as err:  # whatever fails (no home directory, a library without a symbol), NumPy runs
+        return None, f"numpy (the C kernels did not load: {type(err).__name__}: {err})"
+
+
+def _build_and_load() -> tuple:
     cc = _compiler()
     if cc is None:
         return None, "numpy (no C compiler: set CC or install cc for the fused kernels)"
@@ -142,9 +151,18 @@ def numpy_forms():
         _loaded = saved
 
 
+def disable(reason: str) -> None:
+    """Run the NumPy forms from now on in this process (e.g. because another rank cannot run the
+    C kernels); ``reason`` shows in :func:`describe`."""
+    global _loaded
+    library()
+    _loaded = (None, f"numpy ({reason})")
+
+
 def usable(*arrays) -> bool:
     """Whether the C kernels can take these arrays: the kernels are loaded and every array is a
-    C-contiguous NumPy float32 or float64 array of one dtype (None entries are skipped)."""
+    C-contiguous NumPy float32 or float64 array of one dtype (None entries are skipped: optional
+    inputs; callers check the shapes the kernel assumes)."""
     if library() is None:
         return False
     dtype = None

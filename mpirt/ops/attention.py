@@ -147,7 +147,7 @@ class CausalSelfAttention(Function):
         for_blocks(block, p, rinv, qkv, out, mask, blas=True)
         # out is saved by reference (the next linear layer saves it too); ops never write into it
         self.qkv, self.p, self.rinv, self.out, self.mask, self.keep_scale = qkv, p, rinv, out, mask, keep_scale
-        self.n_head, self.scale, self.chunks, self.fused = n_head, scale, chunks, fused
+        self.n_head, self.scale, self.chunks = n_head, scale, chunks
         return out
 
     def backward(self, g):
@@ -181,7 +181,8 @@ class CausalSelfAttention(Function):
                 if mask is not None:
                     ds *= mask[:, :, q0:q1, :q1]
                 rowdot_r = rowdot[:, :, q0:q1, None] * r
-                if self.fused:                                      # dS = E (r dP - rowdot r), one pass
+                if kernels.usable(ds, p, rowdot_r):                 # dS = E (r dP - rowdot r), one pass
+                    # (checked here: the incoming gradient's dtype decides ds's)
                     kernels.call("softmax_grad", ds.dtype, ds, ej, rowdot_r, ds.shape[0] * h, t * t, q1 - q0,
                                  q1, t)
                 else:

@@ -170,7 +170,8 @@ class LayerNorm(Function):
                 if bias is not None:
                     y += bias
 
-        for_blocks(fused if kernels.usable(x2, weight, bias) else block, x2, xhat, rstd, y)
+        c_ok = kernels.usable(x2, weight, bias) and all(a is None or a.shape == (n,) for a in (weight, bias))
+        for_blocks(fused if c_ok else block, x2, xhat, rstd, y)
         self.xhat, self.rstd, self.weight, self.shape = xhat, rstd, weight, x.shape
         return y.reshape(x.shape)
 
@@ -214,7 +215,8 @@ class LayerNorm(Function):
                 gxhat *= rstd
             return gw, gb
 
-        parts = for_blocks(fused if kernels.usable(g2, xhat, weight) else block, g2, xhat, self.rstd, gx)
+        c_ok = kernels.usable(g2, xhat, weight) and (weight is None or weight.shape == (n,))
+        parts = for_blocks(fused if c_ok else block, g2, xhat, self.rstd, gx)
         gw = add_up([p[0] for p in parts]) if want_w else None
         gb = add_up([p[1] for p in parts]) if want_b else None
         return (None if gx is None else gx.reshape(self.shape)), gw, gb

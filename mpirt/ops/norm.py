@@ -36,7 +36,8 @@ class RMSNorm(Function):
             xp.multiply(x, rstd, out=xhat)
             xp.multiply(xhat, weight, out=y)
 
-        for_blocks(fused if kernels.usable(x2, weight) else block, x2, xhat, rstd, y)
+        c_ok = weight is not None and weight.shape == (n,) and kernels.usable(x2, weight)
+        for_blocks(fused if c_ok else block, x2, xhat, rstd, y)
         self.xhat, self.rstd, self.weight, self.shape = xhat, rstd, weight, x.shape
         return y.reshape(x.shape)
 
@@ -72,7 +73,8 @@ class RMSNorm(Function):
                 gx *= rstd
             return gw
 
-        parts = for_blocks(fused if kernels.usable(g2, xhat, weight) else block, g2, xhat, self.rstd, gx)
+        c_ok = weight is not None and weight.shape == (n,) and kernels.usable(g2, xhat, weight)
+        parts = for_blocks(fused if c_ok else block, g2, xhat, self.rstd, gx)
         gw = add_up(parts) if want_w else None
         return (None if gx is None else gx.reshape(self.shape)), gw
 
