@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mpirt.backend as B
+from mpirt.sysinfo import cache_dir, cpu_model, cpuinfo, read_cache, update_cache
 
 # Dense peak FLOP/s per GPU by dtype (vendor data sheets, SXM/OAM boards unless named); the
 # first entry whose key is in the device name (lower case) wins, so specific names come first.
@@ -77,20 +78,6 @@ def gpu_peak(device_name: str, dtype: str) -> float | None:
     return None
 
 
-def _cpuinfo() -> dict:
-    """The first processor's fields of /proc/cpuinfo (empty when unreadable)."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip():
-                break
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return fields
-
-
 def cpu_flops_per_cycle(info: dict, dtype: str) -> int | None:
     """FLOPs per cycle of one core for ``dtype`` (float32/float64) from the x86 SIMD flags: two
     FMA units of the vector width (512 bits with AVX-512, except AMD Zen 4 and older, whose
@@ -119,7 +106,7 @@ def cpu_max_clock_hz() -> float | None:
 
 def cpu_vendor_peak(cores: float, dtype: str) -> tuple[float | None, str]:
     """(``cores x FLOPs per cycle x maximum clock``, how it was read), or (None, why not)."""
-    info = _cpuinfo()
+    info = cpuinfo()
     per_cycle, clock = cpu_flops_per_cycle(info, dtype), cpu_max_clock_hz()
     if not per_cycle:
         return None, "no x86 FMA flags in /proc/cpuinfo"
@@ -166,7 +153,6 @@ def remembered_gemm_rate(products: list, measured: float, ranks_on_node: int = 1
     MFU above 100 %, a step "faster" than its GEMM floor); the best rate seen is the better
     bound. For the NumPy backend (a GPU's peak is its data sheet's)."""
     from mpirt import blas, threads
-    from mpirt.sysinfo import cache_dir, cpu_model, read_cache, update_cache
     lib = blas.current().library
     text = json.dumps([cpu_model(), threads.num_threads(), ranks_on_node, lib.name, lib.version,
                        [(a.shape, b.shape, str(a.dtype)) for a, b in products]])

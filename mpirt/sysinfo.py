@@ -40,14 +40,23 @@ def mapped_libraries(match: str | Callable[[str], bool]) -> list[str]:
     return paths
 
 
+def cpuinfo() -> dict:
+    """The first processor's fields of ``/proc/cpuinfo`` (empty when unreadable)."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
-    fallback = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), fallback)
-    except OSError:
-        return fallback
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def cache_dir() -> Path:

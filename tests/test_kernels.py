@@ -75,9 +75,9 @@ def test_c_kernels_match_the_numpy_forms(name, dtype, rtol, numpy_forms):
         np.testing.assert_allclose(a, b, rtol=0, atol=rtol * scale, err_msg=f"{name}: output/grad {i}")
 
 
-KERNELS_OF = {"layer_norm": {"layer_norm_forward", "layer_norm_backward"},
-              "layer_norm_no_affine": {"layer_norm_forward", "layer_norm_backward"},
-              "rms_norm": {"rms_norm_forward", "rms_norm_backward"}, "gelu": {"gelu"},
+KERNELS_OF = {"layer_norm": {"norm_forward", "norm_backward"},
+              "layer_norm_no_affine": {"norm_forward", "norm_backward"},
+              "rms_norm": {"norm_forward", "norm_backward"}, "gelu": {"gelu"},
               "attention": {"causal_softmax", "softmax_grad"}, "attention_dropout": {"causal_softmax", "softmax_grad"}}
 
 

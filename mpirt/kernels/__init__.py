@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpirt.sysinfo import cache_dir, cpu_model
+from mpirt.sysinfo import cache_dir, cpu_model, cpuinfo
 
 SOURCES = ("kernels.c", "kernels_body.h")
 # -ffp-contract=off and -fno-fast-math spelled out: GCC implies them under -std=c11, clang and icx
@@ -36,26 +36,15 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapp
 _lock = threading.Lock()
 _loaded: tuple | None = None   # (CDLL or None, how: str)
 
-P, L, D = ctypes.c_void_p, ctypes.c_long, ctypes.c_double
+P, L, D, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_double, ctypes.c_int
 SIGNATURES = {
-    "layer_norm_forward": (P, P, P, P, P, P, L, L, D),
-    "layer_norm_backward": (P, P, P, P, P, P, P, L, L),
-    "rms_norm_forward": (P, P, P, P, P, L, L, D),
-    "rms_norm_backward": (P, P, P, P, P, P, L, L),
+    "norm_forward": (P, P, P, P, P, P, L, L, D, I),    # layer norm (center 1), RMS norm (center 0)
+    "norm_backward": (P, P, P, P, P, P, P, L, L, I),
     "gelu": (P, P, P, L),
     "causal_softmax": (P, P, L, L, L, L, L, L, L),
     "softmax_grad": (P, P, P, L, L, L, L, L),
     "adamw": (P, P, P, P, L, D, D, D, D, D),
 }
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (``/proc/cpuinfo``), "" where unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
 
 
 def _compiler() -> str | None:
@@ -99,9 +88,10 @@ def _build_and_load() -> tuple:
         digest.update((here / name).read_bytes())
     # -march=native: nodes that share a home directory but not an instruction set (a VM hiding
     # AVX-512 behind the same model name) must not share a library
-    digest.update(repr((FLAGS, os.path.realpath(cc), cpu_model(), _cpu_flags(), ctypes.sizeof(ctypes.c_long))).encode())
+    info = cpuinfo()
+    digest.update(repr((FLAGS, os.path.realpath(cc), cpu_model(), info.get("flags") or info.get("Features", ""),
+                        ctypes.sizeof(ctypes.c_long))).encode())
     target = cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
-    how = f"C ({os.path.basename(cc)} {' '.join(FLAGS[:2])}, cached)"
     try:
         lib = None
         if target.exists():
@@ -109,9 +99,9 @@ def _build_and_load() -> tuple:
                 lib = ctypes.CDLL(str(target))
             except OSError:  # a damaged cache entry: build it again
                 lib = None
-        if lib is None:
+        built = lib is None
+        if built:
             _build(cc, target)
-            how = f"C ({os.path.basename(cc)} {' '.join(FLAGS[:2])}, built now)"
             lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         return None, f"numpy (the C kernels did not build: {err})"
@@ -119,7 +109,7 @@ def _build_and_load() -> tuple:
         for suffix in ("_f32", "_f64"):
             fn = getattr(lib, name + suffix)
             fn.argtypes, fn.restype = args, None
-    return lib, how
+    return lib, f"C ({os.path.basename(cc)} {' '.join(FLAGS[:2])}, {'built now' if built else 'cached'})"
 
 
 def library():

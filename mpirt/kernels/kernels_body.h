@@ -25,30 +25,33 @@ static inline T SUFFIX(row_dot)(const T *a, const T *b, idx n) {
     return s;
 }
 
-/* Layer norm forward: xhat = (x - mean) * rstd, rstd = 1/sqrt(var + eps), y = xhat * w + b. */
-void SUFFIX(layer_norm_forward)(const T *x, const T *w, const T *b, T *xhat, T *rstd, T *y,
-                                idx rows, idx n, double eps) {
+/* Layer norm (center = 1) and RMS norm (center = 0) forward: xhat = (x - mean) * rstd with
+ * rstd = 1/sqrt(mean((x - mean)^2) + eps), the mean taken as 0 for RMS norm; y = xhat * w + b
+ * (w and b optional). */
+void SUFFIX(norm_forward)(const T *x, const T *w, const T *b, T *xhat, T *rstd, T *y, idx rows, idx n,
+                          double eps, int center) {
     for (idx i = 0; i < rows; i++) {
         const T *xi = x + i * n;
         T *hi = xhat + i * n, *yi = y + i * n;
-        T mean = SUFFIX(row_sum)(xi, n) / (T)n;
+        T mean = center ? SUFFIX(row_sum)(xi, n) / (T)n : (T)0;
 #pragma omp simd
         for (idx j = 0; j < n; j++) hi[j] = xi[j] - mean;
         T r = (T)1 / SQRT(SUFFIX(row_dot)(hi, hi, n) / (T)n + (T)eps);
         rstd[i] = r;
 #pragma omp simd
         for (idx j = 0; j < n; j++) {
-            T h = hi[j] * r;
+            T h = hi[j] * r, s = w ? h * w[j] : h;
             hi[j] = h;
-            yi[j] = (w ? h * w[j] : h) + (b ? b[j] : (T)0);
+            yi[j] = b ? s + b[j] : s;
         }
     }
 }
 
-/* Layer norm backward over a block of rows. gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))
- * with gh = g * w; gw += sum_rows(g * xhat), gb += sum_rows(g). */
-void SUFFIX(layer_norm_backward)(const T *g, const T *xhat, const T *rstd, const T *w, T *gx,
-                                 T *gw, T *gb, idx rows, idx n) {
+/* The norms' backward over a block of rows: gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))
+ * with gh = g * w (mean(gh) taken as 0 for RMS norm, center = 0); gw += sum_rows(g * xhat),
+ * gb += sum_rows(g). */
+void SUFFIX(norm_backward)(const T *g, const T *xhat, const T *rstd, const T *w, T *gx, T *gw, T *gb,
+                           idx rows, idx n, int center) {
     for (idx i = 0; i < rows; i++) {
         const T *gi = g + i * n, *hi = xhat + i * n;
         if (gw) {
@@ -63,44 +66,10 @@ void SUFFIX(layer_norm_backward)(const T *g, const T *xhat, const T *rstd, const
         T *oi = gx + i * n;
 #pragma omp simd
         for (idx j = 0; j < n; j++) oi[j] = w ? gi[j] * w[j] : gi[j];
-        T a = SUFFIX(row_sum)(oi, n) / (T)n, c = SUFFIX(row_dot)(oi, hi, n) / (T)n, r = rstd[i];
-#pragma omp simd
-        for (idx j = 0; j < n; j++) oi[j] = r * (oi[j] - a - hi[j] * c);
-    }
-}
-
-/* RMS norm forward: xhat = x * rstd, rstd = 1/sqrt(mean(x^2) + eps), y = xhat * w. */
-void SUFFIX(rms_norm_forward)(const T *x, const T *w, T *xhat, T *rstd, T *y, idx rows, idx n, double eps) {
-    for (idx i = 0; i < rows; i++) {
-        const T *xi = x + i * n;
-        T *hi = xhat + i * n, *yi = y + i * n;
-        T r = (T)1 / SQRT(SUFFIX(row_dot)(xi, xi, n) / (T)n + (T)eps);
-        rstd[i] = r;
-#pragma omp simd
-        for (idx j = 0; j < n; j++) {
-            T h = xi[j] * r;
-            hi[j] = h;
-            yi[j] = h * w[j];
-        }
-    }
-}
-
-/* RMS norm backward: gx = rstd * (gh - xhat * mean(gh * xhat)), gh = g * w; gw += sum_rows(g * xhat). */
-void SUFFIX(rms_norm_backward)(const T *g, const T *xhat, const T *rstd, const T *w, T *gx, T *gw,
-                               idx rows, idx n) {
-    for (idx i = 0; i < rows; i++) {
-        const T *gi = g + i * n, *hi = xhat + i * n;
-        if (gw) {
-#pragma omp simd
-            for (idx j = 0; j < n; j++) gw[j] += gi[j] * hi[j];
-        }
-        if (!gx) continue;
-        T *oi = gx + i * n;
-#pragma omp simd
-        for (idx j = 0; j < n; j++) oi[j] = gi[j] * w[j];
+        T a = center ? SUFFIX(row_sum)(oi, n) / (T)n : (T)0;
         T c = SUFFIX(row_dot)(oi, hi, n) / (T)n, r = rstd[i];
 #pragma omp simd
-        for (idx j = 0; j < n; j++) oi[j] = r * (oi[j] - hi[j] * c);
+        for (idx j = 0; j < n; j++) oi[j] = r * (oi[j] - a - hi[j] * c);
     }
 }
 

@@ -153,7 +153,7 @@ class LayerNorm(Function):
         rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
 
         def fused(x, xhat, rstd, y):
-            kernels.call("layer_norm_forward", x.dtype, x, weight, bias, xhat, rstd, y, x.shape[0], n, eps)
+            kernels.call("norm_forward", x.dtype, x, weight, bias, xhat, rstd, y, x.shape[0], n, eps, 1)
 
         def block(x, xhat, rstd, y):
             xp.subtract(x, _row_means(x), out=xhat)
@@ -194,7 +194,7 @@ class LayerNorm(Function):
 
         def fused(g, xhat, rstd, gx):
             gw, gb = (xp.zeros(n, dtype=xhat.dtype) if want else None for want in (want_w, want_b))
-            kernels.call("layer_norm_backward", xhat.dtype, g, xhat, rstd, weight, gx, gw, gb, xhat.shape[0], n)
+            kernels.call("norm_backward", xhat.dtype, g, xhat, rstd, weight, gx, gw, gb, xhat.shape[0], n, 1)
             return gw, gb
 
         def block(g, xhat, rstd, gx):

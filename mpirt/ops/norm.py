@@ -25,7 +25,7 @@ class RMSNorm(Function):
         rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
 
         def fused(x, xhat, rstd, y):
-            kernels.call("rms_norm_forward", x.dtype, x, weight, xhat, rstd, y, x.shape[0], n, eps)
+            kernels.call("norm_forward", x.dtype, x, weight, None, xhat, rstd, y, x.shape[0], n, eps, 0)
 
         def block(x, xhat, rstd, y):
             ms = xp.einsum("ij,ij->i", x, x)[:, None]           # (rows, 1)
@@ -60,7 +60,7 @@ class RMSNorm(Function):
 
         def fused(g, xhat, rstd, gx):
             gw = xp.zeros(n, dtype=xhat.dtype) if want_w else None
-            kernels.call("rms_norm_backward", xhat.dtype, g, xhat, rstd, weight, gx, gw, xhat.shape[0], n)
+            kernels.call("norm_backward", xhat.dtype, g, xhat, rstd, weight, gx, gw, None, xhat.shape[0], n, 0)
             return gw
 
         def block(g, xhat, rstd, gx):
