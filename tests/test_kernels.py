@@ -75,20 +75,83 @@ def test_c_kernels_match_the_numpy_forms(name, dtype, rtol, numpy_forms):
         np.testing.assert_allclose(a, b, rtol=0, atol=rtol * scale, err_msg=f"{name}: output/grad {i}")
 
 
-KERNELS_OF = {"layer_norm": {"norm_forward", "norm_backward"},
-              "layer_norm_no_affine": {"norm_forward", "norm_backward"},
-              "rms_norm": {"norm_forward", "norm_backward"}, "gelu": {"gelu"},
-              "attention": {"causal_softmax", "softmax_grad"}, "attention_dropout": {"causal_softmax", "softmax_grad"}}
+NORM = {"norm_forward", "norm_backward"}
+SOFTMAX = {"causal_softmax", "softmax_grad"}          # the attention's chunked NumPy form, fused
+KERNELS_OF = {  # (float32, float64)
+    "layer_norm": (NORM, NORM), "layer_norm_no_affine": (NORM, NORM), "rms_norm": (NORM, NORM),
+    "gelu": ({"gelu"}, {"gelu"}),
+    "attention": ({"attention_forward", "attention_backward"}, SOFTMAX),   # whole in C: float32 only
+    "attention_dropout": (SOFTMAX, SOFTMAX)}
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", list(CASES))
-def test_each_op_runs_its_c_kernels(name, monkeypatch):
+def test_each_op_runs_its_c_kernels(name, dtype, monkeypatch):
     """The comparison above compares something: with the kernels on, each op calls its C kernels."""
     called, real = set(), kernels.call
     monkeypatch.setattr(kernels, "call", lambda kernel, *a: (called.add(kernel), real(kernel, *a)))
     f, shapes = CASES[name]
-    run_op(f, rng_arrays(np.float32, *shapes))
-    assert called == KERNELS_OF[name]
+    run_op(f, rng_arrays(dtype, *shapes))
+    assert called == KERNELS_OF[name][dtype == np.float64]
+
+
+ATTENTION_SHAPES = [  # (B, T, H, D): T and D off every vector and tile width, one key, many chunks
+    (2, 150, 3, 48), (1, 7, 2, 8), (3, 130, 2, 20), (1, 1, 1, 4), (1, 300, 1, 16), (2, 64, 8, 64)]
+
+
+def attention_run(qkv, n_head, g, forward=contextlib.nullcontext, backward=contextlib.nullcontext):
+    t = Tensor(qkv, requires_grad=True)
+    with forward():
+        out = ops.causal_self_attention(t, n_head=n_head)
+    with backward():
+        out.backward(g)
+    return out.data, t.grad
+
+
+@pytest.mark.parametrize("b, t, h, d", ATTENTION_SHAPES)
+def test_c_attention_against_float64(b, t, h, d, numpy_forms):
+    """The whole-C float32 attention against the float64 NumPy form, as close as float32's own
+    NumPy form is; and either forward pairs with either backward (the probability array's layout
+    is the same both ways)."""
+    qkv, g = rng_arrays(np.float32, (b, t, 3 * h * d), (b, t, h * d), seed=t)
+    exact = attention_run(qkv.astype(np.float64), h, g.astype(np.float64))
+    runs = {"C": attention_run(qkv, h, g), "NumPy": attention_run(qkv, h, g, numpy_forms, numpy_forms),
+            "C, NumPy backward": attention_run(qkv, h, g, backward=numpy_forms),
+            "NumPy, C backward": attention_run(qkv, h, g, forward=numpy_forms)}
+    for name, run in runs.items():
+        for what, got, want in zip(("output", "gradient"), run, exact):
+            assert got.dtype == np.float32
+            err = np.abs(got - want).max() / np.abs(want).max()
+            assert err < 2e-6, f"{name} {what}: relative error {err:.1e}"
+
+
+def test_c_attention_bits_do_not_depend_on_the_split():
+    """Each (batch, head) pair is computed alone, the same way wherever it sits: a batch row run
+    alone (data parallel), a pair of heads run alone (tensor parallel), and 1, 2 or 3 threads give
+    the same bits as the whole run."""
+    from mpirt import threads
+    b, t, h, d = 3, 100, 4, 16
+    qkv, g = rng_arrays(np.float32, (b, t, 3 * h * d), (b, t, h * d), seed=2)
+    saved = threads.num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            threads.set_num_threads(n)
+            runs.append(attention_run(qkv, h, g))
+    finally:
+        threads.set_num_threads(saved)
+    for other in runs[1:]:
+        for a, want in zip(other, runs[0]):
+            np.testing.assert_array_equal(a, want)
+    out, grad = runs[0]
+    row_out, row_grad = attention_run(qkv[1:2].copy(), h, g[1:2].copy())
+    np.testing.assert_array_equal(row_out, out[1:2])
+    np.testing.assert_array_equal(row_grad, grad[1:2])
+    heads = slice(2 * d, 4 * d)                                 # heads 2 and 3 of q, k and v
+    cols = np.concatenate([np.arange(3 * h * d)[i * h * d:(i + 1) * h * d][heads] for i in range(3)])
+    part_out, part_grad = attention_run(qkv[..., cols].copy(), 2, g[..., heads].copy())
+    np.testing.assert_array_equal(part_out, out[..., heads])
+    np.testing.assert_array_equal(part_grad, grad[..., cols])
 
 
 def test_a_float64_gradient_into_a_float32_attention(numpy_forms):

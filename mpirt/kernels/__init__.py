@@ -1,7 +1,8 @@
-"""Fused CPU kernels in C: layer norm, RMS norm, GELU, the attention's causal softmax and AdamW,
-each one pass over its rows where the NumPy form makes several.
+"""Fused CPU kernels in C: layer norm, RMS norm, GELU, the causal attention and AdamW, each one
+pass over its rows where the NumPy form makes several (the float32 attention: its products,
+softmax and gradients per (batch, head) pair in one call, on register-blocked small GEMMs).
 
-The source (``kernels.c``, ``kernels_body.h``) ships with mpirt and is compiled on first use on
+The source (``kernels.c``, ``kernels_body.h``, ``kernels_attention.h``) ships with mpirt and is compiled on first use on
 the machine that runs it (``cc -O3 -march=native``: the nodes of a cluster may differ, so nothing
 is built at install time), into ``$MPIRT_CACHE`` under a name that hashes the source, the flags,
 the compiler and the CPU; later starts load the cached library. Ranks that compile at once each
@@ -27,7 +28,7 @@ import numpy as np
 
 from mpirt.sysinfo import cache_dir, cpu_model, cpuinfo
 
-SOURCES = ("kernels.c", "kernels_body.h")
+SOURCES = ("kernels.c", "kernels_body.h", "kernels_attention.h")
 # -ffp-contract=off and -fno-fast-math spelled out: GCC implies them under -std=c11, clang and icx
 # do not, and AdamW's bit-equality and the NaN/inf behaviour depend on them
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
@@ -44,6 +45,11 @@ SIGNATURES = {
     "causal_softmax": (P, P, L, L, L, L, L, L, L),
     "softmax_grad": (P, P, P, L, L, L, L, L),
     "adamw": (P, P, P, P, L, D, D, D, D, D),
+}
+LONG = np.dtype(f"i{ctypes.sizeof(ctypes.c_long)}")  # index arrays the kernels take (idx in C)
+FLOAT32_ONLY = {  # return 0, or -1 when their workspace could not be allocated
+    "attention_forward": (P, P, P, P, L, L, L, L, L, D, P),
+    "attention_backward": (P, P, P, P, P, P, L, L, L, L, L, D, P, L),
 }
 
 
@@ -109,6 +115,9 @@ def _build_and_load() -> tuple:
         for suffix in ("_f32", "_f64"):
             fn = getattr(lib, name + suffix)
             fn.argtypes, fn.restype = args, None
+    for name, args in FLOAT32_ONLY.items():
+        fn = getattr(lib, name + "_f32")
+        fn.argtypes, fn.restype = args, ctypes.c_int
     return lib, f"C ({os.path.basename(cc)} {' '.join(FLAGS[:2])}, {'built now' if built else 'cached'})"
 
 
@@ -171,4 +180,5 @@ def call(name: str, dtype, *args) -> None:
     """Call kernel ``name`` for ``dtype`` (float32 or float64); array arguments are passed by their
     data pointer, None as NULL, numbers as they are."""
     fn = getattr(library(), name + ("_f32" if dtype == np.float32 else "_f64"))
-    fn(*(a.ctypes.data if isinstance(a, np.ndarray) else a for a in args))
+    if fn(*(a.ctypes.data if isinstance(a, np.ndarray) else a for a in args)):
+        raise MemoryError(f"kernel {name}: its workspace could not be allocated")

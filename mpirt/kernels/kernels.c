@@ -2,13 +2,14 @@
  *
  * Compiled on the machine that runs them (mpirt/kernels/__init__.py: cc -O3 -march=native
  * -fopenmp-simd) and called through ctypes, which releases the GIL, so mpirt's thread pool runs
- * row blocks of one call side by side. Every kernel exists for float and double: kernels_body.h
- * is included once per type. No -ffast-math: NaN and inf must reach the output as they would
+ * row blocks of one call side by side. The kernels of kernels_body.h exist for float and double
+ * (it is included once per type); the attention's (kernels_attention.h) for float only. No -ffast-math: NaN and inf must reach the output as they would
  * through NumPy (the loss scaler and the non-finite checks rely on it), and a sum must not change
  * with the address of its row (runs repeat to the bit): reductions keep LANES partial sums.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef long idx;
@@ -59,3 +60,10 @@ __attribute__((noinline)) static double exp_f64(double x) { return exp(x); }
 #define SQRT sqrt
 #define LANES 8
 #include "kernels_body.h"
+#undef T
+#undef SUFFIX
+#undef EXP
+#undef SQRT
+#undef LANES
+
+#include "kernels_attention.h"   /* float only: float64 attention runs its NumPy form */

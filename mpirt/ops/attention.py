@@ -25,6 +25,14 @@ blocks are never written or read. Both passes run a few batch rows at a time on 
 (:func:`~mpirt.threads.for_blocks`), GEMMs included: a block's scores stay in cache from the
 product through the softmax, and the backward holds one chunk's ``dP`` at a time instead of a
 second (B, H, T, T) array.
+
+In float32 without dropout, with the C kernels loaded, the whole forward and the whole backward
+are one C call per range of (batch, head) pairs (``attention_forward`` / ``attention_backward``
+in ``mpirt/kernels/kernels_attention.h``): the same formulas and the same probability-array
+layout, so either forward pairs with either backward, on small register-blocked GEMMs that also
+skip the tiles above the diagonal inside a chunk. Every pair is computed alone, so its bits do not
+depend on the batch split, the heads a rank holds or the thread count. The NumPy form runs
+float64, dropout, and CuPy.
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ from mpirt import kernels
 from mpirt.precision import float32_compute
 from mpirt.ops.dropout import _check_p, dropout_mask
 from mpirt.tensor import Function
-from mpirt.threads import for_blocks
+from mpirt.threads import for_blocks, num_threads
 
 # Queries per chunk. Chunk [q0, q1) needs keys [0, q1) only, so n chunks compute (n + 1) / 2n of
 # the (T, T) scores, products and softmax: 5/8 at T = 256. Smaller chunks skip more but make
@@ -102,6 +110,24 @@ def _row_scale(e, factor, out=None):
     total = B.xp.matmul(e, B.xp.ones((e.shape[-1], 1), dtype=e.dtype))
     return B.xp.divide(1.0 if factor is None else factor, total, out=total if out is None else out)
 
+def _whole_in_c(*arrays) -> bool:
+    """Whether the C kernels run the whole attention (float32, contiguous arrays, no dropout)."""
+    return arrays[0].dtype == np.float32 and kernels.usable(*arrays)
+
+
+def _bounds(chunks):
+    """The query chunks' bounds as the C kernels take them (C longs)."""
+    return np.asarray(chunks, dtype=kernels.LONG)
+
+
+def _over_pairs(name, arrays, pairs, *rest) -> None:
+    """Run C kernel ``name`` on ``arrays`` for all (batch, head) pairs, split over mpirt's threads
+    (each call gets a range ``[bh0, bh1)`` of pairs; the pairs do equal work)."""
+    def block(part):
+        kernels.call(name, np.float32, *arrays, int(part[0]), int(part[-1]) + 1, *rest)
+    for_blocks(block, np.arange(pairs), block=-(-pairs // num_threads()))
+
+
 @float32_compute
 class CausalSelfAttention(Function):
     def forward(self, qkv, n_head, dropout_p=0.0, seed=None):
@@ -120,6 +146,12 @@ class CausalSelfAttention(Function):
         mask = keep_scale = None
         if dropout_p > 0:
             mask, keep_scale = dropout_mask(p.shape, dropout_p, seed), 1.0 / (1.0 - dropout_p)
+        if mask is None and _whole_in_c(qkv, p, rinv, out):
+            _over_pairs("attention_forward", (qkv, p, rinv, out), b * n_head, n_head, t, c, scale,
+                        _bounds(chunks))
+            self.qkv, self.p, self.rinv, self.out, self.mask, self.keep_scale = qkv, p, rinv, out, None, None
+            self.n_head, self.scale, self.chunks = n_head, scale, chunks
+            return out
         fused = kernels.usable(p, rinv)
 
         def block(p, rinv, qkv, out, mask):                         # a few batch rows
@@ -155,6 +187,12 @@ class CausalSelfAttention(Function):
         h, scale, keep_scale, chunks = self.n_head, self.scale, self.keep_scale, self.chunks
         c = self.qkv.shape[-1] // 3
         dqkv = xp.empty(self.qkv.shape, dtype=self.qkv.dtype)
+        if self.mask is None and _whole_in_c(self.qkv, self.p, self.rinv, self.out, g, dqkv):
+            b, t = g.shape[:2]
+            bounds = _bounds(chunks)
+            _over_pairs("attention_backward", (self.qkv, self.p, self.rinv, self.out, g, dqkv), b * h, h, t, c,
+                        scale, bounds, len(bounds))
+            return (dqkv,)
 
         def block(p, rinv, qkv, g, out, mask, dqkv):               # a few batch rows
             q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], h) for i in range(3))
