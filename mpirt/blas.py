@@ -14,9 +14,10 @@ transposes). ``out`` may be C- or F-ordered (``C^T = B^T A^T``). A product the c
 cannot take (another dtype, another layout, a read-only array for BLIS, an empty dimension) goes
 to NumPy: the result is always ``numpy.matmul``'s within float rounding. ``accumulate=True``
 computes ``out += a @ b`` in the GEMM itself (beta = 1: no temporary, no separate add pass; a
-weight gradient goes straight into ``.grad``); for NumPy's OpenBLAS through its own
-``cblas_?gemm`` (ctypes, which releases the GIL), where that symbol is not found as a temporary
-and an add.
+weight gradient goes straight into ``.grad``). NumPy's OpenBLAS is called through its own
+``cblas_?gemm`` too (ctypes, which releases the GIL) where that symbol is found, else through
+``numpy.matmul`` (accumulating then with a temporary and an add). :func:`gemm_call` gives a
+product as a call for mpirt's native thread pool.
 
 Which library: ``MPIRT_GEMM=openblas|blis|mkl`` forces one (a missing one degrades to OpenBLAS
 with a note). Otherwise the first use times every installed candidate on the products of a GPT
@@ -51,11 +52,14 @@ _INT_MAX = 2**31 - 1       # LP64 BLAS: dimensions and leading dimensions are C 
 @dataclass
 class Library:
     """One GEMM library: its name, version and ``run(a, b, out, beta=0.0) -> bool`` (False:
-    declined): ``out = a @ b + beta * out``, beta 0 or 1."""
+    declined): ``out = a @ b + beta * out``, beta 0 or 1; ``call(a, b, out, beta)``, where the
+    library has a ``cblas_?gemm``, gives the same product as a call for mpirt's native pool
+    (:func:`mpirt.kernels.run_calls`), or None where it declines."""
 
     name: str
     version: str
     run: Callable = field(repr=False)
+    call: Callable = field(repr=False, default=lambda a, b, out, beta=0.0: None)
 
 
 def _blas_form(a):
@@ -84,26 +88,43 @@ def _numpy_run(a, b, out, beta=0.0) -> bool:
     return True
 
 
-def _cblas_runner(fns: dict, int_max: int):
-    """``run(a, b, out, beta)`` on ``cblas_sgemm``/``cblas_dgemm`` (``fns``: dtype -> ctypes
-    function, row-major) for operands and ``out`` BLAS reads in place (see :func:`_blas_form`)."""
+def _cblas_args(fns: dict, int_max: int, a, b, out, beta):
+    """``(function, (transa, transb, m, n, k, A, lda, B, ldb, beta, C, ldc))``: the row-major
+    ``cblas_?gemm`` call (``fns``: dtype -> ctypes function) computing ``out = a @ b + beta out``
+    on the arrays in place (see :func:`_blas_form`), or None where BLAS cannot read them so."""
+    fn = fns.get(out.dtype)
+    if fn is None or a.dtype != out.dtype or b.dtype != out.dtype:
+        return None
+    fo = _blas_form(out)
+    if fo is None:
+        return None
+    if fo[0]:                                                # column-major out: C^T = B^T A^T
+        return _cblas_args(fns, int_max, b.T, a.T, out.T, beta)
+    fa, fb = _blas_form(a), _blas_form(b)
+    (m, k), n = a.shape, b.shape[1]
+    if fa is None or fb is None or max(m, n, k, fa[1], fb[1], fo[1]) > int_max:
+        return None
+    return fn, (112 if fa[0] else 111, 112 if fb[0] else 111, m, n, k, a, fa[1], b, fb[1], float(beta), out, fo[1])
+
+
+def _cblas_library(name: str, version: str, fns: dict, int_max: int, fallback=None) -> Library:
+    """A :class:`Library` on ``cblas_sgemm``/``cblas_dgemm`` (``fns``); products BLAS cannot
+    read in place go to ``fallback(a, b, out, beta)`` (or are declined)."""
+    wide = int_max > _INT_MAX
+    address = {dtype: ctypes.cast(fn, ctypes.c_void_p).value for dtype, fn in fns.items()}
+
     def run(a, b, out, beta=0.0) -> bool:
-        fn = fns.get(out.dtype)
-        if fn is None or a.dtype != out.dtype or b.dtype != out.dtype:
-            return False
-        fo = _blas_form(out)
-        if fo is None:
-            return False
-        if fo[0]:                                            # column-major out: C^T = B^T A^T
-            return run(b.T, a.T, out.T, beta)
-        fa, fb = _blas_form(a), _blas_form(b)
-        (m, k), n = a.shape, b.shape[1]
-        if fa is None or fb is None or max(m, n, k, fa[1], fb[1], fo[1]) > int_max:
-            return False
-        fn(101, 112 if fa[0] else 111, 112 if fb[0] else 111, m, n, k, 1.0,  # row-major; (no) trans
-           a.ctypes.data, fa[1], b.ctypes.data, fb[1], float(beta), out.ctypes.data, fo[1])
+        found = _cblas_args(fns, int_max, a, b, out, beta)
+        if found is None:
+            return fallback is not None and fallback(a, b, out, beta)
+        fn, (ta, tb, m, n, k, a, lda, b, ldb, beta, out, ldc) = found
+        fn(101, ta, tb, m, n, k, 1.0, a.ctypes.data, lda, b.ctypes.data, ldb, beta, out.ctypes.data, ldc)
         return True
-    return run
+
+    def call(a, b, out, beta=0.0):
+        found = _cblas_args(fns, int_max, a, b, out, beta)
+        return None if found is None else ("gemm", out.dtype, address[out.dtype], int(wide), *found[1])
+    return Library(name, version, run, call)
 
 
 def _cblas_functions(lib, names: dict, int_type) -> dict:
@@ -143,13 +164,9 @@ def _openblas() -> Library:
     except (TypeError, KeyError):  # NumPy < 1.26 has no dict mode
         version = f"numpy {np.__version__}"
     fns, int_max = _openblas_cblas()
-    accumulate = _cblas_runner(fns, int_max) if fns else None
-
-    def run(a, b, out, beta=0.0) -> bool:
-        if beta and accumulate is not None and accumulate(a, b, out, beta):
-            return True
-        return _numpy_run(a, b, out, beta)
-    return Library("openblas", version, run)
+    if not fns:
+        return Library("openblas", version, _numpy_run)
+    return _cblas_library("openblas", version, fns, int_max, fallback=_numpy_run)
 
 
 def _blis() -> Library:
@@ -205,7 +222,7 @@ def _mkl() -> Library:
     lib.MKL_Get_Version_String(text, len(text))
     version = text.value.decode(errors="replace").split(" for ")[0].replace("Intel(R) oneAPI Math Kernel Library ", "")
     fns = _cblas_functions(lib, {np.float32: "cblas_sgemm", np.float64: "cblas_dgemm"}, ctypes.c_int)
-    return Library("mkl", version, _cblas_runner(fns, _INT_MAX))
+    return _cblas_library("mkl", version, fns, _INT_MAX)
 
 
 _LOADERS = {"openblas": _openblas, "blis": _blis, "mkl": _mkl}
@@ -337,6 +354,20 @@ def describe() -> str:
         text += f"; not installed: {', '.join(missing)}"
     degraded = [n for n in c.notes if "requested but" in n]
     return text + (f"; {degraded[0]}" if degraded else "")
+
+
+def gemm_call(a, b, out, accumulate: bool = False, bias=None):
+    """``out = a @ b`` (``accumulate``: ``+=``; then ``+ bias`` per row) as a call for
+    :func:`mpirt.kernels.run_calls` on the current library, or None where it has no
+    ``cblas_?gemm`` or cannot read the arrays in place (or would read ``out`` transposed, with a
+    bias)."""
+    if 0 in a.shape or 0 in b.shape:
+        return None
+    if bias is not None and (bias.dtype != out.dtype or not bias.flags.c_contiguous or bias.shape != out.shape[1:]
+                             or (_blas_form(out) or (True,))[0]):
+        return None
+    call = current().library.call(a, b, out, 1.0 if accumulate else 0.0)
+    return None if call is None else (*call, bias)
 
 
 def gemm(a, b, out=None, accumulate: bool = False):

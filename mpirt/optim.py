@@ -21,7 +21,7 @@ import math
 import mpirt.backend as B
 from mpirt import kernels
 from mpirt.precision import compute_dtype, is_half, upcast
-from mpirt.threads import fill_zero, for_blocks
+from mpirt.threads import c_blocks, fill_zero, for_blocks
 
 
 def sgd_update(param, grad, momentum_buffer, *, lr, momentum=0.0, weight_decay=0.0, nesterov=False,
@@ -92,10 +92,9 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, ep
     state = (param, exp_avg, exp_avg_sq)
     if (kernels.usable(grad, *state) and grad.shape == param.shape
             and all(a.shape == param.shape and a.flags.writeable for a in state)):  # one C pass, no scratch
-        def fused(p, g, m, v):
-            kernels.call("adamw", p.dtype, p, g, m, v, p.size, 1.0 - lr * weight_decay, beta1, beta2, eps * c2,
-                         lr * c2 / c1)
-        for_blocks(fused, *(a.reshape(-1) for a in (param, grad, exp_avg, exp_avg_sq)))
+        c_blocks("adamw", param.dtype, lambda p, g, m, v: (p, g, m, v, p.size, 1.0 - lr * weight_decay, beta1,
+                                                            beta2, eps * c2, lr * c2 / c1),
+                 *(a.reshape(-1) for a in (param, grad, exp_avg, exp_avg_sq)))
         return
     s = xp.empty_like(param) if scratch is None else scratch
     arrays = (param, grad, exp_avg, exp_avg_sq, s)

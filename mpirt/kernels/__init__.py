@@ -28,11 +28,11 @@ import numpy as np
 
 from mpirt.sysinfo import cache_dir, cpu_model, cpuinfo
 
-SOURCES = ("kernels.c", "kernels_body.h", "kernels_attention.h")
+SOURCES = ("kernels.c", "kernels_body.h", "kernels_attention.h", "kernels_pool.h")
 # -ffp-contract=off and -fno-fast-math spelled out: GCC implies them under -std=c11, clang and icx
 # do not, and AdamW's bit-equality and the NaN/inf behaviour depend on them
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
-         "-fno-fast-math", "-fPIC", "-shared", "-std=c11")
+         "-fno-fast-math", "-fPIC", "-shared", "-std=c11", "-pthread")
 
 _lock = threading.Lock()
 _loaded: tuple | None = None   # (CDLL or None, how: str)
@@ -51,6 +51,10 @@ FLOAT32_ONLY = {  # return 0, or -1 when their workspace could not be allocated
     "attention_forward": (P, P, P, P, L, L, L, L, L, D, P),
     "attention_backward": (P, P, P, P, P, P, L, L, L, L, L, D, P, L),
 }
+# The pool's cblas_?gemm call (kernels_pool.h): function, ILP64?, transa, transb, m, n, k, A, lda,
+# B, ldb, beta, C, ldc, bias (or None)
+GEMM_CALL = (P, L, I, I, L, L, L, P, L, P, L, D, P, L, P)
+POOL_ARGS = 16
 
 
 def _compiler() -> str | None:
@@ -118,6 +122,10 @@ def _build_and_load() -> tuple:
     for name, args in FLOAT32_ONLY.items():
         fn = getattr(lib, name + "_f32")
         fn.argtypes, fn.restype = args, ctypes.c_int
+    for name, args, result in (("pool_kernel_index", (ctypes.c_char_p,), L), ("pool_start", (I,), I),
+                               ("pool_stop", (), None), ("pool_forget", (), None), ("pool_run", (P, L), I)):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
     return lib, f"C ({os.path.basename(cc)} {' '.join(FLAGS[:2])}, {'built now' if built else 'cached'})"
 
 
@@ -174,6 +182,65 @@ def usable(*arrays) -> bool:
             return False
         dtype = a.dtype
     return True
+
+
+_pool_workers = 0
+_indices: dict = {}
+
+
+def _forget_pool_in_child() -> None:
+    global _pool_workers
+    if _loaded is not None and _loaded[0] is not None:
+        _loaded[0].pool_forget()
+    _pool_workers = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+def _signature(name: str):
+    if name == "gemm":
+        return GEMM_CALL
+    return SIGNATURES.get(name) or FLOAT32_ONLY[name]
+
+
+def _pack(row, name: str, dtype, args) -> None:
+    """Fill one call row of the native pool: the kernel's index, then its arguments as C longs
+    (arrays by their data pointer, None as NULL, doubles by their bits)."""
+    full = name + ("_f32" if dtype == np.float32 else "_f64")
+    index = _indices.get(full)
+    if index is None:
+        index = _indices[full] = library().pool_kernel_index(full.encode())
+        if index < 0:
+            raise ValueError(f"kernels: no pool entry for {full}")
+    row[0] = index
+    for i, (kind, a) in enumerate(zip(_signature(name), args), start=1):
+        if isinstance(a, np.ndarray):
+            row[i] = a.ctypes.data
+        elif a is None:
+            row[i] = 0
+        elif kind is D:
+            row[i] = np.float64(a).view(np.int64)
+        else:
+            row[i] = int(a)
+
+
+def run_calls(calls, workers: int) -> None:
+    """Run kernel calls, each ``(name, dtype, *args)`` as for :func:`call` (``name`` may also be
+    ``"gemm"``: a ``cblas_?gemm`` call, see ``GEMM_CALL``), on the calling thread and ``workers``
+    threads of the native pool (``kernels_pool.h``): threads that never hold the GIL and spin a
+    while between runs, so a run starts in microseconds where a Python pool thread needs ~100.
+    Returns when every call is done; calls must not overlap in what they write."""
+    global _pool_workers
+    lib = library()
+    if workers != _pool_workers:
+        _pool_workers = lib.pool_start(workers)
+    rows = np.zeros((len(calls), POOL_ARGS), dtype=np.int64)
+    for row, (name, dtype, *args) in zip(rows, calls):
+        _pack(row, name, dtype, args)
+    if lib.pool_run(rows.ctypes.data, len(calls)):
+        raise MemoryError("kernels: a pool call could not allocate its workspace")
 
 
 def call(name: str, dtype, *args) -> None:

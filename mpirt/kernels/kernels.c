@@ -7,6 +7,7 @@
  * through NumPy (the loss scaler and the non-finite checks rely on it), and a sum must not change
  * with the address of its row (runs repeat to the bit): reductions keep LANES partial sums.
  */
+#define _POSIX_C_SOURCE 200809L   /* pthread_sigmask, clock_gettime under -std=c11 */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -67,3 +68,4 @@ __attribute__((noinline)) static double exp_f64(double x) { return exp(x); }
 #undef LANES
 
 #include "kernels_attention.h"   /* float only: float64 attention runs its NumPy form */
+#include "kernels_pool.h"        /* the native thread pool that runs lists of the calls above */

@@ -45,7 +45,7 @@ from mpirt import kernels
 from mpirt.precision import float32_compute
 from mpirt.ops.dropout import _check_p, dropout_mask
 from mpirt.tensor import Function
-from mpirt.threads import for_blocks, num_threads
+from mpirt.threads import c_blocks, for_blocks, num_threads
 
 # Queries per chunk. Chunk [q0, q1) needs keys [0, q1) only, so n chunks compute (n + 1) / 2n of
 # the (T, T) scores, products and softmax: 5/8 at T = 256. Smaller chunks skip more but make
@@ -123,9 +123,8 @@ def _bounds(chunks):
 def _over_pairs(name, arrays, pairs, *rest) -> None:
     """Run C kernel ``name`` on ``arrays`` for all (batch, head) pairs, split over mpirt's threads
     (each call gets a range ``[bh0, bh1)`` of pairs; the pairs do equal work)."""
-    def block(part):
-        kernels.call(name, np.float32, *arrays, int(part[0]), int(part[-1]) + 1, *rest)
-    for_blocks(block, np.arange(pairs), block=-(-pairs // num_threads()))
+    c_blocks(name, np.float32, lambda part: (*arrays, int(part[0]), int(part[-1]) + 1, *rest), np.arange(pairs),
+             block=-(-pairs // num_threads()))
 
 
 @float32_compute

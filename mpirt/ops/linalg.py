@@ -4,9 +4,10 @@ Products go through :func:`mpirt.threads.matmul`, which splits them over mpirt's
 """
 from __future__ import annotations
 
+import mpirt.backend as B
 from mpirt.ops.basic import unbroadcast
 from mpirt.tensor import GRAD_ADDED, Function
-from mpirt.threads import can_accumulate, matmul as _mm, run_tasks, sum_rows
+from mpirt.threads import MAX_TASK_MACS, can_accumulate, matmul as _mm, run_gemms, run_tasks, sum_rows
 
 
 def _macs(g, x) -> int:
@@ -23,6 +24,25 @@ def _weight_product(fn: Function, i: int, a, b):
         _mm(a, b, out=into, accumulate=True)
         return GRAD_ADDED
     return _mm(a, b)
+
+
+def _side_by_side(fn: Function, g, input_product, weight_product):
+    """A linear layer's backward products, input gradient ``a @ b`` and weight gradient
+    ``wa @ wb`` (added into the leaf's ``grad`` when it can, as :func:`_weight_product`), as one
+    run of mpirt's native pool, each whole on its own thread (small products; large ones are split
+    instead, see :func:`~mpirt.threads.run_tasks`). ``(gx, gw)``, or None where the pool cannot
+    take them."""
+    (a, b), (wa, wb) = input_product, weight_product
+    if _macs(g, fn.x) >= MAX_TASK_MACS:
+        return None
+    gx = B.xp.empty((a.shape[0], b.shape[1]), dtype=B.xp.result_type(a, b))
+    into = fn.grad_into.get(1)
+    if into is not None and can_accumulate(into, wa, wb):
+        gw, weight = GRAD_ADDED, (wa, wb, into, True)
+    else:
+        gw = B.xp.empty((wa.shape[0], wb.shape[1]), dtype=B.xp.result_type(wa, wb))
+        weight = (wa, wb, gw, False)
+    return (gx, gw) if run_gemms((a, b, gx, False), weight) else None
 
 
 def _transposed(a) -> bool:
@@ -73,6 +93,12 @@ class Linear(Function):
 
     def backward(self, g):
         """Both passes at once; small products side by side on two threads (:func:`~mpirt.threads.run_tasks`)."""
+        if self.needs_input_grad[0] and self.needs_input_grad[1]:
+            g2, x2 = g.reshape(-1, g.shape[-1]), self.x.reshape(-1, self.x.shape[-1])
+            pair = _side_by_side(self, g, (g2, self.weight.T), (x2.T, g2))
+            if pair is not None:
+                gb = sum_rows(g2) if len(self.needs_input_grad) > 2 and self.needs_input_grad[2] else None
+                return pair[0].reshape(self.x.shape), pair[1], gb
         (gx, _, _), (_, gw, gb) = run_tasks(lambda: self.backward_input(g), lambda: self.backward_weight(g),
                                             macs=_macs(g, self.x))
         return gx, gw, gb
@@ -111,6 +137,11 @@ class TransposedLinear(Function):
         return _mm(x.reshape(-1, x.shape[-1]), weight.T).reshape(*x.shape[:-1], weight.shape[0])
 
     def backward(self, g):
+        if self.needs_input_grad[0] and self.needs_input_grad[1]:
+            g2, x2 = g.reshape(-1, g.shape[-1]), self.x.reshape(-1, self.x.shape[-1])
+            pair = _side_by_side(self, g, (g2, self.weight), (g2.T, x2))
+            if pair is not None:
+                return pair[0].reshape(self.x.shape), pair[1]
         (gx, _), (_, gw) = run_tasks(lambda: self.backward_input(g), lambda: self.backward_weight(g),
                                      macs=_macs(g, self.x))
         return gx, gw

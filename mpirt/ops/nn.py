@@ -17,7 +17,7 @@ import mpirt.backend as B
 from mpirt import kernels
 from mpirt.precision import compute_dtype, float32_compute, upcast
 from mpirt.tensor import Function, SparseGrad, Tensor, is_grad_enabled
-from mpirt.threads import LIGHT_BLOCK, add_up, for_blocks
+from mpirt.threads import LIGHT_BLOCK, add_up, c_blocks, for_blocks
 
 _GELU_K = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
@@ -54,11 +54,6 @@ def _gelu_block(x, y, d):
     y *= x
 
 
-def _gelu_c(x, y, d):
-    """:func:`_gelu_block` in one C pass (:mod:`mpirt.kernels`)."""
-    kernels.call("gelu", x.dtype, x, y, d, x.size)
-
-
 @float32_compute
 class Gelu(Function):
     """GPT-2's tanh GELU. While a block of ``x`` is in cache the forward also computes the
@@ -69,7 +64,10 @@ class Gelu(Function):
         y = xp.empty(x.shape, dtype=x.dtype)
         self.d = xp.empty_like(y) if self.needs_input_grad[0] and is_grad_enabled() else None
         flat = (x.reshape(-1), y.reshape(-1), None if self.d is None else self.d.reshape(-1))
-        for_blocks(_gelu_c if kernels.usable(*flat) else _gelu_block, *flat)
+        if kernels.usable(*flat):
+            c_blocks("gelu", x.dtype, lambda x, y, d: (x, y, d, x.size), *flat)
+        else:
+            for_blocks(_gelu_block, *flat)
         return y
 
     def backward(self, g):
@@ -153,7 +151,7 @@ class LayerNorm(Function):
         rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
 
         def fused(x, xhat, rstd, y):
-            kernels.call("norm_forward", x.dtype, x, weight, bias, xhat, rstd, y, x.shape[0], n, eps, 1)
+            return x, weight, bias, xhat, rstd, y, x.shape[0], n, eps, 1
 
         def block(x, xhat, rstd, y):
             xp.subtract(x, _row_means(x), out=xhat)
@@ -170,8 +168,10 @@ class LayerNorm(Function):
                 if bias is not None:
                     y += bias
 
-        c_ok = kernels.usable(x2, weight, bias) and all(a is None or a.shape == (n,) for a in (weight, bias))
-        for_blocks(fused if c_ok else block, x2, xhat, rstd, y)
+        if kernels.usable(x2, weight, bias) and all(a is None or a.shape == (n,) for a in (weight, bias)):
+            c_blocks("norm_forward", x.dtype, fused, x2, xhat, rstd, y)
+        else:
+            for_blocks(block, x2, xhat, rstd, y)
         self.xhat, self.rstd, self.weight, self.shape = xhat, rstd, weight, x.shape
         return y.reshape(x.shape)
 
@@ -192,10 +192,12 @@ class LayerNorm(Function):
         g2 = g.reshape(-1, n)
         gx = xp.empty(xhat.shape, dtype=xhat.dtype) if want_x else None
 
+        c_parts = []                                            # per block (gw, gb), in block order
+
         def fused(g, xhat, rstd, gx):
             gw, gb = (xp.zeros(n, dtype=xhat.dtype) if want else None for want in (want_w, want_b))
-            kernels.call("norm_backward", xhat.dtype, g, xhat, rstd, weight, gx, gw, gb, xhat.shape[0], n, 1)
-            return gw, gb
+            c_parts.append((gw, gb))
+            return g, xhat, rstd, weight, gx, gw, gb, xhat.shape[0], n, 1
 
         def block(g, xhat, rstd, gx):
             # dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)),  gxhat = g * weight
@@ -215,8 +217,11 @@ class LayerNorm(Function):
                 gxhat *= rstd
             return gw, gb
 
-        c_ok = kernels.usable(g2, xhat, weight) and (weight is None or weight.shape == (n,))
-        parts = for_blocks(fused if c_ok else block, g2, xhat, self.rstd, gx)
+        if kernels.usable(g2, xhat, weight) and (weight is None or weight.shape == (n,)):
+            c_blocks("norm_backward", xhat.dtype, fused, g2, xhat, self.rstd, gx)
+            parts = c_parts
+        else:
+            parts = for_blocks(block, g2, xhat, self.rstd, gx)
         gw = add_up([p[0] for p in parts]) if want_w else None
         gb = add_up([p[1] for p in parts]) if want_b else None
         return (None if gx is None else gx.reshape(self.shape)), gw, gb

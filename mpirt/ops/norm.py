@@ -10,7 +10,7 @@ import mpirt.backend as B
 from mpirt import kernels
 from mpirt.precision import float32_compute
 from mpirt.tensor import Function
-from mpirt.threads import add_up, for_blocks
+from mpirt.threads import add_up, c_blocks, for_blocks
 
 
 @float32_compute
@@ -25,7 +25,7 @@ class RMSNorm(Function):
         rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
 
         def fused(x, xhat, rstd, y):
-            kernels.call("norm_forward", x.dtype, x, weight, None, xhat, rstd, y, x.shape[0], n, eps, 0)
+            return x, weight, None, xhat, rstd, y, x.shape[0], n, eps, 0
 
         def block(x, xhat, rstd, y):
             ms = xp.einsum("ij,ij->i", x, x)[:, None]           # (rows, 1)
@@ -36,8 +36,10 @@ class RMSNorm(Function):
             xp.multiply(x, rstd, out=xhat)
             xp.multiply(xhat, weight, out=y)
 
-        c_ok = weight is not None and weight.shape == (n,) and kernels.usable(x2, weight)
-        for_blocks(fused if c_ok else block, x2, xhat, rstd, y)
+        if weight is not None and weight.shape == (n,) and kernels.usable(x2, weight):
+            c_blocks("norm_forward", x.dtype, fused, x2, xhat, rstd, y)
+        else:
+            for_blocks(block, x2, xhat, rstd, y)
         self.xhat, self.rstd, self.weight, self.shape = xhat, rstd, weight, x.shape
         return y.reshape(x.shape)
 
@@ -58,10 +60,12 @@ class RMSNorm(Function):
         g2 = g.reshape(-1, n)
         gx = xp.empty(xhat.shape, dtype=xhat.dtype) if want_x else None
 
+        c_parts = []                                            # per block gw, in block order
+
         def fused(g, xhat, rstd, gx):
             gw = xp.zeros(n, dtype=xhat.dtype) if want_w else None
-            kernels.call("norm_backward", xhat.dtype, g, xhat, rstd, weight, gx, gw, None, xhat.shape[0], n, 0)
-            return gw
+            c_parts.append(gw)
+            return g, xhat, rstd, weight, gx, gw, None, xhat.shape[0], n, 0
 
         def block(g, xhat, rstd, gx):
             gw = xp.einsum("ij,ij->j", g, xhat) if want_w else None
@@ -73,8 +77,11 @@ class RMSNorm(Function):
                 gx *= rstd
             return gw
 
-        c_ok = weight is not None and weight.shape == (n,) and kernels.usable(g2, xhat, weight)
-        parts = for_blocks(fused if c_ok else block, g2, xhat, self.rstd, gx)
+        if weight is not None and weight.shape == (n,) and kernels.usable(g2, xhat, weight):
+            c_blocks("norm_backward", xhat.dtype, fused, g2, xhat, self.rstd, gx)
+            parts = c_parts
+        else:
+            parts = for_blocks(block, g2, xhat, self.rstd, gx)
         gw = add_up(parts) if want_w else None
         return (None if gx is None else gx.reshape(self.shape)), gw
 

@@ -1,0 +1,161 @@
+"""mpirt's native thread pool (mpirt/kernels/kernels_pool.h, :func:`mpirt.kernels.run_calls`): every
+call of a run is done once, with the bits of a plain call; back-to-back runs, two Python threads
+calling at once, a changed thread count and a forked child all work; idle workers go to sleep; a
+signal still reaches Python's handler while the workers exist. The processes that could hang run
+in subprocesses with a timeout.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mpirt import blas, kernels, threads
+
+
+@pytest.fixture
+def two_threads():
+    before = threads.num_threads()
+    threads.set_num_threads(2)
+    yield
+    threads.set_num_threads(before)
+
+
+def gelu_calls(x, y, parts):
+    cut = np.linspace(0, x.size, parts + 1).astype(int)
+    return [("gelu", x.dtype, x[lo:hi], y[lo:hi], None, hi - lo) for lo, hi in zip(cut, cut[1:])]
+
+
+def test_a_run_does_every_call_once_with_the_bits_of_plain_calls(two_threads):
+    x = np.random.default_rng(0).standard_normal(100_003).astype(np.float32)
+    pooled, plain = np.full_like(x, np.nan), np.full_like(x, np.nan)
+    kernels.run_calls(gelu_calls(x, pooled, 7), workers=1)
+    for name, dtype, *args in gelu_calls(x, plain, 7):
+        kernels.call(name, dtype, *args)
+    np.testing.assert_array_equal(pooled, plain)
+
+
+def test_gemm_calls_match_numpy(two_threads):
+    if blas.gemm_call(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32), np.empty((2, 2), np.float32)) is None:
+        pytest.skip(f"{blas.describe()}: no cblas_sgemm to call")
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((64, 48)).astype(np.float32), rng.standard_normal((48, 80)).astype(np.float32)
+    bias = rng.standard_normal(80).astype(np.float32)
+    out, acc = np.empty((64, 80), np.float32), np.ones((64, 80), np.float32)
+    kernels.run_calls([blas.gemm_call(a[:30], b, out[:30], bias=bias), blas.gemm_call(a[30:], b, out[30:], bias=bias),
+                       blas.gemm_call(a, b, acc, accumulate=True)], workers=1)
+    np.testing.assert_allclose(out, a @ b + bias, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(acc, a @ b + 1, rtol=1e-5, atol=1e-5)
+
+
+def test_thousands_of_runs_back_to_back_and_from_two_threads_at_once(two_threads):
+    """The hand-over between runs (workers still spinning from the last one, late ones) and a
+    second caller while a run is going (it runs its calls itself) lose or repeat nothing."""
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(999).astype(np.float32) for _ in range(2)]
+    wants = []
+    for x in xs:
+        want = np.empty_like(x)
+        kernels.call("gelu", np.float32, x, want, None, x.size)
+        wants.append(want)
+    errors = []
+
+    def hammer(i):
+        try:
+            for _ in range(1500):
+                y = np.full_like(xs[i], np.nan)
+                kernels.run_calls(gelu_calls(xs[i], y, 5), workers=1)
+                if not np.array_equal(y, wants[i]):
+                    errors.append(f"caller {i}: a run left elements unset or wrong")
+                    return
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(repr(err))
+    callers = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(timeout=120)
+    assert not any(c.is_alive() for c in callers), "a run never finished"
+    assert not errors, errors
+
+
+def test_the_worker_count_follows_the_thread_count():
+    before = threads.num_threads()
+    x = np.random.default_rng(3).standard_normal(10_000).astype(np.float32)
+    try:
+        for n in (3, 1, 2, 4):
+            threads.set_num_threads(n)
+            y = np.full_like(x, np.nan)
+            kernels.run_calls(gelu_calls(x, y, 6), workers=n - 1)
+            assert kernels._pool_workers == n - 1
+            assert not np.isnan(y).any()
+    finally:
+        threads.set_num_threads(before)
+
+
+def test_an_unknown_kernel_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="no pool entry for nope_f32"):
+        kernels.run_calls([("nope", np.float32, None)], workers=1)
+
+
+def run_child(code: str, timeout: float = 60) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+POOL_STARTED = """
+    import numpy as np
+    from mpirt import kernels
+    x = np.random.default_rng(0).standard_normal(50_000).astype(np.float32)
+    y = np.empty_like(x)
+    calls = [("gelu", np.float32, x[:25_000], y[:25_000], None, 25_000),
+             ("gelu", np.float32, x[25_000:], y[25_000:], None, 25_000)]
+    kernels.run_calls(calls, workers=1)
+"""
+
+
+def test_a_forked_child_runs_its_own_pool():
+    out = run_child(POOL_STARTED + """
+    import os
+    pid = os.fork()
+    if pid == 0:
+        y[:] = np.nan
+        kernels.run_calls(calls, workers=1)
+        os._exit(0 if not np.isnan(y).any() else 3)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status))
+    """)
+    assert out.strip() == "0"
+
+
+def test_idle_workers_sleep():
+    """After a run the workers spin for a few milliseconds, then sleep: an idle process takes
+    (almost) no CPU time."""
+    out = run_child(POOL_STARTED + """
+    import time
+    time.sleep(0.2)
+    t0, c0 = time.monotonic(), time.process_time()
+    time.sleep(1.0)
+    print((time.process_time() - c0) / (time.monotonic() - t0))
+    """)
+    assert float(out) < 0.05, f"an idle process used {float(out):.0%} of a core"
+
+
+def test_a_signal_reaches_the_python_handler_while_the_workers_exist():
+    out = run_child(POOL_STARTED + """
+    import os, signal, time
+    got = []
+    signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+    for _ in range(50):                     # workers spinning, then asleep
+        os.kill(os.getpid(), signal.SIGUSR1)
+        kernels.run_calls(calls, workers=1)
+    time.sleep(0.05)
+    print(len(got))
+    """)
+    assert out.strip() == "50"
