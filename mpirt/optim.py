@@ -21,7 +21,7 @@ import math
 import mpirt.backend as B
 from mpirt import kernels
 from mpirt.precision import compute_dtype, is_half, upcast
-from mpirt.threads import c_blocks, fill_zero, for_blocks
+from mpirt.threads import c_blocks, fill_zero, for_blocks, one_run
 
 
 def sgd_update(param, grad, momentum_buffer, *, lr, momentum=0.0, weight_decay=0.0, nesterov=False,
@@ -159,6 +159,12 @@ class Optimizer:
         half parameters are updated through their float32 masters."""
         self.step_count += 1
         scale = float(self.grad_scale)
+        # without half masters (copied back right after each update) the updates that run as C
+        # kernels are independent: one run of the native pool for all of them
+        with one_run() if all(m is None for m in self.master) else contextlib.nullcontext():
+            self._update_all(scale)
+
+    def _update_all(self, scale: float) -> None:
         for i, (p, state) in enumerate(zip(self.params, self.state)):
             if p.grad is None:
                 continue

@@ -41,6 +41,7 @@ The thread count defaults to ``MPIRT_NUM_THREADS``, else ``OPENBLAS_NUM_THREADS`
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -155,14 +156,44 @@ def _block_bounds(first, block: int | None) -> list | None:
 def c_blocks(name: str, dtype, args_of, *arrays, block: int | None = None) -> None:
     """:func:`for_blocks` for one C kernel of :mod:`mpirt.kernels`: ``args_of(*parts)`` gives
     kernel ``name``'s arguments for the row block ``parts``; the blocks run on the native pool
-    (:func:`mpirt.kernels.run_calls`), whose threads start a block in microseconds."""
+    (:func:`mpirt.kernels.run_calls`), whose threads start a block in microseconds. Inside
+    :func:`one_run` the calls are collected instead, to run at its end."""
     from mpirt import kernels
     bounds = _block_bounds(arrays[0], block)
-    if bounds is None or num_threads() < 2:
-        kernels.call(name, dtype, *args_of(*arrays))
+    collected = getattr(_collecting, "calls", None)
+    if bounds is None or (num_threads() < 2 and collected is None):
+        calls = [(name, dtype, *args_of(*arrays))]
+    else:
+        calls = [(name, dtype, *args_of(*(None if a is None else a[lo:hi] for a in arrays)))
+                 for lo, hi in zip(bounds, bounds[1:])]
+    if collected is not None:
+        collected.extend(calls)
+    elif len(calls) == 1:
+        kernels.call(*calls[0])
+    else:
+        kernels.run_calls(calls, workers=num_threads() - 1)
+
+
+_collecting = threading.local()
+
+
+@contextlib.contextmanager
+def one_run():
+    """Context: the blocks :func:`c_blocks` is given inside are collected, and run at the end as
+    one run of the native pool, the calls spread over its threads. For independent calls only
+    (every parameter's AdamW update: one run instead of one per parameter, most of them too small
+    to split). Nothing runs if the body raises."""
+    from mpirt import kernels
+    if getattr(_collecting, "calls", None) is not None:   # nested: the outer run takes them
+        yield
         return
-    kernels.run_calls([(name, dtype, *args_of(*(None if a is None else a[lo:hi] for a in arrays)))
-                       for lo, hi in zip(bounds, bounds[1:])], workers=num_threads() - 1)
+    calls = _collecting.calls = []
+    try:
+        yield
+    finally:
+        _collecting.calls = None
+    if calls:
+        kernels.run_calls(calls, workers=num_threads() - 1 if B.name == "numpy" else 0)
 
 
 def for_blocks(kernel, *arrays, block: int | None = None, blas: bool = False) -> list:

@@ -159,3 +159,35 @@ def test_a_signal_reaches_the_python_handler_while_the_workers_exist():
     print(len(got))
     """)
     assert out.strip() == "50"
+
+
+def test_adamw_updates_every_parameter_in_one_run(two_threads, monkeypatch):
+    """AdamW.step collects the C updates of all parameters (large ones in blocks) into one run of
+    the pool: the same bits as the NumPy forms, one run per step."""
+    from mpirt.optim import AdamW
+    from mpirt.nn import Parameter
+    rng = np.random.default_rng(4)
+    shapes = [(3,), (70, 5), (600_001,), (128, 512), (1,), (300_000,)]
+    start = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    runs, real = [], kernels.run_calls
+    monkeypatch.setattr(kernels, "run_calls", lambda calls, workers: (runs.append(len(calls)), real(calls, workers)))
+    finals = []
+    for context in (kernels.numpy_forms, None):
+        params = []
+        for a in start:
+            params.append(Parameter(a.shape))
+            params[-1].data = a.copy()
+        opt = AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.copy()
+            if context is None:
+                opt.step()
+            else:
+                with context():
+                    opt.step()
+        finals.append([p.data for p in params])
+    assert runs == [len(shapes) + 2 + 1] * 3    # the two large ones in 3 and 2 blocks
+    for a, b in zip(*finals):
+        np.testing.assert_array_equal(a, b)

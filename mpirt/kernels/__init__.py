@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -205,25 +206,29 @@ def _signature(name: str):
     return SIGNATURES.get(name) or FLOAT32_ONLY[name]
 
 
-def _pack(row, name: str, dtype, args) -> None:
-    """Fill one call row of the native pool: the kernel's index, then its arguments as C longs
-    (arrays by their data pointer, None as NULL, doubles by their bits)."""
+_DOUBLE, _LONG = struct.Struct("d"), struct.Struct("q")
+
+
+def _pack(name: str, dtype, args) -> list:
+    """One call row of the native pool: the kernel's index, then its arguments as C longs (arrays
+    by their data pointer, None as NULL, doubles by their bits), padded to ``POOL_ARGS``."""
     full = name + ("_f32" if dtype == np.float32 else "_f64")
     index = _indices.get(full)
     if index is None:
         index = _indices[full] = library().pool_kernel_index(full.encode())
         if index < 0:
             raise ValueError(f"kernels: no pool entry for {full}")
-    row[0] = index
-    for i, (kind, a) in enumerate(zip(_signature(name), args), start=1):
-        if isinstance(a, np.ndarray):
-            row[i] = a.ctypes.data
+    row = [index]
+    for kind, a in zip(_signature(name), args):
+        if type(a) is np.ndarray:
+            row.append(a.__array_interface__["data"][0])
         elif a is None:
-            row[i] = 0
+            row.append(0)
         elif kind is D:
-            row[i] = np.float64(a).view(np.int64)
+            row.append(_LONG.unpack(_DOUBLE.pack(a))[0])
         else:
-            row[i] = int(a)
+            row.append(int(a))
+    return row + [0] * (POOL_ARGS - len(row))
 
 
 def run_calls(calls, workers: int) -> None:
@@ -236,9 +241,7 @@ def run_calls(calls, workers: int) -> None:
     lib = library()
     if workers != _pool_workers:
         _pool_workers = lib.pool_start(workers)
-    rows = np.zeros((len(calls), POOL_ARGS), dtype=np.int64)
-    for row, (name, dtype, *args) in zip(rows, calls):
-        _pack(row, name, dtype, args)
+    rows = np.array([_pack(name, dtype, args) for name, dtype, *args in calls], dtype=np.int64)
     if lib.pool_run(rows.ctypes.data, len(calls)):
         raise MemoryError("kernels: a pool call could not allocate its workspace")
 
