@@ -161,7 +161,7 @@ class Optimizer:
         scale = float(self.grad_scale)
         # without half masters (copied back right after each update) the updates that run as C
         # kernels are independent: one run of the native pool for all of them
-        with one_run() if all(m is None for m in self.master) else contextlib.nullcontext():
+        with one_run("adamw") if all(m is None for m in self.master) else contextlib.nullcontext():
             self._update_all(scale)
 
     def _update_all(self, scale: float) -> None:

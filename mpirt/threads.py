@@ -160,16 +160,17 @@ def c_blocks(name: str, dtype, args_of, *arrays, block: int | None = None) -> No
     :func:`one_run` the calls are collected instead, to run at its end."""
     from mpirt import kernels
     bounds = _block_bounds(arrays[0], block)
-    collected = getattr(_collecting, "calls", None)
-    if bounds is None or (num_threads() < 2 and collected is None):
+    if bounds is None:
         calls = [(name, dtype, *args_of(*arrays))]
-    else:
+    else:  # the same blocks at any thread count: per-block partial sums keep their bits
         calls = [(name, dtype, *args_of(*(None if a is None else a[lo:hi] for a in arrays)))
                  for lo, hi in zip(bounds, bounds[1:])]
-    if collected is not None:
-        collected.extend(calls)
-    elif len(calls) == 1:
-        kernels.call(*calls[0])
+    collecting = getattr(_collecting, "run", None)
+    if collecting is not None and name in collecting[0]:
+        collecting[1].extend(calls)
+    elif len(calls) == 1 or num_threads() < 2:
+        for c in calls:
+            kernels.call(*c)
     else:
         kernels.run_calls(calls, workers=num_threads() - 1)
 
@@ -178,22 +179,27 @@ _collecting = threading.local()
 
 
 @contextlib.contextmanager
-def one_run():
-    """Context: the blocks :func:`c_blocks` is given inside are collected, and run at the end as
-    one run of the native pool, the calls spread over its threads. For independent calls only
-    (every parameter's AdamW update: one run instead of one per parameter, most of them too small
-    to split). Nothing runs if the body raises."""
+def one_run(*names: str):
+    """Context: the blocks of kernels ``names`` that :func:`c_blocks` is given inside are
+    collected, and run at the end as one run of the native pool, spread over its threads (other
+    kernels run at once). For calls independent of each other and of what the body reads (every
+    parameter's AdamW update: one run instead of one per parameter, most of them too small to
+    split). Nothing collected runs if the body raises."""
     from mpirt import kernels
-    if getattr(_collecting, "calls", None) is not None:   # nested: the outer run takes them
+    if getattr(_collecting, "run", None) is not None:     # nested: the outer run decides
         yield
         return
-    calls = _collecting.calls = []
+    calls: list = []
+    _collecting.run = (frozenset(names), calls)
     try:
         yield
     finally:
-        _collecting.calls = None
-    if calls:
-        kernels.run_calls(calls, workers=num_threads() - 1 if B.name == "numpy" else 0)
+        _collecting.run = None
+    if len(calls) == 1 or (calls and num_threads() < 2):
+        for c in calls:
+            kernels.call(*c)
+    elif calls:
+        kernels.run_calls(calls, workers=num_threads() - 1)
 
 
 def for_blocks(kernel, *arrays, block: int | None = None, blas: bool = False) -> list:

@@ -191,3 +191,71 @@ def test_adamw_updates_every_parameter_in_one_run(two_threads, monkeypatch):
     assert runs == [len(shapes) + 2 + 1] * 3    # the two large ones in 3 and 2 blocks
     for a, b in zip(*finals):
         np.testing.assert_array_equal(a, b)
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_two_threads_starting_the_pool_at_once_start_it_once():
+    """The first pooled calls of two threads at once (or right after set_num_threads) start the
+    workers once: two, not three or four, and none joined twice."""
+    lib = kernels.library()
+    lib.pool_stop()
+    kernels._pool_workers = 0
+    before = os_threads()
+    x = np.random.default_rng(5).standard_normal(20_000).astype(np.float32)
+    barrier, errors = threading.Barrier(2), []
+
+    def first_run():
+        try:
+            y = np.empty_like(x)
+            barrier.wait()
+            kernels.run_calls(gelu_calls(x, y, 4), workers=2)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(repr(err))
+    callers = [threading.Thread(target=first_run) for _ in range(2)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(timeout=60)
+    assert not errors, errors
+    assert os_threads() - before == 2
+    lib.pool_stop()
+    kernels._pool_workers = 0
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_norm_gradients_do_not_depend_on_the_thread_count(norm):
+    """Weight and bias gradients are sums of per-block partial sums: the blocks are the same at
+    any thread count, so are the bits."""
+    from mpirt import ops
+    from mpirt.tensor import Tensor
+    rng = np.random.default_rng(6)
+    x, g = (rng.standard_normal((1024, 768)).astype(np.float32) for _ in range(2))
+    w, b = rng.standard_normal(768).astype(np.float32), rng.standard_normal(768).astype(np.float32)
+    before, runs = threads.num_threads(), []
+    try:
+        for n in (1, 2):
+            threads.set_num_threads(n)
+            ts = [Tensor(a, requires_grad=True) for a in (x, w, b)]
+            out = ops.layer_norm(*ts) if norm == "layer_norm" else ops.rms_norm(ts[0], ts[1])
+            out.backward(g)
+            runs.append([t.grad for t in ts if t.grad is not None])
+    finally:
+        threads.set_num_threads(before)
+    for a, want in zip(*runs):
+        np.testing.assert_array_equal(a, want)
+
+
+def test_array_subclasses_go_through_pooled_products(two_threads, tmp_path):
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((512, 256)).astype(np.float32)
+    b = np.memmap(tmp_path / "b", dtype=np.float32, mode="w+", shape=(256, 256))
+    b[...] = rng.standard_normal((256, 256))
+    np.testing.assert_allclose(threads.matmul(a, b), a @ np.asarray(b), rtol=1e-5, atol=1e-4)
+
+
+def test_a_call_with_missing_arguments_is_refused():
+    with pytest.raises(TypeError, match="gelu takes 4 arguments, got 3"):
+        kernels.run_calls([("gelu", np.float32, None, None, None)], workers=1)

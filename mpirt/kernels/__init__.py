@@ -218,9 +218,12 @@ def _pack(name: str, dtype, args) -> list:
         index = _indices[full] = library().pool_kernel_index(full.encode())
         if index < 0:
             raise ValueError(f"kernels: no pool entry for {full}")
+    kinds = _signature(name)
+    if len(args) != len(kinds):
+        raise TypeError(f"kernels: {name} takes {len(kinds)} arguments, got {len(args)}")
     row = [index]
-    for kind, a in zip(_signature(name), args):
-        if type(a) is np.ndarray:
+    for kind, a in zip(kinds, args):
+        if isinstance(a, np.ndarray):
             row.append(a.__array_interface__["data"][0])
         elif a is None:
             row.append(0)
@@ -240,9 +243,15 @@ def run_calls(calls, workers: int) -> None:
     global _pool_workers
     lib = library()
     if workers != _pool_workers:
-        _pool_workers = lib.pool_start(workers)
+        with _lock:                    # one start at a time (the C side serialises them too)
+            if workers != _pool_workers:
+                lib.pool_start(workers)  # may start fewer (no threads left): then those run
+                _pool_workers = workers
     rows = np.array([_pack(name, dtype, args) for name, dtype, *args in calls], dtype=np.int64)
-    if lib.pool_run(rows.ctypes.data, len(calls)):
+    status = lib.pool_run(rows.ctypes.data, len(calls))
+    if status == -2:
+        raise ValueError("kernels: a pool call row names no kernel")
+    if status:
         raise MemoryError("kernels: a pool call could not allocate its workspace")
 
 

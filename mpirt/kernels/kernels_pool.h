@@ -102,6 +102,8 @@ idx pool_kernel_index(const char *name) {
     return -1;
 }
 
+static pthread_mutex_t pool_admin = PTHREAD_MUTEX_INITIALIZER;  /* one pool_start/pool_stop at a time */
+
 static struct {
     pthread_mutex_t lock;                      /* publishing a run; sleeping workers wait on `wake` */
     pthread_cond_t wake;
@@ -109,8 +111,7 @@ static struct {
     const idx *calls;
     idx ncalls;
     atomic_long next, done, inside, failed;    /* next call to claim, calls done, workers in a run */
-    atomic_int stop, sleepers, busy;
-    int workers;
+    atomic_int stop, sleepers, busy, workers;
     pthread_t threads[POOL_MAX_WORKERS];
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
@@ -171,22 +172,30 @@ static void *pool_worker(void *unused) {
     }
 }
 
-/* Stop and join the workers (set_num_threads, exit). */
-void pool_stop(void) {
+static void stop_workers(void) {
     pthread_mutex_lock(&pool.lock);
     atomic_store(&pool.stop, 1);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
-    for (int i = 0; i < pool.workers; i++) pthread_join(pool.threads[i], NULL);
-    pool.workers = 0;
+    int n = atomic_load(&pool.workers);
+    atomic_store(&pool.workers, 0);                             /* runs from now on are inline */
+    for (int i = 0; i < n; i++) pthread_join(pool.threads[i], NULL);
     atomic_store(&pool.stop, 0);
+}
+
+/* Stop and join the workers (set_num_threads, exit). */
+void pool_stop(void) {
+    pthread_mutex_lock(&pool_admin);
+    stop_workers();
+    pthread_mutex_unlock(&pool_admin);
 }
 
 /* In a forked child: the workers are the parent's; forget them (and any lock a parent thread held). */
 void pool_forget(void) {
+    pthread_mutex_init(&pool_admin, NULL);
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
-    pool.workers = 0;
+    atomic_store(&pool.workers, 0);
     atomic_store(&pool.inside, 0);
     atomic_store(&pool.sleepers, 0);
     atomic_store(&pool.busy, 0);
@@ -196,25 +205,30 @@ void pool_forget(void) {
 /* Make the pool `workers` threads (0: none, calls run on the caller). Returns the count started. */
 int pool_start(int workers) {
     if (workers > POOL_MAX_WORKERS) workers = POOL_MAX_WORKERS;
-    if (workers == pool.workers) return workers;
-    pool_stop();
-    sigset_t all, old;                                          /* signals go to Python's main thread */
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    for (; pool.workers < workers; pool.workers++)
-        if (pthread_create(&pool.threads[pool.workers], NULL, pool_worker, NULL)) break;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    return pool.workers;
+    pthread_mutex_lock(&pool_admin);
+    if (workers != atomic_load(&pool.workers)) {
+        stop_workers();
+        sigset_t all, old;                                      /* signals go to Python's main thread */
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        int n = 0;
+        while (n < workers && !pthread_create(&pool.threads[n], NULL, pool_worker, NULL)) n++;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        atomic_store(&pool.workers, n);
+    }
+    int started = atomic_load(&pool.workers);
+    pthread_mutex_unlock(&pool_admin);
+    return started;
 }
 
 /* Run `ncalls` call rows (POOL_ARGS longs each) on the caller and the workers; returns when all
- * are done: 0, or -1 when a row's kernel index is out of range (then nothing runs) or a call
- * could not allocate its workspace. */
+ * are done: 0; -1 when a call could not allocate its workspace; -2 when a row's kernel index is
+ * out of range (then nothing runs). */
 int pool_run(const idx *calls, idx ncalls) {
     for (idx i = 0; i < ncalls; i++)
-        if (calls[i * POOL_ARGS] < 0 || calls[i * POOL_ARGS] >= N_PACKED) return -1;
+        if (calls[i * POOL_ARGS] < 0 || calls[i * POOL_ARGS] >= N_PACKED) return -2;
     int expected = 0;
-    if (pool.workers == 0 || ncalls < 2 || !atomic_compare_exchange_strong(&pool.busy, &expected, 1)) {
+    if (atomic_load(&pool.workers) == 0 || ncalls < 2 || !atomic_compare_exchange_strong(&pool.busy, &expected, 1)) {
         int failed = 0;
         for (idx i = 0; i < ncalls; i++) failed |= PACKED[calls[i * POOL_ARGS]].fn(calls + i * POOL_ARGS);
         return failed ? -1 : 0;
