@@ -10,6 +10,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -341,3 +342,19 @@ def test_a_failing_build_is_reported_and_the_numpy_forms_run(tmp_path):
     fake.chmod(0o755)
     text = describe_in(tmp_path / "cache", CC=str(fake))
     assert text.startswith("numpy (the C kernels did not build: ") and "badcc: internal error" in text
+
+
+def test_a_new_build_prunes_libraries_unused_for_a_month(tmp_path):
+    """Each load touches its library; a build deletes others not loaded for 30 days (an old
+    mpirt's) and keeps recently used ones (another CPU's sharing the cache)."""
+    stale, recent = tmp_path / "kernels-0000000000000000.so", tmp_path / "kernels-1111111111111111.so"
+    for f in (stale, recent):
+        f.write_bytes(b"not a library")
+    month = time.time() - 31 * 86400
+    os.utime(stale, (month, month))
+    assert describe_in(tmp_path).endswith("built now)")
+    assert not stale.exists() and recent.exists()
+    built = next(f for f in tmp_path.glob("kernels-*.so") if f not in (stale, recent))
+    os.utime(built, (month, month))
+    assert describe_in(tmp_path).endswith("cached)")
+    assert built.stat().st_mtime > time.time() - 3600

@@ -23,6 +23,7 @@ import struct
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +81,23 @@ def _build(cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+UNUSED_DAYS = 30
+
+
+def _prune(keep: Path) -> None:
+    """Delete cached libraries no process has loaded for ``UNUSED_DAYS`` (each load touches its
+    file): older mpirt versions' and other compilers'. Nodes of another CPU that share the cache
+    keep theirs by using them; a process that has one loaded is not affected (the file stays
+    mapped)."""
+    cutoff = time.time() - UNUSED_DAYS * 86400
+    for old in keep.parent.glob("kernels-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:  # another process pruned it first, or it is not ours to delete
+            pass
+
+
 def _load() -> tuple:
     if os.environ.get("MPIRT_KERNELS", "").strip().lower() in ("numpy", "off", "0"):
         return None, "numpy (MPIRT_KERNELS=numpy)"
@@ -114,6 +132,9 @@ def _build_and_load() -> tuple:
         if built:
             _build(cc, target)
             lib = ctypes.CDLL(str(target))
+            _prune(target)
+        else:
+            os.utime(target)                           # in use: _prune keeps it
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         return None, f"numpy (the C kernels did not build: {err})"
     for name, args in SIGNATURES.items():
