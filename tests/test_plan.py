@@ -165,6 +165,18 @@ def test_hardware_presets_and_saved(tmp_path):
         hardware.load("no-such-gpu")
 
 
+def test_a_calibration_from_another_mpirt_says_so(tmp_path):
+    """A calibration records which mpirt it measured; the end-of-run line tells a stale one (a
+    faster runtime made the old op costs over-predict by 28 %) from a current one."""
+    measured = {"step_time_s": 0.1, "tokens_per_s": 10000.0, "peak_memory_bytes": 150 * 2**20}
+    layout = {"dp": 1, "pp": 1, "tp": 1}
+    current = cpu(source="calibrated", runtime=hardware.runtime_fingerprint())
+    assert self_check(cfg(), TINY, layout, measured, cluster=current)["hardware_source"] == "calibrated"
+    saved = hardware.load(str(hardware.save(dataclasses.replace(current, runtime="0" * 16), tmp_path / "old.json")))
+    source = self_check(cfg(), TINY, layout, measured, cluster=saved)["hardware_source"]
+    assert source == "calibrated with another mpirt version: rerun python -m mpirt.plan --calibrate"
+
+
 def test_cli_lists_layouts():
     out = subprocess.run([sys.executable, "-m", "mpirt.plan", "--model", "gpt2-xl", "--nodes", "2",
                           "--gpus-per-node", "8", "--gpu", "h100", "--global-batch", "64", "--seq-len", "2048",

@@ -270,7 +270,7 @@ def measure_process_bytes(launcher: str = "mpiexec") -> dict:
 
 def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):
     """Measure this machine (see the module docstring); returns the :class:`Cluster` (not saved)."""
-    from mpirt.plan.hardware import Cluster
+    from mpirt.plan import hardware
 
     loc = measure_local(calib_model)
     loc.update(measure_process_bytes())
@@ -284,7 +284,7 @@ def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):
     cores = loc["cores"]
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = max(loc["gemm_rates"].values())
-    return Cluster(name=name, devices_per_node=max(ranks + [1]), nodes=1,
+    return hardware.Cluster(name=name, devices_per_node=max(ranks + [1]), nodes=1,
                    peak_flops={"float32": peak, "float64": peak / 2, "bfloat16": peak},
                    memory_bytes=float(total), memory_bandwidth=loc["bandwidth"], gemm_efficiency=1.0,
                    gemm_half_dim=0.0, intra_latency=p2p[0], intra_bandwidth=1 / max(p2p[1], 1e-12),
@@ -293,6 +293,7 @@ def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):
                    opt_byte_s=loc["opt_byte_s"],
                    threads_per_core=loc["threads_per_core"], process_bytes=loc["process_bytes"],
                    compute_by_ranks=compute, collectives=coll, gemm_rates=loc["gemm_rates"], source="calibrated",
+                   runtime=hardware.runtime_fingerprint(),
                    notes=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} at ranks {ranks}; load "
                          f"{os.getloadavg()[0]:.2f}; local: " + json.dumps(
                              {k: v for k, v in loc.items() if k != "gemm_rates"}, default=str))

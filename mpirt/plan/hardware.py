@@ -60,6 +60,7 @@ class Cluster:
     process_bytes: float = 0.0          # a rank's process baseline (0: mpirt.memory.PROCESS_BYTES); calibrated
     source: str = "data sheet"
     notes: str = ""
+    runtime: str = ""                   # calibrated: the mpirt it measured (runtime_fingerprint)
 
     @property
     def devices(self) -> int:
@@ -104,6 +105,25 @@ PRESETS: dict[str, Cluster] = {
                    2e-6, 5e9, 20e-6, 1e9, 15e-6, overlap=False, cores=os.cpu_count() or 1,
                    source="assumed", notes="uncalibrated: run python -m mpirt.plan --calibrate"),
 }
+
+
+def runtime_fingerprint() -> str:
+    """A digest of this mpirt's code (its Python and C sources): a calibration measured the speed
+    of one version, and a faster or slower mpirt makes it stale."""
+    import hashlib
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def describe_source(cluster: Cluster) -> str:
+    """How the cluster's figures were obtained, for the end-of-run line: a calibration taken with
+    another mpirt says so (its op costs no longer describe this one)."""
+    if cluster.source == "calibrated" and cluster.runtime != runtime_fingerprint():
+        return "calibrated with another mpirt version: rerun python -m mpirt.plan --calibrate"
+    return cluster.source
 
 
 def load(name: str) -> Cluster:

@@ -57,7 +57,7 @@ def self_check(cfg, model_cfg, layout: dict, measured: dict, data_bytes: int = 0
     except Exception as err:  # the check must never fail a finished run
         return {"error": f"{type(err).__name__}: {err}"}
     br = (measured.get("monitor") or {}).get("breakdown", {})
-    out = {"hardware": cluster.name, "hardware_source": cluster.source,
+    out = {"hardware": cluster.name, "hardware_source": hardware.describe_source(cluster),
            "step_time_s": _err(est.step_s, measured.get("step_time_s")),
            "tokens_per_s": _err(est.tokens_per_s, measured.get("tokens_per_s")),
            "peak_memory_bytes": _err(est.memory["peak"], measured.get("peak_memory_bytes")),
