@@ -363,9 +363,11 @@ def gemm_call(a, b, out, accumulate: bool = False, bias=None):
     bias)."""
     if 0 in a.shape or 0 in b.shape:
         return None
-    if bias is not None and (bias.dtype != out.dtype or not bias.flags.c_contiguous or bias.shape != out.shape[1:]
-                             or (_blas_form(out) or (True,))[0]):
-        return None
+    if bias is not None:
+        form = _blas_form(out)                  # the C side adds the bias to rows, not columns
+        if (form is None or form[0] or bias.dtype != out.dtype or not bias.flags.c_contiguous
+                or bias.shape != out.shape[1:]):
+            return None
     call = current().library.call(a, b, out, 1.0 if accumulate else 0.0)
     return None if call is None else (*call, bias)
 

@@ -32,9 +32,10 @@ Work that is all C, the kernels of :mod:`mpirt.kernels` and the GEMMs on a libra
 :func:`run_gemms`, the split in :func:`matmul`): C threads that never take the GIL and spin for
 2 ms after each run before they sleep, so a block starts in about a microsecond instead of
 80-130 (a tiny GPT step hands out ~45 runs: measured 11-20 % faster steps, alternated A/B). The
-NumPy passes, BLIS and the products split along K stay on the Python pool. On CuPy, with one thread and for
-arrays of one block, kernels run once on the whole arrays: the calling code is the same for
-every backend.
+NumPy passes, BLIS and the products split along K stay on the Python pool.
+
+On CuPy, with one thread and for arrays of one block, kernels run once on the whole arrays: the
+calling code is the same for every backend.
 
 The thread count defaults to ``MPIRT_NUM_THREADS``, else ``OPENBLAS_NUM_THREADS`` /
 ``OMP_NUM_THREADS``, else the usable cores divided by the MPI ranks on this node.
@@ -140,7 +141,12 @@ def _drain(kernel, arrays, bounds, next_block, results, worker: bool) -> None:
         if i is None:
             return
         lo, hi = bounds[i], bounds[i + 1]
-        results[i] = kernel(*(None if a is None else a[lo:hi] for a in arrays))
+        results[i] = kernel(*_rows(arrays, lo, hi))
+
+
+def _rows(arrays, lo: int, hi: int) -> tuple:
+    """Rows ``[lo, hi)`` of each array (None stays None): one block's parts."""
+    return tuple(None if a is None else a[lo:hi] for a in arrays)
 
 
 def _block_bounds(first, block: int | None) -> list | None:
@@ -158,20 +164,25 @@ def c_blocks(name: str, dtype, args_of, *arrays, block: int | None = None) -> No
     kernel ``name``'s arguments for the row block ``parts``; the blocks run on the native pool
     (:func:`mpirt.kernels.run_calls`), whose threads start a block in microseconds. Inside
     :func:`one_run` the calls are collected instead, to run at its end."""
-    from mpirt import kernels
     bounds = _block_bounds(arrays[0], block)
     if bounds is None:
         calls = [(name, dtype, *args_of(*arrays))]
     else:  # the same blocks at any thread count: per-block partial sums keep their bits
-        calls = [(name, dtype, *args_of(*(None if a is None else a[lo:hi] for a in arrays)))
-                 for lo, hi in zip(bounds, bounds[1:])]
+        calls = [(name, dtype, *args_of(*_rows(arrays, lo, hi))) for lo, hi in zip(bounds, bounds[1:])]
     collecting = getattr(_collecting, "run", None)
     if collecting is not None and name in collecting[0]:
         collecting[1].extend(calls)
-    elif len(calls) == 1 or num_threads() < 2:
+    else:
+        _run_c_calls(calls)
+
+
+def _run_c_calls(calls: list) -> None:
+    """Kernel calls on the native pool; one call, or one thread, on this thread."""
+    from mpirt import kernels
+    if len(calls) == 1 or num_threads() < 2:
         for c in calls:
             kernels.call(*c)
-    else:
+    elif calls:
         kernels.run_calls(calls, workers=num_threads() - 1)
 
 
@@ -185,7 +196,6 @@ def one_run(*names: str):
     kernels run at once). For calls independent of each other and of what the body reads (every
     parameter's AdamW update: one run instead of one per parameter, most of them too small to
     split). Nothing collected runs if the body raises."""
-    from mpirt import kernels
     if getattr(_collecting, "run", None) is not None:     # nested: the outer run decides
         yield
         return
@@ -195,11 +205,7 @@ def one_run(*names: str):
         yield
     finally:
         _collecting.run = None
-    if len(calls) == 1 or (calls and num_threads() < 2):
-        for c in calls:
-            kernels.call(*c)
-    elif calls:
-        kernels.run_calls(calls, workers=num_threads() - 1)
+    _run_c_calls(calls)
 
 
 def for_blocks(kernel, *arrays, block: int | None = None, blas: bool = False) -> list:

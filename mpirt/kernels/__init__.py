@@ -2,12 +2,13 @@
 pass over its rows where the NumPy form makes several (the float32 attention: its products,
 softmax and gradients per (batch, head) pair in one call, on register-blocked small GEMMs).
 
-The source (``kernels.c``, ``kernels_body.h``, ``kernels_attention.h``) ships with mpirt and is compiled on first use on
-the machine that runs it (``cc -O3 -march=native``: the nodes of a cluster may differ, so nothing
-is built at install time), into ``$MPIRT_CACHE`` under a name that hashes the source, the flags,
-the compiler and the CPU; later starts load the cached library. Ranks that compile at once each
-write their own temporary file and rename it into place. The functions are called through
-ctypes, which releases the GIL: the ops hand row blocks of one call to mpirt's thread pool.
+The source (``SOURCES``) ships with mpirt and is compiled on first use on the machine that runs
+it (``cc -O3 -march=native``: the nodes of a cluster may differ, so nothing is built at install
+time), into ``$MPIRT_CACHE`` under a name that hashes the source, the flags, the compiler and the
+CPU; later starts load the cached library (a build prunes libraries unused for ``UNUSED_DAYS``).
+Ranks that compile at once each write their own temporary file and rename it into place. The
+functions are called through ctypes, which releases the GIL; the ops hand row blocks of one call
+to the library's own thread pool (``kernels_pool.h``, :func:`run_calls`).
 
 Without a C compiler, or with ``MPIRT_KERNELS=numpy``, :func:`library` is None and every op runs
 its NumPy form (the ops test both). :func:`describe` says which, for the start-up banner.
@@ -227,7 +228,7 @@ def _signature(name: str):
     return SIGNATURES.get(name) or FLOAT32_ONLY[name]
 
 
-_DOUBLE, _LONG = struct.Struct("d"), struct.Struct("q")
+_AS_DOUBLE, _AS_INT64 = struct.Struct("d"), struct.Struct("q")  # a double's bits as a C long
 
 
 def _pack(name: str, dtype, args) -> list:
@@ -249,7 +250,7 @@ def _pack(name: str, dtype, args) -> list:
         elif a is None:
             row.append(0)
         elif kind is D:
-            row.append(_LONG.unpack(_DOUBLE.pack(a))[0])
+            row.append(_AS_INT64.unpack(_AS_DOUBLE.pack(a))[0])
         else:
             row.append(int(a))
     return row + [0] * (POOL_ARGS - len(row))

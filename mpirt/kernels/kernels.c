@@ -1,11 +1,12 @@
 /* mpirt's fused CPU kernels: one pass over the data where NumPy needs several.
  *
  * Compiled on the machine that runs them (mpirt/kernels/__init__.py: cc -O3 -march=native
- * -fopenmp-simd) and called through ctypes, which releases the GIL, so mpirt's thread pool runs
+ * -fopenmp-simd) and called through ctypes, which releases the GIL, so mpirt's thread pools run
  * row blocks of one call side by side. The kernels of kernels_body.h exist for float and double
- * (it is included once per type); the attention's (kernels_attention.h) for float only. No -ffast-math: NaN and inf must reach the output as they would
- * through NumPy (the loss scaler and the non-finite checks rely on it), and a sum must not change
- * with the address of its row (runs repeat to the bit): reductions keep LANES partial sums.
+ * (it is included once per type); the attention's (kernels_attention.h) for float only. No
+ * -ffast-math: NaN and inf must reach the output as they would through NumPy (the loss scaler
+ * and the non-finite checks rely on it), and a sum must not change with the address of its row
+ * (runs repeat to the bit): reductions keep LANES partial sums.
  */
 #define _POSIX_C_SOURCE 200809L   /* pthread_sigmask, clock_gettime under -std=c11 */
 #include <math.h>

@@ -117,7 +117,7 @@ static void transpose_scaled(const float *src, idx ld, idx rows, idx cols, float
         for (idx d = 0; d < cols; d++) dst[d * rows + j0] = src[j0 * ld + d] * scale;
 }
 
-/* The largest of a[0..n), n >= 1, in LANES partial maxima (vectorised; a NaN need not win, it
+/* The largest of a[0..n), n >= 1, in 16 partial maxima (vectorised; a NaN need not win, it
  * reaches the output through the exponent anyway). */
 static inline float row_max_f32(const float *a, idx n) {
     float acc[16], m = a[0];

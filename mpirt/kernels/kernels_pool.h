@@ -22,7 +22,6 @@
 
 static inline double arg_double(idx bits) { double d; memcpy(&d, &bits, sizeof d); return d; }
 #define PF(i) ((float *)a[i])
-#define PD(i) ((double *)a[i])
 
 /* The kernels, unpacked from a call row (a[0] is the index, arguments from a[1]). */
 #define PACK_BODY(T, S)                                                                                      \

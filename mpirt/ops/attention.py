@@ -110,6 +110,7 @@ def _row_scale(e, factor, out=None):
     total = B.xp.matmul(e, B.xp.ones((e.shape[-1], 1), dtype=e.dtype))
     return B.xp.divide(1.0 if factor is None else factor, total, out=total if out is None else out)
 
+
 def _whole_in_c(*arrays) -> bool:
     """Whether the C kernels run the whole attention (float32, contiguous arrays, no dropout)."""
     return arrays[0].dtype == np.float32 and kernels.usable(*arrays)
@@ -145,12 +146,6 @@ class CausalSelfAttention(Function):
         mask = keep_scale = None
         if dropout_p > 0:
             mask, keep_scale = dropout_mask(p.shape, dropout_p, seed), 1.0 / (1.0 - dropout_p)
-        if mask is None and _whole_in_c(qkv, p, rinv, out):
-            _over_pairs("attention_forward", (qkv, p, rinv, out), b * n_head, n_head, t, c, scale,
-                        _bounds(chunks))
-            self.qkv, self.p, self.rinv, self.out, self.mask, self.keep_scale = qkv, p, rinv, out, None, None
-            self.n_head, self.scale, self.chunks = n_head, scale, chunks
-            return out
         fused = kernels.usable(p, rinv)
 
         def block(p, rinv, qkv, out, mask):                         # a few batch rows
@@ -175,7 +170,11 @@ class CausalSelfAttention(Function):
                 else:
                     xp.matmul(s * mask[:, :, q0:q1, :q1], v[:, :, :q1], out=pv)
                 pv *= r if keep_scale is None else r * keep_scale   # O = (E V) / rowsum(E)
-        for_blocks(block, p, rinv, qkv, out, mask, blas=True)
+        if mask is None and _whole_in_c(qkv, p, rinv, out):
+            _over_pairs("attention_forward", (qkv, p, rinv, out), b * n_head, n_head, t, c, scale,
+                        _bounds(chunks))
+        else:
+            for_blocks(block, p, rinv, qkv, out, mask, blas=True)
         # out is saved by reference (the next linear layer saves it too); ops never write into it
         self.qkv, self.p, self.rinv, self.out, self.mask, self.keep_scale = qkv, p, rinv, out, mask, keep_scale
         self.n_head, self.scale, self.chunks = n_head, scale, chunks

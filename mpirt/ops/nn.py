@@ -133,6 +133,34 @@ def _column_sums(a):
     return B.xp.ones(a.shape[0], dtype=a.dtype) @ a
 
 
+def norm_in_c(x2, weight, bias=None, *others) -> bool:
+    """Whether the norms' C kernels take these arrays (:func:`mpirt.kernels.usable`, and a weight
+    and bias, where given, of length C: the C side reads C of each)."""
+    n = x2.shape[-1]
+    return kernels.usable(x2, weight, bias, *others) and all(a is None or a.shape == (n,) for a in (weight, bias))
+
+
+def norm_forward_c(x2, weight, bias, xhat, rstd, y, eps, center: int) -> None:
+    """Layer norm (``center`` 1) or RMS norm (0) forward of (N, C) ``x2`` in C, on row blocks."""
+    n = x2.shape[1]
+    c_blocks("norm_forward", x2.dtype, lambda x, h, r, o: (x, weight, bias, h, r, o, x.shape[0], n, eps, center),
+             x2, xhat, rstd, y)
+
+
+def norm_backward_c(g2, xhat, rstd, weight, gx, want_w: bool, want_b: bool, center: int) -> list:
+    """The norms' backward in C, on row blocks: ``gx`` written when given; returns each block's
+    partial ``(gw, gb)`` column sums (None where not wanted), in block order."""
+    n = xhat.shape[1]
+    parts = []
+
+    def args(g, h, r, out):
+        gw, gb = (B.xp.zeros(n, dtype=xhat.dtype) if want else None for want in (want_w, want_b))
+        parts.append((gw, gb))
+        return g, h, r, weight, out, gw, gb, h.shape[0], n, center
+    c_blocks("norm_backward", xhat.dtype, args, g2, xhat, rstd, gx)
+    return parts
+
+
 @float32_compute
 class LayerNorm(Function):
     """Layer norm over the last dimension; saves the normalised input and ``1/std`` per row.
@@ -150,9 +178,6 @@ class LayerNorm(Function):
         xhat, y = xp.empty(x2.shape, dtype=x.dtype), xp.empty(x2.shape, dtype=x.dtype)
         rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
 
-        def fused(x, xhat, rstd, y):
-            return x, weight, bias, xhat, rstd, y, x.shape[0], n, eps, 1
-
         def block(x, xhat, rstd, y):
             xp.subtract(x, _row_means(x), out=xhat)
             var = xp.einsum("ij,ij->i", xhat, xhat)[:, None]   # (rows, 1), no (rows, C) temporary
@@ -168,8 +193,8 @@ class LayerNorm(Function):
                 if bias is not None:
                     y += bias
 
-        if kernels.usable(x2, weight, bias) and all(a is None or a.shape == (n,) for a in (weight, bias)):
-            c_blocks("norm_forward", x.dtype, fused, x2, xhat, rstd, y)
+        if norm_in_c(x2, weight, bias):
+            norm_forward_c(x2, weight, bias, xhat, rstd, y, eps, center=1)
         else:
             for_blocks(block, x2, xhat, rstd, y)
         self.xhat, self.rstd, self.weight, self.shape = xhat, rstd, weight, x.shape
@@ -192,13 +217,6 @@ class LayerNorm(Function):
         g2 = g.reshape(-1, n)
         gx = xp.empty(xhat.shape, dtype=xhat.dtype) if want_x else None
 
-        c_parts = []                                            # per block (gw, gb), in block order
-
-        def fused(g, xhat, rstd, gx):
-            gw, gb = (xp.zeros(n, dtype=xhat.dtype) if want else None for want in (want_w, want_b))
-            c_parts.append((gw, gb))
-            return g, xhat, rstd, weight, gx, gw, gb, xhat.shape[0], n, 1
-
         def block(g, xhat, rstd, gx):
             # dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)),  gxhat = g * weight
             gw = xp.einsum("ij,ij->j", g, xhat) if want_w else None
@@ -217,9 +235,8 @@ class LayerNorm(Function):
                 gxhat *= rstd
             return gw, gb
 
-        if kernels.usable(g2, xhat, weight) and (weight is None or weight.shape == (n,)):
-            c_blocks("norm_backward", xhat.dtype, fused, g2, xhat, self.rstd, gx)
-            parts = c_parts
+        if norm_in_c(g2, weight, None, xhat):
+            parts = norm_backward_c(g2, xhat, self.rstd, weight, gx, want_w, want_b, center=1)
         else:
             parts = for_blocks(block, g2, xhat, self.rstd, gx)
         gw = add_up([p[0] for p in parts]) if want_w else None

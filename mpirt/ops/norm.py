@@ -7,10 +7,10 @@ input pass and a (deferrable) weight pass.
 from __future__ import annotations
 
 import mpirt.backend as B
-from mpirt import kernels
+from mpirt.ops.nn import norm_backward_c, norm_forward_c, norm_in_c
 from mpirt.precision import float32_compute
 from mpirt.tensor import Function
-from mpirt.threads import add_up, c_blocks, for_blocks
+from mpirt.threads import add_up, for_blocks
 
 
 @float32_compute
@@ -24,9 +24,6 @@ class RMSNorm(Function):
         xhat, y = xp.empty(x2.shape, dtype=x.dtype), xp.empty(x2.shape, dtype=x.dtype)
         rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
 
-        def fused(x, xhat, rstd, y):
-            return x, weight, None, xhat, rstd, y, x.shape[0], n, eps, 0
-
         def block(x, xhat, rstd, y):
             ms = xp.einsum("ij,ij->i", x, x)[:, None]           # (rows, 1)
             ms *= 1.0 / n
@@ -36,8 +33,8 @@ class RMSNorm(Function):
             xp.multiply(x, rstd, out=xhat)
             xp.multiply(xhat, weight, out=y)
 
-        if weight is not None and weight.shape == (n,) and kernels.usable(x2, weight):
-            c_blocks("norm_forward", x.dtype, fused, x2, xhat, rstd, y)
+        if weight is not None and norm_in_c(x2, weight):       # (no weight: the NumPy form raises)
+            norm_forward_c(x2, weight, None, xhat, rstd, y, eps, center=0)
         else:
             for_blocks(block, x2, xhat, rstd, y)
         self.xhat, self.rstd, self.weight, self.shape = xhat, rstd, weight, x.shape
@@ -60,13 +57,6 @@ class RMSNorm(Function):
         g2 = g.reshape(-1, n)
         gx = xp.empty(xhat.shape, dtype=xhat.dtype) if want_x else None
 
-        c_parts = []                                            # per block gw, in block order
-
-        def fused(g, xhat, rstd, gx):
-            gw = xp.zeros(n, dtype=xhat.dtype) if want_w else None
-            c_parts.append(gw)
-            return g, xhat, rstd, weight, gx, gw, None, xhat.shape[0], n, 0
-
         def block(g, xhat, rstd, gx):
             gw = xp.einsum("ij,ij->j", g, xhat) if want_w else None
             if gx is not None:
@@ -77,9 +67,8 @@ class RMSNorm(Function):
                 gx *= rstd
             return gw
 
-        if weight is not None and weight.shape == (n,) and kernels.usable(g2, xhat, weight):
-            c_blocks("norm_backward", xhat.dtype, fused, g2, xhat, self.rstd, gx)
-            parts = c_parts
+        if weight is not None and norm_in_c(g2, weight, None, xhat):
+            parts = [gw for gw, _ in norm_backward_c(g2, xhat, self.rstd, weight, gx, want_w, False, center=0)]
         else:
             parts = for_blocks(block, g2, xhat, self.rstd, gx)
         gw = add_up(parts) if want_w else None
