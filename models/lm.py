@@ -55,9 +55,9 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     - ``(qkv_arrays * 3u + u + 3bsf) / t``: qkv (twice with rotary: before and after), the
       attention output, the MLP's three hidden arrays (GELU: input, derivative, output; SwiGLU:
       gate, up, product);
-    - the attention core: ``a b s^2 / t`` (probabilities) and ``a b s / t`` (their 1/rowsum per
-      query), plus ``a b s^2 / t`` bytes of mask with attention dropout: what selective
-      recomputation drops;
+    - the attention core: ``a b s / t`` (the log-sum-exp of each query's scores; the backward
+      computes the scores again), plus ``a b s^2 / t`` bytes of mask with attention dropout: what
+      selective recomputation drops;
     - with residual dropout, twice ``u/p`` elements plus ``u/p`` bytes of mask.
 
     Full recomputation keeps the block input, ``u/p``. Outside the blocks: the embedding (at t > 1
@@ -72,7 +72,7 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     attn_p, resid_p = getattr(cfg, "attn_pdrop", 0.0), getattr(cfg, "resid_pdrop", 0.0)
     row = u if t == 1 else u + u / p + (u / p if row_bias else 0)
     block = e * ((6 * u + 2 * b * s) / p + 2 * row + (qkv_arrays * 3 * u + u + 3 * b * s * f) / t)
-    core = ((e + (attn_p > 0)) * s + e) * a * b * s / t
+    core = ((attn_p > 0) * s + e) * a * b * s / t
     if resid_p > 0:
         block += 2 * (e + 1) * u / p
     embed = e * ((u if t > 1 else 0) + u / p) + 8 * b * s

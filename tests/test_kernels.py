@@ -85,7 +85,7 @@ def test_c_kernels_match_the_numpy_forms(name, dtype, rtol, numpy_forms):
 
 
 NORM = {"norm_forward", "norm_backward"}
-SOFTMAX = {"causal_softmax", "softmax_grad"}          # the attention's chunked NumPy form, fused
+SOFTMAX = {"causal_softmax", "causal_probs", "softmax_grad"}  # the attention's chunked NumPy form, fused
 KERNELS_OF = {  # (float32, float64)
     "layer_norm": (NORM, NORM), "layer_norm_no_affine": (NORM, NORM), "rms_norm": (NORM, NORM),
     "gelu": ({"gelu"}, {"gelu"}),
@@ -120,8 +120,8 @@ def attention_run(qkv, n_head, g, forward=contextlib.nullcontext, backward=conte
 @pytest.mark.parametrize("b, t, h, d", ATTENTION_SHAPES)
 def test_c_attention_against_float64(b, t, h, d, numpy_forms):
     """The whole-C float32 attention against the float64 NumPy form, as close as float32's own
-    NumPy form is; and either forward pairs with either backward (the probability array's layout
-    is the same both ways)."""
+    NumPy form is; and either forward pairs with either backward (both keep the same state: the
+    log-sum-exp per query)."""
     qkv, g = rng_arrays(np.float32, (b, t, 3 * h * d), (b, t, h * d), seed=t)
     exact = attention_run(qkv.astype(np.float64), h, g.astype(np.float64))
     runs = {"C": attention_run(qkv, h, g), "NumPy": attention_run(qkv, h, g, numpy_forms, numpy_forms),

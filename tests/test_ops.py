@@ -220,12 +220,16 @@ def test_attention_matches_torch_sdpa(shape, n_head):
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
-def test_attention_saves_one_probability_array(dropout_p):
-    qkv = Tensor(normal(2, 6, 12).astype(np.float32), requires_grad=True)
-    out = ops.causal_self_attention(qkv, 2, dropout_p=dropout_p, seed=0)
-    saved = [a for a in vars(out._ctx).values() if hasattr(a, "shape") and a.shape == (2, 2, 6, 6)]
-    assert sorted(a.dtype.kind for a in saved) == (["f"] if dropout_p == 0 else ["b", "f"])
-    assert (out._ctx.mask is None) == (dropout_p == 0)
+def test_attention_saves_no_score_sized_float_array(dropout_p):
+    """The backward computes the scores again: what the forward keeps of size (B, H, T, T) is at
+    most the dropout mask (bool); per query it keeps the log-sum-exp of the scores."""
+    for dtype in (np.float32, np.float64):
+        qkv = Tensor(normal(2, 6, 12).astype(dtype), requires_grad=True)
+        out = ops.causal_self_attention(qkv, 2, dropout_p=dropout_p, seed=0)
+        saved = [a for a in vars(out._ctx).values() if hasattr(a, "shape") and a.shape == (2, 2, 6, 6)]
+        assert [a.dtype.kind for a in saved] == ([] if dropout_p == 0 else ["b"])
+        assert out._ctx.lse.shape == (2, 2, 6, 1) and out._ctx.lse.dtype == dtype
+        assert (out._ctx.mask is None) == (dropout_p == 0)
 
 
 def test_attention_is_causal():

@@ -48,24 +48,28 @@ __attribute__((noinline)) static double exp_f64(double x) { return exp(x); }
 #define SUFFIX(name) name##_f32
 #define EXP exp_f32
 #define SQRT sqrtf
+#define LOG logf
 #define LANES 16
 #include "kernels_body.h"
 #undef T
 #undef SUFFIX
 #undef EXP
 #undef SQRT
+#undef LOG
 #undef LANES
 
 #define T double
 #define SUFFIX(name) name##_f64
 #define EXP exp_f64
 #define SQRT sqrt
+#define LOG log
 #define LANES 8
 #include "kernels_body.h"
 #undef T
 #undef SUFFIX
 #undef EXP
 #undef SQRT
+#undef LOG
 #undef LANES
 
 #include "kernels_attention.h"   /* float only: float64 attention runs its NumPy form */

@@ -7,10 +7,10 @@
  * the causal diagonal are skipped.
  *
  * Layout (mpirt/ops/attention.py): qkv (B, T, 3C) with head h of q, k, v at columns h D, C + h D,
- * 2C + h D (rows 3C apart); out and the incoming gradient (B, T, C); p (B, H, T, T) holds
- * E = exp(S - rowmax) unnormalised, rinv (B, H, T) 1 / rowsum(E). Queries come in chunks
- * (`bounds`, as the NumPy form makes them): row i of chunk [q0, q1) holds E on keys [0, q1), zero
- * above the diagonal, so either backward can read what either forward wrote. */
+ * 2C + h D (rows 3C apart); out and the incoming gradient (B, T, C); lse (B, H, T) the log-sum-exp
+ * of each query's scores, the only state kept between forward and backward: the backward
+ * computes the scores again (FlashAttention's recomputation), so neither pass writes or reads a
+ * (B, H, T, T) array. The backward takes the queries in the NumPy form's chunks (`bounds`). */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -130,35 +130,38 @@ static inline float row_max_f32(const float *a, idx n) {
     return m;
 }
 
-/* Forward for pairs [bh0, bh1) of B x H: out, p (E) and rinv as described above. Returns 0, or
- * -1 when the workspace could not be allocated. */
-int attention_forward_f32(const float *qkv, float *p, float *rinv, float *out, idx bh0, idx bh1, idx heads,
-                           idx t, idx c, double scale, const idx *bounds) {
+/* Forward for pairs [bh0, bh1) of B x H: out, and lse (B, H, T) = rowmax(S) + log(rowsum(E)) per
+ * query, all the backward needs to rebuild the probabilities. A tile of MR queries' scores lives
+ * in a small workspace from the product through the softmax to the product with V and is then
+ * dropped: nothing of size T x T is written. Returns 0, or -1 when the workspace could not be
+ * allocated. */
+int attention_forward_f32(const float *qkv, float *lse, float *out, idx bh0, idx bh1, idx heads, idx t, idx c,
+                          double scale) {
     idx d = c / heads, ld = 3 * c;
-    float *kt = malloc(sizeof(float) * d * t);          /* (D, T): scale K^T, packed */
+    float *kt = malloc(sizeof(float) * (d * t + MR * t + MR));  /* scale K^T (D, T), packed; E tile; r */
     if (!kt) return -1;
+    float *e = kt + d * t, *r = e + MR * t;
     for (idx bh = bh0; bh < bh1; bh++) {
         idx b = bh / heads, h = bh % heads;
-        const float *q = qkv + b * t * ld + h * d, *k = q + c, *v = q + 2 * c;
-        float *e = p + bh * t * t, *r = rinv + bh * t, *o = out + b * t * c + h * d;
-        transpose_scaled(k, ld, t, d, (float)scale, kt);
-        idx chunk = 0;
+        const float *q = qkv + b * t * ld + h * d, *v = q + 2 * c;
+        float *l = lse + bh * t, *o = out + b * t * c + h * d;
+        transpose_scaled(q + c, ld, t, d, (float)scale, kt);
         for (idx i0 = 0; i0 < t; i0 += MR) {
             idx mr = t - i0 < MR ? t - i0 : MR;
             idx keys = round_up(i0 + mr, VW) < t ? round_up(i0 + mr, VW) : t;  /* the tile's causal width */
-            small_gemm(mr, keys, d, q + i0 * ld, ld, 1, kt, t, e + i0 * t, t, NULL, 1.0f, 0);
-            for (idx i = i0; i < i0 + mr; i++) {
-                while (bounds[chunk + 1] <= i) chunk++;
-                float *ei = e + i * t, mx = row_max_f32(ei, i + 1);
+            small_gemm(mr, keys, d, q + i0 * ld, ld, 1, kt, t, e, t, NULL, 1.0f, 0);
+            for (idx i = 0; i < mr; i++) {
+                idx last = i0 + i;                              /* keys [0, last] */
+                float *ei = e + i * t, mx = row_max_f32(ei, last + 1);
 #pragma omp simd
-                for (idx j = 0; j <= i; j++) ei[j] = exp_f32(ei[j] - mx);
-                /* zero to the chunk's last key, and to the tile's (the product below reads it) */
-                idx end = bounds[chunk + 1] > i0 + mr ? bounds[chunk + 1] : i0 + mr;
-                for (idx j = i + 1; j < end; j++) ei[j] = 0;
-                r[i] = 1.0f / row_sum_f32(ei, i + 1);
+                for (idx j = 0; j <= last; j++) ei[j] = exp_f32(ei[j] - mx);
+                for (idx j = last + 1; j < i0 + mr; j++) ei[j] = 0;  /* the product below reads them */
+                float sum = row_sum_f32(ei, last + 1);
+                r[i] = 1.0f / sum;
+                l[last] = mx + logf(sum);
             }
             /* O = r (E V): keys beyond the tile's last query are zero in E */
-            small_gemm(mr, d, i0 + mr, e + i0 * t, t, 1, v, ld, o + i0 * c, c, r + i0, 1.0f, 0);
+            small_gemm(mr, d, i0 + mr, e, t, 1, v, ld, o + i0 * c, c, r, 1.0f, 0);
         }
     }
     free(kt);
@@ -166,42 +169,44 @@ int attention_forward_f32(const float *qkv, float *p, float *rinv, float *out, i
 }
 
 /* Backward for pairs [bh0, bh1): writes their columns of dqkv (B, T, 3C) from the incoming
- * gradient g (B, T, C). With G = r dO per row, rowdot = dO . O per query (= rowsum(dP P)):
- * dV = E^T G, r dP = G V^T, dS = E (r dP - r rowdot), dQ = scale dS K, dK = scale dS^T Q; per
- * query chunk, the last (which sees every key) first: it writes dK and dV, the others add.
- * Returns 0, or -1 when the workspace could not be allocated. */
-int attention_backward_f32(const float *qkv, const float *p, const float *rinv, const float *out,
-                            const float *g, float *dqkv, idx bh0, idx bh1, idx heads, idx t, idx c, double scale,
-                            const idx *bounds, idx chunks) {
+ * gradient g (B, T, C). Per query chunk (`bounds`, the last, which sees every key, first: it
+ * writes dK and dV, the others add), tile by tile: the scores again, P = exp(S - lse) (the
+ * forward's probabilities to rounding), dP = dO V^T, dS = P (dP - rowdot) with rowdot = dO . O
+ * per query (= rowsum(dP P)); then dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO. Returns 0,
+ * or -1 when the workspace could not be allocated. */
+int attention_backward_f32(const float *qkv, const float *lse, const float *out, const float *g, float *dqkv,
+                           idx bh0, idx bh1, idx heads, idx t, idx c, double scale, const idx *bounds, idx chunks) {
     idx d = c / heads, ld = 3 * c, widest = 0;
     for (idx n = 0; n < chunks - 1; n++)
         widest = bounds[n + 1] - bounds[n] > widest ? bounds[n + 1] - bounds[n] : widest;
-    float *gr = malloc(sizeof(float) * (2 * d * t + t + widest * t));
-    if (!gr) return -1;
-    float *vt = gr + d * t, *rr = vt + d * t, *ds = rr + t;   /* G (T, D), V^T (D, T), r rowdot, dS */
+    float *kt = malloc(sizeof(float) * (2 * d * t + t + 2 * widest * t));
+    if (!kt) return -1;
+    float *vt = kt + d * t, *rd = vt + d * t, *pc = rd + t, *ds = pc + widest * t;  /* P and dS of a chunk */
     for (idx bh = bh0; bh < bh1; bh++) {
         idx b = bh / heads, h = bh % heads;
         const float *q = qkv + b * t * ld + h * d, *k = q + c, *v = q + 2 * c;
-        const float *e = p + bh * t * t, *r = rinv + bh * t, *gi = g + b * t * c + h * d, *o = out + b * t * c + h * d;
+        const float *l = lse + bh * t, *gi = g + b * t * c + h * d, *o = out + b * t * c + h * d;
         float *dq = dqkv + b * t * ld + h * d, *dk = dq + c, *dv = dq + 2 * c;
-        for (idx i = 0; i < t; i++) {
-            for (idx j = 0; j < d; j++) gr[i * d + j] = gi[i * c + j] * r[i];
-            rr[i] = row_dot_f32(gi + i * c, o + i * c, d) * r[i];
-        }
+        for (idx i = 0; i < t; i++) rd[i] = row_dot_f32(gi + i * c, o + i * c, d);
+        transpose_scaled(k, ld, t, d, (float)scale, kt);
         transpose_scaled(v, ld, t, d, 1.0f, vt);
         for (idx n = chunks - 2; n >= 0; n--) {
             idx q0 = bounds[n], q1 = bounds[n + 1], first = n == chunks - 2;
-            for (idx i0 = q0; i0 < q1; i0 += MR) {          /* dS rows, tile by tile */
+            for (idx i0 = q0; i0 < q1; i0 += MR) {          /* P and dS rows, tile by tile */
                 idx mr = q1 - i0 < MR ? q1 - i0 : MR;
                 idx keys = round_up(i0 + mr, VW) < q1 ? round_up(i0 + mr, VW) : q1;
-                float *dsi = ds + (i0 - q0) * t;
-                small_gemm(mr, keys, d, gr + i0 * d, d, 1, vt, t, dsi, t, NULL, 1.0f, 0);
+                float *pi0 = pc + (i0 - q0) * t, *dsi = ds + (i0 - q0) * t;
+                small_gemm(mr, keys, d, q + i0 * ld, ld, 1, kt, t, pi0, t, NULL, 1.0f, 0);
+                small_gemm(mr, keys, d, gi + i0 * c, c, 1, vt, t, dsi, t, NULL, 1.0f, 0);
                 for (idx i = i0; i < i0 + mr; i++) {
-                    float *row = ds + (i - q0) * t;
-                    const float *ei = e + i * t;
+                    float *pr = pc + (i - q0) * t, *dr = ds + (i - q0) * t, li = l[i], ri = rd[i];
 #pragma omp simd
-                    for (idx j = 0; j <= i; j++) row[j] = ei[j] * (row[j] - rr[i]);
-                    for (idx j = i + 1; j < q1; j++) row[j] = 0;
+                    for (idx j = 0; j <= i; j++) {
+                        float pj = exp_f32(pr[j] - li);
+                        pr[j] = pj;
+                        dr[j] = pj * (dr[j] - ri);
+                    }
+                    for (idx j = i + 1; j < q1; j++) pr[j] = dr[j] = 0;  /* read by the products below */
                 }
             }
             /* dQ rows of the chunk: keys up to each tile's last query */
@@ -214,11 +219,11 @@ int attention_backward_f32(const float *qkv, const float *p, const float *rinv, 
                 idx mr = q1 - j0 < MR ? q1 - j0 : MR, from = j0 > q0 ? j0 : q0;
                 small_gemm(mr, d, q1 - from, ds + (from - q0) * t + j0, 1, t, q + from * ld, ld, dk + j0 * ld, ld,
                            NULL, (float)scale, !first);
-                small_gemm(mr, d, q1 - from, e + from * t + j0, 1, t, gr + from * d, d, dv + j0 * ld, ld, NULL, 1.0f,
-                           !first);
+                small_gemm(mr, d, q1 - from, pc + (from - q0) * t + j0, 1, t, gi + from * c, c, dv + j0 * ld, ld,
+                           NULL, 1.0f, !first);
             }
         }
     }
-    free(gr);
+    free(kt);
     return 0;
 }

@@ -97,9 +97,9 @@ void SUFFIX(gelu)(const T *x, T *y, T *d, idx n) {
 /* Causal softmax of one query chunk, unnormalised, in place. `s` holds `mats` matrices (stride
  * `mat_stride`) of `rows` x `cols` scores (row stride `ld`); row i is query q0 + i and sees keys
  * j <= q0 + i. Each row becomes E = exp(s - rowmax) on its keys and 0 above them;
- * rinv[m * rinv_stride + i] = 1 / rowsum(E). */
-void SUFFIX(causal_softmax)(T *s, T *rinv, idx mats, idx mat_stride, idx rows, idx cols, idx ld, idx q0,
-                            idx rinv_stride) {
+ * rinv[m * stat_stride + i] = 1 / rowsum(E), lse[m * stat_stride + i] = rowmax + log(rowsum(E)). */
+void SUFFIX(causal_softmax)(T *s, T *rinv, T *lse, idx mats, idx mat_stride, idx rows, idx cols, idx ld, idx q0,
+                            idx stat_stride) {
     for (idx m = 0; m < mats; m++) {
         for (idx i = 0; i < rows; i++) {
             T *si = s + m * mat_stride + i * ld;
@@ -110,7 +110,24 @@ void SUFFIX(causal_softmax)(T *s, T *rinv, idx mats, idx mat_stride, idx rows, i
 #pragma omp simd
             for (idx j = 0; j < keys; j++) si[j] = EXP(si[j] - mx);
             for (idx j = keys; j < cols; j++) si[j] = 0;
-            rinv[m * rinv_stride + i] = (T)1 / SUFFIX(row_sum)(si, keys);
+            T sum = SUFFIX(row_sum)(si, keys);
+            rinv[m * stat_stride + i] = (T)1 / sum;
+            lse[m * stat_stride + i] = mx + LOG(sum);
+        }
+    }
+}
+
+/* The probabilities again from the scores in place: P = exp(s - lse[row]) on each row's keys, 0
+ * above them; `s` and the rows as in causal_softmax, lse[m * stat_stride + i]. */
+void SUFFIX(causal_probs)(T *s, const T *lse, idx mats, idx mat_stride, idx rows, idx cols, idx ld, idx q0,
+                          idx stat_stride) {
+    for (idx m = 0; m < mats; m++) {
+        for (idx i = 0; i < rows; i++) {
+            T *si = s + m * mat_stride + i * ld, l = lse[m * stat_stride + i];
+            idx keys = q0 + i + 1 < cols ? q0 + i + 1 : cols;
+#pragma omp simd
+            for (idx j = 0; j < keys; j++) si[j] = EXP(si[j] - l);
+            for (idx j = keys; j < cols; j++) si[j] = 0;
         }
     }
 }

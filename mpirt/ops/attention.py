@@ -4,38 +4,41 @@ The input is GPT-2's ``c_attn`` output, ``qkv`` of shape (B, T, 3C): ``q = qkv[.
 ``k = qkv[..., C:2C]``, ``v = qkv[..., 2C:]``; head ``h`` owns columns ``h*D:(h+1)*D`` of each
 (``D = C // n_head``). The output (B, T, C) has the heads merged back in the same order.
 
-Memory: the forward keeps one (B, H, T, T) array, the unnormalised probabilities
-``E = exp(S - rowmax(S))`` (mask and exponent done in place on the score array). The softmax's
-row scale ``r = 1 / rowsum(E)`` is applied to the small side of each product instead of to E
-(``O = r (E V)``; backward: ``r dO`` in place of ``dO``), which saves a pass over the (B, H, T, T)
-array each way; ``r`` is kept per query, (B, H, T, 1), for the backward. With the C kernels
-(:mod:`mpirt.kernels`) the mask, row max, exponent and row sum of a chunk are one pass, and so is
-the score gradient below; the NumPy form takes row sums as products with a ones vector. The
-backward turns ``r dP = (r dO) V^T`` in place into the score gradient
-``dS = E * (r dP - r rowsum(dP * P))``, where ``rowsum(dP * P) = rowsum(dO * O)`` is taken on the
-(B, T, C) output instead of the (B, H, T, T) arrays. Heads are never copied out of ``qkv``: batched
-matmul on the strided (B, H, T, D) views costs the same as on contiguous copies (measured, NumPy +
-OpenBLAS); the forward's products are written straight into the (B, H, T, D) head view of the
-merged (B, T, C) output (NumPy 2's matmul takes that strided ``out=`` at full speed), and the
-backward's are copied, scaled, into one (B, T, 3C) gradient (see :func:`_merge_heads`).
+Memory: between forward and backward the op keeps no array of the scores' size, (B, H, T, T):
+only ``lse`` (B, H, T, 1), each query's log-sum-exp ``rowmax(S) + log(rowsum(exp(S - rowmax)))``.
+The backward computes the scores again chunk by chunk and gets the probabilities in one pass,
+``P = exp(S - lse)`` (FlashAttention's recomputation: one more ``Q K^T`` product per chunk in
+place of writing and reading the largest activation of the model; at T = 128 the two cost the
+same time, and the memory they would take grows with T^2). The forward's softmax stays
+unnormalised, ``E = exp(S - rowmax)``, and its row scale ``r = 1 / rowsum(E)`` goes onto the
+small side of the product, ``O = r (E V)``. The backward's score gradient is
+``dS = P * (dP - rowsum(dP * P))`` with ``dP = dO V^T``, where ``rowsum(dP * P) = dO . O`` is taken
+on the (B, T, C) output instead of a (B, H, T, T) array. With the C kernels (:mod:`mpirt.kernels`)
+the mask, row max, exponent, row sum and log-sum-exp of a chunk are one pass, and so are the
+probabilities and the score gradient in the backward. Heads are never copied out of ``qkv``:
+batched matmul on the strided (B, H, T, D) views costs the same as on contiguous copies
+(measured, NumPy + OpenBLAS); the forward's products are written straight into the (B, H, T, D)
+head view of the merged (B, T, C) output (NumPy 2's matmul takes that strided ``out=`` at full
+speed), and the backward's are copied, scaled, into one (B, T, 3C) gradient (see
+:func:`_merge_heads`). With dropout the (B, H, T, T) bool mask is kept (a pure function of the
+seed, but drawn for the whole shape at once).
 
 Causality skips work: queries go in chunks of ``QUERY_CHUNK``, and a chunk's scores, products and
-softmax cover only the keys up to its last query. Entries of the probability array above those
-blocks are never written or read. Both passes run a few batch rows at a time on mpirt's threads
-(:func:`~mpirt.threads.for_blocks`), GEMMs included: a block's scores stay in cache from the
-product through the softmax, and the backward holds one chunk's ``dP`` at a time instead of a
-second (B, H, T, T) array.
+softmax cover only the keys up to its last query. Both passes run a few batch rows at a time on
+mpirt's threads (:func:`~mpirt.threads.for_blocks`), GEMMs included: a block's scores stay in
+cache from the product through the softmax, and each pass holds one chunk's scores at a time.
 
 In float32 without dropout, with the C kernels loaded, the whole forward and the whole backward
 are one C call per range of (batch, head) pairs (``attention_forward`` / ``attention_backward``
-in ``mpirt/kernels/kernels_attention.h``): the same formulas and the same probability-array
-layout, so either forward pairs with either backward, on small register-blocked GEMMs that also
-skip the tiles above the diagonal inside a chunk. Every pair is computed alone, so its bits do not
-depend on the batch split, the heads a rank holds or the thread count. The NumPy form runs
-float64, dropout, and CuPy.
+in ``mpirt/kernels/kernels_attention.h``): the same formulas and the same saved ``lse``, so either
+forward pairs with either backward, on small register-blocked GEMMs that also skip the tiles above
+the diagonal; the forward's scores live in a workspace of a few rows. Every pair is computed
+alone, so its bits do not depend on the batch split, the heads a rank holds or the thread count.
+The NumPy form runs float64, dropout, and CuPy.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -45,7 +48,7 @@ from mpirt import kernels
 from mpirt.precision import float32_compute
 from mpirt.ops.dropout import _check_p, dropout_mask
 from mpirt.tensor import Function
-from mpirt.threads import c_blocks, for_blocks, num_threads
+from mpirt.threads import BLOCK, c_blocks, for_blocks, num_threads
 
 # Queries per chunk. Chunk [q0, q1) needs keys [0, q1) only, so n chunks compute (n + 1) / 2n of
 # the (T, T) scores, products and softmax: 5/8 at T = 256. Smaller chunks skip more but make
@@ -103,12 +106,23 @@ def _row_max(s):
     return B.xp.fmax.reduce(s, axis=-1, keepdims=True) if B.name == "numpy" else s.max(axis=-1, keepdims=True)
 
 
-def _row_scale(e, factor, out=None):
-    """``factor / rowsum(e)`` per row of ``e`` (..., q, k), keepdims (into ``out`` when given). The
-    row sum is a product with a ones vector (BLAS, ~4x faster than NumPy's sum reduction along a
-    short last axis)."""
-    total = B.xp.matmul(e, B.xp.ones((e.shape[-1], 1), dtype=e.dtype))
-    return B.xp.divide(1.0 if factor is None else factor, total, out=total if out is None else out)
+def _row_sum(e):
+    """Per-row sum over the last axis, keepdims, as a product with a ones vector (BLAS, ~4x faster
+    than NumPy's sum reduction along a short last axis)."""
+    return B.xp.matmul(e, B.xp.ones((e.shape[-1], 1), dtype=e.dtype))
+
+
+def _scaled_queries(q, scale):
+    """``q * scale`` as a C-ordered copy (the scale goes on the small operand of the score product)."""
+    qs = B.xp.empty(q.shape, dtype=q.dtype)
+    B.xp.multiply(q, scale, out=qs)
+    return qs
+
+
+def _rows_block(t):
+    """The NumPy form's block size in elements of its first array, the (B, H, T, 1) lse: a block
+    holds about ``BLOCK`` elements of scores, so it splits batch rows by the (H, T, T) work."""
+    return max(1, BLOCK // t)
 
 
 def _whole_in_c(*arrays) -> bool:
@@ -139,91 +153,99 @@ class CausalSelfAttention(Function):
         if n_head < 1 or c % n_head:
             raise ValueError(f"causal_self_attention: n_head={n_head} does not divide C={c}")
         scale = 1.0 / math.sqrt(c // n_head)
-        p = xp.empty((b, n_head, t, t), dtype=qkv.dtype)            # probabilities (lower triangle)
-        rinv = xp.empty((b, n_head, t, 1), dtype=qkv.dtype)         # 1 / rowsum(E) per query
+        lse = xp.empty((b, n_head, t, 1), dtype=qkv.dtype)          # log-sum-exp of each query's scores
         out = xp.empty((b, t, c), dtype=qkv.dtype)
-        bias, chunks = _causal_bias(t, p.dtype), _query_chunks(t)
+        chunks = _query_chunks(t)
         mask = keep_scale = None
         if dropout_p > 0:
-            mask, keep_scale = dropout_mask(p.shape, dropout_p, seed), 1.0 / (1.0 - dropout_p)
-        fused = kernels.usable(p, rinv)
-
-        def block(p, rinv, qkv, out, mask):                         # a few batch rows
-            q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], n_head) for i in range(3))
-            qs = xp.empty(q.shape, dtype=q.dtype)                   # C-ordered (q * scale would not be)
-            xp.multiply(q, scale, out=qs)                           # scale the small operand
-            o = _heads(out, n_head)                                 # products land with heads merged
-            for q0, q1 in zip(chunks, chunks[1:]):                  # keys [0, q1) only
-                s, r = p[:, :, q0:q1, :q1], rinv[:, :, q0:q1]
-                xp.matmul(qs[:, :, q0:q1], k[:, :, :q1].swapaxes(-1, -2), out=s)
-                if fused:                                           # E and 1 / rowsum(E) in one pass
-                    kernels.call("causal_softmax", s.dtype, s, r, p.shape[0] * n_head, t * t, q1 - q0, q1, t,
-                                 q0, t)
-                else:
-                    s[..., q0:] += bias[q0:q1, q0:q1]               # -inf above the diagonal
-                    s -= _row_max(s)
-                    xp.exp(s, out=s)                                # E: unnormalised, kept
-                    _row_scale(s, None, out=r)
-                pv = o[:, :, q0:q1]
-                if mask is None:
-                    xp.matmul(s, v[:, :, :q1], out=pv)
-                else:
-                    xp.matmul(s * mask[:, :, q0:q1, :q1], v[:, :, :q1], out=pv)
-                pv *= r if keep_scale is None else r * keep_scale   # O = (E V) / rowsum(E)
-        if mask is None and _whole_in_c(qkv, p, rinv, out):
-            _over_pairs("attention_forward", (qkv, p, rinv, out), b * n_head, n_head, t, c, scale,
-                        _bounds(chunks))
+            mask, keep_scale = dropout_mask((b, n_head, t, t), dropout_p, seed), 1.0 / (1.0 - dropout_p)
+        if mask is None and _whole_in_c(qkv, lse, out):
+            _over_pairs("attention_forward", (qkv, lse, out), b * n_head, n_head, t, c, scale)
         else:
-            for_blocks(block, p, rinv, qkv, out, mask, blas=True)
+            forward = functools.partial(self._forward_block, n_head=n_head, scale=scale, chunks=chunks,
+                                        keep_scale=keep_scale)
+            for_blocks(forward, lse, qkv, out, mask, blas=True, block=_rows_block(t))
         # out is saved by reference (the next linear layer saves it too); ops never write into it
-        self.qkv, self.p, self.rinv, self.out, self.mask, self.keep_scale = qkv, p, rinv, out, mask, keep_scale
+        self.qkv, self.lse, self.out, self.mask, self.keep_scale = qkv, lse, out, mask, keep_scale
         self.n_head, self.scale, self.chunks = n_head, scale, chunks
         return out
+
+    @staticmethod
+    def _forward_block(lse, qkv, out, mask, *, n_head, scale, chunks, keep_scale):
+        """The NumPy form of the forward on a few batch rows, chunk by chunk."""
+        xp, c = B.xp, out.shape[-1]
+        q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], n_head) for i in range(3))
+        qs = _scaled_queries(q, scale)
+        o = _heads(out, n_head)                                     # products land with heads merged
+        rinv = xp.empty(lse.shape, dtype=lse.dtype)                 # 1 / rowsum(E) per query
+        for q0, q1 in zip(chunks, chunks[1:]):                      # keys [0, q1) only
+            s = xp.matmul(qs[:, :, q0:q1], k[:, :, :q1].swapaxes(-1, -2))  # (b, H, q1 - q0, q1)
+            r = rinv[:, :, q0:q1]
+            if kernels.usable(s, rinv, lse):                        # E, 1 / rowsum(E), lse in one pass
+                kernels.call("causal_softmax", s.dtype, s, r, lse[:, :, q0:q1], s.shape[0] * n_head,
+                             s.shape[2] * s.shape[3], q1 - q0, q1, q1, q0, lse.shape[2])
+            else:
+                s[..., q0:] += _causal_bias(qkv.shape[1], s.dtype)[q0:q1, q0:q1]  # -inf above the diagonal
+                m = _row_max(s)
+                s -= m
+                xp.exp(s, out=s)                                    # E: unnormalised
+                total = _row_sum(s)
+                xp.divide(1.0, total, out=r)
+                xp.add(m, xp.log(total), out=lse[:, :, q0:q1])
+            pv = o[:, :, q0:q1]
+            xp.matmul(s if mask is None else s * mask[:, :, q0:q1, :q1], v[:, :, :q1], out=pv)
+            pv *= r if keep_scale is None else r * keep_scale       # O = (E V) / rowsum(E)
 
     def backward(self, g):
         xp = B.xp
         h, scale, keep_scale, chunks = self.n_head, self.scale, self.keep_scale, self.chunks
         c = self.qkv.shape[-1] // 3
         dqkv = xp.empty(self.qkv.shape, dtype=self.qkv.dtype)
-        if self.mask is None and _whole_in_c(self.qkv, self.p, self.rinv, self.out, g, dqkv):
-            b, t = g.shape[:2]
+        t = g.shape[1]
+        if self.mask is None and _whole_in_c(self.qkv, self.lse, self.out, g, dqkv):
+            b = g.shape[0]
             bounds = _bounds(chunks)
-            _over_pairs("attention_backward", (self.qkv, self.p, self.rinv, self.out, g, dqkv), b * h, h, t, c,
-                        scale, bounds, len(bounds))
+            _over_pairs("attention_backward", (self.qkv, self.lse, self.out, g, dqkv), b * h, h, t, c, scale,
+                        bounds, len(bounds))
             return (dqkv,)
 
-        def block(p, rinv, qkv, g, out, mask, dqkv):               # a few batch rows
+        def block(lse, qkv, g, out, mask, dqkv):                    # a few batch rows
             q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], h) for i in range(3))
+            qs = _scaled_queries(q, scale)
             go = _heads(g, h)                                       # (b, H, T, D)
-            b, t = g.shape[:2]
+            b = g.shape[0]
             # rowsum(dP * P) = dO . O per query (FlashAttention's identity; dropout included), a
             # (B, T, C) product instead of a pass over (B, H, T, T)
-            rowdot = xp.einsum("bthd,bthd->bht", g.reshape(b, t, h, -1), out.reshape(b, t, h, -1))
+            rowdot = xp.einsum("bthd,bthd->bht", g.reshape(b, t, h, -1), out.reshape(b, t, h, -1))[..., None]
             dq, dk, dv = (xp.empty(q.shape, dtype=q.dtype) for _ in range(3))
             # The last chunk sees every key: it runs first and writes dk and dv (no zero fill),
             # the others add into their keys' rows. Every chunk writes its own rows of dq.
             for q0, q1 in reversed(list(zip(chunks, chunks[1:]))):  # keys [0, q1) only
-                ej = p[:, :, q0:q1, :q1]                            # E; P = E * r per row
-                r = rinv[:, :, q0:q1]                               # (b, H, q, 1): 1 / rowsum(E)
-                gor = go[:, :, q0:q1] * r                           # r dO: P's row scale moved
-                ed = ej if mask is None else ej * mask[:, :, q0:q1, :q1]  # onto the small side
-                if mask is not None:
-                    gor *= keep_scale
+                pj = xp.matmul(qs[:, :, q0:q1], k[:, :, :q1].swapaxes(-1, -2))  # the scores again
+                lj = lse[:, :, q0:q1]
+                if kernels.usable(pj, lse):                         # P = exp(S - lse), one pass
+                    kernels.call("causal_probs", pj.dtype, pj, lj, pj.shape[0] * h, pj.shape[2] * pj.shape[3],
+                                 q1 - q0, q1, q1, q0, lse.shape[2])
+                else:
+                    pj[..., q0:] += _causal_bias(t, pj.dtype)[q0:q1, q0:q1]
+                    pj -= lj
+                    xp.exp(pj, out=pj)
+                pd = pj if mask is None else pj * (mask[:, :, q0:q1, :q1] * keep_scale)  # P as applied
                 if q1 == t:
-                    xp.matmul(ed.swapaxes(-1, -2), gor, out=dv)         # dV = P^T dO
+                    xp.matmul(pd.swapaxes(-1, -2), go[:, :, q0:q1], out=dv)         # dV = P^T dO
                 else:
-                    dv[:, :, :q1] += xp.matmul(ed.swapaxes(-1, -2), gor)
-                ds = xp.matmul(gor, v[:, :, :q1].swapaxes(-1, -2))      # r dP = r dO V^T
+                    dv[:, :, :q1] += xp.matmul(pd.swapaxes(-1, -2), go[:, :, q0:q1])
+                ds = xp.matmul(go[:, :, q0:q1], v[:, :, :q1].swapaxes(-1, -2))      # dP = dO V^T
                 if mask is not None:
-                    ds *= mask[:, :, q0:q1, :q1]
-                rowdot_r = rowdot[:, :, q0:q1, None] * r
-                if kernels.usable(ds, p, rowdot_r):                 # dS = E (r dP - rowdot r), one pass
+                    ds *= mask[:, :, q0:q1, :q1] * keep_scale
+                rd = xp.ascontiguousarray(rowdot[:, :, q0:q1])
+                if kernels.usable(ds, pj, rd):                      # dS = P (dP - rowdot), one pass
                     # (checked here: the incoming gradient's dtype decides ds's)
-                    kernels.call("softmax_grad", ds.dtype, ds, ej, rowdot_r, ds.shape[0] * h, t * t, q1 - q0,
-                                 q1, t)
+                    kernels.call("softmax_grad", ds.dtype, ds, pj, rd, ds.shape[0] * h, ds.shape[2] * ds.shape[3],
+                                 q1 - q0, q1, q1)
                 else:
-                    ds -= rowdot_r
-                    ds *= ej                                        # dS (masked entries: E = 0)
+                    ds -= rd
+                    ds *= pj                                        # dS (masked entries: P = 0)
                 xp.matmul(ds, k[:, :, :q1], out=dq[:, :, q0:q1])
                 if q1 == t:
                     xp.matmul(ds.swapaxes(-1, -2), q[:, :, q0:q1], out=dk)
@@ -232,7 +254,7 @@ class CausalSelfAttention(Function):
             for i, (grad, factor) in enumerate(((dq, scale), (dk, scale), (dv, None))):
                 _merge_heads(grad, dqkv[..., i * c:(i + 1) * c], factor)
 
-        for_blocks(block, self.p, self.rinv, self.qkv, g, self.out, self.mask, dqkv, blas=True)
+        for_blocks(block, self.lse, self.qkv, g, self.out, self.mask, dqkv, blas=True, block=_rows_block(t))
         return (dqkv,)
 
 

@@ -60,16 +60,17 @@ def activation_bytes(*, n_layer, n_embd, n_head, hidden, vocab_size, batch, seq_
     ln_1, ln_2: normalised input and 1/std per row   2 (bsh + bs) / p
     c_attn, c_fc inputs (the LayerNorm outputs)      2 bsh / p
     qkv (c_attn output, kept by attention)           3 bsh / t
-    attention probabilities and their 1/rowsum       (a b s^2 + a b s) / t
+    attention: log-sum-exp per query                 a b s / t
     attention output = c_proj input                  bsh / t
     GELU derivative, GELU output = c_proj input      2 b s f / t
     ===============================================  ===================
 
-    ``layer = itemsize * [(4 bsh + 2 bs) / p + (4 bsh + 2 bsf + a b s^2 + a b s) / t]``: without sequence
+    ``layer = itemsize * [(4 bsh + 2 bs) / p + (4 bsh + 2 bsf + a b s) / t]``: without sequence
     parallelism the LayerNorm region (4bsh + 2bs) is replicated on every tp rank, with it (and
     the column-parallel input re-gathered in backward) everything is divided by t. (For f = 4h
     this is Korthikanti et al.'s ``sbh (10 + 24/t + 5as/(ht))`` with fp32 instead of 16-bit
-    activations and no dropout masks.)
+    activations, no dropout masks, and without the ``5as/(ht)`` term of the score-sized arrays:
+    the attention computes its scores again in backward, as FlashAttention does.)
 
     Outside the layers: ln_f (bsh + bs) / p, the head input bsh / p, the loss softmax b s V' / t
     (at t = 1 with its 1/rowsum per row, bs);
@@ -80,7 +81,7 @@ def activation_bytes(*, n_layer, n_embd, n_head, hidden, vocab_size, batch, seq_
     b, s, h, a, f, t = batch, seq_len, n_embd, n_head, hidden, tp
     v = pad_vocab(vocab_size, t)
     p = t if sequence_parallel else 1
-    layer = (4 * b * s * h + 2 * b * s) / p + (4 * b * s * h + 2 * b * s * f + a * b * s * (s + 1)) / t
+    layer = (4 * b * s * h + 2 * b * s) / p + (4 * b * s * h + 2 * b * s * f + a * b * s) / t
     outside = (2 * b * s * h + b * s) / p + b * s * v / t + (b * s if t == 1 else 0)  # t = 1: the loss's 1/rowsum
     index = 8 * (b * s + b * s / t + s / p) + (3 * b * s if t > 1 else b * s)
     return int(round(itemsize * (n_layer * layer + outside) + index))
