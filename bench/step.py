@@ -15,6 +15,13 @@ off (the NumPy forms, :func:`mpirt.kernels.numpy_forms`). The contenders alterna
 ``--ops`` runs mpirt's step alone instead and gives where it goes: per Function class its calls
 per step and its forward and backward milliseconds (the fastest of the repeats: the least
 disturbed), the optimizer step, zero_grad, and the rest (the autograd engine, Python).
+
+``--bound`` measures what the step must do besides its linear products, each part alone with its
+arrays in cache and against the floor in the same run (alternated; the fastest of the repeats):
+the attention's products at the floor's own FLOP rate (a bound for any attention on this GEMM
+library; mpirt's C attention alone beside it), GELU forward and backward, and the AdamW update (a
+memory-bound pass, 28 bytes per parameter). When these alone exceed 0.15x the floor, no step on
+this machine can be within 1.15x of its GEMM floor, however the rest is fused.
 """
 from __future__ import annotations
 
@@ -75,6 +82,67 @@ def torch_step(cfg, batch, seq_len, x, y):
         opt.zero_grad(set_to_none=False)
         return loss.item()
     return step
+
+
+def attention_flops(cfg, batch: int, seq_len: int) -> float:
+    """FLOPs of the attention's six products in one step (scores, probabilities times V; and
+    their four gradients), causal: query i against keys 0..i; no recomputation counted."""
+    return cfg.n_layer * 6 * 2 * batch * cfg.n_embd * seq_len * (seq_len + 1) / 2
+
+
+INNER = 3  # --bound: calls of a part back to back per round; per-call time = round / INNER
+
+
+def bound_rows(cfg, batch, seq_len, repeats: int, pause: float) -> tuple[list, dict]:
+    """One table row of ``--bound`` (see the module docstring) and its figures in seconds."""
+    from mpirt.modeling import build_model
+    from mpirt.ops.attention import CausalSelfAttention
+    from mpirt.ops.nn import Gelu
+    from mpirt.optim import AdamW
+
+    rng = np.random.default_rng(0)
+    c, heads, tokens = cfg.n_embd, cfg.n_head, batch * seq_len
+    products = step_products(cfg, batch, seq_len)
+    qkv = rng.standard_normal((batch, seq_len, 3 * c), dtype=np.float32)
+    g_att = rng.standard_normal((batch, seq_len, c), dtype=np.float32)
+    hidden = rng.standard_normal((tokens, cfg.hidden), dtype=np.float32)
+    g_hidden = rng.standard_normal((tokens, cfg.hidden), dtype=np.float32)
+    params = build_model(cfg, seed=0).parameters()
+    for p in params:
+        p.grad = rng.standard_normal(p.data.shape, dtype=np.float32)
+    opt = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def layers(op, x, g):                                  # the Function's passes, no autograd engine
+        def run():
+            for _ in range(cfg.n_layer):
+                f = op()
+                f.needs_input_grad = (True,)                   # as Function.apply sets it
+                f.forward(x, **kwargs[op])
+                f.backward(g)
+        return run
+    kwargs = {CausalSelfAttention: {"n_head": heads}, Gelu: {}}
+
+    def warm(fn):                                          # INNER calls back to back: caches and
+        def run():                                         # allocator as in a step
+            for _ in range(INNER):
+                fn()
+        return run
+    contenders = {"floor": lambda: step_gemms(products), "attention": layers(CausalSelfAttention, qkv, g_att),
+                  "gelu": layers(Gelu, hidden, g_hidden), "adamw": opt.step}
+    times = BC.alternate({k: warm(fn) for k, fn in contenders.items()}, repeats, before=lambda: time.sleep(pause))
+    times = {k: [t / INNER for t in v] for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
+    linear_flops = sum(layer["count"] * sum(2 * a.shape[0] * a.shape[1] * b.shape[1]
+                                            for a, b in layer["products"].values()) for layer in products)
+    best["attention_at_floor_rate"] = attention_flops(cfg, batch, seq_len) * best["floor"] / linear_flops
+    needed = best["attention_at_floor_rate"] + best["gelu"] + best["adamw"]
+    n_params = sum(p.data.size for p in params)
+    ms = lambda v: f"{1e3 * v:.2f}"  # noqa: E731
+    row = [ms(best["floor"]), ms(0.15 * best["floor"]), ms(best["attention_at_floor_rate"]), ms(best["attention"]),
+           ms(best["gelu"]), f"{ms(best['adamw'])} ({28 * n_params / best['adamw'] / 1e9:.0f} GB/s)", ms(needed),
+           f"{1 + needed / best['floor']:.2f}"]
+    return row, {"seconds": times, "best": best, "linear_flops": linear_flops,
+                 "attention_flops": attention_flops(cfg, batch, seq_len), "params": n_params}
 
 
 def op_profile(cfg, batch, seq_len, x, y, repeats: int, pause: float) -> list[list]:
@@ -165,6 +233,8 @@ def main() -> None:
     parser.add_argument("--name", default="step", help="results file name under bench/results")
     parser.add_argument("--ops", action="store_true",
                         help="profile mpirt's step per op instead of racing (results NAME_ops)")
+    parser.add_argument("--bound", action="store_true",
+                        help="the step's non-GEMM work that no fusion removes, against the floor (results NAME_bound)")
     args = parser.parse_args()
     import mpirt.threads
     from mpirt import blas
@@ -188,6 +258,22 @@ def main() -> None:
                          "forward ms", "backward ms", "ms"], rows, load, {"threads": threads, "gemm": gemm_library},
                          [f"float32, {threads} threads; each figure the fastest of {args.repeats} steps "
                           "(the parts' minima need not add up to the step's).",
+                          f"mpirt GEMM: {gemm_library}; kernels: {kernels_note}"])
+        return
+    if args.bound:
+        load, rows, data = BC.LoadMonitor().start(), [], {"threads": threads, "gemm": gemm_library, "cases": {}}
+        for name in args.cases.split(","):
+            row, data["cases"][name] = bound_rows(*case_config(name), args.repeats, args.pause)
+            rows.append([name, *row])
+        load.stop()
+        BC.write_results(f"{args.name}_bound", "What a step must do besides its linear products, against its GEMM floor",
+                         ["case", "floor ms", "0.15 x floor ms", "attention products at the floor's rate ms",
+                          "mpirt attention ms", "GELU ms", "AdamW ms", "attention at rate + GELU + AdamW ms",
+                          "step >= x floor"], rows, load, data,
+                         [f"float32, {threads} threads; each part alone, its arrays in cache ({INNER} calls back "
+                          f"to back, per call), alternated with the floor; the fastest of {args.repeats} rounds; "
+                          "attention and GELU: their Functions' passes without the autograd engine. The last column is 1 + (attention at "
+                          "the floor's rate + GELU + AdamW) / floor: what even a step with nothing else would be.",
                           f"mpirt GEMM: {gemm_library}; kernels: {kernels_note}"])
         return
     load = BC.LoadMonitor().start()
