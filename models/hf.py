@@ -32,6 +32,7 @@ from safetensors.numpy import save_file
 from mpirt.models.config import GPTConfig
 from mpirt.models.gpt import param_shapes
 from mpirt.models.presets import _read_hf
+from mpirt.checkpoint import BoxReader
 from mpirt.config import ConfigError
 from mpirt.tensorfile import SafetensorsFile, TensorFileError
 
@@ -91,7 +92,7 @@ def _open(path: Path) -> SafetensorsFile:
         raise ValueError(str(err)) from None
 
 
-class HFReader:
+class HFReader(BoxReader):
     """A Hugging Face GPT-2 directory as a reader of boxes, by mpirt parameter names: the interface
     of :class:`mpirt.checkpoint.CheckpointReader` that :func:`mpirt.parallel.state.load_shards`
     uses (``meta``, ``entry``, ``read``), so ``engine.load_sharded(HFReader(d), with_optimizer=False)``
@@ -108,6 +109,7 @@ class HFReader:
     """
 
     KINDS = ("params",)
+    MISSING_HINT = " (a Hugging Face directory holds weights only)"
 
     def __init__(self, directory, dtype=None):
         self.path = Path(directory)
@@ -143,17 +145,6 @@ class HFReader:
                      "optimizer_state": {}, "extra": {},
                      "params": {name: {"shape": list(shape), "dtype": str(where[name][0].dtype(where[name][1]))}
                                 for name, shape in expected.items()}}
-
-    def entry(self, kind: str, name: str, shape=None) -> dict:
-        """The description of parameter ``name`` (``kind`` must be params), checked against the
-        global ``shape`` the caller expects when given."""
-        e = self.meta.get(kind, {}).get(name) if kind in self.KINDS else None
-        if e is None:
-            raise KeyError(f"{self.path}: no tensor {name} under {kind} (a Hugging Face directory holds weights only)")
-        if shape is not None and tuple(e["shape"]) != tuple(shape):
-            raise ValueError(f"{self.path}: {name} has shape {tuple(e['shape'])} in the checkpoint, "
-                             f"{tuple(shape)} in the model")
-        return e
 
     def read(self, kind: str, name: str, start=None, shape=None, out=None) -> np.ndarray:
         """The box of ``name`` at ``start`` of ``shape`` (default: the whole tensor) written into

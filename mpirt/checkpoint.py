@@ -366,7 +366,28 @@ def _check_shapes(what: str, entries: dict, expected: dict) -> None:
                                   f"{tuple(shape)} in the model")
 
 
-class CheckpointReader:
+class BoxReader:
+    """What :func:`mpirt.parallel.state.load_shards` reads from: ``path``, ``meta`` (per kind in
+    :attr:`KINDS` a dict name -> ``{"shape", "dtype"}``), :meth:`entry`, and
+    ``read(kind, name, start, shape, out=)`` from the subclass."""
+
+    KINDS = ("params", "optimizer_state")
+    MISSING_HINT = ""   # appended to the "no tensor" error (e.g. what the source cannot hold)
+
+    def entry(self, kind: str, name: str, shape=None) -> dict:
+        """The description of tensor ``name`` (``kind``: one of :attr:`KINDS`), checked against
+        ``shape`` (the global shape the caller expects) when given; :class:`CheckpointError`
+        naming the source and the tensor otherwise."""
+        e = self.meta.get(kind, {}).get(name) if kind in self.KINDS else None
+        if e is None:
+            raise CheckpointError(f"{self.path}: no tensor {name} under {kind}{self.MISSING_HINT}")
+        if shape is not None and tuple(e["shape"]) != tuple(shape):
+            raise CheckpointError(f"{self.path}: {name} has shape {tuple(e['shape'])} in the checkpoint, "
+                                  f"{tuple(shape)} in the model")
+        return e
+
+
+class CheckpointReader(BoxReader):
     """Reads any box of any tensor of a checkpoint (format 1-3), from the parts of the shards that
     overlap it only (safetensors slices: the rest of a file is never read).
 
@@ -376,24 +397,11 @@ class CheckpointReader:
     Errors (:class:`CheckpointError`) name the file and the tensor.
     """
 
-    KINDS = ("params", "optimizer_state")
-
     def __init__(self, directory, verify: bool = True):
         self.meta = read_checkpoint_meta(directory)
         self.path = Path(self.meta["path"])
         self.verify = verify
         self._handles: dict = {}
-
-    def entry(self, kind: str, name: str, shape=None) -> dict:
-        """The meta.json entry of tensor ``name`` (``kind``: params or optimizer_state), checked
-        against ``shape`` (the global shape the caller expects) when given."""
-        e = self.meta[kind].get(name)
-        if e is None:
-            raise CheckpointError(f"{self.path / META}: no tensor {name} under {kind}")
-        if shape is not None and tuple(e["shape"]) != tuple(shape):
-            raise CheckpointError(f"{self.path}: {name} has shape {tuple(e['shape'])} in the checkpoint, "
-                                  f"{tuple(shape)} in the model")
-        return e
 
     def _open(self, fname: str):
         handle = self._handles.get(fname)

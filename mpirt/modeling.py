@@ -45,6 +45,7 @@ from pathlib import Path
 
 import mpirt.backend as B
 from mpirt import ops
+from mpirt.checkpoint import BoxReader
 from mpirt.nn import Dropout, Module
 from mpirt.tensor import Tensor
 
@@ -262,22 +263,16 @@ def open_hf(directory, dtype="float32"):
     return cfg, FullWeightsReader(weights, str(directory))
 
 
-class FullWeightsReader:
+class FullWeightsReader(BoxReader):
     """Full weights in memory (name -> array) behind the box-reader interface of
     :class:`mpirt.checkpoint.CheckpointReader` (weights only)."""
+
+    KINDS = ("params",)
 
     def __init__(self, weights: dict, path: str = "<memory>"):
         self.weights, self.path = weights, path
         self.meta = {"path": path, "step": 0, "optimizer": None, "optimizer_state": {}, "extra": {},
                      "params": {n: {"shape": list(a.shape), "dtype": str(a.dtype)} for n, a in weights.items()}}
-
-    def entry(self, kind: str, name: str, shape=None) -> dict:
-        e = self.meta.get(kind, {}).get(name) if kind == "params" else None
-        if e is None:
-            raise KeyError(f"{self.path}: no tensor {name} under {kind}")
-        if shape is not None and tuple(e["shape"]) != tuple(shape):
-            raise ValueError(f"{self.path}: {name} has shape {tuple(e['shape'])}, {tuple(shape)} in the model")
-        return e
 
     def read(self, kind: str, name: str, start=None, shape=None, out=None):
         self.entry(kind, name)
