@@ -165,7 +165,7 @@ def test_c_attention_bits_do_not_depend_on_the_split():
 
 def test_a_float64_gradient_into_a_float32_attention(numpy_forms):
     """The incoming gradient's dtype decides the backward's score-gradient dtype: the C kernel must
-    not read a float32 probability array as float64 (it once did: NaN and reads past the end)."""
+    not read a float32 probability chunk as float64 (it once did: NaN and reads past the end)."""
     qkv = rng_arrays(np.float32, (2, 64, 3 * 16))[0]
     g = rng_arrays(np.float64, (2, 64, 16), seed=4)[0]
     grads = []

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import mpirt
-from mpirt import ops
+from mpirt import kernels, ops
 from mpirt.ops.attention import rotary_tables
 from mpirt.ops.nn import scatter_add_rows
 from mpirt.tensor import Tensor, no_grad
@@ -230,6 +230,24 @@ def test_attention_saves_no_score_sized_float_array(dropout_p):
         assert [a.dtype.kind for a in saved] == ([] if dropout_p == 0 else ["b"])
         assert out._ctx.lse.shape == (2, 2, 6, 1) and out._ctx.lse.dtype == dtype
         assert (out._ctx.mask is None) == (dropout_p == 0)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_float32_attention_multiplies_in_float32(dropout_p, monkeypatch):
+    """Every product of a float32 attention, forward and backward (the NumPy form, dropout
+    included), takes float32 operands: a bool mask times a Python float would be float64."""
+    dtypes = set()
+    matmul = np.matmul
+
+    def recording(a, b, *args, **kwargs):
+        dtypes.update({a.dtype, b.dtype})
+        return matmul(a, b, *args, **kwargs)
+    monkeypatch.setattr(np, "matmul", recording)
+    qkv = Tensor(normal(2, 70, 24).astype(np.float32), requires_grad=True)
+    with kernels.numpy_forms():
+        out = ops.causal_self_attention(qkv, 2, dropout_p=dropout_p, seed=0)
+        out.backward(np.ones(out.shape, dtype=np.float32))
+    assert dtypes == {np.dtype(np.float32)} and qkv.grad.dtype == np.float32
 
 
 def test_attention_is_causal():

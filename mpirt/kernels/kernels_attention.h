@@ -1,5 +1,6 @@
 /* Causal self-attention in float32, forward and backward, one (batch, head) pair after another:
- * the six products, the softmax and its gradient in one call, on register-blocked small GEMMs.
+ * the products (six, and the scores once more in the backward), the softmax and its gradient in
+ * one call, on register-blocked small GEMMs.
  *
  * Why: NumPy's batched matmul hands the BLAS one (64 x 32) @ (32 x 128)-sized product per pair
  * and query chunk, which runs at a fifth of the linear layers' GEMM rate; here a pair's scores

@@ -122,7 +122,7 @@ def _scaled_queries(q, scale):
 def _rows_block(t):
     """The NumPy form's block size in elements of its first array, the (B, H, T, 1) lse: a block
     holds about ``BLOCK`` elements of scores, so it splits batch rows by the (H, T, T) work."""
-    return max(1, BLOCK // t)
+    return max(1, BLOCK // max(t, 1))
 
 
 def _whole_in_c(*arrays) -> bool:
@@ -230,14 +230,17 @@ class CausalSelfAttention(Function):
                     pj[..., q0:] += _causal_bias(t, pj.dtype)[q0:q1, q0:q1]
                     pj -= lj
                     xp.exp(pj, out=pj)
-                pd = pj if mask is None else pj * (mask[:, :, q0:q1, :q1] * keep_scale)  # P as applied
+                # dropout: P as applied is P * mask * keep_scale; the scale goes on the small dO side
+                # and the bool mask multiplies without promoting float32
+                gj = go[:, :, q0:q1] if mask is None else go[:, :, q0:q1] * keep_scale
+                pd = pj if mask is None else pj * mask[:, :, q0:q1, :q1]
                 if q1 == t:
-                    xp.matmul(pd.swapaxes(-1, -2), go[:, :, q0:q1], out=dv)         # dV = P^T dO
+                    xp.matmul(pd.swapaxes(-1, -2), gj, out=dv)                      # dV = P^T dO
                 else:
-                    dv[:, :, :q1] += xp.matmul(pd.swapaxes(-1, -2), go[:, :, q0:q1])
-                ds = xp.matmul(go[:, :, q0:q1], v[:, :, :q1].swapaxes(-1, -2))      # dP = dO V^T
+                    dv[:, :, :q1] += xp.matmul(pd.swapaxes(-1, -2), gj)
+                ds = xp.matmul(gj, v[:, :, :q1].swapaxes(-1, -2))                   # dP = dO V^T
                 if mask is not None:
-                    ds *= mask[:, :, q0:q1, :q1] * keep_scale
+                    ds *= mask[:, :, q0:q1, :q1]
                 rd = xp.ascontiguousarray(rowdot[:, :, q0:q1])
                 if kernels.usable(ds, pj, rd):                      # dS = P (dP - rowdot), one pass
                     # (checked here: the incoming gradient's dtype decides ds's)

@@ -88,10 +88,10 @@ def layer_work(model_cfg, costs: list, *, rows: int, seq_len: int, tp: int, sp: 
     for one micro-batch of ``rows`` sequences on one tp rank (``W`` empty unless ``split``).
 
     GEMM FLOPs: a third of the layer's training FLOPs (``layer_costs``) forward, two thirds
-    backward (input and weight gradients: a third each when split), over tp, and in B the
-    attention's scores again (``2 s h`` FLOPs per token: the attention keeps no score-sized
-    array); a recomputed block runs its forward again in B (selective: only the attention core,
-    ``4 s h`` FLOPs per token).
+    backward (input and weight gradients: a third each when split), over tp; a recomputed block
+    runs its forward again in B (selective: only the attention core, ``4 s h`` FLOPs per token).
+    (The attention's backward computes its scores again: that time is in the calibrated block
+    time, which ``ew_passes`` absorbs beside the GEMMs.)
     Elementwise bytes: ``ew_passes`` (the cluster's) times the kept bytes, a third forward and two
     thirds backward, charged by the caller; here the kept bytes. tp collectives per block: two
     allreduces of ``b s h`` forward and two backward (sequence parallel: allgather + reduce-scatter
@@ -126,7 +126,7 @@ def layer_work(model_cfg, costs: list, *, rows: int, seq_len: int, tp: int, sp: 
             w = Work()
         else:
             f = Work(fwd / tp, dim, acts["block"], n_ops, pair * 2)
-            b = Work((2 * fwd + 2.0 * c * seq_len * tokens) / tp, dim, acts["block"], n_ops, pair * 2)
+            b = Work(2 * fwd / tp, dim, acts["block"], n_ops, pair * 2)
             w = Work()
             idx = i - 1
             if idx in recomputed and recompute == "full":
