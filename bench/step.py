@@ -112,22 +112,21 @@ def bound_rows(cfg, batch, seq_len, repeats: int, pause: float) -> tuple[list, d
         p.grad = rng.standard_normal(p.data.shape, dtype=np.float32)
     opt = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
-    def layers(op, x, g):                                  # the Function's passes, no autograd engine
+    def layers(op, x, g, **kwargs):                        # the Function's passes, no autograd engine
         def run():
             for _ in range(cfg.n_layer):
                 f = op()
                 f.needs_input_grad = (True,)                   # as Function.apply sets it
-                f.forward(x, **kwargs[op])
+                f.forward(x, **kwargs)
                 f.backward(g)
         return run
-    kwargs = {CausalSelfAttention: {"n_head": heads}, Gelu: {}}
 
     def warm(fn):                                          # INNER calls back to back: caches and
         def run():                                         # allocator as in a step
             for _ in range(INNER):
                 fn()
         return run
-    contenders = {"floor": lambda: step_gemms(products), "attention": layers(CausalSelfAttention, qkv, g_att),
+    contenders = {"floor": lambda: step_gemms(products), "attention": layers(CausalSelfAttention, qkv, g_att, n_head=heads),
                   "gelu": layers(Gelu, hidden, g_hidden), "adamw": opt.step}
     times = BC.alternate({k: warm(fn) for k, fn in contenders.items()}, repeats, before=lambda: time.sleep(pause))
     times = {k: [t / INNER for t in v] for k, v in times.items()}

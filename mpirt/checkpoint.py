@@ -361,9 +361,14 @@ def _check_shapes(what: str, entries: dict, expected: dict) -> None:
     if missing or unexpected:
         raise CheckpointError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
     for name, shape in expected.items():
-        if tuple(entries[name]["shape"]) != tuple(shape):
-            raise CheckpointError(f"{what}: {name} has shape {tuple(entries[name]['shape'])} in the checkpoint, "
-                                  f"{tuple(shape)} in the model")
+        _check_shape(what, name, entries[name], shape)
+
+
+def _check_shape(what: str, name: str, entry: dict, shape) -> None:
+    """CheckpointError naming ``name`` and both shapes when ``entry``'s stored shape is not ``shape``."""
+    if tuple(entry["shape"]) != tuple(shape):
+        raise CheckpointError(f"{what}: {name} has shape {tuple(entry['shape'])} in the checkpoint, "
+                              f"{tuple(shape)} in the model")
 
 
 class BoxReader:
@@ -381,9 +386,8 @@ class BoxReader:
         e = self.meta.get(kind, {}).get(name) if kind in self.KINDS else None
         if e is None:
             raise CheckpointError(f"{self.path}: no tensor {name} under {kind}{self.MISSING_HINT}")
-        if shape is not None and tuple(e["shape"]) != tuple(shape):
-            raise CheckpointError(f"{self.path}: {name} has shape {tuple(e['shape'])} in the checkpoint, "
-                                  f"{tuple(shape)} in the model")
+        if shape is not None:
+            _check_shape(str(self.path), name, e, shape)
         return e
 
 
