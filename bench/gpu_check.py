@@ -10,7 +10,8 @@ joins them into ``bench/results/gpu-<date>.md`` (and ``.json``) through bench/co
 Parts: ``env`` (versions, the GPU, NCCL, torch, mpi4py and an MPI library), ``ops`` and ``optim``
 and ``gpt`` (:mod:`gpu_check_correct`: every exported op forward and backward, AdamW, a full GPT
 step on CuPy float64/float32/bfloat16 against NumPy float64), ``matmul``, ``allreduce``,
-``train-350m-mpirt``, ``train-350m-torch``, ``train-1.3b-mpirt``, ``train-1.3b-torch``
+``train-350m-mpirt``, ``train-350m-torch``, ``train-1.3b-mpirt``, ``train-1.3b-torch``, ``attention``
+(the CUDA flash attention against torch's SDPA) and ``profile`` (the 1.3B step's time per op)
 (:mod:`gpu_check_perf`), and ``nvml``, the NVML sampler (:mod:`mpirt.gpumon`) that runs beside the
 others until ``WORK/nvml.stop`` appears; the report gives its means over each part's timed window.
 
@@ -37,9 +38,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 H200_BF16_PEAK = 989e12   # dense bf16 FLOP/s of an H200 SXM (data sheet; mpirt.flops.GPU_PEAKS)
-SECTIONS = ("env", "ops", "optim", "gpt-step", "matmul", "allreduce", "train", "nvml", "parts")
+SECTIONS = ("env", "ops", "optim", "gpt-step", "matmul", "attention", "allreduce", "train", "profile", "nvml",
+            "parts")
 SECTION_OF = {"env": "env", "ops": "ops", "optim": "optim", "gpt": "gpt-step", "matmul": "matmul",
-              "allreduce": "allreduce", "nvml": "nvml"}
+              "allreduce": "allreduce", "attention": "attention",
+              "profile": "profile", "nvml": "nvml"}
 TRAIN_PARTS = tuple(f"train-{m}-{f}" for m in ("350m", "1.3b") for f in ("mpirt", "torch"))
 
 
@@ -109,7 +112,9 @@ def gib(n: float) -> str:
 
 
 def short_error(err: BaseException) -> str:
+    """The exception's first line, unprintable characters escaped (a table row stays text)."""
     line = (str(err).strip().splitlines() or [""])[0]
+    line = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in line)
     return f"{type(err).__name__}: {line}"[:160]
 
 
@@ -121,7 +126,8 @@ def save(work: Path, part: str, rows: list, data: dict, t0: float, **extra) -> N
 # --- env ----------------------------------------------------------------------------------------------
 def _mpi_probe() -> tuple[bool, str]:
     """Whether ``from mpi4py import MPI`` loads an MPI library (in a child: a failed load can abort)."""
-    code = "from mpi4py import MPI; print(MPI.Get_library_version().strip().splitlines()[0])"
+    # (Open MPI's version string ends in a NUL)
+    code = "from mpi4py import MPI; print(MPI.Get_library_version().replace(chr(0), '').strip().splitlines()[0])"
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
@@ -361,7 +367,8 @@ def main() -> None:
     import gpu_check_perf as perf
     parts = {"env": part_env, "nvml": part_nvml, "report": part_report, "ops": correct.part_ops,
              "optim": correct.part_optim, "gpt": correct.part_gpt, "matmul": perf.part_matmul,
-             "allreduce": perf.part_allreduce, "allreduce-ranks": perf.part_allreduce_ranks,
+             "allreduce": perf.part_allreduce, "allreduce-ranks": perf.part_allreduce_ranks, "profile": perf.part_profile,
+             "attention": perf.part_attention,
              **{p: perf.part_train for p in TRAIN_PARTS}}
     if args.part not in parts:
         parser.error(f"unknown part {args.part!r}; expected one of {', '.join(parts)}")

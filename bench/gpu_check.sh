@@ -10,12 +10,17 @@
 #   optim      AdamW (float64/32, bf16 and fp16 with float32 masters) and the global norm vs float64
 #   gpt        a full GPT step (forward, backward, clip, AdamW) on CuPy vs NumPy float64
 #   matmul     bf16 and fp16 8192^3 and 8192x2048x8192 products: mpirt vs torch.matmul, TFLOP/s
+#   attention  the CUDA flash attention (mpirt/kernels/cuda_kernels.cu) forward + backward at the
+#              training shapes and at odd lengths, against torch's scaled_dot_product_attention and
+#              mpirt's float32 xp form: errors, then times
 #   allreduce  mpirt.comm at 1 rank through each engine (nccl, staged, cuda-aware if the MPI has
 #              it), and 2 ranks on the one GPU under mpiexec, host-staged
 #   train-350m-{mpirt,torch}, train-1.3b-{mpirt,torch}
 #              bf16 GPT training (GPT-2 medium 355M; 24 x 2048 = 1.3B), 8 x 1024 tokens a step,
 #              tokens/s and MFU against the 989 TFLOP/s bf16 dense peak, beside a PyTorch eager GPT
 #              of the same shape (autocast bf16, F.scaled_dot_product_attention, fused AdamW)
+#   profile    where the 1.3B mpirt step's time goes: each Function's passes, AdamW, the clip and
+#              the GEMM calls, each between two drained queues
 #   nvml       mpirt.gpumon samples the GPU all along (background); the report gives its means
 #              over each part's timed window
 # The table goes to bench/results/gpu-<date>.md (+ .json); with $OUT set (the device tool), the
@@ -76,7 +81,7 @@ if [ -z "${GPU_CHECK_INNER:-}" ]; then   # the hard overall limit, whatever hang
 fi
 
 PY=${PYTHON:-python3}
-ALL="env ops optim gpt matmul allreduce train-350m-mpirt train-350m-torch train-1.3b-mpirt train-1.3b-torch"
+ALL="env ops optim gpt matmul attention allreduce train-350m-mpirt train-350m-torch train-1.3b-mpirt train-1.3b-torch profile"
 PARTS=${GPU_CHECK_PARTS:-$ALL}
 WORK=${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
 mkdir -p "$WORK"
@@ -91,8 +96,8 @@ fi
 export PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$WORK/cupy-cache}
 REPORT_RESERVE=25
-declare -A BUDGET=([env]=40 [ops]=90 [optim]=30 [gpt]=45 [matmul]=45 [allreduce]=75
-                   [train-350m-mpirt]=75 [train-350m-torch]=45 [train-1.3b-mpirt]=120 [train-1.3b-torch]=60)
+declare -A BUDGET=([env]=40 [ops]=90 [optim]=30 [gpt]=45 [matmul]=45 [attention]=60 [allreduce]=75
+                   [train-350m-mpirt]=75 [train-350m-torch]=45 [train-1.3b-mpirt]=120 [train-1.3b-torch]=60 [profile]=90)
 echo "gpu_check: parts [$PARTS], limit ${LIMIT}s, work $WORK, table $OUTDIR/$NAME.md${CPU:+ (dry run)}"
 
 # --- MPI: use the machine's if mpi4py loads one, else the carried MPICH wheel, installed offline ---
@@ -157,7 +162,7 @@ timeout -k 5 "$REPORT_RESERVE" "$PY" bench/gpu_check.py report --work "$WORK" --
 report_rc=$?
 # the end of the output is what the device tool's reply shows: the key rows, the failures, the verdict
 if [ -f "$OUTDIR/$NAME.md" ]; then
-    grep -E '^\| (matmul|train|allreduce) \||\| FAIL \|$' "$OUTDIR/$NAME.md" | grep -v '^| parts |' | head -n 40
+    grep -E '^\| (matmul|attention|train|allreduce|profile) \||\| FAIL \|$' "$OUTDIR/$NAME.md" | grep -v '^| parts |' | head -n 70
     tail -n 9 "$WORK/report.log"
 else
     cat "$WORK/report.log"

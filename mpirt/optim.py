@@ -20,6 +20,7 @@ import math
 
 import mpirt.backend as B
 from mpirt import kernels
+from mpirt.kernels import cuda
 from mpirt.precision import compute_dtype, is_half, upcast
 from mpirt.threads import c_blocks, fill_zero, for_blocks, one_run
 
@@ -169,6 +170,8 @@ class Optimizer:
             if p.grad is None:
                 continue
             master = self.master[i]
+            if self._fused_update(i, p, master, state, scale):
+                continue
             if master is None:
                 if scale != 1.0:
                     p.grad *= scale
@@ -182,6 +185,11 @@ class Optimizer:
     def _update(self, i: int, param, grad, state, scratch) -> None:
         """Update the array ``param`` in place from ``grad`` (``scratch``: a buffer shaped like it)."""
         raise NotImplementedError
+
+    def _fused_update(self, i: int, p, master, state, scale: float) -> bool:
+        """Update parameter ``p`` (its master, its state, its data) in one kernel from ``p.grad``
+        times ``scale`` where a subclass has one for these arrays; False: not done here."""
+        return False
 
     @contextlib.contextmanager
     def full_parameters(self):
@@ -299,6 +307,20 @@ class AdamW(Optimizer):
         decay = decay or (lambda p: p.ndim >= 2)
         self.decayed = [bool(decay(p)) for p in self.params]
 
+    def _fused_update(self, i, p, master, state, scale) -> bool:
+        """The CUDA kernel: the gradient read once (scaled on the fly), the float32 master (or the
+        float32 parameter), both moments and the rounded parameter written in one pass."""
+        weights = p.data if master is None else master
+        if not (cuda.takes(p.data, p.grad) and cuda.takes(weights, state["exp_avg"], state["exp_avg_sq"])
+                and str(weights.dtype) == "float32" and p.grad.shape == p.data.shape == weights.shape):
+            return False
+        step = self.step_count
+        c1, c2 = 1.0 - self.beta1 ** step, math.sqrt(1.0 - self.beta2 ** step)
+        decay = 1.0 - self.lr * (self.weight_decay if self.decayed[i] else 0.0)
+        cuda.adamw(p.data, weights, p.grad, state["exp_avg"], state["exp_avg_sq"], grad_scale=scale, decay=decay,
+                   beta1=self.beta1, beta2=self.beta2, eps_c2=self.eps * c2, step_size=self.lr * c2 / c1)
+        return True
+
     def _update(self, i, param, grad, state, scratch) -> None:
         adamw_update(param, grad, state["exp_avg"], state["exp_avg_sq"], step=self.step_count, lr=self.lr,
                      beta1=self.beta1, beta2=self.beta2, eps=self.eps,
@@ -335,8 +357,11 @@ def global_grad_norm(params, allreduce_sq=None) -> float:
     pass only the shards this rank owns, and replicated parameters on one rank of their group.
     Half gradients are summed in float32.
     """
-    parts = [B.xp.vdot(g, g) for g in (upcast(p.grad).reshape(-1) for p in params if p.grad is not None)]
-    sq = sum(float(x) for x in parts)
+    grads = [p.grad for p in params if p.grad is not None]
+    if cuda.takes(*grads):                          # one device total, one read
+        sq = float(cuda.sum_squares(grads)[0])
+    else:
+        sq = sum(float(B.xp.vdot(g, g)) for g in (upcast(g).reshape(-1) for g in grads))
     if allreduce_sq is not None:
         sq = float(allreduce_sq(sq))
     return math.sqrt(sq)

@@ -46,12 +46,19 @@ def float32_compute(cls=None, *, keep_output: bool = False):
     and the backward passes run on float32 copies of the array arguments and their results are
     rounded once to the half dtype (``keep_output=True`` leaves the forward's result in float32:
     a loss). With no half input the op runs unchanged, so float32/float64 numbers are untouched.
-    Saved activations are then float32 (twice the bytes of a half-storing GPU kernel)."""
+    Saved activations are then float32 (twice the bytes of a half-storing GPU kernel).
+
+    A class whose fused kernel takes half arrays itself (the CUDA kernels, :mod:`mpirt.kernels.cuda`)
+    defines ``runs_half(self, *args, **kwargs) -> bool``: where it says True, forward and backward
+    get the half arrays untouched and keep half activations."""
     def wrap(cls):
         forward = cls.forward
+        runs_half = getattr(cls, "runs_half", None)
 
         def fwd(self, *args, **kwargs):
             self._half = next((a.dtype for a in args if is_half(getattr(a, "dtype", None))), None)
+            if self._half is not None and runs_half is not None and runs_half(self, *args, **kwargs):
+                self._half = None                       # the kernel's own half path, both passes
             if self._half is None:
                 return forward(self, *args, **kwargs)
             self._in_dtypes = [getattr(a, "dtype", None) for a in args]

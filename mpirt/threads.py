@@ -331,7 +331,8 @@ def matmul(a, b, bias=None, out=None, accumulate: bool = False):
             out += matmul(a, b)
             return out
     half = a.dtype if is_half(a.dtype) else b.dtype if is_half(b.dtype) else None
-    if half is not None and B.name == "numpy":
+    if half is not None and (B.name == "numpy" or b.ndim > 2):
+        # NumPy has no half GEMM, CuPy no batched bfloat16 one: float32 products, rounded once
         return matmul(upcast(a), upcast(b), upcast(bias)).astype(half)
     if B.name != "numpy" or num_threads() < 2 or not _split_gemms or a.ndim < 2 or b.ndim < 2 \
             or a.shape[-1] * b.shape[-1] * (a.size // a.shape[-1]) < MIN_SPLIT_MACS \

@@ -8,9 +8,10 @@ import pytest
 
 from conftest import ROOT
 
-SECTIONS = ("env", "ops", "optim", "gpt-step", "matmul", "allreduce", "train", "nvml", "parts")
-PARTS = ("env", "ops", "optim", "gpt", "matmul", "allreduce", "train-350m-mpirt", "train-350m-torch",
-         "train-1.3b-mpirt", "train-1.3b-torch")
+SECTIONS = ("env", "ops", "optim", "gpt-step", "matmul", "attention", "allreduce", "train", "profile", "nvml",
+            "parts")
+PARTS = ("env", "ops", "optim", "gpt", "matmul", "attention", "allreduce", "train-350m-mpirt", "train-350m-torch",
+         "train-1.3b-mpirt", "train-1.3b-torch", "profile")
 
 
 @pytest.mark.timeout(420)
@@ -33,4 +34,4 @@ def test_dry_run_writes_every_section(tmp_path):
     from mpirt import ops
     checked = {r[1] for r in cells if r[0] == "ops" and r[3] == "ok"}
     assert set(ops.__all__) <= checked, table          # every exported op passed on NumPy bf16/f32/f64
-    assert all(r[3] == "ok" for r in cells if r[0] in ("optim", "gpt-step", "matmul", "train")), table
+    assert all(r[3] == "ok" for r in cells if r[0] in ("optim", "gpt-step", "matmul", "train", "profile")), table

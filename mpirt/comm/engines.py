@@ -94,11 +94,17 @@ class _NcclEngine:
         from cupy.cuda import nccl
         self.cp, self.nccl, self.size, self.rank = cupy, nccl, comm.size, comm.rank
         self._row_counts = comm._row_counts
-        uid = np.zeros(128, np.uint8)
+        # 128 id bytes and a last byte saying the id's Python form: bytes (CuPy >= 14) or a tuple
+        # of signed chars (earlier CuPy); NcclCommunicator takes back the form get_unique_id gave
+        uid = np.zeros(129, np.uint8)
         if comm.rank == 0:
-            uid[:] = np.array(nccl.get_unique_id(), np.int64).astype(np.uint8)
+            made = nccl.get_unique_id()
+            uid[128] = isinstance(made, (bytes, bytearray))
+            uid[:128] = np.frombuffer(bytes(made), np.uint8) if uid[128] else np.array(made, np.int64).astype(np.uint8)
         comm.mpi.Bcast([uid, MPI.BYTE], root=0)
-        self.nc = nccl.NcclCommunicator(comm.size, tuple(uid.view(np.int8).tolist()), comm.rank)
+        raw = uid[:128]
+        self.nc = nccl.NcclCommunicator(comm.size, raw.tobytes() if uid[128] else tuple(raw.view(np.int8).tolist()),
+                                        comm.rank)
         self.types = {np.dtype(k): getattr(nccl, v) for k, v in [
             (np.float16, "NCCL_FLOAT16"), (np.float32, "NCCL_FLOAT32"), (np.float64, "NCCL_FLOAT64"),
             (np.int8, "NCCL_INT8"), (np.uint8, "NCCL_UINT8"), (np.int32, "NCCL_INT32"),

@@ -34,7 +34,10 @@ in ``mpirt/kernels/kernels_attention.h``): the same formulas and the same saved 
 forward pairs with either backward, on small register-blocked GEMMs that also skip the tiles above
 the diagonal; the forward's scores live in a workspace of a few rows. Every pair is computed
 alone, so its bits do not depend on the batch split, the heads a rank holds or the thread count.
-The NumPy form runs float64, dropout, and CuPy.
+The NumPy form runs float64, dropout, and CuPy's other cases: on CuPy with bfloat16 or float16,
+no dropout and a head dimension in :data:`mpirt.kernels.cuda.HEAD_DIMS`, both passes are the flash
+attention of :mod:`mpirt.kernels.cuda` (tensor cores, float32 accumulation, the same ``lse``, kept in
+float32; the backward's dQ gathered over key blocks in float32).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ import numpy as np
 
 import mpirt.backend as B
 from mpirt import kernels
+from mpirt.kernels import cuda
 from mpirt.precision import float32_compute
 from mpirt.ops.dropout import _check_p, dropout_mask
 from mpirt.tensor import Function
@@ -144,6 +148,9 @@ def _over_pairs(name, arrays, pairs, *rest) -> None:
 
 @float32_compute
 class CausalSelfAttention(Function):
+    def runs_half(self, qkv, n_head, dropout_p=0.0, seed=None):
+        return dropout_p == 0 and cuda.attention_takes(qkv, n_head)
+
     def forward(self, qkv, n_head, dropout_p=0.0, seed=None):
         xp = B.xp
         if qkv.ndim != 3 or qkv.shape[-1] % 3:
@@ -152,6 +159,11 @@ class CausalSelfAttention(Function):
         c = c3 // 3
         if n_head < 1 or c % n_head:
             raise ValueError(f"causal_self_attention: n_head={n_head} does not divide C={c}")
+        self.on_gpu = dropout_p == 0 and cuda.attention_takes(qkv, n_head)
+        if self.on_gpu:                                             # flash attention on tensor cores
+            out, lse = cuda.attention_forward(qkv, n_head)
+            self.qkv, self.lse, self.out, self.n_head = qkv, lse, out, n_head
+            return out
         scale = 1.0 / math.sqrt(c // n_head)
         lse = xp.empty((b, n_head, t, 1), dtype=qkv.dtype)          # log-sum-exp of each query's scores
         out = xp.empty((b, t, c), dtype=qkv.dtype)
@@ -198,6 +210,9 @@ class CausalSelfAttention(Function):
 
     def backward(self, g):
         xp = B.xp
+        if self.on_gpu:
+            g = xp.ascontiguousarray(g, dtype=self.qkv.dtype)
+            return (cuda.attention_backward(self.qkv, self.out, self.lse, g, self.n_head),)
         h, scale, keep_scale, chunks = self.n_head, self.scale, self.keep_scale, self.chunks
         c = self.qkv.shape[-1] // 3
         dqkv = xp.empty(self.qkv.shape, dtype=self.qkv.dtype)

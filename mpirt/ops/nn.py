@@ -15,6 +15,7 @@ import math
 
 import mpirt.backend as B
 from mpirt import kernels
+from mpirt.kernels import cuda
 from mpirt.precision import compute_dtype, float32_compute, upcast
 from mpirt.tensor import Function, SparseGrad, Tensor, is_grad_enabled
 from mpirt.threads import LIGHT_BLOCK, add_up, c_blocks, for_blocks
@@ -57,10 +58,18 @@ def _gelu_block(x, y, d):
 @float32_compute
 class Gelu(Function):
     """GPT-2's tanh GELU. While a block of ``x`` is in cache the forward also computes the
-    derivative and saves only it (not ``x`` and the tanh): the backward is one multiply."""
+    derivative and saves only it (not ``x`` and the tanh): the backward is one multiply.
+    With the CUDA kernels the forward saves ``x`` itself (in its dtype: the linear layer before
+    holds it anyway) and the backward recomputes the derivative in the same pass."""
+
+    def runs_half(self, x):
+        return cuda.takes(x)
 
     def forward(self, x):
         xp = B.xp
+        if cuda.takes(x):
+            self.x, self.d = x, None
+            return cuda.gelu_forward(x)
         y = xp.empty(x.shape, dtype=x.dtype)
         self.d = xp.empty_like(y) if self.needs_input_grad[0] and is_grad_enabled() else None
         flat = (x.reshape(-1), y.reshape(-1), None if self.d is None else self.d.reshape(-1))
@@ -71,6 +80,8 @@ class Gelu(Function):
         return y
 
     def backward(self, g):
+        if self.d is None:
+            return (cuda.gelu_backward(self.x, B.xp.ascontiguousarray(g, dtype=self.x.dtype)),)
         gx = B.xp.empty(self.d.shape, dtype=self.d.dtype)
         for_blocks(B.xp.multiply, g.reshape(-1), self.d.reshape(-1), gx.reshape(-1), block=LIGHT_BLOCK)
         return (gx,)
@@ -161,6 +172,22 @@ def norm_backward_c(g2, xhat, rstd, weight, gx, want_w: bool, want_b: bool, cent
     return parts
 
 
+def norm_on_gpu(x, weight, bias=None) -> bool:
+    """Whether the norms' CUDA kernels take ``x`` with this weight and bias (each None or of
+    length C, in x's dtype)."""
+    n = x.shape[-1] if x.ndim else 0
+    return cuda.takes(x, weight, bias) and all(a is None or a.shape == (n,) for a in (weight, bias))
+
+
+def norm_backward_gpu(fn, g, want_x, want_w, want_b, center: bool):
+    """A norm Function's backward on its saved input and statistics (the CUDA kernels):
+    ``(gx, gw, gb)``, None where not wanted."""
+    x2 = fn.x2
+    g2 = B.xp.ascontiguousarray(g.reshape(x2.shape), dtype=x2.dtype)
+    gx, gw, gb = cuda.norm_backward(g2, x2, fn.weight, fn.mean, fn.rstd, want_x, want_w, want_b, center)
+    return (None if gx is None else gx.reshape(fn.shape)), gw, gb
+
+
 @float32_compute
 class LayerNorm(Function):
     """Layer norm over the last dimension; saves the normalised input and ``1/std`` per row.
@@ -171,10 +198,18 @@ class LayerNorm(Function):
 
     weight_inputs = (1, 2)
 
+    def runs_half(self, x, weight=None, bias=None, eps=1e-5):
+        return norm_on_gpu(x, weight, bias)
+
     def forward(self, x, weight=None, bias=None, eps=1e-5):
         xp = B.xp
         n = x.shape[-1]
         x2 = x.reshape(-1, n)                                   # (N, C)
+        self.x2 = None
+        if norm_on_gpu(x, weight, bias):                        # keeps x and float32 row statistics
+            y, self.mean, self.rstd = cuda.norm_forward(x2, weight, bias, eps, center=True)
+            self.x2, self.weight, self.shape = x2, weight, x.shape
+            return y.reshape(x.shape)
         xhat, y = xp.empty(x2.shape, dtype=x.dtype), xp.empty(x2.shape, dtype=x.dtype)
         rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
 
@@ -212,6 +247,8 @@ class LayerNorm(Function):
 
     def _backward(self, g, want_x, want_w=False, want_b=False):
         """One pass over (g, xhat) for whichever of the three gradients are wanted."""
+        if self.x2 is not None:
+            return norm_backward_gpu(self, g, want_x, want_w, want_b, center=True)
         xp, xhat, weight = B.xp, self.xhat, self.weight
         n = xhat.shape[1]
         g2 = g.reshape(-1, n)
@@ -254,7 +291,8 @@ def scatter_add_rows(ids, rows, num_rows: int | None = None, out=None):
     NumPy's ``add.at`` is slow, so ids are sorted, the rows of each distinct id summed with
     ``add.reduceat`` and the sums added with one fancy-index ``+=`` (ids unique there): only the
     touched rows of ``out`` are read and written. On CuPy ``add.at`` is an atomic scatter-add
-    kernel and is used directly.
+    kernel and is used directly; half rows (CuPy's ``add.at`` takes no bfloat16) are summed per
+    distinct id in float32 and added to ``out`` with one rounding, as on NumPy.
     """
     xp = B.xp
     if out is None:
@@ -262,7 +300,13 @@ def scatter_add_rows(ids, rows, num_rows: int | None = None, out=None):
     if ids.size == 0:
         return out
     if B.name == "cupy":
-        xp.add.at(out, ids, rows)
+        if compute_dtype(rows.dtype) == rows.dtype:
+            xp.add.at(out, ids, rows)
+            return out
+        uniq, where = xp.unique(ids, return_inverse=True)
+        sums = xp.zeros((uniq.size, rows.shape[1]), dtype=compute_dtype(rows.dtype))
+        xp.add.at(sums, where.reshape(-1), upcast(rows))
+        out[uniq] = (upcast(out[uniq]) + sums).astype(out.dtype)
         return out
     order = xp.argsort(ids, kind="stable")
     s = ids[order]
@@ -343,6 +387,9 @@ class CrossEntropy(Function):
     raises instead of returning wrong numbers.
     """
 
+    def runs_half(self, logits, targets, ignore_index=-100, reduction="mean"):
+        return cuda.takes(logits)
+
     def forward(self, logits, targets, ignore_index=-100, reduction="mean"):
         xp = B.xp
         targets = check_targets(logits, targets, reduction)
@@ -353,6 +400,15 @@ class CrossEntropy(Function):
         valid = t != ignore_index
         if bool((((t < 0) | (t >= v)) & valid).any()):
             raise IndexError(f"cross_entropy: targets must be in [0, {v}) or ignore_index={ignore_index}")
+        self.reduction, self.shape = reduction, logits.shape
+        if cuda.takes(x):                                           # keeps the logits and a lse per row
+            self.x, self.t = x, xp.where(valid, t, -1).astype(xp.int64)
+            rows, self.lse = cuda.cross_entropy_forward(x, self.t)
+            self.count = valid.sum(dtype=xp.float32)
+            loss = rows.sum()
+            self.p = None
+            return loss / xp.maximum(self.count, 1.0) if reduction == "mean" else loss
+        self.x = None
         t = xp.where(valid, t, 0)
         p = xp.empty_like(x)                                        # the one (N, V) array: E
         lse, rsum = xp.empty((n, 1), dtype=x.dtype), xp.empty((n, 1), dtype=x.dtype)
@@ -374,14 +430,18 @@ class CrossEntropy(Function):
         if reduction == "mean":
             loss = loss / xp.maximum(count, 1.0)
         self.p, self.rsum, self.t, self.valid, self.count = p, rsum, t, valid, count
-        self.reduction, self.shape = reduction, logits.shape
         return xp.asarray(loss, dtype=x.dtype)
 
     def backward(self, g):
+        xp = B.xp
+        if self.x is not None:
+            scale = xp.asarray(g, dtype=xp.float32).reshape(1)
+            if self.reduction == "mean":
+                scale = scale / xp.maximum(self.count, 1.0)
+            return cuda.cross_entropy_backward(self.x, self.t, self.lse, scale).reshape(self.shape), None
         if getattr(self, "p", None) is None:
             raise RuntimeError("cross_entropy: backward ran twice; its saved buffer was consumed "
                                "by the first backward (retain_graph is not supported here)")
-        xp = B.xp
         p, valid = self.p, self.valid
         self.p = None
         scale = xp.asarray(g, dtype=p.dtype)

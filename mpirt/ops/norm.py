@@ -7,7 +7,8 @@ input pass and a (deferrable) weight pass.
 from __future__ import annotations
 
 import mpirt.backend as B
-from mpirt.ops.nn import norm_backward_c, norm_forward_c, norm_in_c
+from mpirt.kernels import cuda
+from mpirt.ops.nn import norm_backward_c, norm_backward_gpu, norm_forward_c, norm_in_c, norm_on_gpu
 from mpirt.precision import float32_compute
 from mpirt.tensor import Function
 from mpirt.threads import add_up, for_blocks
@@ -17,10 +18,18 @@ from mpirt.threads import add_up, for_blocks
 class RMSNorm(Function):
     weight_inputs = (1,)
 
+    def runs_half(self, x, weight, eps=1e-6):
+        return weight is not None and norm_on_gpu(x, weight)
+
     def forward(self, x, weight, eps=1e-6):
         xp = B.xp
         n = x.shape[-1]
         x2 = x.reshape(-1, n)                                   # (N, C)
+        self.x2 = None
+        if weight is not None and norm_on_gpu(x, weight):      # keeps x and float32 1/rms per row
+            y, self.mean, self.rstd = cuda.norm_forward(x2, weight, None, eps, center=False)
+            self.x2, self.weight, self.shape = x2, weight, x.shape
+            return y.reshape(x.shape)
         xhat, y = xp.empty(x2.shape, dtype=x.dtype), xp.empty(x2.shape, dtype=x.dtype)
         rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)
 
@@ -52,6 +61,8 @@ class RMSNorm(Function):
     def _backward(self, g, want_x, want_w=False):
         """One pass over (g, xhat): ``dx = rstd * (gxhat - xhat * mean(gxhat * xhat))`` with
         ``gxhat = g * weight``; ``dweight = sum_rows(g * xhat)``."""
+        if self.x2 is not None:
+            return norm_backward_gpu(self, g, want_x, want_w, False, center=False)[:2]
         xp, xhat, weight = B.xp, self.xhat, self.weight
         n = xhat.shape[1]
         g2 = g.reshape(-1, n)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 
 import mpirt.backend as B
+from mpirt.precision import compute_dtype, upcast
 from mpirt.tensor import Function
 
 
@@ -40,8 +41,14 @@ class GetItem(Function):
 
     def backward(self, g):
         grad = B.xp.zeros(self.shape, dtype=self.dtype)
-        if _is_advanced(self.index):  # repeated indices must add up
-            B.xp.add.at(grad, self.index, g)
+        if _is_advanced(self.index):  # repeated indices must add up (half ones in float32)
+            acc = compute_dtype(self.dtype)
+            if acc == self.dtype:
+                B.xp.add.at(grad, self.index, g)
+            else:
+                total = B.xp.zeros(self.shape, dtype=acc)
+                B.xp.add.at(total, self.index, upcast(g))
+                grad[...] = total
         else:
             grad[self.index] = g
         return (grad,)
