@@ -92,14 +92,18 @@ def attention_bwd_smem(head_dim: int) -> int:
     return 2 * elements + 64 * 4
 
 
+def compile_options(dtype, head_dim: int = 0) -> tuple[str, ...]:
+    """NVRTC options of the module for ``dtype`` (and the attention's ``head_dim``, 0: none)."""
+    return "-std=c++17", f"-DELT_KIND={ELT_KINDS[str(dtype)]}", f"-DHEAD_DIM={head_dim}"
+
+
 def _kernel(dtype, name: str, head_dim: int = 0):
     """Kernel ``name`` of the module compiled for ``dtype`` (and ``head_dim``); modules are built once."""
     import cupy
     key = (str(dtype), head_dim)
     module = _modules.get(key)
     if module is None:
-        options = ("-std=c++17", f"-DELT_KIND={ELT_KINDS[str(dtype)]}", f"-DHEAD_DIM={head_dim}")
-        module = _modules[key] = cupy.RawModule(code=SOURCE.read_text(), options=options)
+        module = _modules[key] = cupy.RawModule(code=SOURCE.read_text(), options=compile_options(dtype, head_dim))
     return module.get_function(name)
 
 

@@ -24,6 +24,7 @@
 #define HEAD_DIM 0
 #endif
 
+#define INF __int_as_float(0x7f800000)   // (no math.h under NVRTC)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
@@ -83,7 +84,7 @@ __device__ float block_max(float v, float* scratch) {
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    v = lane < warps ? scratch[lane] : -INFINITY;
+    v = lane < warps ? scratch[lane] : -INF;
     return warp_max(v);
 }
 
@@ -195,7 +196,7 @@ extern "C" __global__ void ce_fwd(const elt* __restrict__ logits, const long lon
     __shared__ float scratch[32];
     const long row = blockIdx.x;
     const elt* x = logits + row * V;
-    float m = -INFINITY, s = 0.f;                     // online max and sum of exp(x - m)
+    float m = -INF, s = 0.f;                     // online max and sum of exp(x - m)
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
         float v = ld(x, j);
         if (v > m) {
@@ -206,7 +207,7 @@ extern "C" __global__ void ce_fwd(const elt* __restrict__ logits, const long lon
         }
     }
     const float mm = block_max(m, scratch);          // the row maximum; each thread's sum rescaled to it
-    const float total = block_sum(m == -INFINITY ? 0.f : s * expf(m - mm), scratch);
+    const float total = block_sum(m == -INF ? 0.f : s * expf(m - mm), scratch);
     if (threadIdx.x == 0) {
         const float l = mm + logf(total);
         const long long t = targets[row];
@@ -362,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd(const elt* __restrict
     float o[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    float m0 = -INF, m1 = -INF, l0 = 0.f, l1 = 0.f;
     const int kend = min(blockIdx.x * 64 + 64, T);      // keys [0, kend) are seen by some query here
     for (int k0 = 0; k0 < kend; k0 += 64) {
         __syncthreads();
@@ -387,8 +388,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd(const elt* __restrict
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int key = k0 + nt * 8 + 2 * q + e;
-                const float v0 = key > r0 ? -INFINITY : s[nt][e] * scale_log2;
-                const float v1 = key > r1 ? -INFINITY : s[nt][2 + e] * scale_log2;
+                const float v0 = key > r0 ? -INF : s[nt][e] * scale_log2;
+                const float v1 = key > r1 ? -INF : s[nt][2 + e] * scale_log2;
                 s[nt][e] = v0;
                 s[nt][2 + e] = v1;
                 mx0 = fmaxf(mx0, v0);
@@ -510,7 +511,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_bwd(const elt* __restrict
         load_rows(Os, Ot, TP32, dob, C, q0, 32, T);
         if (threadIdx.x < 32) {
             const int t = q0 + threadIdx.x;
-            lse_s[threadIdx.x] = t < T ? lse[(long)bh * T + t] * LOG2E : INFINITY;
+            lse_s[threadIdx.x] = t < T ? lse[(long)bh * T + t] * LOG2E : INF;
             dl_s[threadIdx.x] = t < T ? delta[(long)bh * T + t] : 0.f;
         }
         __syncthreads();
