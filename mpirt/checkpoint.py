@@ -48,9 +48,9 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
-import mpirt
 import mpirt.backend as B
 from mpirt.tensorfile import SafetensorsFile, TensorFileError
+from mpirt.version import __version__
 
 FORMAT, VERSION = "mpirt-checkpoint", 3  # 2: meta.sha256 covers meta.json; 3: sharded saves
 META, MODEL, OPTIM, LATEST = "meta.json", "model.safetensors", "optimizer.safetensors", "latest"
@@ -177,7 +177,7 @@ def save_state(directory, weights: dict, optimizer_state: dict | None, *, step: 
 
 def build_meta(step: int, config, extra, optimizer: dict | None, params: dict, optimizer_state: dict) -> dict:
     """meta.json's contents (``files`` still empty); refuses what JSON cannot hold, naming it."""
-    meta = {"format": FORMAT, "version": VERSION, "mpirt_version": mpirt.__version__, "created": time.time(),
+    meta = {"format": FORMAT, "version": VERSION, "mpirt_version": __version__, "created": time.time(),
             "step": int(step), "config": _to_dict(config), "extra": extra, "optimizer": optimizer,
             "params": params, "optimizer_state": optimizer_state, "files": {}}
     try:

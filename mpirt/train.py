@@ -223,6 +223,19 @@ def plan_out_dir(cfg, out: Path):
     return cfg
 
 
+def check_out_dir(out: Path) -> None:
+    """Refuse, before step 1, an ``--out-dir`` that cannot be created or written by this rank: its
+    checkpoints, metrics and summary all go there, and a run must not end at its first save. The
+    folder is made if missing; a probe file is written and removed."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"out_dir: cannot write to {out} ({err.strerror or err})") from None
+
+
 def check_resume(cfg, meta: dict, data_dir: Path) -> None:
     """Refuse a ``--resume auto`` that would not continue the run it resumes: another model preset,
     dtype or dataset than the checkpoint's (model shapes are checked by :func:`resolve_model`)."""
@@ -293,6 +306,7 @@ def main(argv=None) -> dict:
         out = Path(cfg.out_dir)
         if not cfg.eval_only:
             cfg = plan_out_dir(cfg, out)
+        check_out_dir(out)
         data = open_dataset(cfg.data)
         model_cfg, hf_weights, resume = resolve_model(cfg)
         if not (resume or hf_weights is not None):

@@ -249,6 +249,29 @@ def test_a_full_disk_at_a_save_ends_the_job_naming_the_path_and_keeps_the_last_c
                "--eval-only")  # step 2 still loads (checksums verified)
 
 
+def test_training_beside_a_folder_named_mpirt_saves_its_checkpoints(tiny_data, tmp_path):
+    """From the folder that holds a clone named mpirt (its parent), `import mpirt` finds that folder
+    first; the run must still save (it once trained to the end, then died at its first save)."""
+    (tmp_path / "mpirt" / "mpirt").mkdir(parents=True)
+    out = tmp_path / "run"
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=2", "--ckpt-interval=1", f"--out-dir={out}",
+               ranks=2, cwd=tmp_path)
+    latest = (out / "ckpt" / "latest").read_text().strip()
+    meta = json.loads((out / "ckpt" / latest / "meta.json").read_text())
+    from mpirt.version import __version__
+    assert summary(out)["last_checkpoint_step"] == 2 and meta["step"] == 2 and meta["mpirt_version"] == __version__
+
+
+@pytest.mark.parametrize("target", ["a_file/run", "/proc/run"])
+def test_an_out_dir_that_cannot_be_written_is_refused_before_step_1(tiny_data, tmp_path, target):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / target if not target.startswith("/") else target
+    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={out}", ranks=2, check=False)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: out_dir: cannot write to {out}"), result.stderr
+
+
 @pytest.mark.parametrize("case, message", [("cupy", "backend: cupy was asked for"),
                                            ("short", "fewer than one sequence")])
 def test_environment_refusals_are_one_line(tiny_data, tmp_path, case, message):

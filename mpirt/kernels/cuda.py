@@ -163,9 +163,10 @@ def norm_backward(g2, x2, weight, mean, rstd, want_x: bool, want_w: bool, want_b
                                           _i32(center), _i32(weight is not None)))
     if want_w or want_b:
         sums = xp.zeros((2, c), dtype=np.float32)
-        grid = (-(-c // THREADS), max(1, -(-rows // NORM_SLAB)))
+        slab = max(NORM_SLAB, -(-rows // MAX_GRID_Y))
+        grid = (-(-c // THREADS), max(1, -(-rows // slab)))
         _kernel(x2.dtype, "norm_bwd_dw")(grid, (THREADS,), (g2, x2, mean, rstd, sums[0], sums[1], _i32(rows), _i32(c),
-                                                            _i32(NORM_SLAB)))
+                                                            _i32(slab)))
         out_dtype = weight.dtype if weight is not None else x2.dtype
         gw = sums[0].astype(out_dtype) if want_w else None
         gb = sums[1].astype(out_dtype) if want_b else None

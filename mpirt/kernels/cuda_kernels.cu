@@ -202,7 +202,7 @@ extern "C" __global__ void ce_fwd(const elt* __restrict__ logits, const long lon
         if (v > m) {
             s = s * expf(m - v) + 1.f;
             m = v;
-        } else {
+        } else if (v != -INF) {                     // (a -inf first seen with m = -inf: exp(NaN))
             s += expf(v - m);
         }
     }
