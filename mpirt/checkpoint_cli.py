@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -74,10 +75,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
-            print(info(args.dir))
+            print(info(args.dir), flush=True)
         else:
-            print(f"exported {export_hf(args.dir, args.out, args.dtype)}")
+            print(f"exported {export_hf(args.dir, args.out, args.dtype)}", flush=True)
+    except BrokenPipeError:   # the reader left (`| head`): not an error; nothing more to write
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (CheckpointError, OSError, ValueError, KeyError) as err:
-        print(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

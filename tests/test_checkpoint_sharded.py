@@ -3,6 +3,8 @@ and each rank's memory during a save and a load (mpi tier)."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import tracemalloc
 
@@ -64,6 +66,18 @@ def test_damaged_shards_are_named_on_load(tp2_ckpt, tmp_path, rank, damage):
         CheckpointReader(root).read("params", name)
     with pytest.raises(CheckpointError, match=f"{path.name} is (truncated or )?corrupted"):
         verify_checkpoint(root)
+
+
+def test_info_into_a_closed_pipe_and_a_bad_directory_are_one_line_at_most(tp2_ckpt, tmp_path):
+    """`... info DIR | head` closes the pipe early: no traceback; a bad path: one line on stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "mpirt.checkpoint", "info", str(tp2_ckpt)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()                                   # the reader is gone before the first write
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == "", err
+    bad = run_module("mpirt.checkpoint", "info", tmp_path / "nowhere", check=False)
+    assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert bad.stderr.startswith("error: ")
 
 
 def test_info_and_export(tp2_ckpt, tmp_path):

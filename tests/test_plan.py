@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -187,6 +188,18 @@ def test_cli_lists_layouts():
                             "--gpus-per-node", "1", "--gpu", "h100", "--global-batch", "8", "--seq-len", "1024",
                             "--memory-budget", "1GiB"], capture_output=True, text=True, timeout=240)
     assert tight.returncode == 1 and "no layout fits" in tight.stdout
+
+
+def test_cli_refusals_are_one_line(tmp_path):
+    """An uncalibrated preset (`--gpu local` before --calibrate) and an unknown model: one line, exit 2."""
+    env = dict(os.environ, MPIRT_PLAN_CACHE=str(tmp_path))   # no calibration saved here
+    for args, message in ((["--gpu", "local"], "python -m mpirt.plan --calibrate --save-as local"),
+                          (["--model", "no-such-model"], "no-such-model")):
+        out = subprocess.run([sys.executable, "-m", "mpirt.plan", *args], capture_output=True, text=True, timeout=240,
+                             env=env)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
+            out.stderr
 
 
 def test_report_section_shows_prediction_against_measured():

@@ -273,7 +273,8 @@ def test_an_out_dir_that_cannot_be_written_is_refused_before_step_1(tiny_data, t
 
 
 @pytest.mark.parametrize("case, message", [("cupy", "backend: cupy was asked for"),
-                                           ("short", "fewer than one sequence")])
+                                           ("short", "fewer than one sequence"),
+                                           ("mlp-tp", "tp: model_type 'mlp' has no tensor-parallel plan")])
 def test_environment_refusals_are_one_line(tiny_data, tmp_path, case, message):
     args = [f"--data={tiny_data}", "--backend=cupy"]
     if case == "short":  # a train.bin shorter than one sequence, a val.bin long enough
@@ -282,6 +283,8 @@ def test_environment_refusals_are_one_line(tiny_data, tmp_path, case, message):
         np.zeros(10, dtype=np.uint16).tofile(data / "train.bin")
         np.zeros(1000, dtype=np.uint16).tofile(data / "val.bin")
         args = [f"--data={data}"]
+    if case == "mlp-tp":
+        args = [f"--data={tiny_data}", "--model=mlp", "--tp=2"]
     result = run_module("mpirt.train", *TINY, *args, f"--out-dir={tmp_path / 'o'}", ranks=2, check=False)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -36,6 +36,15 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="2,4,8", help="--calibrate: the MPI rank counts to measure at")
     ap.add_argument("--save-as", default="local", help="--calibrate: the preset's name")
     a = ap.parse_args(argv)
+    try:
+        return run(a)
+    except (ValueError, KeyError, OSError) as err:   # a bad preset, model, size or file: one line
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def run(a) -> int:
+    """The planner (or ``--calibrate``) for parsed arguments ``a``; returns the exit code."""
     if a.calibrate:
         from mpirt.plan.calibrate import calibrate
 

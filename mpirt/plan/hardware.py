@@ -138,7 +138,7 @@ def load(name: str) -> Cluster:
     if name.lower() in PRESETS:
         return dataclasses.replace(PRESETS[name.lower()])
     raise ValueError(f"unknown hardware {name!r}: one of {', '.join(PRESETS)}, a calibrated preset in {CACHE} "
-                     f"or a JSON file")
+                     f"(`python -m mpirt.plan --calibrate --save-as {name}` makes one of this machine) or a JSON file")
 
 
 def save(cluster: Cluster, path: Path | None = None) -> Path:
