@@ -402,7 +402,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
 
     last_save = {"time": time.time(), "seconds": None, "step": start_step if resume else None}
 
-    def save(step: int) -> None:  # collective: every rank writes its own boxes, rank 0 commits
+    def save(step: int) -> bool:
+        """Checkpoint ``step`` (collective: every rank writes its own boxes, rank 0 commits); False
+        when the state is not finite and nothing was written."""
         t0 = time.time()
         dropout = engine.dropout_state()  # collective with pp
         scalars = {**optimizer.scalars(), **(scaler.state_dict() if scaler is not None else {})}
@@ -413,8 +415,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                                        "layout": summary_layout, "dropout": dropout})
         except OSError as err:  # disk full, quota, permissions on any rank: the previous version stays intact
             if is_main:
+                kept = f"is step {last_save['step']}" if last_save["step"] is not None else "none: none was written"
                 print(f"error: step {step}: writing the checkpoint under {out / 'ckpt'} failed: {err}; the last "
-                      f"complete checkpoint is step {last_save['step']}", file=sys.stderr, flush=True)
+                      f"complete checkpoint {kept}", file=sys.stderr, flush=True)
             sys.exit(1)  # every rank knows: the abort hook ends the job
         if path is None and is_main:
             print(f"mpirt: step {step}: the weights or optimizer state are not finite: no checkpoint written "
@@ -425,6 +428,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                       flush=True)
             last_save["step"] = step
         last_save.update(time=time.time(), seconds=time.time() - t0)
+        return path is not None
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     flops_per_step = flops_per_token(model_cfg, cfg.seq_len) * tokens_per_step
@@ -507,8 +511,10 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             exit_code = jobctl.EXIT_STOPPED
         # save before evaluating: an evaluation that fails loses nothing; a non-finite stop saves nothing
         if exit_code not in (jobctl.EXIT_NONFINITE, jobctl.EXIT_MEMORY) and (
-                last or stopped or flags[2] or cfg.ckpt_interval and step % cfg.ckpt_interval == 0):
-            save(step)
+                last or stopped or flags[2] or cfg.ckpt_interval and step % cfg.ckpt_interval == 0) \
+                and not save(step):  # the state itself is not finite: no later step can recover it
+            stopped = f"the weights or optimizer state are not finite at step {step}"
+            exit_code = jobctl.EXIT_NONFINITE
         if not stopped and (last or cfg.eval_interval and step % cfg.eval_interval == 0):
             val_loss = record["val_loss"] = eval_loss()
         if step % cfg.log_interval == 0 or last or stopped:  # collective: the ranks' spread to rank 0
@@ -586,8 +592,10 @@ def end_block(summary: dict, out: Path, start_step: int) -> str:
     if s["stopped"]:
         lines.append("mpirt:   " + ("continue with the same command and --resume auto"
                                      if s["exit_code"] == jobctl.EXIT_STOPPED else
-                                     f"nothing was saved after the failure: the last good checkpoint is step "
-                                     f"{s['last_checkpoint_step']}; fix the cause (e.g. a lower --lr) before resuming"))
+                                     "nothing was saved after the failure: " + (
+                                         f"the last good checkpoint is step {s['last_checkpoint_step']}"
+                                         if s["last_checkpoint_step"] is not None else "no checkpoint was written")
+                                     + "; fix the cause (e.g. a lower --lr) before resuming"))
     return "\n".join(lines)
 
 

@@ -23,6 +23,16 @@ CFG = GPTConfig(n_layer=2, n_head=2, n_embd=16, n_positions=8, vocab_size=37)
 TOKENS = np.random.default_rng(0).integers(0, 37, 4096).astype(np.uint16)
 SEQ, STEPS, LR, WD = 8, 5, 1e-3, 0.1
 TOL = {"float64": 1e-10, "float32": 1e-5}
+# Weights after AdamW steps: AdamW divides each gradient element by its own running RMS, so float32
+# noise in near-zero gradient elements moves those elements by ~lr (see max_rel_err). With
+# numpy 2.4.6's OpenBLAS (0.3.31) the DP and ZeRO runs measured 1.4e-5 to 1.65e-5 against one rank
+# (gradients 4e-7), MKL and BLIS under 1e-5; float64 holds the algorithm itself to 1e-10.
+WEIGHTS_TOL = {"float64": 1e-10, "float32": 5e-5}
+
+
+def within(errs: dict, dtype: str) -> bool:
+    """Every error under its tolerance: ``"weights"`` under :data:`WEIGHTS_TOL`, the rest under :data:`TOL`."""
+    return all(e <= (WEIGHTS_TOL if k == "weights" else TOL)[dtype] for k, e in errs.items())
 
 
 # --- helpers shared with test_zero.py --------------------------------------------------------
@@ -159,7 +169,7 @@ def test_dp_matches_single_rank(dtype, mode):
                                           progress="thread" if mode == "overlap-thread" else "test")
     errs = {"loss": worst(rel_err(losses, ref_losses)), "grad": worst(max_rel_err(grads, ref_grads)),
             "weights": worst(max_rel_err(w, ref_w))}
-    agree(all(e <= TOL[dtype] for e in errs.values()), f"{dtype} {mode}: {errs}")
+    agree(within(errs, dtype), f"{dtype} {mode}: {errs}")
     # dtypes are kept everywhere (NumPy 2 promotion would silently turn float32 into float64)
     kinds = {str(a.dtype) for p in dp.params for a in (p.data, p.grad)}
     kinds |= {str(a.dtype) for st in opt.state for a in st.values()} | {str(b.flat.dtype) for b in dp.buckets}
@@ -173,8 +183,8 @@ def test_grad_accumulation_equals_one_large_batch(dtype):
     size = MPI.COMM_WORLD.size
     ref_losses, _, ref_w, _ = reference_run(dtype, size, accum=2)
     losses, _, w, _, _, _ = dp_run(dtype, accum=2)
-    errs = (worst(rel_err(losses, ref_losses)), worst(max_rel_err(w, ref_w)))
-    agree(max(errs) <= TOL[dtype], f"loss, weights errors {errs}")
+    errs = {"loss": worst(rel_err(losses, ref_losses)), "weights": worst(max_rel_err(w, ref_w))}
+    agree(within(errs, dtype), f"errors {errs}")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -206,8 +216,9 @@ def test_clipping_matches_unsharded(dtype):
     size = MPI.COMM_WORLD.size
     ref_losses, _, ref_w, ref_norms = reference_run(dtype, size, clip=0.05)
     losses, _, w, norms, _, _ = dp_run(dtype, clip=0.05)
-    errs = (worst(rel_err(losses, ref_losses)), worst(max_rel_err(w, ref_w)), worst(rel_err(norms, ref_norms)))
-    agree(min(ref_norms) > 0.05 and max(errs) <= TOL[dtype], f"norms {ref_norms}, errors {errs}")
+    errs = {"loss": worst(rel_err(losses, ref_losses)), "weights": worst(max_rel_err(w, ref_w)),
+            "norm": worst(rel_err(norms, ref_norms))}
+    agree(min(ref_norms) > 0.05 and within(errs, dtype), f"norms {ref_norms}, errors {errs}")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -180,6 +180,17 @@ def test_non_finite_steps_are_skipped_then_stop_the_run_without_a_bad_checkpoint
     assert meta["step"] >= 2 and good
 
 
+def test_a_non_finite_state_at_a_save_stops_with_exit_3_not_done(tiny_data, tmp_path):
+    """lr 1e39 makes step 1's weights infinite and every later step non-finite: each save finds the
+    state not finite; the run must stop there with exit 3 and say so, never end \"done\" (exit 0)."""
+    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=5", "--lr=1e39", "--warmup-steps=0",
+                        "--grad-clip=0", "--ckpt-interval=1", f"--out-dir={tmp_path}", ranks=2, check=False)
+    assert result.returncode == 3, result.stderr
+    assert "stopped at step 1 of 5" in result.stderr and "the weights or optimizer state are not finite" in result.stderr
+    assert "nothing was saved after the failure: no checkpoint was written" in result.stderr
+    assert not (tmp_path / "ckpt" / "latest").exists()
+
+
 def test_nan_policy_stop_ends_at_the_first_non_finite_step(tiny_data, tmp_path):
     result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=40", "--lr=1e30", "--min-lr=0",
                         "--warmup-steps=0", "--grad-clip=0", "--nan-policy=stop", f"--out-dir={tmp_path}", check=False)
