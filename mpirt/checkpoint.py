@@ -15,7 +15,9 @@ Commit protocol: everything is written into ``.tmp-<name>/`` and fsynced; the di
 to ``<name>`` (atomic) and the root fsynced; then ``latest`` is replaced atomically (``os.replace``
 of a fsynced temporary file) and the root fsynced again; finally older versions beyond ``keep`` and
 stale temporaries are removed. A crash at any point leaves ``latest`` naming a complete, checked
-version; a version exists under a ``step-*`` name only once all of its files are on disk.
+version, or (killed between a first save's rename and its pointer) no ``latest`` and a complete
+version, which loading then takes (the newest that verifies); a version exists under a ``step-*``
+name only once all of its files are on disk.
 
 Integrity: meta.json records the sha256 and size of every tensor file, and ``meta.sha256`` records
 the sha256 of meta.json itself, so an edited meta.json (its step, a shape) or a flipped or
@@ -259,11 +261,24 @@ def _resolve(path) -> Path:
         return p / name
     if not p.is_dir():
         raise FileNotFoundError(f"no checkpoint at {p}: no such directory")
-    versions = sorted(c.name for c in p.iterdir() if _VERSION_RE.fullmatch(c.name))
-    if versions:
-        raise CheckpointError(f"{p / LATEST} is missing (versions there: {', '.join(versions)}); "
-                              f"pass one of them to load it")
+    if _versions(p):
+        return _newest_verified(p)
     raise FileNotFoundError(f"no checkpoint at {p} (neither {p / META} nor {p / LATEST} exists)")
+
+
+def _newest_verified(root: Path) -> Path:
+    """The newest version under ``root`` that verifies end to end, for a root without ``latest``:
+    a save killed between its version's rename and the pointer's write (the first save of a run
+    leaves no pointer at all) must not make the run unresumable. CheckpointError when none verifies."""
+    problems = []
+    for version in reversed(_versions(root)):
+        try:
+            meta = read_checkpoint_meta(version)
+            _verify_files(version, meta)
+            return version
+        except (CheckpointError, OSError) as err:
+            problems.append(f"{version.name}: {err}")
+    raise CheckpointError(f"{root / LATEST} is missing and no version there verifies ({'; '.join(problems)})")
 
 
 def _format_version(raw: bytes):

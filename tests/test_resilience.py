@@ -321,6 +321,21 @@ def test_resume_with_another_dataset_is_refused_naming_it(tiny_data, tmp_path):
     assert result.returncode == 2 and "resume:" in result.stderr and "data: checkpoint" in result.stderr
 
 
+def test_resume_auto_after_a_kill_between_a_first_save_and_its_pointer(tiny_data, tmp_path):
+    """A first save killed after its version's rename, before `latest` was written (and a later,
+    half-written version beside it): --resume auto continues from the newest version that verifies."""
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=2", f"--out-dir={tmp_path}", ranks=2)
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "latest").unlink()
+    damaged = ckpt / "step-00000009"
+    shutil.copytree(ckpt / "step-00000002", damaged)
+    (damaged / "meta.json").write_text("{}")              # fails its checksum
+    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=4", f"--out-dir={tmp_path}",
+                        "--resume=auto", ranks=2)
+    assert f"resuming {ckpt} at step 2" in result.stderr, result.stderr
+    assert summary(tmp_path)["steps"] == 4 and (ckpt / "latest").read_text().strip() == "step-00000004"
+
+
 def test_resume_auto_never_replaces_a_damaged_checkpoint(tiny_data, tmp_path):
     out = tmp_path / "run"
     run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=3", f"--out-dir={out}")
