@@ -441,6 +441,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     progress = Progress(cfg.steps, start_step, enabled=is_main and cfg.progress, end=end_step)
     val_loss = math.nan
     skipped_total, skipped_in_row, slowest_step = 0, 0, 0.0
+    updated = False   # an optimizer update since the last checkpoint (or the start): else nothing to save
     extra_shown = {}
     stopped, exit_code = None, 0
     budget = parse_size(cfg.memory_budget)
@@ -468,6 +469,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         if not (skipped or overflow):
             optimizer.grad_scale = 1.0 / scale
             optimizer.step()
+            updated = True
         if scaler is not None:
             scaler.update(overflow)
         B.synchronize()
@@ -509,12 +511,21 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             stopped = (f"{stops.requested or 'a stop request on another rank'}" if flags[0] else
                        f"time limit {cfg.time_limit} near ({deadline.left():.0f} s left)")
             exit_code = jobctl.EXIT_STOPPED
-        # save before evaluating: an evaluation that fails loses nothing; a non-finite stop saves nothing
-        if exit_code not in (jobctl.EXIT_NONFINITE, jobctl.EXIT_MEMORY) and (
-                last or stopped or flags[2] or cfg.ckpt_interval and step % cfg.ckpt_interval == 0) \
-                and not save(step):  # the state itself is not finite: no later step can recover it
-            stopped = f"the weights or optimizer state are not finite at step {step}"
-            exit_code = jobctl.EXIT_NONFINITE
+        # save before evaluating: an evaluation that fails loses nothing; a non-finite stop saves nothing;
+        # with every step since the last save skipped there is nothing new, and a save would only
+        # rotate out the versions made by real updates (a skip streak would delete the good ones)
+        due = exit_code not in (jobctl.EXIT_NONFINITE, jobctl.EXIT_MEMORY) and (
+            last or stopped or flags[2] or cfg.ckpt_interval and step % cfg.ckpt_interval == 0)
+        if due and not updated:
+            if is_main and (last or stopped):
+                print(f"mpirt: step {step}: no update since " + (
+                    f"the checkpoint of step {last_save['step']}" if last_save["step"] is not None else "the start")
+                    + " (every step skipped): nothing new to save", file=sys.stderr, flush=True)
+        elif due:
+            if not save(step):   # the state itself is not finite: no later step can recover it
+                stopped = f"the weights or optimizer state are not finite at step {step}"
+                exit_code = jobctl.EXIT_NONFINITE
+            updated = False
         if not stopped and (last or cfg.eval_interval and step % cfg.eval_interval == 0):
             val_loss = record["val_loss"] = eval_loss()
         if step % cfg.log_interval == 0 or last or stopped:  # collective: the ranks' spread to rank 0

@@ -191,6 +191,22 @@ def test_a_non_finite_state_at_a_save_stops_with_exit_3_not_done(tiny_data, tmp_
     assert not (tmp_path / "ckpt" / "latest").exists()
 
 
+def test_a_skip_streak_never_rotates_out_the_checkpoints_of_real_updates(tiny_data, tmp_path):
+    """4 good steps (versions 2 and 4 kept), then a resumed run whose steps 5-8 are all skipped
+    (non-finite gradients injected): its interval and final saves write nothing, so 2 and 4 stay."""
+    common = [*TINY, f"--data={tiny_data}", "--ckpt-interval=2", "--keep-checkpoints=2", f"--out-dir={tmp_path}"]
+    run_module("mpirt.train", *common, "--steps=4", ranks=2)
+    faults = ",".join(f"overflow@0:{step}" for step in range(5, 9))
+    env = dict(os.environ, MPIRT_FAULT=faults, OPENBLAS_NUM_THREADS="1")
+    result = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "mpirt.train", *common, "--steps=8",
+                             "--resume=auto"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "step 8: no update since the checkpoint of step 4 (every step skipped): nothing new to save" in result.stderr
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000002", "step-00000004"]
+    assert (ckpt / "latest").read_text().strip() == "step-00000004" and summary(tmp_path)["last_checkpoint_step"] == 4
+
+
 def test_nan_policy_stop_ends_at_the_first_non_finite_step(tiny_data, tmp_path):
     result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=40", "--lr=1e30", "--min-lr=0",
                         "--warmup-steps=0", "--grad-clip=0", "--nan-policy=stop", f"--out-dir={tmp_path}", check=False)
