@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 from mpirt.models.config import GPTConfig
 from mpirt.models.gpt import param_shapes
 from mpirt.models.presets import _read_hf
-from mpirt.checkpoint import BoxReader
+from mpirt.checkpoint import BoxReader, CheckpointError
 from mpirt.config import ConfigError
 from mpirt.tensorfile import SafetensorsFile, TensorFileError
 
@@ -134,7 +134,7 @@ class HFReader(BoxReader):
         expected = param_shapes(self.config)
         missing, unexpected = sorted(set(expected) - set(where)), sorted(set(where) - set(expected))
         if missing or unexpected:
-            raise KeyError(f"{self.path}: checkpoint does not match the config: missing keys {missing}, "
+            raise CheckpointError(f"{self.path}: checkpoint does not match the config: missing keys {missing}, "
                            f"unexpected keys {unexpected}")
         for name, shape in expected.items():
             f, key = where[name]

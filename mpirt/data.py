@@ -36,6 +36,32 @@ _SCAN = 1 << 24  # tokens looked at a time when scanning a split for its largest
 SPLITS = ("train", "val")
 
 
+# meta.json's fields that the loader reads, with the types they must have (None: absent is fine)
+META_TYPES = {"format": str, "vocab_size": int, "tokenizer": str, "train_tokens": int, "val_tokens": int,
+              "train_max_id": int, "val_max_id": int, "train_mtime_ns": int, "val_mtime_ns": int}
+
+
+class MetaError(ValueError):
+    """A prepared dataset's meta.json that cannot be used (its message names the file and the fault)."""
+
+
+def read_meta(path: Path) -> dict:
+    """A dataset's meta.json as a dict; :class:`MetaError` naming the file and the fault when it is
+    not JSON, not an object, or a field has the wrong type."""
+    try:
+        meta = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MetaError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(meta, dict):
+        raise MetaError(f"{path}: expected a JSON object, found {type(meta).__name__}")
+    for key, kind in META_TYPES.items():
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise MetaError(f"{path}: {key} should be {'an integer' if kind is int else 'a string'}, "
+                             f"found {value!r}")
+    return meta
+
+
 class TokenDataset:
     """A prepared token directory: ``.train``/``.val`` uint16 memmaps, ``.vocab_size``, ``.meta``.
 
@@ -45,7 +71,7 @@ class TokenDataset:
     def __init__(self, directory):
         self.directory = Path(directory)
         meta_path = self.directory / "meta.json"
-        self.meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        self.meta = read_meta(meta_path) if meta_path.exists() else {}
         if self.meta.get("format", "uint16") != "uint16":
             raise ValueError(f"{meta_path}: unsupported format {self.meta['format']!r}")
         self.vocab_size = self.meta.get("vocab_size")

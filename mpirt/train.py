@@ -24,7 +24,7 @@ from mpirt.checkpoint import (CheckpointError, CheckpointReader, looks_like_chec
                               read_checkpoint_meta, verify_checkpoint)
 from mpirt.checkpoint_sharded import save_sharded
 from mpirt.config import ConfigError, parse_args, parse_duration
-from mpirt.data import TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
+from mpirt.data import MetaError, TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.distributed import init_distributed, input_fingerprint
 from mpirt.grid import Grid, check_layout, resolve_dp
 from mpirt.memory import check_budget, decode_over_budget, format_size, over_budget_flag, parse_size, predict
@@ -156,6 +156,8 @@ def open_dataset(directory: str) -> TokenDataset:
     prepared dataset is refused naming the key and the command that prepares one."""
     try:
         return TokenDataset(directory or default_dataset_dir())
+    except MetaError as err:                   # a prepared dataset with a damaged meta.json
+        raise ConfigError(f"data: {err}") from None
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(f"data: {err} ({directory} is not a prepared dataset: make one from a folder of text "
                           f"files with `python -m mpirt.data prepare SRC_DIR OUT_DIR`)") from None
@@ -253,6 +255,25 @@ def check_resume(cfg, meta: dict, data_dir: Path) -> None:
                           f"use another --out-dir for a new run")
 
 
+def check_resumed_model(cfg, resumed, data: TokenDataset) -> None:
+    """Refuse a ``--resume auto`` whose model as ``--model`` and its overrides give it now differs
+    from the checkpoint's (an edited TOML would otherwise resume as the old model, silently),
+    naming each field. The vocabulary is not compared where the dataset sets it; a model file
+    that no longer exists leaves the checkpoint's model as it is."""
+    try:
+        now = load_model_config(cfg.model, cfg.model_overrides)
+    except FileNotFoundError:
+        return
+    mine, saved = dataclasses.asdict(now), dataclasses.asdict(resumed)
+    if data.vocab_size and "vocab_size" not in cfg.model_overrides:
+        mine.pop("vocab_size", None)
+    fields = sorted(k for k in mine.keys() | saved.keys() if mine.get(k, saved.get(k)) != saved.get(k, mine.get(k)))
+    if fields:
+        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, now {mine.get(k)!r}" for k in fields)
+        raise ConfigError(f"resume: model {cfg.model} is not the model of the checkpoint ({details}); use another "
+                          f"--out-dir for a new run, or --init-from to start the new model from these weights")
+
+
 def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, end_step: int,
            engine_name: str) -> str:
     """The start-up lines on rank 0: enough to see a wrong launch before a long run starts."""
@@ -319,6 +340,7 @@ def main(argv=None) -> dict:
         check_budget(cfg, model_cfg, layout, world.size, data.train.nbytes + data.val.nbytes)  # every rank's predicted peak against --memory-budget
         if resume and cfg.resume == "auto":
             check_resume(cfg, read_checkpoint_meta(cfg.init_from), data.directory)
+            check_resumed_model(cfg, model_cfg, data)
         deadline = jobctl.Deadline.from_config(cfg.time_limit, started, parse_duration)
         if world.rank == 0 and not cfg.eval_only:
             lock = jobctl.acquire_lock(out)

@@ -18,6 +18,7 @@ from mpirt.models.gpt import flops_per_token, param_shapes
 from mpirt.models.hf import load_hf_gpt2, load_into, save_hf_gpt2
 from mpirt.models.mlp import num_parameters as mlp_num_parameters
 from mpirt.models.presets import gpt_param_count
+from mpirt.checkpoint import CheckpointError
 from mpirt.config import ConfigError
 from mpirt.tensor import Tensor
 
@@ -459,11 +460,11 @@ def test_hf_checkpoint_errors(hf_dir, tmp_path):
     raw = load_file(str(path / "model.safetensors"))
 
     missing = {k: v for k, v in raw.items() if k != "transformer.h.1.ln_2.bias"}
-    with pytest.raises(KeyError, match=r"missing keys \['h.1.ln_2.bias'\]"):
+    with pytest.raises(CheckpointError, match=r"missing keys \['h.1.ln_2.bias'\]"):
         load_hf_gpt2(copy_dir(path, tmp_path / "missing", tensors=missing))
 
     extra = {**raw, "transformer.h.2.ln_1.weight": np.ones(32, np.float32)}
-    with pytest.raises(KeyError, match=r"unexpected keys \['h.2.ln_1.weight'\]"):
+    with pytest.raises(CheckpointError, match=r"unexpected keys \['h.2.ln_1.weight'\]"):
         load_hf_gpt2(copy_dir(path, tmp_path / "extra", tensors=extra))
 
     shape = {**raw, "transformer.wpe.weight": raw["transformer.wpe.weight"][:63]}

@@ -327,6 +327,33 @@ def test_a_folder_of_raw_text_is_refused_pointing_at_prepare(tmp_path):
     assert result.stderr.startswith("error: data: ") and "python -m mpirt.data prepare" in result.stderr
 
 
+@pytest.mark.parametrize("meta, fault", [("{not json", "not valid JSON"), ("[1, 2]", "expected a JSON object, found list"),
+                                         ('{"vocab_size": "256"}', "vocab_size should be an integer, found '256'")])
+def test_a_malformed_dataset_meta_json_is_refused_in_one_line(tiny_data, tmp_path, meta, fault):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    (data / "meta.json").write_text(meta)
+    result = run_module("mpirt.train", *TINY, f"--data={data}", f"--out-dir={tmp_path / 'o'}", ranks=2, check=False)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: data: {data / 'meta.json'}: {fault}"), lines[0]
+
+
+def test_a_hugging_face_directory_missing_a_tensor_is_refused_in_one_line(tiny_data, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=1", f"--out-dir={tmp_path / 'run'}")
+    hf = tmp_path / "hf"
+    run_module("mpirt.checkpoint", "export", tmp_path / "run" / "ckpt", hf)
+    tensors = load_file(str(hf / "model.safetensors"))
+    tensors.pop("transformer.h.0.attn.c_proj.weight")
+    save_file(tensors, str(hf / "model.safetensors"))
+    result = run_module("mpirt.train", *TINY[4:], f"--data={tiny_data}", f"--init-from={hf}",
+                        f"--out-dir={tmp_path / 'o'}", ranks=2, check=False)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and "missing keys ['h.0.attn.c_proj.weight']" in lines[0], lines[0]
+
+
 def test_resume_with_another_dataset_is_refused_naming_it(tiny_data, tmp_path):
     out = tmp_path / "run"
     run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=2", f"--out-dir={out}")
@@ -350,6 +377,20 @@ def test_resume_auto_after_a_kill_between_a_first_save_and_its_pointer(tiny_data
                         "--resume=auto", ranks=2)
     assert f"resuming {ckpt} at step 2" in result.stderr, result.stderr
     assert summary(tmp_path)["steps"] == 4 and (ckpt / "latest").read_text().strip() == "step-00000004"
+
+
+def test_resume_auto_refuses_an_edited_model_file_naming_the_fields(tiny_data, tmp_path):
+    toml = tmp_path / "model.toml"
+    toml.write_text('model_type = "gpt2"\nn_layer = 1\nn_head = 2\nn_embd = 32\nn_positions = 32\n')
+    common = [*TINY[4:], f"--data={tiny_data}", f"--model={toml}", f"--out-dir={tmp_path / 'run'}"]
+    run_module("mpirt.train", *common, "--steps=2", ranks=2)
+    run_module("mpirt.train", *common, "--steps=3", "--resume=auto", ranks=2)   # unchanged: resumes
+    toml.write_text(toml.read_text().replace("n_layer = 1", "n_layer = 2").replace("n_embd = 32", "n_embd = 64"))
+    result = run_module("mpirt.train", *common, "--steps=4", "--resume=auto", ranks=2, check=False)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: resume: model {toml} is not the model of the checkpoint (n_embd: checkpoint 32, "
+                               "now 64; n_layer: checkpoint 1, now 2)"), lines[0]
 
 
 def test_resume_auto_never_replaces_a_damaged_checkpoint(tiny_data, tmp_path):
