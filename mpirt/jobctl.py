@@ -80,10 +80,11 @@ def slurm_end_time(env=None) -> float | None:
 class Deadline:
     """When to stop so that the last checkpoint is on disk before a wall-time limit.
 
-    ``should_stop(step_s, save_s)`` is true once the time left cannot hold two more of the slowest
-    step seen, one save as long as the slowest seen (a step's worth before the first), and a
-    second of slack; and never later than ``reserve`` seconds before the end: a tenth of the
-    limit, at most 30 s (room for a slow filesystem and a scheduler that is on time)."""
+    ``should_stop(step_s, save_s, extra_s)`` is true once the time left cannot hold two more of the
+    slowest step seen, one save as long as the slowest seen (a step's worth before the first),
+    ``extra_s`` (the evaluations due before the next chance to stop) and a second of slack; and
+    never later than ``reserve`` seconds before the end: a tenth of the limit, at most 30 s (room
+    for a slow filesystem and a scheduler that is on time)."""
 
     def __init__(self, end: float | None, reserve: float = 0.0):
         self.end = end  # epoch seconds, or None for no limit
@@ -103,8 +104,8 @@ class Deadline:
     def left(self, now: float | None = None) -> float:
         return float("inf") if self.end is None else self.end - (time.time() if now is None else now)
 
-    def should_stop(self, step_s: float, save_s: float | None, now: float | None = None) -> bool:
-        margin = 2 * step_s + (step_s if save_s is None else save_s) + 1.0
+    def should_stop(self, step_s: float, save_s: float | None, now: float | None = None, extra_s: float = 0.0) -> bool:
+        margin = 2 * step_s + (step_s if save_s is None else save_s) + extra_s + 1.0
         return self.left(now) < max(margin, self.reserve)
 
 

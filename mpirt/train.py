@@ -395,9 +395,24 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         start_step = meta["step"]
     summary_layout = dict(grid.sizes)
 
+    eval_seconds = {"last": None}   # how long the last evaluation took (the deadline counts the next ones)
+
     def eval_loss() -> float:
-        return evaluate(engine, data.val, grid, batches=cfg.eval_batches, batch_size=cfg.batch_size,
+        t0 = time.time()
+        loss = evaluate(engine, data.val, grid, batches=cfg.eval_batches, batch_size=cfg.batch_size,
                         seq_len=cfg.seq_len)
+        eval_seconds["last"] = time.time() - t0
+        return loss
+
+    def evaluates(n: int) -> bool:
+        """Whether step ``n`` ends with an evaluation (the run's last step always does)."""
+        return n == end_step or bool(cfg.eval_interval) and n % cfg.eval_interval == 0
+
+    def evaluation_time(n: int, step_s: float) -> float:
+        """Seconds the evaluations after step ``n`` and after the next will take: the last one's
+        time, or before any, half a training step per batch (a forward pass over as many tokens)."""
+        each = eval_seconds["last"] if eval_seconds["last"] is not None else cfg.eval_batches * step_s / 2
+        return each * (evaluates(n) + evaluates(n + 1))
 
     if cfg.eval_only:
         val_loss = eval_loss()
@@ -511,7 +526,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         last = step == end_step
         # one small reduction per step: a stop request or a timed checkpoint on any rank acts on all
         signal_stop = stops.requested is not None
-        time_stop = is_main and deadline.should_stop(slowest_step, last_save["seconds"])
+        time_stop = is_main and deadline.should_stop(slowest_step, last_save["seconds"],
+                                                     extra_s=evaluation_time(step, slowest_step))
         ckpt_due = is_main and cfg.ckpt_minutes > 0 and time.time() - last_save["time"] > 60 * cfg.ckpt_minutes
         over = over_budget_flag(peak_rss_bytes(), budget, ctx.rank)
         flags = world_comm.allreduce(np.array([signal_stop, time_stop, ckpt_due, over], dtype=np.int64), "max")

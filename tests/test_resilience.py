@@ -149,6 +149,19 @@ def test_time_limit_stops_with_a_checkpoint_before_the_limit(tiny_data, tmp_path
     assert wall < 8 + 20  # the launcher, interpreters and MPI start before that clock (slow under load)
 
 
+def test_time_limit_counts_the_evaluations(tiny_data, tmp_path):
+    """Evaluations of several seconds every few steps: the run still ends inside its limit."""
+    out = tmp_path / "run"
+    args = [a for a in TINY if not a.startswith(("--eval-batches", "--eval-interval"))]
+    result = run_module("mpirt.train", *args, f"--data={tiny_data}", "--steps=1000000", "--time-limit=12s",
+                        "--eval-interval=4", "--eval-batches=600", f"--out-dir={out}", ranks=2, check=False)
+    assert result.returncode == EXIT_STOPPED, result.stderr
+    s = summary(out)
+    print(f"--time-limit 12s with evaluations: stopped at step {s['steps']} after {s['wall_time_s']:.1f} s")
+    assert "time limit" in s["stopped"] and s["last_checkpoint_step"] == s["steps"] > 0
+    assert s["wall_time_s"] < 12
+
+
 def test_steps_per_job_splits_a_run_into_jobs(tiny_data, tmp_path):
     out = tmp_path / "run"
     args = [*F64, f"--data={tiny_data}", "--steps=7", "--steps-per-job=3", "--resume=auto", f"--out-dir={out}"]
