@@ -112,7 +112,10 @@ class Metrics:
     def log(self, **record) -> None:
         self.records.append(record)
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
+            try:
+                self.file.write(json.dumps(record) + "\n")
+            except OSError as err:   # name the file (a write on an open file says only the errno)
+                raise OSError(err.errno, err.strerror, self.file.name) from None
 
     def median(self, key: str, skip_first: int = 1) -> float:
         """Median of ``key`` over the records, skipping warm-up steps when there are enough."""

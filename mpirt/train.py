@@ -8,6 +8,7 @@ Everything that can be refused is refused before the first collective, naming th
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -73,6 +74,7 @@ def plan_layout(cfg, world_size: int) -> dict:
 # --model.* keys that must equal the loaded model's: they set tensor shapes, or (initializer_range)
 # only the initial weights, which init_from replaces; the others (dropout rates,
 # layer_norm_epsilon) change no loaded tensor and apply on top of it
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)   # a write failed for want of space or quota
 FIXED_BY_WEIGHTS = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner", "model_type",
                     "initializer_range")
 
@@ -356,9 +358,25 @@ def main(argv=None) -> dict:
         sys.exit(jobctl.EXIT_REFUSED)
     try:
         return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started)
+    except OSError as err:
+        if err.errno not in DISK_FULL:
+            raise
+        # metrics, summary, trace: one line from the rank that hit it (the abort hook ends the job)
+        sys.stderr.write(f"error: rank {world.rank}: out of disk space writing {err.filename or 'a file'} "
+                         f"({err.strerror}); {last_checkpoint(out)}\n")
+        sys.stderr.flush()
+        sys.exit(1)
     finally:
         if lock is not None:
             jobctl.release_lock(lock)
+
+
+def last_checkpoint(out: Path) -> str:
+    """What an error says of the run's newest complete checkpoint under ``out``."""
+    try:
+        return f"the last complete checkpoint is step {read_checkpoint_meta(out / 'ckpt')['step']}"
+    except (CheckpointError, OSError):
+        return "no checkpoint was written"
 
 
 def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path, started: float) -> dict:

@@ -312,6 +312,17 @@ def test_an_out_dir_that_cannot_be_written_is_refused_before_step_1(tiny_data, t
     assert len(lines) == 1 and lines[0].startswith(f"error: out_dir: cannot write to {out}"), result.stderr
 
 
+def test_a_full_disk_at_the_metrics_file_is_one_error_line(tiny_data, tmp_path):
+    """The metrics file (not a checkpoint) is the first to hit the limit: one clean line, no traceback."""
+    env = dict(os.environ, MPIRT_FAULT="diskfull@0:2", OPENBLAS_NUM_THREADS="1")
+    result = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "mpirt.train", *TINY, f"--data={tiny_data}",
+                             "--steps=400", f"--out-dir={tmp_path}"], capture_output=True, text=True, timeout=240,
+                            cwd=ROOT, env=env)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert (f"error: rank 0: out of disk space writing {tmp_path / 'metrics' / 'rank0.jsonl'} (File too large); "
+            "no checkpoint was written") in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("case, message", [("cupy", "backend: cupy was asked for"),
                                            ("short", "fewer than one sequence"),
                                            ("mlp-tp", "tp: model_type 'mlp' has no tensor-parallel plan")])
