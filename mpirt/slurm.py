@@ -92,15 +92,19 @@ TEMPLATES = {
                             preemptible=True)),
 }
 
-# Removes user $1's MPICH files in ${2:-/dev/shm} that no process maps or holds open. Used by the
-# job before srun and by the Epilog; as root (the Epilog) it sees every process, as the user only
-# the user's own, which are the only ones that can open the user's 0600 files.
+# Removes user $1's MPICH files in ${2:-/dev/shm} that no process maps or holds open, and, given
+# $3 (epoch seconds: the job's start), only those last modified before it. Used by the job before
+# srun and by the Epilog; as root (the Epilog) it sees every process, as the user only the user's
+# own, which are the only ones that can open the user's 0600 files. The candidates are listed
+# before the files in use, so a file another job makes meanwhile is never a candidate.
 CLEAN_SHM = r'''mpirt_clean_shm() {
-    local uid=$1 dir=${2:-/dev/shm} busy f
+    local uid=$1 dir=${2:-/dev/shm} before=${3:-} busy f
+    local files=("$dir"/mpich_*)
     busy=$( { cat /proc/[0-9]*/maps; ls -l /proc/[0-9]*/fd; } 2>/dev/null \
         | grep -o "$dir/mpich_[^ ]*" | sort -u) || true
-    for f in "$dir"/mpich_*; do
+    for f in "${files[@]}"; do
         [ -f "$f" ] && [ "$(stat -c %u "$f" 2>/dev/null)" = "$uid" ] || continue
+        [ -z "$before" ] || [ "$(stat -c %Y "$f" 2>/dev/null || echo "$before")" -lt "$before" ] || continue
         grep -qxF -- "$f" <<<"$busy" && continue
         rm -f -- "$f" && echo "mpirt: removed stale MPICH shared memory $f"
     done
@@ -134,10 +138,11 @@ export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}          # BLAS threads per ran
 export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}       # srun in SLURM 22.05 does not inherit it
 
 CLEAN_SHM_FUNCTION
-# one task per node: a killed job leaves its files on every node it ran on
+# one task per node: a killed job leaves its files on every node it ran on; only files older than
+# this job (one made since may be a job's starting beside this one, not yet mapped)
 srun --mpi=none --nodes="${SLURM_NNODES:-1}" --ntasks="${SLURM_NNODES:-1}" --ntasks-per-node=1 --cpus-per-task=1 \
     bash -c "$(declare -f mpirt_clean_shm)"'; mpirt_clean_shm "$@"' mpirt_clean_shm \
-    "$(id -u)" "${MPIRT_SHM_DIR:-/dev/shm}" ||
+    "$(id -u)" "${MPIRT_SHM_DIR:-/dev/shm}" "${SLURM_JOB_START_TIME:-$(date +%s)}" ||
     say "could not clean stale MPICH files in /dev/shm on every node; starting anyway"
 
 notice="" got_term="" step=""

@@ -255,6 +255,23 @@ def test_usr1_notice_asks_the_ranks_to_stop_then_requeues(job_env):
 
 
 # --- MPICH shared-memory cleanup ------------------------------------------------------------------
+def test_the_job_removes_only_unused_files_older_than_itself(tmp_path):
+    """The job's cleanup gets its start time: an unused file made since (another job of the user
+    starting beside it, not yet mapped) stays; an unused older one goes."""
+    from mpirt.slurm import CLEAN_SHM
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    start = int(time.time())
+    for name, age in (("mpich_shm_old_0", 3600), ("mpich_shm_new_0", -5)):
+        (shm / name).write_bytes(b"\0" * 64)
+        os.utime(shm / name, (start - age, start - age))
+    script = tmp_path / "clean.sh"
+    script.write_text(CLEAN_SHM + f'mpirt_clean_shm "{os.geteuid()}" "{shm}" "{start}"\n')
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_new_0"], result.stdout
+
+
 def test_epilog_removes_only_unused_mpich_files_of_the_job_owner(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
