@@ -563,6 +563,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             if cfg.nan_policy == "stop" or skipped_in_row >= cfg.max_skips:
                 stopped = f"non-finite loss or gradient norm ({skipped_in_row} step(s) in a row)"
                 exit_code = jobctl.EXIT_NONFINITE
+        if last and not stopped and end_step < cfg.steps:   # this job's share (--steps-per-job, --stop-after)
+            stopped = f"this job's share of the run is done, {cfg.steps - step} steps left"
+            exit_code = jobctl.EXIT_STOPPED                # work left: a requeue chain continues on 75
         if not last and not stopped and (flags[0] or flags[1]):
             stopped = (f"{stops.requested or 'a stop request on another rank'}" if flags[0] else
                        f"time limit {cfg.time_limit} near ({deadline.left():.0f} s left)")

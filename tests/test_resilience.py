@@ -165,11 +165,13 @@ def test_time_limit_counts_the_evaluations(tiny_data, tmp_path):
 def test_steps_per_job_splits_a_run_into_jobs(tiny_data, tmp_path):
     out = tmp_path / "run"
     args = [*F64, f"--data={tiny_data}", "--steps=7", "--steps-per-job=3", "--resume=auto", f"--out-dir={out}"]
-    done = []
+    done, codes = [], []
     for _ in range(4):
-        result = run_module("mpirt.train", *args)
+        result = run_module("mpirt.train", *args, check=False)
         done.append(summary(out)["steps"])
+        codes.append(result.returncode)
     assert done == [3, 6, 7, 7] and "nothing to do" in result.stdout
+    assert codes == [EXIT_STOPPED, EXIT_STOPPED, 0, 0]   # work left: 75, so a requeue chain goes on
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 8))
     assert summary(out)["val_loss"] is not None and math.isfinite(summary(out)["val_loss"])
 

@@ -42,7 +42,7 @@ def test_resume_equals_uninterrupted_run(tiny_data, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     common = [*TINY, f"--data={tiny_data}", "--dtype=float64", "--steps=6"]
     run_module("mpirt.train", *common, f"--out-dir={full}")
-    run_module("mpirt.train", *common, f"--out-dir={part}", "--stop-after=3")
+    run_module("mpirt.train", *common, f"--out-dir={part}", "--stop-after=3", expect=75)
     run_module("mpirt.train", *common, f"--out-dir={part}", f"--init-from={part / 'ckpt'}")
     expected, resumed = read_metrics(full), read_metrics(part)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]

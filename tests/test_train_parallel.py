@@ -107,7 +107,7 @@ def test_checkpoint_saved_on_one_layout_resumes_on_another(tiny_data, tmp_path, 
     Each rank wrote only its own boxes (sharded checkpoint) and reads only those it needs."""
     out = tmp_path / "run"
     run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={out}", *first[1], "--stop-after=3",
-               ranks=first[0])
+               ranks=first[0], expect=75)
     losses, _, weights = run(tiny_data, out, *then[1], f"--init-from={out / 'ckpt'}", ranks=then[0])
     np.testing.assert_allclose(losses, reference[0], rtol=1e-10)  # steps 1-3 first run, 4-5 resumed
     for name, w in reference[2].items():
