@@ -45,6 +45,27 @@ _OUTPUT = re.compile(r"[A-Za-z0-9_./%+-]+")
 _TIME = re.compile(r"(?:[0-9]+-[0-9]+(?::[0-9]{1,2}){0,2}|[0-9]+(?::[0-9]{1,2}){0,2})")
 
 
+EARLY_SIGNAL_S = 60   # SLURM may deliver --signal up to this many seconds before its time (timer resolution)
+
+
+def time_seconds(limit: str) -> int:
+    """Seconds in a SLURM time limit: MIN, MIN:SEC, H:MM:SS, D-H, D-H:MM or D-H:MM:SS."""
+    days, _, rest = limit.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+        return int(days) * 86400 + hours * 3600 + minutes * 60 + seconds
+    if len(parts) < 3:
+        return parts[0] * 60 + (parts[1] if len(parts) == 2 else 0)
+    return parts[0] * 3600 + parts[1] * 60 + parts[2]
+
+
+def longest_notice(limit_s: int) -> int:
+    """The longest USR1 notice a job of ``limit_s`` seconds takes: one that arrives, even
+    :data:`EARLY_SIGNAL_S` early, in the second half of the job, never during its start-up."""
+    return max(0, limit_s // 2 - EARLY_SIGNAL_S)
+
+
 class SlurmScriptError(ValueError):
     """A job-script setting that cannot be rendered; the message starts with the flag."""
 
@@ -197,6 +218,10 @@ def validate(spec: JobSpec) -> None:
     _need(isinstance(spec.time, str) and bool(_TIME.fullmatch(spec.time))
           and any(c in "123456789" for c in spec.time), "--time",
           "a SLURM time limit: MIN, MIN:SEC, H:MM:SS, D-H, D-H:MM or D-H:MM:SS, not zero", spec.time)
+    longest = longest_notice(time_seconds(spec.time))
+    _need(spec.notice <= longest, "--notice", f"at most {longest} s for --time {spec.time} (half the limit less "
+          f"{EARLY_SIGNAL_S} s, which SLURM may signal early: a notice during start-up would end the job; 0: none)",
+          spec.notice)
     for flag, value, pattern, rule in (
             ("--partition", spec.partition, _PARTITION, "partition names (letters, digits, _.+-; commas between)"),
             ("--account", spec.account, _NAME, "a name of letters, digits and _.+-"),
@@ -361,6 +386,9 @@ def main(argv=None) -> int:
         base = TEMPLATES[args.template][1] if args.template else JobSpec()
         values = {k: v for k, v in vars(args).items() if v is not None and k in JobSpec.__dataclass_fields__}
         spec = dataclasses.replace(base, **values, train_args=extra)
+        if "notice" not in values and isinstance(spec.time, str) and _TIME.fullmatch(spec.time):
+            # the default notice shortened to what the limit holds (an explicit one is checked instead)
+            spec = dataclasses.replace(spec, notice=min(spec.notice, longest_notice(time_seconds(spec.time))))
         try:
             text = render(spec)
         except SlurmScriptError as err:

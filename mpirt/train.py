@@ -7,6 +7,13 @@ Everything that can be refused is refused before the first collective, naming th
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # as the job's program: take TERM/INT before MPI starts and the data opens, so an
+    # early notice (a requeued job's) still ends in a clean stop at the first step, not a killed rank
+    from mpirt.jobctl import StopRequests
+    EARLY_STOPS = StopRequests().install()
+else:
+    EARLY_STOPS = None
+
 import dataclasses
 import errno
 import json
@@ -390,7 +397,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             print(f"error: {err}", file=sys.stderr)
         sys.exit(jobctl.EXIT_REFUSED)
     comm.start_watchdog(comm_timeout(cfg, model_cfg))  # a stuck call, or a rank exiting alone, ends the job
-    stops = jobctl.StopRequests().install()
+    stops = EARLY_STOPS or jobctl.StopRequests().install()
     grid = Grid(layout["dp"], layout["pp"], layout["tp"])
     dp = grid.sizes["dp"]
     is_main = ctx.rank == 0

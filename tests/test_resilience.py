@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,6 +118,27 @@ def test_stop_and_resume_by_signal_equals_the_uninterrupted_run(tiny_data, tmp_p
     run_module("mpirt.train", *common, f"--out-dir={part}", "--resume=auto", ranks=2)
     assert [r["loss"] for r in read_metrics(part)] == [r["loss"] for r in read_metrics(full)]
     assert summary(part)["val_loss"] == summary(full)["val_loss"]
+
+
+def test_the_stop_handler_is_in_place_before_mpi_starts(tiny_data, tmp_path):
+    """A TERM that arrives during start-up (a requeued job's early notice) must stop the run cleanly:
+    the handler is installed before MPI is loaded, and a TERM then ends with a checkpoint, exit 75."""
+    proc = subprocess.Popen([sys.executable, "-m", "mpirt.train", *TINY, f"--data={tiny_data}", "--steps=50",
+                             f"--out-dir={tmp_path}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    caught, deadline = None, time.time() + 60
+    while caught is None and proc.poll() is None and time.time() < deadline:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        mask = int(next(line for line in status.splitlines() if line.startswith("SigCgt")).split()[1], 16)
+        if mask & (1 << (signal.SIGTERM - 1)):
+            caught = "libmpi" in Path(f"/proc/{proc.pid}/maps").read_text()
+        else:
+            time.sleep(0.002)
+    assert caught is False, "TERM was not caught before MPI was loaded"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, err
+    assert summary(tmp_path)["last_checkpoint_step"] == summary(tmp_path)["steps"] >= 1
 
 
 def test_a_second_signal_exits_at_once(tiny_data, tmp_path):

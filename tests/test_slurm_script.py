@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirt.slurm import TEMPLATES, JobSpec, SlurmScriptError, epilog, main, render
+from mpirt.slurm import TEMPLATES, JobSpec, SlurmScriptError, epilog, main, render, time_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 PWN = "PWNED"
@@ -86,6 +86,20 @@ def test_checked_in_template_is_the_renderer_output(name):
     spec = dataclasses.replace(TEMPLATES[name][1], template=name)
     assert (ROOT / "slurm" / f"{name}.sbatch").read_text() == render(spec), \
         f"slurm/{name}.sbatch is stale: python -m mpirt.slurm --template {name} -o slurm/{name}.sbatch"
+
+
+def test_a_notice_that_does_not_fit_the_time_is_shortened_or_refused(capsys):
+    assert [time_seconds(t) for t in ("2", "2:30", "01:00:00", "1-2", "1-2:03", "1-2:03:04")] == \
+        [120, 150, 3600, 93600, 93780, 93784]
+    main(["--time", "2"])                       # the default 120 s notice: none fits 2 minutes
+    assert "#SBATCH --signal" not in capsys.readouterr().out
+    main(["--time", "4"])                       # 4 min: half less 60 s
+    assert "#SBATCH --signal=B:USR1@60" in capsys.readouterr().out
+    main(["--time", "12:00:00"])                # the default where it fits
+    assert "#SBATCH --signal=B:USR1@120" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["--time", "5", "--notice", "120"])
+    assert stop.value.code == 2 and "--notice: must be at most 90 s for --time 5" in capsys.readouterr().err
 
 
 def test_checked_in_epilog_is_the_renderer_output():
