@@ -131,13 +131,22 @@ def launcher_info(env=None) -> dict:
     return {"name": "none (singleton)", "tasks": None, "pmi": "none"}
 
 
-def launch_mismatch(world_size: int, env=None) -> str | None:
+def pmi_for(library: str) -> str:
+    """The ``srun --mpi`` type an MPI library (its version line) starts under: pmix for Open MPI
+    (4.x and 5.x), pmi2 for MPICH and its derivatives (Intel MPI, MVAPICH, the PyPI wheel)."""
+    return "pmix" if "open mpi" in library.lower() else "pmi2"
+
+
+def launch_mismatch(world_size: int, env=None, library: str = "") -> str | None:
     """A message when the launcher started several tasks but MPI sees a world of one (each task a
-    separate singleton run, e.g. ``srun`` without a PMI the MPI library speaks), else None."""
+    separate singleton run, e.g. ``srun`` without a PMI the MPI library speaks), else None;
+    ``library`` (the MPI library's version line) picks the PMI it suggests."""
     info = launcher_info(env)
     if world_size == 1 and info["tasks"] and info["tasks"] > 1:
+        pmi = pmi_for(library)
+        named = f" ({library})" if library else ""
         return (f"{info['name']} started {info['tasks']} tasks but MPI sees a world of 1: every task would train "
-                f"alone; launch with `srun --mpi=pmi2` (or mpiexec inside the allocation)")
+                f"alone; launch with `srun --mpi={pmi}`{named} (or mpiexec inside the allocation)")
     return None
 
 
@@ -159,12 +168,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def slurm_job_ended(job: str) -> bool:
+    """True when SLURM says job ``job`` is no longer queued or running (``squeue -h -j JOB``
+    lists nothing, or no longer knows the id); False while it is listed, or when squeue cannot
+    be asked (no SLURM here, no answer): then the job may still be alive."""
+    try:
+        r = subprocess.run(["squeue", "-h", "-o", "%T", "-j", str(job)], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    if r.returncode == 0:
+        return not r.stdout.strip()
+    return "invalid job id" in (r.stderr + r.stdout).lower()
+
+
 def acquire_lock(out: Path, env=None) -> Path:
     """Take ``out/.lock`` for this job, or raise :class:`DirectoryLocked` naming its holder.
 
     A lock is stale, and taken over, when its holder was this same SLURM job (a requeue keeps the
-    job id) or a process on this host that no longer exists. Created with O_EXCL, so of two jobs
-    starting together exactly one wins."""
+    job id), a process on this host that no longer exists, or a SLURM job that squeue says has
+    ended (a job hard-killed on another node leaves its lock). Created with O_EXCL, so of two
+    jobs starting together exactly one wins."""
     env = os.environ if env is None else env
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK
@@ -179,12 +202,13 @@ def acquire_lock(out: Path, env=None) -> Path:
                 holder = {}
             same_job = me["job"] is not None and holder.get("job") == me["job"]
             dead = holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"])
-            if same_job or dead:
+            if same_job or dead or (holder.get("job") and slurm_job_ended(holder["job"])):
                 path.unlink(missing_ok=True)
                 continue
             who = f"pid {holder.get('pid')} on {holder.get('host')}" + (f", SLURM job {holder['job']}" if holder.get("job") else "")
+            check = f" (`squeue -j {holder['job']}` lists it while it is alive)" if holder.get("job") else ""
             raise DirectoryLocked(f"out_dir: {out} is in use by another job ({who}); use another --out-dir, or "
-                                  f"remove {path} if that job is gone") from None
+                                  f"remove {path} if that job is gone{check}") from None
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         return path

@@ -330,7 +330,7 @@ def main(argv=None) -> dict:
     error, lock = None, None
     try:
         cfg = parse_args(argv)
-        mismatch = jobctl.launch_mismatch(world.size)
+        mismatch = jobctl.launch_mismatch(world.size, library=comm.library_version())
         if mismatch:  # each singleton would print it: only the launcher's first task speaks
             if os.environ.get("SLURM_PROCID", "0") == "0":
                 print(f"error: {mismatch}", file=sys.stderr)

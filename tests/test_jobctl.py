@@ -73,6 +73,9 @@ def test_launch_mismatch_only_for_a_world_of_one_under_a_multi_task_launcher():
     assert "started 2 tasks but MPI sees a world of 1" in jobctl.launch_mismatch(1, env)
     assert jobctl.launch_mismatch(2, {"PMI_SIZE": "2", "PMI_RANK": "0"}) is None
     assert jobctl.launch_mismatch(1, {}) is None
+    # the PMI named is the one the MPI library found speaks
+    assert "`srun --mpi=pmix` (Open MPI v4.1.6)" in jobctl.launch_mismatch(1, env, "Open MPI v4.1.6")
+    assert "`srun --mpi=pmi2` (MPICH Version: 5.0.2)" in jobctl.launch_mismatch(1, env, "MPICH Version: 5.0.2")
 
 
 def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one_or_the_same_job(tmp_path):
@@ -96,6 +99,27 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one_or_the_same_job(tm
     jobctl.acquire_lock(tmp_path, env={})
     jobctl.release_lock(path)
     assert not path.exists()
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_a_lock_of_another_node_is_taken_over_once_squeue_says_its_job_ended(tmp_path, monkeypatch, listed):
+    """A job hard-killed on another node leaves its lock: taken over when SLURM no longer lists the
+    job, else refused saying how to check (squeue stubbed on PATH)."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "squeue").write_text("#!/bin/sh\n" + ("echo RUNNING\n" if listed else "") + "exit 0\n")
+    (stubs / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / jobctl.LOCK).write_text(json.dumps({"host": "node-elsewhere", "pid": 12345, "job": "91", "since": 0}))
+    if listed:
+        with pytest.raises(jobctl.DirectoryLocked, match=r"SLURM job 91\); use another --out-dir, or remove .* if that "
+                                                         r"job is gone \(`squeue -j 91` lists it while it is alive\)"):
+            jobctl.acquire_lock(out, env={"SLURM_JOB_ID": "92"})
+    else:
+        path = jobctl.acquire_lock(out, env={"SLURM_JOB_ID": "92"})
+        assert json.loads(path.read_text())["job"] == "92"
 
 
 def test_stop_requests_note_the_first_signal():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_module
+from mpirt.comm import library_version
 from test_train import TINY, read_metrics
 
 EXIT_NONFINITE, EXIT_STOPPED = 3, 75
@@ -293,7 +294,7 @@ def test_srun_without_a_pmi_is_refused(tiny_data, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: srun --mpi=none started 2 tasks but MPI sees a world of 1: every task would train alone; "
-        "launch with `srun --mpi=pmi2` (or mpiexec inside the allocation)"]
+        f"launch with `srun --mpi=pmi2` ({library_version()}) (or mpiexec inside the allocation)"]
 
 
 def test_a_full_disk_at_a_save_ends_the_job_naming_the_path_and_keeps_the_last_checkpoint(tiny_data, tmp_path):

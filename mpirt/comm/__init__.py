@@ -49,13 +49,13 @@ from mpirt.comm.core import Comm, world_comm
 from mpirt.comm.engines import ENGINES, cuda_aware_mpi, describe_engines, nccl_available, select_engine
 from mpirt.comm.handles import Handle, test_all, wait_all
 from mpirt.comm.job import (ANY_SOURCE, ANY_TAG, PROC_NULL, CommError, World, first_error, install_abort_on_error,
-                            world)
+                            library_version, world)
 from mpirt.comm.registry import CommRecord, CommStats, stats
 from mpirt.comm.watchdog import EXIT_TIMEOUT, Watchdog, exit_together, start_watchdog
 
 __all__ = [
     "ANY_SOURCE", "ANY_TAG", "ENGINES", "EXIT_TIMEOUT", "PROC_NULL", "Comm", "CommError", "CommRecord", "CommStats",
     "Handle", "Watchdog", "World", "chunk_bounds", "cuda_aware_mpi", "describe_engines", "exit_together",
-    "first_error", "install_abort_on_error", "nccl_available", "select_engine", "start_watchdog", "stats", "test_all",
+    "first_error", "install_abort_on_error", "library_version", "nccl_available", "select_engine", "start_watchdog", "stats", "test_all",
     "wait_all", "world", "world_comm",
 ]

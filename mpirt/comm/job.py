@@ -28,6 +28,12 @@ class World:
     local_size: int
 
 
+def library_version() -> str:
+    """The MPI library's one-line name and version (e.g. "MPICH Version: 5.0.2", "Open MPI v4.1.6")."""
+    lines = MPI.Get_library_version().replace("\0", "").strip().splitlines()
+    return " ".join(lines[0].split()) if lines else ""
+
+
 def world() -> World:
     """Rank and size from MPI_COMM_WORLD; the local rank from a shared-memory split."""
     comm = MPI.COMM_WORLD
