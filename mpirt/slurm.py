@@ -32,6 +32,7 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mpirt.grid import check_layout, resolve_dp
 
@@ -255,6 +256,43 @@ def validate(spec: JobSpec) -> None:
               f"equal to --gpus-per-node {spec.gpus_per_node} (mpirt runs one rank per GPU)", spec.ntasks_per_node)
 
 
+def training_args(spec: JobSpec) -> list[str]:
+    """The arguments the job passes to ``python -m mpirt.train`` (before its run directory's)."""
+    train = []
+    if spec.model:
+        train += ["--model", spec.model]
+    if spec.data:
+        train += ["--data", spec.data]
+    if spec.dp:
+        train += ["--dp", str(spec.dp)]
+    if spec.tp > 1 or spec.pp > 1:
+        train += ["--tp", str(spec.tp), "--pp", str(spec.pp)]
+    return train + list(spec.train_args)
+
+
+def check_training_args(spec: JobSpec) -> None:
+    """Read the training arguments as ``mpirt.train`` will (keys, types, values) and check tp
+    against the model where its preset or file can be read here, so that a mistake is refused
+    at render time instead of after a queue wait; SlurmScriptError names the problem."""
+    from mpirt.config import ConfigError, parse_args
+    from mpirt.modeling import load_model_config
+    from mpirt.parallel.tensor.layout import check_model_tp
+    try:
+        cfg = parse_args(training_args(spec))
+    except ConfigError as err:
+        raise SlurmScriptError(f"training arguments: {err}") from None
+    if ("/" in cfg.model or cfg.model.endswith(".toml")) and not Path(cfg.model).exists():
+        return                       # a model file on the cluster only: mpirt.train checks it at start
+    try:
+        model_cfg = load_model_config(cfg.model, cfg.model_overrides)
+    except (ConfigError, ValueError) as err:
+        raise SlurmScriptError(f"--model: {err}") from None
+    try:
+        check_model_tp(model_cfg, spec.tp, seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
+    except ValueError as err:
+        raise SlurmScriptError(f"--tp: {err} (model {cfg.model})") from None
+
+
 def render(spec: JobSpec) -> str:
     """The sbatch script for ``spec`` (validated first; SlurmScriptError names a bad flag)."""
     validate(spec)
@@ -298,16 +336,7 @@ def render(spec: JobSpec) -> str:
         sbatch += ["--requeue", "--open-mode=append"]
     lines += [f"#SBATCH {s}" for s in sbatch]
 
-    train = []
-    if spec.model:
-        train += ["--model", spec.model]
-    if spec.data:
-        train += ["--data", spec.data]
-    if spec.dp:
-        train += ["--dp", str(spec.dp)]
-    if spec.tp > 1 or spec.pp > 1:
-        train += ["--tp", str(spec.tp), "--pp", str(spec.pp)]
-    train += list(spec.train_args)
+    train = training_args(spec)
     lines += [
         "set -euo pipefail",
         "",
@@ -391,6 +420,7 @@ def main(argv=None) -> int:
             spec = dataclasses.replace(spec, notice=min(spec.notice, longest_notice(time_seconds(spec.time))))
         try:
             text = render(spec)
+            check_training_args(spec)   # the CLI also reads them as the run will (render() keeps them as text)
         except SlurmScriptError as err:
             ap.error(str(err))
     if args.out:

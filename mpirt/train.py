@@ -45,7 +45,7 @@ from mpirt.parallel.engine import Engine, zero_refusal
 from mpirt.plan import format_lines as prediction_lines, self_check
 from mpirt.parallel.schedules import check_shape
 from mpirt.modeling import apply_overrides, attention_core, config_from_dict, flops_per_token, load_model_config, \
-    model_class, num_parameters, open_hf
+    num_parameters, open_hf
 
 
 def plan_layout(cfg, world_size: int) -> dict:
@@ -141,16 +141,10 @@ def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> None:
     if cfg.eval_batches > available:
         raise ConfigError(f"eval_batches: {cfg.eval_batches} requested but the validation split of "
                           f"{data.directory} holds only {available} batches of {cfg.batch_size} x {cfg.seq_len} tokens")
-    if layout["tp"] > 1 and model_class(model_cfg).tp_plan is None:
-        raise ConfigError(f"tp: model_type {model_cfg.model_type!r} has no tensor-parallel plan (tp_plan); "
-                          f"use --tp 1 (data or pipeline parallelism split it instead)")
-    if layout["tp"] > 1:
-        try:
-            TP.check_tp_layout(layout["tp"], n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
-                               hidden=model_cfg.hidden, vocab_size=model_cfg.vocab_size, seq_len=cfg.seq_len,
-                               sequence_parallel=cfg.sequence_parallel)
-        except ValueError as err:
-            raise ConfigError(f"tp: {err}") from None
+    try:
+        TP.check_model_tp(model_cfg, layout["tp"], seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
+    except ValueError as err:
+        raise ConfigError(f"tp: {err}") from None
     if cfg.recompute == "selective" and not attention_core(model_cfg):
         raise ConfigError(f"recompute: model_type {model_cfg.model_type!r} names no attention core for selective "
                           "recomputation; use full")

@@ -102,6 +102,23 @@ def test_a_notice_that_does_not_fit_the_time_is_shortened_or_refused(capsys):
     assert stop.value.code == 2 and "--notice: must be at most 90 s for --time 5" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--", "--stepz", "10"], "training arguments: stepz: unknown key; did you mean 'steps'?"),
+    (["--", "--lr", "fast"], "training arguments: lr"),
+    (["--ntasks-per-node", "8", "--tp", "8", "--model", "gpt2"], "--tp: tensor parallelism: tp=8 must divide n_head=12"),
+    (["--ntasks-per-node", "2", "--tp", "2", "--model", "mlp"], "--tp: model_type 'mlp' has no tensor-parallel plan"),
+])
+def test_training_arguments_are_checked_at_render_time(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_model_file_only_the_cluster_has_is_left_to_the_run(capsys):
+    main(["--ntasks-per-node", "2", "--tp", "2", "--model", "/cluster/only/model.toml"])
+    assert "--model /cluster/only/model.toml --tp 2" in capsys.readouterr().out.replace("'", "")
+
+
 def test_checked_in_epilog_is_the_renderer_output():
     assert (ROOT / "slurm" / "epilog-mpich-shm.sh").read_text() == epilog(), \
         "slurm/epilog-mpich-shm.sh is stale: python -m mpirt.slurm --epilog -o slurm/epilog-mpich-shm.sh"

@@ -54,7 +54,7 @@ from .comm import (CopyToTP, GatherFromSeq, GatherLastDim, ReduceFromTP, ReduceS
                    copy_to_tp, gather_last_dim, gather_seq, reduce_from_tp, reduce_scatter_seq, scatter_seq)
 from .layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
                      SeqParallelLinear, SequenceParallelEmbedding, VocabEmbedding, VocabParallelEmbedding)
-from .layout import AXIS, PaddedParameter, check_tp_layout, pad_rows, pad_vocab
+from .layout import AXIS, PaddedParameter, check_model_tp, check_tp_layout, pad_rows, pad_vocab
 from .loss import VocabParallelCrossEntropy, VocabParallelHead, VocabParallelLoss, vocab_parallel_cross_entropy
 from .memory import activation_bytes, saved_activation_bytes
 from .plan import KINDS, parallelize, reseed_dropouts
@@ -64,7 +64,7 @@ from .state import (full_state_dict, gather_logits, gather_param, shard_param,
 __all__ = [
     "AXIS", "KINDS",
     # layout
-    "PaddedParameter", "check_tp_layout", "pad_rows", "pad_vocab",
+    "PaddedParameter", "check_model_tp", "check_tp_layout", "pad_rows", "pad_vocab",
     # communication
     "CopyToTP", "ReduceFromTP", "GatherFromSeq", "ReduceScatterToSeq", "ScatterToSeq", "GatherLastDim",
     "copy_to_tp", "reduce_from_tp", "gather_seq", "reduce_scatter_seq", "scatter_seq", "gather_last_dim",

@@ -35,6 +35,20 @@ def check_tp_layout(tp: int, *, n_head: int, n_embd: int, hidden: int, vocab_siz
         raise ValueError(f"tensor parallelism: padded vocabulary {pad_vocab(vocab_size, tp)} not divisible by tp={tp}")
 
 
+def check_model_tp(model_cfg, tp: int, *, seq_len: int | None = None, sequence_parallel: bool = False) -> None:
+    """Refuse (ValueError naming the numbers) a tp > 1 that the model cannot take: a model type
+    without a tensor-parallel plan, or sizes tp does not divide (:func:`check_tp_layout`). Pure;
+    the training's pre-flight and ``python -m mpirt.slurm`` both ask it."""
+    if tp <= 1:
+        return
+    from mpirt.modeling import model_class
+    if model_class(model_cfg).tp_plan is None:
+        raise ValueError(f"model_type {model_cfg.model_type!r} has no tensor-parallel plan (tp_plan); use --tp 1 "
+                         "(data or pipeline parallelism split it instead)")
+    check_tp_layout(tp, n_head=model_cfg.n_head, n_embd=model_cfg.n_embd, hidden=model_cfg.hidden,
+                    vocab_size=model_cfg.vocab_size, seq_len=seq_len, sequence_parallel=sequence_parallel)
+
+
 def _local_param(global_shape, spec: ShardSpec, comm, init="normal", std=0.02, dtype="float32", cls=Parameter,
                  **extra):
     """A lazy parameter (no array yet) whose shape is this rank's slice."""
