@@ -137,10 +137,9 @@ def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> None:
     stages = layout["pp"] * (cfg.chunks if cfg.schedule == "interleaved" else 1)
     if layout["pp"] > 1 and model_cfg.n_layer < stages:
         raise ConfigError(f"pp: n_layer={model_cfg.n_layer} cannot fill pp x chunks = {stages} pipeline stages")
-    available = num_eval_batches(data.val, cfg.batch_size, cfg.seq_len)
-    if cfg.eval_batches > available:
-        raise ConfigError(f"eval_batches: {cfg.eval_batches} requested but the validation split of "
-                          f"{data.directory} holds only {available} batches of {cfg.batch_size} x {cfg.seq_len} tokens")
+    if num_eval_batches(data.val, cfg.batch_size, cfg.seq_len) < 1:
+        raise ConfigError(f"data: the validation split of {data.directory} holds no batch of {cfg.batch_size} x "
+                          f"{cfg.seq_len} tokens to evaluate on")
     try:
         TP.check_model_tp(model_cfg, layout["tp"], seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
     except ValueError as err:
@@ -164,6 +163,17 @@ def open_dataset(directory: str) -> TokenDataset:
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(f"data: {err} ({directory} is not a prepared dataset: make one from a folder of text "
                           f"files with `python -m mpirt.data prepare SRC_DIR OUT_DIR`)") from None
+
+
+def fit_eval_batches(cfg, data: TokenDataset):
+    """``cfg`` with ``eval_batches`` lowered to what the validation split holds, and the warning
+    to print (None when it fits): a small dataset needs no flag lowered by hand."""
+    available = num_eval_batches(data.val, cfg.batch_size, cfg.seq_len)
+    if cfg.eval_batches <= available:
+        return cfg, None
+    return dataclasses.replace(cfg, eval_batches=available), (
+        f"mpirt: warning: eval_batches {cfg.eval_batches}: the validation split of {data.directory} holds "
+        f"{available} batches of {cfg.batch_size} x {cfg.seq_len} tokens; evaluating on {available}")
 
 
 def vocab_from_data(cfg, model_cfg, data: TokenDataset, tp: int):
@@ -339,6 +349,9 @@ def main(argv=None) -> dict:
         if not (resume or hf_weights is not None):
             model_cfg = vocab_from_data(cfg, model_cfg, data, layout["tp"])
         check_fit(cfg, model_cfg, data, layout)
+        cfg, eval_warning = fit_eval_batches(cfg, data)
+        if eval_warning and world.rank == 0:
+            print(eval_warning, file=sys.stderr, flush=True)
         check_resources(cfg, data)
         check_budget(cfg, model_cfg, layout, world.size, data.train.nbytes + data.val.nbytes)  # every rank's predicted peak against --memory-budget
         if resume and cfg.resume == "auto":

@@ -131,10 +131,17 @@ def test_an_error_on_one_rank_stops_every_rank(tiny_data, tmp_path):
     (["--pp=2", "--grad-accum=2"], "grad_accum"),
     (["--pp=2", "--microbatches=3"], "microbatches"),
     (["--pp=2", "--schedule=interleaved", "--model.n_layer=2"], "n_layer=2"),
-    (["--eval-batches=100000"], "eval_batches"),
 ])
 def test_impossible_layouts_are_refused_before_training(tiny_data, tmp_path, layout, message):
     result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={tmp_path}", *layout, ranks=2,
                         check=False)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_more_eval_batches_than_the_split_holds_evaluate_on_all_it_holds(tiny_data, tmp_path):
+    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={tmp_path}", "--steps=1",
+                        "--eval-batches=100000", ranks=2)
+    assert "mpirt: warning: eval_batches 100000: the validation split of" in result.stderr, result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["val_loss"] is not None and summary["val_loss"] > 0
