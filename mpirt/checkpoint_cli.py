@@ -23,7 +23,14 @@ def info(directory) -> str:
     """A description of the checkpoint at ``directory`` (root or version), one line per tensor."""
     meta = verify_checkpoint(directory)
     extra = meta.get("extra") or {}
+    model, config = extra.get("model_config") or {}, meta.get("config") or {}
+    shape = ", ".join(f"{k} {model[k]}" for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
+                      if k in model)
+    loss = extra.get("loss")
     lines = [f"{meta['path']}: {meta['format']} version {meta['version']}, step {meta['step']}",
+             f"  model {config.get('model', '?')} ({model.get('model_type', '?')}: {shape or 'no model config'}), "
+             f"dtype {config.get('dtype', '?')}, training loss at this step "
+             + (f"{loss:.4f}" if isinstance(loss, (int, float)) else "not recorded"),
              f"  saved on layout {extra.get('layout')}; optimizer "
              f"{(meta['optimizer'] or {}).get('type')}; {len(meta['files'])} files, "
              f"{sum(f['bytes'] for f in meta['files'].values())} bytes"]

@@ -471,9 +471,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
 
     last_save = {"time": time.time(), "seconds": None, "step": start_step if resume else None}
 
-    def save(step: int) -> bool:
-        """Checkpoint ``step`` (collective: every rank writes its own boxes, rank 0 commits); False
-        when the state is not finite and nothing was written."""
+    def save(step: int, loss: float) -> bool:
+        """Checkpoint ``step`` (collective: every rank writes its own boxes, rank 0 commits), noting
+        the step's training ``loss``; False when the state is not finite and nothing was written."""
         t0 = time.time()
         dropout = engine.dropout_state()  # collective with pp
         scalars = {**optimizer.scalars(), **(scaler.state_dict() if scaler is not None else {})}
@@ -481,7 +481,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             path = save_sharded(out / "ckpt", world_comm, engine.save_sharded, step=step, config=cfg.to_dict(),
                                 keep=cfg.keep_checkpoints, optimizer={"type": "AdamW", "scalars": scalars},
                                 extra={"model_config": dataclasses.asdict(model_cfg), "data": str(data.directory),
-                                       "layout": summary_layout, "dropout": dropout})
+                                       "layout": summary_layout, "dropout": dropout,
+                                       "loss": loss if math.isfinite(loss) else None})
         except OSError as err:  # disk full, quota, permissions on any rank: the previous version stays intact
             if is_main:
                 kept = f"is step {last_save['step']}" if last_save["step"] is not None else "none: none was written"
@@ -595,7 +596,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                     f"the checkpoint of step {last_save['step']}" if last_save["step"] is not None else "the start")
                     + " (every step skipped): nothing new to save", file=sys.stderr, flush=True)
         elif due:
-            if not save(step):   # the state itself is not finite: no later step can recover it
+            if not save(step, loss_value):   # the state itself is not finite: no later step can recover it
                 stopped = f"the weights or optimizer state are not finite at step {step}"
                 exit_code = jobctl.EXIT_NONFINITE
             updated = False

@@ -83,6 +83,8 @@ def test_info_into_a_closed_pipe_and_a_bad_directory_are_one_line_at_most(tp2_ck
 def test_info_and_export(tp2_ckpt, tmp_path):
     info = run_module("mpirt.checkpoint", "info", tp2_ckpt).stdout
     assert "version 3, step 2" in info and "rank-00001.safetensors" in info
+    assert "(gpt2: n_layer 2, n_head 4, n_embd 32" in info and "dtype float32, training loss at this step " in info
+    assert "not recorded" not in info
     assert "params h.0.attn.c_attn.weight: (32, 96) float32, 6 shard(s)" in info
     run_module("mpirt.checkpoint", "export", tp2_ckpt, tmp_path / "hf")
     from mpirt.models.hf import load_hf_gpt2
