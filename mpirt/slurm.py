@@ -183,19 +183,34 @@ step=$!
 while kill -0 "$step" 2>/dev/null; do wait "$step" || true; done  # a trapped signal ends a wait early
 rc=0
 wait "$step" || rc=$?
+requeued() {  # whether SLURM took the requeue although scontrol (interrupted by it) reported an error
+    local n
+    n=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'Restarts=[0-9]*' | cut -d= -f2)
+    [ -n "$n" ] && [ "$n" -gt "${SLURM_RESTART_COUNT:-0}" ]
+}
 case $rc in
     0) say "training finished" ;;
-    75) say "training stopped with a checkpoint in $RUN_DIR/ckpt (exit 75): submit the same command to continue" ;;
+    75) say "training stopped with a checkpoint in $RUN_DIR/ckpt (exit 75)" ;;
     *) say "training failed (exit $rc)" ;;
 esac
-if [ "$PREEMPTIBLE" = 1 ] && [ "$rc" = 75 ] && [ -z "$got_term" ]; then
+if [ "$rc" = 75 ] && [ -n "$got_term" ]; then
+    if [ "$PREEMPTIBLE" = 1 ]; then
+        say "stopped by SLURM: a preempted job is requeued by SLURM itself; after scancel," \
+            "scontrol requeue $SLURM_JOB_ID continues it"
+    else
+        say "stopped by SLURM: submit the same command (or scontrol requeue $SLURM_JOB_ID) to continue"
+    fi
+elif [ "$rc" = 75 ] && [ "$PREEMPTIBLE" = 1 ]; then
     ckpt_after=$(cat "$RUN_DIR/ckpt/latest" 2>/dev/null || true)
     if [ -n "$ckpt_after" ] && [ "$ckpt_after" != "$ckpt_before" ]; then
         say "requeueing to continue from $ckpt_after"
-        scontrol requeue "$SLURM_JOB_ID" || say "scontrol requeue failed: submit the same command to continue"
+        scontrol requeue "$SLURM_JOB_ID" || requeued ||
+            say "scontrol requeue failed: submit the same command to continue"
     else
         say "no new checkpoint since the job started: not requeueing"
     fi
+elif [ "$rc" = 75 ]; then
+    say "submit the same command to continue"
 fi
 exit "$rc"
 '''.replace("CLEAN_SHM_FUNCTION\n", CLEAN_SHM)
@@ -333,7 +348,8 @@ def render(spec: JobSpec) -> str:
     if spec.notice:
         sbatch.append(f"--signal=B:USR1@{spec.notice}")
     if spec.preemptible:
-        sbatch += ["--requeue", "--open-mode=append"]
+        sbatch.append("--requeue")
+    sbatch.append("--open-mode=append")   # a requeued attempt (preempted, by hand, a node failure) adds to the log
     lines += [f"#SBATCH {s}" for s in sbatch]
 
     train = training_args(spec)

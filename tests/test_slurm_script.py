@@ -26,8 +26,9 @@ if [ "$name" = srun ] && [ "$1" = --mpi=none ]; then
     while [[ $1 == --* ]]; do shift; done
     exec "$@"
 fi
+if [ "$name" = scontrol ] && [ "$1" = show ]; then echo "${STUB_SHOW_JOB:-}"; exit 0; fi
 printf '%s\0' "$@" >"$STUB_LOG/$name.args"
-[ "$name" = srun ] || exit 0
+[ "$name" = srun ] || exit "${STUB_OTHER_RC:-0}"
 out=""
 while [ $# -gt 0 ]; do [ "$1" = --out-dir ] && out=$2; shift; done
 for _ in $(seq "${STUB_TENTHS:-0}"); do sleep 0.1; done
@@ -253,6 +254,22 @@ def test_requeue_only_after_a_stop_with_a_new_checkpoint(job_env, preemptible, r
     assert (stub_args(where, "scontrol") == ["requeue", "4242"]) is requeued, out
 
 
+@pytest.mark.parametrize("preemptible, scontrol_rc, show_job, message", [
+    (True, 0, "", "requeueing to continue from step-00000010"),
+    # scontrol interrupted by the requeue it asked for: SLURM counted the restart, so it worked
+    (True, 1, "JobId=4242 JobName=mpirt Restarts=1 JobState=PENDING", "requeueing to continue from step-00000010"),
+    (True, 1, "JobId=4242 JobName=mpirt Restarts=0 JobState=RUNNING", "scontrol requeue failed"),
+    (False, 0, "", "submit the same command to continue"),
+])
+def test_the_end_of_a_stopped_job_says_what_happens_next(job_env, preemptible, scontrol_rc, show_job, message):
+    where, env = job_env
+    code, out = run_job(render(cpu_spec(run_dir=str(where / "run"), preemptible=preemptible)), where, env,
+                        STUB_RC="75", STUB_CKPT="step-00000010", STUB_OTHER_RC=str(scontrol_rc), STUB_SHOW_JOB=show_job)
+    assert code == 75 and message in out, out
+    if message.startswith("requeueing"):
+        assert "requeue failed" not in out and "submit the same command" not in out, out
+
+
 def wait_started(proc: subprocess.Popen, where: Path) -> None:
     end = time.time() + 20
     while stub_args(where, "srun") is None:
@@ -271,6 +288,8 @@ def test_term_to_the_batch_shell_is_not_forwarded(job_env):
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 75, out
     assert stub_args(where, "scancel") is None and stub_args(where, "scontrol") is None, out
+    # a preemption: SLURM requeues the job itself, so nothing tells the user to resubmit
+    assert "a preempted job is requeued by SLURM itself" in out and "submit the same command" not in out, out
 
 
 def test_usr1_notice_asks_the_ranks_to_stop_then_requeues(job_env):
