@@ -1,4 +1,4 @@
-"""Token datasets on np.memmap, a deterministic DP-sharded sampler, and corpus preparation.
+"""Token datasets read window by window, a deterministic DP-sharded sampler, and corpus preparation.
 
 On disk a dataset is a directory in nanoGPT's convention: flat uint16 ``train.bin`` and
 ``val.bin``, plus ``meta.json`` = {"vocab_size", "tokenizer", "train_tokens", "val_tokens",
@@ -8,9 +8,13 @@ the path of a HF ``tokenizers`` JSON file, relative to the dataset directory (``
 it in as ``tokenizer.json``). A plain nanoGPT directory without meta.json loads too, with
 vocab_size and tokenizer unknown (None).
 
-The largest id of each split lets a run refuse ids outside its model's vocabulary at start-up
-without reading the data; it is trusted only while the file's mtime is the one recorded with it
-(a file changed since, or a dataset without the record, is scanned instead).
+The token files are never mapped: :class:`TokenFile` reads each window with ``os.pread``, so a
+process's resident memory does not grow with the corpus (a memory map's pages stay resident once
+read). The largest id of each split lets a run refuse ids outside its model's vocabulary at
+start-up without reading the data; it is trusted only while the file's mtime is the one recorded
+with it. A split without a valid record is scanned at start-up when it holds at most
+:data:`SCAN_TOKENS` tokens; a larger one is not read at start-up at all: every window read is
+checked instead, and an id out of range ends the run naming the file and the token's offset.
 
 Batches are pure functions of (seed, step, dp_rank): every data-parallel layout sees the same
 global batch, and resuming at step k reproduces batch k. This module never imports mpi4py.
@@ -62,8 +66,76 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+SCAN_TOKENS = 1 << 26   # a split without a recorded largest id is scanned at start-up up to this size (128 MB)
+
+
+class TokenIdError(ValueError):
+    """A token id at or above the model's vocabulary, found as a window was read (names the file
+    and the token's offset)."""
+
+
+class TokenFile:
+    """One split's uint16 tokens on disk, read window by window with ``os.pread``: nothing is
+    mapped, so resident memory stays flat for any file size. ``len()``, ``nbytes``, ``read``,
+    ``windows`` and integer or slice indexing (each a read of just those tokens). With ``limit``
+    set (the model's vocabulary, :meth:`TokenDataset.check_ids`), every read refuses an id at or
+    above it with :class:`TokenIdError`."""
+
+    dtype = np.dtype(np.uint16)
+
+    def __init__(self, path: Path, n: int):
+        self.path, self.n, self.limit = Path(path), int(n), None
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.dtype.itemsize
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens ``[start, start + count)`` as a fresh array, checked against ``limit``."""
+        if start < 0 or count < 0 or start + count > self.n:
+            raise IndexError(f"{self.path}: tokens [{start}, {start + count}) outside [0, {self.n})")
+        buf = bytearray(count * self.dtype.itemsize)
+        view, done = memoryview(buf), 0
+        while done < len(buf):                       # pread may return less than asked
+            got = os.preadv(self._fd, [view[done:]], start * self.dtype.itemsize + done)
+            if got <= 0:
+                raise OSError(f"{self.path}: short read at byte {start * self.dtype.itemsize + done}")
+            done += got
+        out = np.frombuffer(buf, dtype=self.dtype)
+        if self.limit is not None and count and int(out.max()) >= self.limit:
+            at = int(np.argmax(out >= self.limit))
+            raise TokenIdError(f"data: {self.path} holds token id {int(out[at])} >= the model's vocab_size "
+                               f"{self.limit} (token {start + at})")
+        return out
+
+    def windows(self, starts, length: int) -> np.ndarray:
+        """Tokens ``[s, s + length)`` for each start ``s``, as rows of a (len(starts), length) array."""
+        out = np.empty((len(starts), length), dtype=self.dtype)
+        for row, start in enumerate(starts):
+            out[row] = self.read(int(start), length)
+        return out
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.n)
+            return self.read(start, max(0, stop - start))[::step]
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + self.n if key < 0 else int(key)
+            return self.read(i, 1)[0]
+        raise TypeError(f"{self.path}: index with an int or a slice (windows() for several), not {type(key).__name__}")
+
+    def __del__(self):
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+
 class TokenDataset:
-    """A prepared token directory: ``.train``/``.val`` uint16 memmaps, ``.vocab_size``, ``.meta``.
+    """A prepared token directory: ``.train``/``.val`` (:class:`TokenFile`), ``.vocab_size``, ``.meta``.
 
     Raises FileNotFoundError / ValueError naming the path for a missing, empty or odd-sized .bin.
     """
@@ -80,23 +152,34 @@ class TokenDataset:
         self.val = _open_bin(self.directory / "val.bin", self.meta.get("val_tokens"))
         self._hf = None
 
-    def max_id(self, split: str) -> int:
+    def max_id(self, split: str, scan_up_to: int | None = None) -> int | None:
         """The largest token id in ``split`` ("train" or "val"): meta.json's record when the file
-        is unchanged since it was written, else a scan in chunks of bounded memory."""
+        is unchanged since it was written, else a scan in chunks of bounded memory; None when the
+        split holds more than ``scan_up_to`` tokens (not scanned)."""
         tokens = getattr(self, split)
         recorded, stamp = self.meta.get(f"{split}_max_id"), self.meta.get(f"{split}_mtime_ns")
         if recorded is not None and stamp == (self.directory / f"{split}.bin").stat().st_mtime_ns:
             return int(recorded)
+        if scan_up_to is not None and len(tokens) > scan_up_to:
+            return None
         return max_token_id(tokens)
 
-    def check_ids(self, vocab_size: int) -> None:
+    def check_ids(self, vocab_size: int) -> list[str]:
         """Refuse (ValueError naming the file) a split holding an id ``>= vocab_size``: it would
-        fail at a forward or an evaluation, hours into the run."""
+        fail at a forward or an evaluation, hours into the run. Each split is checked from its
+        record, or scanned when at most :data:`SCAN_TOKENS` long; a larger split without a record
+        is checked as its windows are read. Returns a note for each split checked that way."""
+        notes = []
         for split in SPLITS:
-            top = self.max_id(split)
-            if top >= vocab_size:
-                raise ValueError(f"data: {self.directory / f'{split}.bin'} holds token id {top} >= the model's "
-                                 f"vocab_size {vocab_size}")
+            tokens = getattr(self, split)
+            top = self.max_id(split, scan_up_to=SCAN_TOKENS)
+            tokens.limit = vocab_size
+            if top is None:
+                notes.append(f"{tokens.path} ({len(tokens):,} tokens) records no largest token id: its ids are "
+                             f"checked as batches are read")
+            elif top >= vocab_size:
+                raise ValueError(f"data: {tokens.path} holds token id {top} >= the model's vocab_size {vocab_size}")
+        return notes
 
     def _hf_tokenizer(self):
         if self.tokenizer is None:
@@ -123,7 +206,7 @@ class TokenDataset:
 
 
 def _open_bin(path, expected):
-    """Read-only uint16 memmap of a .bin file, with errors that name the path."""
+    """The :class:`TokenFile` of a .bin file, with errors that name the path."""
     if not path.is_file():
         raise FileNotFoundError(f"token file not found: {path}")
     size = path.stat().st_size
@@ -131,7 +214,7 @@ def _open_bin(path, expected):
         raise ValueError(f"{path}: size {size} bytes is not a non-empty whole number of uint16")
     if expected is not None and expected != size // 2:
         raise ValueError(f"{path}: meta.json says {expected} tokens, the file holds {size // 2}")
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    return TokenFile(path, size // 2)
 
 
 def max_token_id(tokens) -> int:
@@ -151,9 +234,13 @@ def _check_layout(batch_size, seq_len, dp_rank, dp_size):
 
 
 def _gather(tokens, starts, seq_len):
-    """x, y (int64, shape (len(starts), seq_len)) from windows tokens[s : s+seq_len+1]."""
-    idx = starts[:, None] + np.arange(seq_len + 1)  # (B, T+1)
-    buf = np.asarray(tokens[idx]).astype(np.int64)  # one vectorised gather from the memmap
+    """x, y (int64, shape (len(starts), seq_len)) from windows tokens[s : s+seq_len+1] of a
+    :class:`TokenFile` (one read a window) or an array."""
+    if isinstance(tokens, TokenFile):
+        buf = tokens.windows(starts, seq_len + 1).astype(np.int64)
+    else:
+        idx = starts[:, None] + np.arange(seq_len + 1)  # (B, T+1)
+        buf = np.asarray(tokens[idx]).astype(np.int64)  # one vectorised gather
     return np.ascontiguousarray(buf[:, :-1]), np.ascontiguousarray(buf[:, 1:])
 
 
@@ -316,7 +403,7 @@ def prepare(src_dir, out_dir, tokenizer=None, val_fraction=0.05, pattern="*", ex
                 "train_files": docs["train"], "val_files": docs["val"], "source": str(src)}
         for split in SPLITS:  # the bins are final: record their largest id and the mtime it holds for
             path = tmp / f"{split}.bin"
-            meta[f"{split}_max_id"] = max_token_id(np.memmap(path, dtype=np.uint16, mode="r"))
+            meta[f"{split}_max_id"] = max_token_id(TokenFile(path, path.stat().st_size // 2))
             meta[f"{split}_mtime_ns"] = path.stat().st_mtime_ns
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")

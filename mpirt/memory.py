@@ -129,8 +129,9 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     """Predicted peak bytes of world rank ``rank`` by category (:data:`CATEGORIES`) plus ``"peak"``,
     their sum, from the run's config alone (pure: nothing is built or communicated).
 
-    ``baseline``: the process (:data:`PROCESS_BYTES`); ``data``: ``data_bytes``, the dataset's
-    memory-mapped token files (resident once read: the id check and the batches read them); ``parameters``, ``gradients``,
+    ``baseline``: the process (:data:`PROCESS_BYTES`); ``data``: ``data_bytes``, dataset bytes a
+    caller holds in memory (none for ``mpirt.train``: its token files are read window by window,
+    never mapped, :class:`mpirt.data.TokenFile`); ``parameters``, ``gradients``,
     ``optimizer_state`` (AdamW's two moments): this rank's share under tp, its pipeline stage's
     layers (the tied table on both end stages), ZeRO's sharding over dp (stage 2: the full gradient
     is alive during backward); ``activations``: one micro-batch's kept bytes (the model's
@@ -253,7 +254,7 @@ def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int 
              "communication": "a larger pp or tp (smaller stages and units)",
              "workspace": "a larger tp or pp (smaller logits and tensors)",
              "baseline": "a larger budget: the process alone needs it",
-             "data": "a larger budget: the dataset's files are mapped whole"}
+             "data": "a larger budget: the dataset bytes held in memory"}
     raise ValueError(f"memory_budget: {describe_rank(layout, worst)}: predicted peak {format_size(p['peak'])} > "
                      f"budget {format_size(budget)}; largest term {term.replace('_', ' ')} {format_size(p[term])} "
                      f"({', '.join(f'{k.replace(chr(95), chr(32))} {format_size(p[k])}' for k in CATEGORIES)}); "

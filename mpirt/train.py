@@ -32,7 +32,7 @@ from mpirt.checkpoint import (CheckpointError, CheckpointReader, looks_like_chec
                               read_checkpoint_meta, verify_checkpoint)
 from mpirt.checkpoint_sharded import save_sharded
 from mpirt.config import ConfigError, parse_args, parse_duration
-from mpirt.data import MetaError, TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
+from mpirt.data import MetaError, TokenDataset, TokenIdError, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.distributed import init_distributed, input_fingerprint
 from mpirt.grid import Grid, check_layout, resolve_dp
 from mpirt.memory import check_budget, decode_over_budget, format_size, over_budget_flag, parse_size, predict
@@ -127,8 +127,9 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
     return changed, weights, resume
 
 
-def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> None:
-    """Refuse a run whose data, sequence length or tp does not fit the model, naming the numbers."""
+def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> list[str]:
+    """Refuse a run whose data, sequence length or tp does not fit the model, naming the numbers;
+    returns notes for the start-up lines (a split whose ids are checked as it is read)."""
     if cfg.seq_len > model_cfg.n_positions:
         raise ConfigError(f"seq_len: {cfg.seq_len} exceeds the model's n_positions {model_cfg.n_positions}")
     if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
@@ -150,7 +151,7 @@ def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> None:
     beyond = sorted(i for i in parse_layers(cfg.recompute_layers) or () if i >= model_cfg.n_layer)
     if beyond:
         raise ConfigError(f"recompute_layers: block {beyond[0]} does not exist (n_layer={model_cfg.n_layer})")
-    data.check_ids(model_cfg.vocab_size)  # last: where meta.json does not record the ids, it reads the data
+    return data.check_ids(model_cfg.vocab_size)  # last: it may read a small split without a record
 
 
 def open_dataset(directory: str) -> TokenDataset:
@@ -318,7 +319,7 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
         f"batch {cfg.batch_size} x {cfg.seq_len}",
         f"mpirt: memory: recompute {cfg.recompute}" + (f" (blocks {cfg.recompute_layers})" if cfg.recompute_layers
                                                          and cfg.recompute != "none" else "")
-        + f", predicted peak {format_size(max(predict(cfg, model_cfg, layout, r, data.train.nbytes + data.val.nbytes)['peak'] for r in range(ctx.size)))}"
+        + f", predicted peak {format_size(max(predict(cfg, model_cfg, layout, r)['peak'] for r in range(ctx.size)))}"
         + f" (largest rank), budget {cfg.memory_budget or 'none'}",
         f"mpirt: out {out} ({where}; steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
         f"{', '.join(stops) or 'at the end'}, keep {cfg.keep_checkpoints}"
@@ -348,12 +349,13 @@ def main(argv=None) -> dict:
         model_cfg, hf_weights, resume = resolve_model(cfg)
         if not (resume or hf_weights is not None):
             model_cfg = vocab_from_data(cfg, model_cfg, data, layout["tp"])
-        check_fit(cfg, model_cfg, data, layout)
+        notes = [f"mpirt: data: {note}" for note in check_fit(cfg, model_cfg, data, layout)]
         cfg, eval_warning = fit_eval_batches(cfg, data)
-        if eval_warning and world.rank == 0:
-            print(eval_warning, file=sys.stderr, flush=True)
+        for line in notes + ([eval_warning] if eval_warning else []):
+            if world.rank == 0:
+                print(line, file=sys.stderr, flush=True)
         check_resources(cfg, data)
-        check_budget(cfg, model_cfg, layout, world.size, data.train.nbytes + data.val.nbytes)  # every rank's predicted peak against --memory-budget
+        check_budget(cfg, model_cfg, layout, world.size)  # every rank's predicted peak against --memory-budget
         if resume and cfg.resume == "auto":
             check_resume(cfg, read_checkpoint_meta(cfg.init_from), data.directory)
             check_resumed_model(cfg, model_cfg, data)
@@ -372,6 +374,10 @@ def main(argv=None) -> dict:
         sys.exit(jobctl.EXIT_REFUSED)
     try:
         return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started)
+    except TokenIdError as err:  # an id out of the vocabulary in a split checked as it is read
+        sys.stderr.write(f"error: rank {world.rank}: {err}; {last_checkpoint(out)}\n")
+        sys.stderr.flush()
+        sys.exit(jobctl.EXIT_REFUSED)
     except OSError as err:
         if err.errno not in DISK_FULL:
             raise
@@ -622,7 +628,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     grid.free()
 
     peaks = world_comm.allgather_object(peak_rss_bytes())
-    predicted = [predict(cfg, model_cfg, layout, r, data.train.nbytes + data.val.nbytes)["peak"] for r in range(ctx.size)]
+    predicted = [predict(cfg, model_cfg, layout, r)["peak"] for r in range(ctx.size)]
     summary = {
         "steps": step,
         "total_steps": cfg.steps,
@@ -651,7 +657,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         **monitored,
     }
     if is_main:  # the performance model's prediction for this layout beside what was measured
-        summary["prediction"] = self_check(cfg, model_cfg, layout, summary, data.train.nbytes + data.val.nbytes)
+        summary["prediction"] = self_check(cfg, model_cfg, layout, summary)
         _write_json(out / "summary.json", summary)
         print(end_block(summary, out, start_step), file=sys.stderr, flush=True)
     if exit_code:

@@ -40,7 +40,7 @@ def test_prepare_bytes_roundtrip(src, tmp_path):
     out = tmp_path / "ds"
     meta = prepare(src, out, val_fraction=0.2)
     ds = TokenDataset(out)
-    assert isinstance(ds.train, np.memmap) and isinstance(ds.val, np.memmap)
+    assert isinstance(ds.train, data.TokenFile) and isinstance(ds.val, data.TokenFile)   # read, never mapped
     assert ds.train.dtype == np.uint16 and ds.vocab_size == 256
     assert json.loads((out / "meta.json").read_text()) == meta == ds.meta
     total = sum(len(t.encode()) + 1 for t in DOCS.values())  # + one separator per document
@@ -157,6 +157,38 @@ def test_token_ids_are_checked_against_the_vocabulary(src, tmp_path, monkeypatch
     monkeypatch.setattr(data, "_SCAN", 7)
     assert TokenDataset(out).max_id("val") == 50300
     assert data.max_token_id(np.arange(20, dtype=np.uint16)[::-1]) == 19
+
+
+def test_a_large_split_without_a_record_is_checked_as_it_is_read(src, tmp_path, monkeypatch):
+    out = tmp_path / "ds"
+    meta = prepare(src, out, val_fraction=0.2)
+    for key in ("train_max_id", "train_mtime_ns"):
+        del meta[key]
+    (out / "meta.json").write_text(json.dumps(meta))
+    tokens = np.fromfile(out / "train.bin", dtype=np.uint16)
+    tokens[100] = 300
+    tokens.tofile(out / "train.bin")
+    monkeypatch.setattr(data, "SCAN_TOKENS", 10)           # "large": not scanned at start-up
+    scanned = []
+    monkeypatch.setattr(data, "max_token_id", lambda t: scanned.append(t.path.name) or 0)
+    ds = TokenDataset(out)
+    notes = ds.check_ids(256)
+    assert [n.split(" (")[0] for n in notes] == [str(out / "train.bin")] and scanned == []   # val: its record
+    assert ds.train[:100].max() < 256                        # reads short of the bad id pass
+    with pytest.raises(data.TokenIdError, match=rf"{out / 'train.bin'} holds token id 300 >= the model's "
+                                                rf"vocab_size 256 \(token 100\)"):
+        get_eval_batch(ds.train, 0, batch_size=2, seq_len=64)
+
+
+def test_token_files_are_read_not_mapped(tmp_path):
+    """Windows come from pread: nothing of the file is mapped, however large (a sparse 4 GiB file)."""
+    path = tmp_path / "big.bin"
+    with open(path, "wb") as f:
+        f.truncate(4 << 30)
+    tokens = data.TokenFile(path, (4 << 30) // 2)
+    x, y = get_batch(tokens, 3, batch_size=8, seq_len=256, seed=0)
+    assert x.shape == (8, 256) and not x.any() and len(tokens) == 2 << 30
+    assert str(path) not in Path("/proc/self/maps").read_text()
 
 
 def test_get_batch_deterministic_and_shifted():

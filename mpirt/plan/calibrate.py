@@ -258,12 +258,10 @@ def measure_process_bytes(launcher: str = "mpiexec") -> dict:
         if proc.returncode:
             raise RuntimeError(f"memory calibration run failed: {proc.stderr.strip()[-500:]}")
         summary = json.loads((Path(tmp) / "summary.json").read_text())
-    data_dir = Path.home() / ".cache" / "mpirt" / "stdlib-py311-bytes"
-    data_bytes = sum((data_dir / f).stat().st_size for f in ("train.bin", "val.bin") if (data_dir / f).exists())
     cfg = dataclasses.replace(TrainConfig(), batch_size=4, seq_len=64)
     model_cfg = load_model_config("tiny", over)
     layout = {"dp": 2, "pp": 1, "tp": 1}
-    resid = [m - memory.predict(cfg, model_cfg, layout, r, data_bytes, rank0_on_top=True)["peak"]
+    resid = [m - memory.predict(cfg, model_cfg, layout, r, rank0_on_top=True)["peak"]
              for r, m in enumerate(summary["peak_memory_bytes_per_rank"])]
     return {"process_bytes": memory.PROCESS_BYTES + statistics.median(resid), "residual_per_rank": resid}
 
