@@ -187,13 +187,14 @@ def vocab_from_data(cfg, model_cfg, data: TokenDataset, tp: int):
     return dataclasses.replace(model_cfg, vocab_size=-(-data.vocab_size // step) * step)
 
 
-def comm_timeout(cfg, model_cfg) -> float:
+def comm_timeout(cfg, model_cfg=None) -> float:
     """The watchdog's timeout: ``--comm-timeout``, or for -1 (auto) 300 s plus the time rank 0 may
     spend writing a checkpoint (weights and both AdamW moments at 50 MB/s) while the others wait
-    for it in their next collective."""
+    for it in their next collective (300 s before the model is known: the pre-flight)."""
     if cfg.comm_timeout >= 0:
         return cfg.comm_timeout
-    return 300.0 + 3 * num_parameters(model_cfg) * (8 if cfg.dtype == "float64" else 4) / 50e6
+    save_s = 0.0 if model_cfg is None else 3 * num_parameters(model_cfg) * (8 if cfg.dtype == "float64" else 4) / 50e6
+    return 300.0 + save_s
 
 
 def check_resources(cfg, data: TokenDataset) -> None:
@@ -335,6 +336,9 @@ def main(argv=None) -> dict:
     error, lock = None, None
     try:
         cfg = parse_args(argv)
+        # watched from here on: a rank stalled in the pre-flight (data, checksums, agreement) ends
+        # the job naming the call instead of leaving the others waiting (the timeout grows later)
+        comm.start_watchdog(comm_timeout(cfg))
         mismatch = jobctl.launch_mismatch(world.size, library=comm.library_version())
         if mismatch:  # each singleton would print it: only the launcher's first task speaks
             if os.environ.get("SLURM_PROCID", "0") == "0":

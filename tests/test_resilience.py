@@ -142,6 +142,22 @@ def test_the_stop_handler_is_in_place_before_mpi_starts(tiny_data, tmp_path):
     assert summary(tmp_path)["last_checkpoint_step"] == summary(tmp_path)["steps"] >= 1
 
 
+def test_a_rank_stalled_before_training_is_caught_by_the_watchdog(tiny_data, tmp_path):
+    """Rank 1's dataset is a FIFO nobody writes (its open never returns) while rank 0 waits in the
+    pre-flight's agreement: --comm-timeout 10 ends the job with exit 4, not a hang."""
+    stalled = tmp_path / "stalled"
+    stalled.mkdir()
+    os.mkfifo(stalled / "meta.json")
+    args = [*TINY, "--comm-timeout=10", f"--out-dir={tmp_path / 'o'}"]
+    cmd = ["mpiexec", "-n", "1", sys.executable, "-m", "mpirt.train", *args, f"--data={tiny_data}", ":",
+           "-n", "1", sys.executable, "-m", "mpirt.train", *args, f"--data={stalled}"]
+    t0 = time.time()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    print(f"stalled pre-flight: exit {result.returncode} after {time.time() - t0:.1f} s")
+    assert result.returncode == 4, result.stderr
+    assert "rank 1" in result.stderr and time.time() - t0 < 90
+
+
 def test_a_second_signal_exits_at_once(tiny_data, tmp_path):
     out = tmp_path / "run"
     # a rank stalled in its step cannot reach the step boundary: only the second signal ends it
