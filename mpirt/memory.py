@@ -238,7 +238,7 @@ def describe_rank(layout: dict, rank: int) -> str:
 def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int = 0) -> list[dict]:
     """Every rank's :func:`predict`; with ``cfg.memory_budget``, ValueError for the rank whose peak
     exceeds it by the most, naming its largest term, the numbers and what would shrink it."""
-    preds = [predict(cfg, model_cfg, layout, r, data_bytes) for r in range(world_size)]
+    preds = [predict(cfg, model_cfg, layout, r, data_bytes, rank0_on_top=True) for r in range(world_size)]
     budget = parse_size(cfg.memory_budget)
     if budget is None:
         return preds

@@ -320,7 +320,7 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
         f"batch {cfg.batch_size} x {cfg.seq_len}",
         f"mpirt: memory: recompute {cfg.recompute}" + (f" (blocks {cfg.recompute_layers})" if cfg.recompute_layers
                                                          and cfg.recompute != "none" else "")
-        + f", predicted peak {format_size(max(predict(cfg, model_cfg, layout, r)['peak'] for r in range(ctx.size)))}"
+        + f", predicted peak {format_size(max(predict(cfg, model_cfg, layout, r, rank0_on_top=True)['peak'] for r in range(ctx.size)))}"
         + f" (largest rank), budget {cfg.memory_budget or 'none'}",
         f"mpirt: out {out} ({where}; steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
         f"{', '.join(stops) or 'at the end'}, keep {cfg.keep_checkpoints}"
@@ -632,7 +632,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     grid.free()
 
     peaks = world_comm.allgather_object(peak_rss_bytes())
-    predicted = [predict(cfg, model_cfg, layout, r)["peak"] for r in range(ctx.size)]
+    # as the end block's model check counts it (rank 0's writing on top): one predicted peak per run
+    predicted = [predict(cfg, model_cfg, layout, r, rank0_on_top=True)["peak"] for r in range(ctx.size)]
     summary = {
         "steps": step,
         "total_steps": cfg.steps,
