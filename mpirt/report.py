@@ -68,6 +68,15 @@ def _figure(rows: int = 1, cols: int = 1, width: float = 10, height: float = 4.5
     return plt, fig, axes[0] if rows == 1 else axes
 
 
+def _legend_below(ax, **kwargs) -> None:
+    """A legend centred under ``ax``, a fixed 36 points below it (tick labels and the axis
+    label sit in between), however short the figure: a fraction of the axes' height would put
+    it over the axis label of a short one. ``tight_layout`` then makes room for it."""
+    from matplotlib.transforms import ScaledTranslation
+    below = ax.transAxes + ScaledTranslation(0, -36 / 72, ax.figure.dpi_scale_trans)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=below, **kwargs)
+
+
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -100,18 +109,20 @@ def plot_breakdown(run: dict, path: Path) -> Path:
             left = [a + b for a, b in zip(left, ms)]
     ax.invert_yaxis()
     ax.set(xlabel="milliseconds per step (median)", title="Step time by part, per rank")
-    ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    _legend_below(ax, ncol=3)
     compute = [1e3 * median_of(run["ranks"][r], "compute_s") for r in ranks]
     wait = [1e3 * median_of(run["ranks"][r], "mpi_wait_s") for r in ranks]
     ax2.barh(labels, compute, color="#4c72b0", label="own compute")
     ax2.barh(labels, wait, left=compute, color="#c44e52", label="waiting in MPI")
-    slowest = max(range(len(ranks)), key=lambda i: compute[i])
+    # the run's own straggler figure names it (report.md says the same); else the longest compute here
+    named = ((run["summary"].get("monitor") or {}).get("stragglers") or {}).get("slowest_rank")
+    slowest = ranks.index(named) if named in ranks else max(range(len(ranks)), key=lambda i: compute[i])
     if len(ranks) > 1:
         ax2.annotate("slowest", (compute[slowest], slowest), xytext=(4, 0), textcoords="offset points",
                      va="center", fontsize=8, color="white" if wait[slowest] > compute[slowest] / 4 else "black")
     ax2.invert_yaxis()
     ax2.set(xlabel="milliseconds per step (median)", title="Compute vs waiting (stragglers compute longest)")
-    ax2.legend(fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    _legend_below(ax2, ncol=2)
     return _save(plt, fig, path)
 
 
@@ -133,9 +144,12 @@ def comm_table(run: dict) -> dict:
     return table
 
 
-def plot_comm(run: dict, path: Path) -> Path:
-    plt, fig, (ax, ax2) = _figure(1, 2, width=11)
+def plot_comm(run: dict, path: Path) -> Path | None:
+    """None (no figure) when nothing was communicated: one rank, or no axis moved a byte."""
     table = comm_table(run)
+    if run["summary"].get("world_size", 1) < 2 or not table:
+        return None
+    plt, fig, (ax, ax2) = _figure(1, 2, width=11)
     names = list(table)
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], [1e3 * table[a]["wait_s"] for a in names], 0.4, label="blocked (rank waits)",
@@ -197,7 +211,7 @@ def plot_timeline(run: dict, path: Path) -> Path | None:
     shown = [("forward", "forward"), ("backward", "backward"), ("weight_grad", "weight grad"),
              ("grad_sync", "gradient sync"), ("optimizer", "optimizer"), ("data", "data")]
     handles = [Patch(color=colors[k], label=n) for k, n in shown] + [Patch(color="#c44e52", label="blocked in MPI")]
-    ax.legend(handles=handles, fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    _legend_below(ax, handles=handles, ncol=4)
     return _save(plt, fig, path)
 
 
@@ -223,16 +237,19 @@ def plot_memory(run: dict, path: Path) -> Path | None:
     predicted = s.get("predicted_peak_bytes_per_rank")
     if predicted:
         ax.plot([p / MIB for p in predicted], range(len(predicted)), "kD", markersize=5, label="predicted peak")
-    budget = s.get("memory_budget_bytes") or memory[0].get("budget")
+    # the --memory-budget when one was set, else the rank's share of its node's memory (not a budget)
+    budget = s.get("memory_budget_bytes")
+    limit, what = (budget, "budget") if budget else (memory[0].get("budget"), "memory per rank on the node")
     top = max(lo + r for lo, r in zip(left, rest))
-    if budget and budget / MIB <= 3 * top:
-        ax.axvline(budget / MIB, color="#c44e52", linestyle="--", label=f"budget {budget / MIB:,.0f} MiB")
+    if limit and limit / MIB <= 3 * top:
+        ax.axvline(limit / MIB, color="#c44e52", linestyle="--" if budget else ":",
+                   label=f"{what} {limit / MIB:,.0f} MiB")
         title_budget = ""
     else:
-        title_budget = f" (budget {budget / MIB:,.0f} MiB, off scale)" if budget else ""
+        title_budget = f" ({what} {limit / MIB:,.0f} MiB, off scale)" if limit else ""
     ax.invert_yaxis()
     ax.set(xlabel="MiB (peak of the run)", title="Memory per rank" + title_budget)
-    ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    _legend_below(ax, ncol=3)
     return _save(plt, fig, path)
 
 

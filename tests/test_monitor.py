@@ -167,6 +167,25 @@ def test_report_writes_drawn_pngs_for_a_pipeline_run(tiny_data, tmp_path, layout
     assert "MFU" in text and "pipeline bubble" in text and "timeline.png" in text
 
 
+def test_report_of_one_rank_draws_no_communication_and_no_budget_it_was_not_given(tiny_data, tmp_path):
+    pytest.importorskip("matplotlib")
+    from mpirt import report
+    out = tmp_path / "run"
+    run_module("mpirt.train", *TINY, "--steps=3", f"--data={tiny_data}", f"--out-dir={out}")
+    run = report.load_run(out)
+    assert report.plot_comm(run, tmp_path / "comm.png") is None and not (tmp_path / "comm.png").exists()
+    seen = {}
+    real = report._save
+    report._save = lambda plt, fig, path: seen.update(texts=[t.get_text() for ax in fig.axes for t in
+                                                              [ax.title, *ax.get_legend().get_texts()]]) or real(plt, fig, path)
+    try:
+        report.plot_memory(run, tmp_path / "memory.png")
+    finally:
+        report._save = real
+    assert not any("budget" in t for t in seen["texts"]), seen     # no --memory-budget was set
+    assert any("memory per rank on the node" in t for t in seen["texts"]), seen
+
+
 def test_report_refuses_a_directory_without_a_run(tmp_path):
     result = run_module("mpirt.report", tmp_path, check=False)
     assert result.returncode == 2 and "summary.json" in result.stderr
