@@ -231,6 +231,53 @@ def _write_files(directory: Path, cfg: GPTConfig, tensors: dict, dtype: str) -> 
             os.fsync(f.fileno())
 
 
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: byte ``b``'s printable stand-in (printable Latin-1 bytes stand
+    for themselves, the others for 256, 257, ... in order), so any byte string is a token string."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def save_hf_tokenizer(dataset_dir, directory, max_length: int) -> str:
+    """Write the tokenizer a model was trained with beside its exported weights (``tokenizer.json``
+    and ``tokenizer_config.json``), so that ``AutoTokenizer.from_pretrained(directory)`` encodes
+    text as training did: the dataset's byte tokenizer (id = byte value, as a byte-level BPE
+    without merges) or the ``tokenizers`` JSON it was prepared with. Returns what was written,
+    in words; ValueError when the dataset says nothing of its tokenizer."""
+    from mpirt.data import BYTE_EOS, read_meta
+    dataset_dir, directory = Path(dataset_dir), Path(directory)
+    meta = read_meta(dataset_dir / "meta.json") if (dataset_dir / "meta.json").exists() else {}
+    kind = meta.get("tokenizer")
+    if kind == "bytes":
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        chars = _byte_chars()
+        tokenizer = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(chars)}, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.save(str(directory / "tokenizer.json"))
+        eos, what = chars[BYTE_EOS], "the byte tokenizer (byte-level, id = byte value)"
+    elif kind:
+        from tokenizers import Tokenizer
+        shutil.copyfile(dataset_dir / kind, directory / "tokenizer.json")
+        eos_id = meta.get("eos_id")
+        eos = Tokenizer.from_file(str(dataset_dir / kind)).id_to_token(eos_id) if eos_id is not None else None
+        what = f"the dataset's tokenizer {kind}"
+    else:
+        raise ValueError(f"{dataset_dir}: its meta.json names no tokenizer; the export would load with none")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              **({"eos_token": eos, "bos_token": eos} if eos is not None else {})}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return what
+
+
 def save_hf_gpt2(model, cfg: GPTConfig, directory, dtype: str = "float32") -> Path:
     """Write ``model`` as a Hugging Face GPT-2 directory (``config.json`` + ``model.safetensors``
     with ``transformer.``-prefixed names, stored as ``dtype``), loadable by

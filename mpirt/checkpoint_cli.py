@@ -44,8 +44,9 @@ def info(directory) -> str:
 
 def export_hf(directory, out, dtype: str = "float32") -> Path:
     """Write the weights of the GPT-2 checkpoint at ``directory`` as a Hugging Face directory
-    ``out``, tensor by tensor; it appears complete (written beside it, then renamed)."""
-    from mpirt.models.hf import PREFIX, SINGLE_FILE, hf_config_dict, param_shapes
+    ``out``, tensor by tensor, with the tokenizer of the dataset it was trained on; it appears
+    complete (written beside it, then renamed)."""
+    from mpirt.models.hf import PREFIX, SINGLE_FILE, hf_config_dict, param_shapes, save_hf_tokenizer
     from mpirt.modeling import config_from_dict
 
     meta = verify_checkpoint(directory)
@@ -65,6 +66,7 @@ def export_hf(directory, out, dtype: str = "float32") -> Path:
                  for name, shape in shapes.items()]
         write_safetensors(tmp / SINGLE_FILE, items)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_hf_tokenizer(meta["extra"]["data"], tmp, cfg.n_positions)
         os.rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -80,6 +80,32 @@ def test_info_into_a_closed_pipe_and_a_bad_directory_are_one_line_at_most(tp2_ck
     assert bad.stderr.startswith("error: ")
 
 
+def test_an_export_loads_with_transformers_tokenizer_included_and_generates(tp2_ckpt, tmp_path):
+    """transformers' recipe on an export: AutoTokenizer encodes as training did (the byte dataset:
+    id = byte value), AutoModelForCausalLM gives mpirt's logits, and generate() writes text."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mpirt.modeling import build_model, config_from_dict
+    from mpirt.tensor import no_grad
+    run_module("mpirt.checkpoint", "export", tp2_ckpt, tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def main():\n    return 0"
+    ids = tokenizer(text).input_ids
+    assert ids == list(text.encode()) and tokenizer.decode(ids) == text
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    meta, weights, _ = load_state(tp2_ckpt)
+    model = build_model(config_from_dict(meta["extra"]["model_config"]))
+    model.load_state_dict(weights)
+    with no_grad():
+        ours = model(np.asarray([ids])).data                 # (1, T, V)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == len(ids) + 8 and tokenizer.decode(out[0]).startswith(text)
+
+
 def test_info_and_export(tp2_ckpt, tmp_path):
     info = run_module("mpirt.checkpoint", "info", tp2_ckpt).stdout
     assert "version 3, step 2" in info and "rank-00001.safetensors" in info
