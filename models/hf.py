@@ -207,7 +207,7 @@ def load_into(model, directory) -> GPTConfig:
 def hf_config_dict(cfg: GPTConfig, dtype: str = "float32") -> dict:
     """``config.json`` contents for ``GPT2LMHeadModel`` with the architecture of ``cfg``."""
     if cfg.model_type != "gpt2":
-        raise ValueError(f"save_hf_gpt2: only GPT-2 models can be exported, got model_type {cfg.model_type!r}")
+        raise ValueError(f"export: GPT-2 and Llama-style models can be exported, got model_type {cfg.model_type!r}")
     token = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when it exists
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -220,6 +220,56 @@ def hf_config_dict(cfg: GPTConfig, dtype: str = "float32") -> dict:
         "add_cross_attention": False, "tie_word_embeddings": True, "use_cache": True,
         "bos_token_id": token, "eos_token_id": token, "torch_dtype": dtype,
     }
+
+
+def llama_config_dict(cfg, dtype: str = "float32") -> dict:
+    """``config.json`` contents for ``LlamaForCausalLM`` with the architecture of a Llama-style
+    ``cfg`` (every head its own k and v: no grouped-query attention; the head tied to the table)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head, "head_dim": cfg.n_embd // cfg.n_head,
+        "max_position_embeddings": cfg.n_positions, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": cfg.attn_pdrop, "initializer_range": cfg.initializer_range, "tie_word_embeddings": True,
+        "use_cache": True, "torch_dtype": dtype,
+    }
+
+
+def llama_param_shapes(cfg) -> dict:
+    """mpirt's parameter names and shapes of a Llama-style model (what an export reads)."""
+    c, h = cfg.n_embd, cfg.hidden
+    shapes = {"wte.weight": (cfg.vocab_size, c), "ln_f.weight": (c,)}
+    for i in range(cfg.n_layer):
+        shapes.update({f"h.{i}.ln_1.weight": (c,), f"h.{i}.attn.c_attn.weight": (c, 3 * c),
+                       f"h.{i}.attn.c_proj.weight": (c, c), f"h.{i}.ln_2.weight": (c,),
+                       f"h.{i}.mlp.gate_proj.weight": (c, h), f"h.{i}.mlp.up_proj.weight": (c, h),
+                       f"h.{i}.mlp.down_proj.weight": (h, c)})
+    return shapes
+
+
+def llama_hf_tensors(cfg, read) -> list:
+    """``(hf name, shape, read)`` of every tensor of a Llama-style model in ``LlamaForCausalLM``'s
+    names and layout, each ``read()`` built from ``read(mpirt name)``: mpirt keeps ``(in, out)``
+    matrices (HF ``(out, in)``) and one fused ``c_attn`` whose q | k | v column blocks become
+    ``q_proj``, ``k_proj``, ``v_proj``. The rotary layout (rotate half) is the same in both."""
+    c, h = cfg.n_embd, cfg.hidden
+
+    def part(name, lo=None, hi=None):
+        return lambda: np.ascontiguousarray(read(name)[:, lo:hi].T)
+
+    items = [("model.embed_tokens.weight", (cfg.vocab_size, c), lambda: read("wte.weight"))]
+    for i in range(cfg.n_layer):
+        mine, theirs = f"h.{i}.", f"model.layers.{i}."
+        items += [(theirs + "input_layernorm.weight", (c,), lambda n=mine + "ln_1.weight": read(n)),
+                  *((theirs + f"self_attn.{x}_proj.weight", (c, c), part(mine + "attn.c_attn.weight", j * c, (j + 1) * c))
+                    for j, x in enumerate("qkv")),
+                  (theirs + "self_attn.o_proj.weight", (c, c), part(mine + "attn.c_proj.weight")),
+                  (theirs + "post_attention_layernorm.weight", (c,), lambda n=mine + "ln_2.weight": read(n)),
+                  (theirs + "mlp.gate_proj.weight", (h, c), part(mine + "mlp.gate_proj.weight")),
+                  (theirs + "mlp.up_proj.weight", (h, c), part(mine + "mlp.up_proj.weight")),
+                  (theirs + "mlp.down_proj.weight", (c, h), part(mine + "mlp.down_proj.weight"))]
+    return items + [("model.norm.weight", (c,), lambda: read("ln_f.weight"))]
 
 
 def _write_files(directory: Path, cfg: GPTConfig, tensors: dict, dtype: str) -> None:

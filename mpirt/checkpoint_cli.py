@@ -43,27 +43,35 @@ def info(directory) -> str:
 
 
 def export_hf(directory, out, dtype: str = "float32") -> Path:
-    """Write the weights of the GPT-2 checkpoint at ``directory`` as a Hugging Face directory
-    ``out``, tensor by tensor, with the tokenizer of the dataset it was trained on; it appears
-    complete (written beside it, then renamed)."""
-    from mpirt.models.hf import PREFIX, SINGLE_FILE, hf_config_dict, param_shapes, save_hf_tokenizer
+    """Write the weights of the checkpoint at ``directory`` as a Hugging Face directory ``out``
+    (GPT-2: ``GPT2LMHeadModel``; Llama-style: ``LlamaForCausalLM``), tensor by tensor, with the
+    tokenizer of the dataset it was trained on; it appears complete (written beside it, then
+    renamed)."""
+    from mpirt.models.hf import (PREFIX, SINGLE_FILE, hf_config_dict, llama_config_dict, llama_hf_tensors,
+                                 llama_param_shapes, param_shapes, save_hf_tokenizer)
     from mpirt.modeling import config_from_dict
 
     meta = verify_checkpoint(directory)
     reader = CheckpointReader(meta["path"], verify=False)
     cfg = config_from_dict(meta["extra"]["model_config"])
-    config = hf_config_dict(cfg, dtype)  # refuses what is not GPT-2
-    shapes = param_shapes(cfg)
-    for name, shape in shapes.items():
-        reader.entry("params", name, shape)
+    if cfg.model_type == "llama":
+        config = llama_config_dict(cfg, dtype)
+        for name, shape in llama_param_shapes(cfg).items():
+            reader.entry("params", name, shape)
+        items = [(name, shape, dtype, fn) for name, shape, fn in llama_hf_tensors(cfg, lambda n: reader.read("params", n))]
+    else:
+        config = hf_config_dict(cfg, dtype)  # refuses what is neither GPT-2 nor Llama
+        shapes = param_shapes(cfg)
+        for name, shape in shapes.items():
+            reader.entry("params", name, shape)
+        items = [(PREFIX + name, shape, dtype, lambda name=name: reader.read("params", name))
+                 for name, shape in shapes.items()]
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"export: {out} exists")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        items = [(PREFIX + name, shape, dtype, lambda name=name: reader.read("params", name))
-                 for name, shape in shapes.items()]
         write_safetensors(tmp / SINGLE_FILE, items)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_hf_tokenizer(meta["extra"]["data"], tmp, cfg.n_positions)

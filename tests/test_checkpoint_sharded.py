@@ -106,6 +106,32 @@ def test_an_export_loads_with_transformers_tokenizer_included_and_generates(tp2_
     assert out.shape[1] == len(ids) + 8 and tokenizer.decode(out[0]).startswith(text)
 
 
+def test_a_llama_checkpoint_exports_to_llama_for_causal_lm(tiny_data, tmp_path):
+    """A Llama-style run (trained at tp 2) exports to LlamaForCausalLM: transformers gives mpirt's
+    logits (q | k | v split from the fused c_attn, matrices transposed, the same rotary layout)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mpirt.modeling import build_model, config_from_dict
+    from mpirt.tensor import no_grad
+    run_module("mpirt.train", "--model=llama-tiny", "--model.n_layer=2", "--model.n_embd=64", "--model.n_head=4",
+               "--model.n_positions=32", "--seq-len=16", "--batch-size=8", "--eval-batches=2", "--eval-interval=0",
+               "--progress=false", "--steps=3", "--tp=2", f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}", ranks=2)
+    run_module("mpirt.checkpoint", "export", tmp_path / "run" / "ckpt", tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    ids = AutoTokenizer.from_pretrained(tmp_path / "hf")("x = 1 + 2").input_ids
+    meta, weights, _ = load_state(tmp_path / "run" / "ckpt")
+    model = build_model(config_from_dict(meta["extra"]["model_config"]))
+    model.load_state_dict(weights)
+    with no_grad():
+        ours = model(np.asarray([ids])).data
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+    assert hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False).shape == (1, len(ids) + 4)
+
+
 def test_info_and_export(tp2_ckpt, tmp_path):
     info = run_module("mpirt.checkpoint", "info", tp2_ckpt).stdout
     assert "version 3, step 2" in info and "rank-00001.safetensors" in info
