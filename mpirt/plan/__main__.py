@@ -12,7 +12,7 @@ import sys
 
 from mpirt.memory import format_size, parse_size
 from mpirt.plan import hardware
-from mpirt.plan.search import describe, plan, table
+from mpirt.plan.search import describe, plan, table, tp_options
 
 
 def main(argv=None) -> int:
@@ -63,9 +63,16 @@ def run(a) -> int:
         k, _, v = item.partition("=")
         overrides[k] = int(v) if v.lstrip("-").isdigit() else float(v) if v.replace(".", "", 1).isdigit() else v
     model_cfg = load_model_config(a.model, overrides)
-    if a.seq_len > model_cfg.n_positions:
-        model_cfg.n_positions = a.seq_len  # planning a longer context than the preset's table
+    notes = []
+    if a.seq_len > model_cfg.n_positions:  # planning a longer context than the preset's table
+        notes.append(f"--seq-len {a.seq_len} is longer than {a.model}'s n_positions {model_cfg.n_positions}: planned "
+                     f"with n_positions {a.seq_len} (train with --model.n_positions={a.seq_len})")
+        model_cfg.n_positions = a.seq_len
     cluster = hardware.load(a.gpu).with_shape(a.nodes, a.gpus_per_node)
+    tps = tp_options(model_cfg, cluster)
+    if tps == [1] and cluster.devices_per_node > 1:
+        notes.append(f"tp 1 only: tp must divide n_head={getattr(model_cfg, 'n_head', 1)} and the {cluster.devices} "
+                     f"devices, within a node's {cluster.devices_per_node}")
     dtype = a.dtype or ("float32" if cluster.cores else "bfloat16")
     budget = parse_size(a.memory_budget) if a.memory_budget else None
     ests, tried = plan(model_cfg, cluster, a.global_batch, a.seq_len, dtype, budget, every=a.all,
@@ -73,6 +80,8 @@ def run(a) -> int:
     print(f"{a.model} on {a.nodes} x {a.gpus_per_node} {cluster.name} ({cluster.source}), global batch "
           f"{a.global_batch} x {a.seq_len}, {dtype}, budget {format_size(budget or cluster.memory_bytes)} per device: "
           f"{len(ests)} feasible of {tried} layouts tried")
+    for note in notes:
+        print(f"note: {note}")
     if not ests:
         print("no layout fits: more devices, a larger budget or a shorter sequence")
         return 1

@@ -26,16 +26,20 @@ def base_config(batch_size: int, seq_len: int, dtype: str):
     return dataclasses.replace(TrainConfig(), batch_size=batch_size, seq_len=seq_len, dtype=dtype)
 
 
+def tp_options(model_cfg, cluster: Cluster) -> list[int]:
+    """The tensor-parallel sizes a plan tries: divisors of the device count that divide the heads
+    and fit in one node (tp spans the fast links of a node)."""
+    heads = getattr(model_cfg, "n_head", 1)
+    return [tp for tp in _divisors(cluster.devices) if tp <= max(cluster.devices_per_node, 1) and heads % tp == 0]
+
+
 def candidates(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype: str,
                schedules=("1f1b", "interleaved", "zb-h1"), max_rows: int = 64) -> list[list]:
     """Groups of configs: each group one parallel shape, its memory settings in order of cost."""
     world = cluster.devices
     base = base_config(batch_size, seq_len, dtype)
-    heads = getattr(model_cfg, "n_head", 1)
     groups = []
-    for tp in _divisors(world):
-        if tp > max(cluster.devices_per_node, 1) or heads % tp:
-            continue
+    for tp in tp_options(model_cfg, cluster):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
             if pp > model_cfg.n_layer or batch_size % dp:
