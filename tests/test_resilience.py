@@ -80,7 +80,8 @@ def summary(out):
     return json.loads((out / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to one rank", "SIGTERM to mpiexec", "SIGINT to every rank"])
+@pytest.mark.parametrize("how", ["SIGTERM to one rank", "SIGTERM to mpiexec", "SIGINT to every rank",
+                                 "Ctrl-C (SIGINT to mpiexec's process group)"])
 def test_a_signal_stops_every_rank_with_a_checkpoint_and_resume_continues(tiny_data, tmp_path, how):
     out = tmp_path / "run"
     proc = start([*TINY, f"--data={tiny_data}", "--steps=100000"], out)
@@ -88,6 +89,8 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_resume_continues(tiny_d
     t0 = time.time()
     if how == "SIGTERM to mpiexec":
         proc.send_signal(signal.SIGTERM)
+    elif how.startswith("Ctrl-C"):   # what a terminal does: the whole foreground group, mpiexec and ranks
+        os.killpg(proc.pid, signal.SIGINT)
     else:
         targets = rank_pids(proc)
         assert len(targets) == 2, targets
