@@ -74,7 +74,11 @@ def export_hf(directory, out, dtype: str = "float32") -> Path:
     try:
         write_safetensors(tmp / SINGLE_FILE, items)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_hf_tokenizer(meta["extra"]["data"], tmp, cfg.n_positions)
+        try:   # best effort: the weights export without it (the dataset may not be on this machine)
+            save_hf_tokenizer((meta.get("extra") or {})["data"], tmp, cfg.n_positions)
+        except (KeyError, ValueError, OSError) as err:
+            print(f"export: warning: no tokenizer written ({err}); AutoTokenizer will not load from {out}",
+                  file=sys.stderr)
         os.rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

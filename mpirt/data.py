@@ -121,8 +121,11 @@ class TokenFile:
 
     def __getitem__(self, key):
         if isinstance(key, slice):
-            start, stop, step = key.indices(self.n)
-            return self.read(start, max(0, stop - start))[::step]
+            picked = range(*key.indices(self.n))
+            if not picked:
+                return np.empty(0, dtype=self.dtype)
+            lo = min(picked[0], picked[-1])
+            return self.read(lo, abs(picked[-1] - picked[0]) + 1)[np.asarray(picked) - lo]
         if isinstance(key, (int, np.integer)):
             i = int(key) + self.n if key < 0 else int(key)
             return self.read(i, 1)[0]

@@ -168,6 +168,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
+SLURM_ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+               "DEADLINE"}
+
+
 def slurm_job_ended(job: str) -> bool:
     """True when SLURM says job ``job`` is no longer queued or running (``squeue -h -j JOB``
     lists nothing, or no longer knows the id); False while it is listed, or when squeue cannot
@@ -176,8 +180,9 @@ def slurm_job_ended(job: str) -> bool:
         r = subprocess.run(["squeue", "-h", "-o", "%T", "-j", str(job)], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return False
-    if r.returncode == 0:
-        return not r.stdout.strip()
+    if r.returncode == 0:   # squeue lists a finished job for a while (MinJobAge) with its end state
+        state = r.stdout.split()[0] if r.stdout.split() else ""
+        return not state or state in SLURM_ENDED
     return "invalid job id" in (r.stderr + r.stdout).lower()
 
 

@@ -274,11 +274,11 @@ def check_resumed_model(cfg, resumed, data: TokenDataset) -> None:
     """Refuse a ``--resume auto`` whose model as ``--model`` and its overrides give it now differs
     from the checkpoint's (an edited TOML would otherwise resume as the old model, silently),
     naming each field. The vocabulary is not compared where the dataset sets it; a model file
-    that no longer exists leaves the checkpoint's model as it is."""
-    try:
-        now = load_model_config(cfg.model, cfg.model_overrides)
-    except FileNotFoundError:
+    that no longer exists leaves the checkpoint's model as it is. Only for a run whose model was
+    built from ``--model`` (the caller checks the checkpoint's ``model_source``)."""
+    if ("/" in cfg.model or cfg.model.endswith(".toml")) and not Path(cfg.model).exists():
         return
+    now = load_model_config(cfg.model, cfg.model_overrides)
     mine, saved = dataclasses.asdict(now), dataclasses.asdict(resumed)
     if data.vocab_size and "vocab_size" not in cfg.model_overrides:
         mine.pop("vocab_size", None)
@@ -360,9 +360,14 @@ def main(argv=None) -> dict:
                 print(line, file=sys.stderr, flush=True)
         check_resources(cfg, data)
         check_budget(cfg, model_cfg, layout, world.size)  # every rank's predicted peak against --memory-budget
+        resumed_meta = read_checkpoint_meta(cfg.init_from) if resume else None
+        # what built the model in the first place (kept across resumes): --model, or weights it started from
+        model_source = ((resumed_meta.get("extra") or {}).get("model_source") if resume
+                        else f"init_from {cfg.init_from}" if cfg.init_from else cfg.model)
         if resume and cfg.resume == "auto":
-            check_resume(cfg, read_checkpoint_meta(cfg.init_from), data.directory)
-            check_resumed_model(cfg, model_cfg, data)
+            check_resume(cfg, resumed_meta, data.directory)
+            if model_source == cfg.model:
+                check_resumed_model(cfg, model_cfg, data)
         deadline = jobctl.Deadline.from_config(cfg.time_limit, started, parse_duration)
         if world.rank == 0 and not cfg.eval_only:
             lock = jobctl.acquire_lock(out)
@@ -377,7 +382,7 @@ def main(argv=None) -> dict:
             print(f"error: {message}" if rank == 0 else f"error on rank {rank}: {message}", file=sys.stderr)
         sys.exit(jobctl.EXIT_REFUSED)
     try:
-        return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started)
+        return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started, model_source)
     except TokenIdError as err:  # an id out of the vocabulary in a split checked as it is read
         sys.stderr.write(f"error: rank {world.rank}: {err}; {last_checkpoint(out)}\n")
         sys.stderr.flush()
@@ -403,9 +408,11 @@ def last_checkpoint(out: Path) -> str:
         return "no checkpoint was written"
 
 
-def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path, started: float) -> dict:
+def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path, started: float,
+          model_source: str | None = None) -> dict:
     """Everything after the pre-flight checks (begun at ``started``, epoch seconds): set up, train,
-    checkpoint, summarise."""
+    checkpoint, summarise. ``model_source`` (``--model``, or ``init_from PATH``: what built the
+    model first) is recorded in the checkpoints, so a later resume knows what to compare."""
     try:  # all ranks: the same config, and the same contents behind its paths
         ctx = init_distributed(cfg.seed, cfg.backend,
                                config={**cfg.to_dict(), "inputs": input_fingerprint(cfg, data.directory)})
@@ -490,7 +497,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         try:
             path = save_sharded(out / "ckpt", world_comm, engine.save_sharded, step=step, config=cfg.to_dict(),
                                 keep=cfg.keep_checkpoints, optimizer={"type": "AdamW", "scalars": scalars},
-                                extra={"model_config": dataclasses.asdict(model_cfg), "data": str(data.directory),
+                                extra={"model_config": dataclasses.asdict(model_cfg), "model_source": model_source,
+                                       "data": str(data.directory),
                                        "layout": summary_layout, "dropout": dropout,
                                        "loss": loss if math.isfinite(loss) else None})
         except OSError as err:  # disk full, quota, permissions on any rank: the previous version stays intact
@@ -588,7 +596,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             if cfg.nan_policy == "stop" or skipped_in_row >= cfg.max_skips:
                 stopped = f"non-finite loss or gradient norm ({skipped_in_row} step(s) in a row)"
                 exit_code = jobctl.EXIT_NONFINITE
-        if last and not stopped and end_step < cfg.steps:   # this job's share (--steps-per-job, --stop-after)
+        share_done = last and not stopped and end_step < cfg.steps   # this job's share (--steps-per-job, --stop-after)
+        if share_done:
             stopped = f"this job's share of the run is done, {cfg.steps - step} steps left"
             exit_code = jobctl.EXIT_STOPPED                # work left: a requeue chain continues on 75
         if not last and not stopped and (flags[0] or flags[1]):
@@ -610,7 +619,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                 stopped = f"the weights or optimizer state are not finite at step {step}"
                 exit_code = jobctl.EXIT_NONFINITE
             updated = False
-        if not stopped and (last or cfg.eval_interval and step % cfg.eval_interval == 0):
+        if (share_done or not stopped) and (last or cfg.eval_interval and step % cfg.eval_interval == 0):
             val_loss = record["val_loss"] = eval_loss()
         if step % cfg.log_interval == 0 or last or stopped:  # collective: the ranks' spread to rank 0
             extra_shown = monitor.interval(record)

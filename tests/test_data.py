@@ -189,6 +189,12 @@ def test_token_files_are_read_not_mapped(tmp_path):
     x, y = get_batch(tokens, 3, batch_size=8, seq_len=256, seed=0)
     assert x.shape == (8, 256) and not x.any() and len(tokens) == 2 << 30
     assert str(path) not in Path("/proc/self/maps").read_text()
+    small = tmp_path / "small.bin"
+    np.arange(100, dtype=np.uint16).tofile(small)
+    t = data.TokenFile(small, 100)                            # slices as an array's, steps of either sign
+    for key in (slice(5, 8), slice(None, None, -1), slice(10, 0, -3), slice(None, None, 25), slice(5, 5)):
+        assert np.array_equal(t[key], np.arange(100, dtype=np.uint16)[key]), key
+    assert t[-1] == 99
 
 
 def test_get_batch_deterministic_and_shifted():

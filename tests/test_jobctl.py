@@ -101,13 +101,15 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one_or_the_same_job(tm
     assert not path.exists()
 
 
-@pytest.mark.parametrize("listed", [True, False])
-def test_a_lock_of_another_node_is_taken_over_once_squeue_says_its_job_ended(tmp_path, monkeypatch, listed):
+@pytest.mark.parametrize("state", ["RUNNING", "", "CANCELLED"])
+def test_a_lock_of_another_node_is_taken_over_once_squeue_says_its_job_ended(tmp_path, monkeypatch, state):
     """A job hard-killed on another node leaves its lock: taken over when SLURM no longer lists the
-    job, else refused saying how to check (squeue stubbed on PATH)."""
+    job, or lists it in an end state (for MinJobAge), else refused saying how to check (squeue
+    stubbed on PATH)."""
+    listed = state == "RUNNING"
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "squeue").write_text("#!/bin/sh\n" + ("echo RUNNING\n" if listed else "") + "exit 0\n")
+    (stubs / "squeue").write_text("#!/bin/sh\n" + (f"echo {state}\n" if state else "") + "exit 0\n")
     (stubs / "squeue").chmod(0o755)
     monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
     out = tmp_path / "run"

@@ -207,11 +207,13 @@ def test_time_limit_counts_the_evaluations(tiny_data, tmp_path):
 def test_steps_per_job_splits_a_run_into_jobs(tiny_data, tmp_path):
     out = tmp_path / "run"
     args = [*F64, f"--data={tiny_data}", "--steps=7", "--steps-per-job=3", "--resume=auto", f"--out-dir={out}"]
-    done, codes = [], []
+    done, codes, vals = [], [], []
     for _ in range(4):
         result = run_module("mpirt.train", *args, check=False)
         done.append(summary(out)["steps"])
         codes.append(result.returncode)
+        vals.append(summary(out)["val_loss"])
+    assert all(v is not None for v in vals[:3]), vals  # each job's share ends with an evaluation
     assert done == [3, 6, 7, 7] and "nothing to do" in result.stdout
     assert codes == [EXIT_STOPPED, EXIT_STOPPED, 0, 0]   # work left: 75, so a requeue chain goes on
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 8))
@@ -491,6 +493,17 @@ def test_resume_auto_refuses_an_edited_model_file_naming_the_fields(tiny_data, t
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith(f"error: resume: model {toml} is not the model of the checkpoint (n_embd: checkpoint 32, "
                                "now 64; n_layer: checkpoint 1, now 2)"), lines[0]
+
+
+def test_resume_auto_of_a_run_started_from_other_weights_is_not_held_to_model(tiny_data, tmp_path):
+    """A run started from a Hugging Face directory (its --model the default) resumes: its model is
+    the weights', which --model never described."""
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=1", f"--out-dir={tmp_path / 'first'}")
+    run_module("mpirt.checkpoint", "export", tmp_path / "first" / "ckpt", tmp_path / "hf")
+    common = [*TINY[4:], f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}"]
+    run_module("mpirt.train", *common, f"--init-from={tmp_path / 'hf'}", "--steps=2", ranks=2)
+    run_module("mpirt.train", *common, "--steps=3", "--resume=auto", ranks=2)
+    assert summary(tmp_path / "run")["steps"] == 3
 
 
 def test_resume_auto_never_replaces_a_damaged_checkpoint(tiny_data, tmp_path):
