@@ -293,6 +293,12 @@ def load_model_config(name_or_path: str, overrides: dict | None = None):
     return load(name_or_path, overrides)
 
 
+def missing_model_file(name_or_path: str) -> bool:
+    """Whether ``--model`` names a file or directory (a path or a ``.toml``) that is not here: one
+    that only another machine (a cluster's) holds, so its checks are left to where it exists."""
+    return ("/" in name_or_path or name_or_path.endswith(".toml")) and not Path(name_or_path).exists()
+
+
 def apply_overrides(cfg, overrides: dict):
     """``cfg`` with ``overrides`` (field -> value) replaced; ValueError naming a field its
     architecture does not have."""

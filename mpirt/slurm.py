@@ -32,7 +32,6 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from mpirt.grid import check_layout, resolve_dp
 
@@ -290,13 +289,13 @@ def check_training_args(spec: JobSpec) -> None:
     against the model where its preset or file can be read here, so that a mistake is refused
     at render time instead of after a queue wait; SlurmScriptError names the problem."""
     from mpirt.config import ConfigError, parse_args
-    from mpirt.modeling import load_model_config
+    from mpirt.modeling import load_model_config, missing_model_file
     from mpirt.parallel.tensor.layout import check_model_tp
     try:
         cfg = parse_args(training_args(spec))
     except ConfigError as err:
         raise SlurmScriptError(f"training arguments: {err}") from None
-    if ("/" in cfg.model or cfg.model.endswith(".toml")) and not Path(cfg.model).exists():
+    if missing_model_file(cfg.model):
         return                       # a model file on the cluster only: mpirt.train checks it at start
     try:
         model_cfg = load_model_config(cfg.model, cfg.model_overrides)

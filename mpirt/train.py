@@ -45,7 +45,7 @@ from mpirt.parallel.engine import Engine, zero_refusal
 from mpirt.plan import format_lines as prediction_lines, self_check
 from mpirt.parallel.schedules import check_shape
 from mpirt.modeling import apply_overrides, attention_core, config_from_dict, flops_per_token, load_model_config, \
-    num_parameters, open_hf
+    missing_model_file, num_parameters, open_hf
 
 
 def plan_layout(cfg, world_size: int) -> dict:
@@ -276,7 +276,7 @@ def check_resumed_model(cfg, resumed, data: TokenDataset) -> None:
     naming each field. The vocabulary is not compared where the dataset sets it; a model file
     that no longer exists leaves the checkpoint's model as it is. Only for a run whose model was
     built from ``--model`` (the caller checks the checkpoint's ``model_source``)."""
-    if ("/" in cfg.model or cfg.model.endswith(".toml")) and not Path(cfg.model).exists():
+    if missing_model_file(cfg.model):
         return
     now = load_model_config(cfg.model, cfg.model_overrides)
     mine, saved = dataclasses.asdict(now), dataclasses.asdict(resumed)
