@@ -13,15 +13,15 @@ MFU is the share of the peak spent on the model's own arithmetic.
 
 **The peak** (:func:`resolve_peak`), in order: ``--peak-flops`` (per rank); on a GPU the
 vendor's dense figure for the training dtype from :data:`GPU_PEAKS` (float32 GEMMs run on the
-CUDA cores: CuPy does not turn on TF32; bf16 is listed for reference); on a CPU the vendor-style
-peak ``cores x FLOPs per cycle x clock`` (FLOPs per cycle from the SIMD width and two FMA
-units, :func:`cpu_flops_per_cycle`; the clock is cpufreq's maximum: a base clock is no bound),
-counted for the cores the GEMM threads can use (mpirt's pool, :mod:`mpirt.threads`; at most the
-node's cores over its ranks). When neither can
-be read, the peak is :func:`gemm_rate` itself: a calibration on the same threads and GEMM path
-as training, or the best such rate measured on this machine before (:func:`remembered_gemm_rate`:
-a start under load must not lower the peak). A vendor peak below the measured GEMM rate (a clock read below the boost clock)
-is replaced by the measured rate. The source is reported with the figure (banner, summary).
+CUDA cores: CuPy does not turn on TF32; bf16 is listed for reference); on a CPU the FMA ceiling
+(:func:`cpu_ceiling`): what the cores' FMA units do at most, measured once per machine by a C
+loop (``kernels/fma_peak.c``, :func:`fma_rates`) on each core in the SIMD width cpuinfo names,
+each rank counting its share of the node's physical cores; the same figure for every dtype
+whose arithmetic runs in float32 (bfloat16, float16). Without a C compiler, the vendor-style
+peak ``cores x FLOPs per cycle x clock`` (:func:`cpu_vendor_peak`) where cpufreq gives the
+maximum clock, else :func:`gemm_rate` itself (:func:`remembered_gemm_rate`: the best rate seen
+here; no ceiling, said so). A peak below the measured GEMM rate is replaced by that rate. The
+source is reported with the figure (banner, summary); totals over ranks are labelled so.
 
 **The GEMM floor**: the step's model FLOPs at the rate :func:`gemm_rate` measures for products
 of the model's own layer shapes (rows = a micro-batch's tokens, widths ``n_embd`` and the MLP
@@ -33,6 +33,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import socket
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +68,7 @@ class Peak:
     """Peak FLOP/s of one rank and where the figure comes from."""
 
     per_rank: float
-    source: str     # "flag", "table", "vendor" or "calibrated"
+    source: str     # "flag", "table", "fma", "vendor" or "calibrated"
     detail: str     # one line for the banner and the summary
 
 
@@ -165,9 +168,125 @@ def remembered_gemm_rate(products: list, measured: float, ranks_on_node: int = 1
     return max(measured, best)
 
 
-def resolve_peak(dtype: str, cores: float, measured_gemm: float, flag: float = 0.0) -> Peak:
+def simd_bytes(info: dict) -> int | None:
+    """The widest SIMD registers ``/proc/cpuinfo`` names, in bytes: 64 with AVX-512, 32 with AVX,
+    16 with SSE2 or ARM's ASIMD (NEON); None when it names none of them."""
+    flags = set((info.get("flags") or info.get("Features", "")).split())
+    for flag, width in (("avx512f", 64), ("avx", 32), ("sse2", 16), ("asimd", 16)):
+        if flag in flags:
+            return width
+    return None
+
+
+def physical_cores() -> dict[int, tuple]:
+    """Each logical CPU's physical core, ``{cpu: (package, core)}`` from ``/proc/cpuinfo``
+    (hyperthreads of one core share its FMA units, so a core counts once); a CPU whose core is
+    not listed is a core of its own."""
+    cores, fields = {}, {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {cpu: ("cpu", cpu) for cpu in range(os.cpu_count() or 1)}
+    for line in text.splitlines() + [""]:
+        if line.strip():
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+        elif "processor" in fields:
+            cpu = int(fields["processor"])
+            core = (fields.get("physical id"), fields.get("core id"))
+            cores[cpu] = core if None not in core else ("cpu", cpu)
+            fields = {}
+    return cores
+
+
+def _fma_program() -> tuple[Path, str] | tuple[None, str]:
+    """The FMA loop (``kernels/fma_peak.c``) built for this CPU's SIMD width in ``$MPIRT_CACHE``:
+    (path, cache key), or (None, why not)."""
+    from mpirt import kernels
+    cc, width = kernels.compiler(), simd_bytes(cpuinfo())
+    if cc is None:
+        return None, "no C compiler for the FMA loop"
+    if width is None:
+        return None, "no SIMD flags in /proc/cpuinfo"
+    source = Path(kernels.__file__).parent / "fma_peak.c"
+    flags = ("-O2", "-march=native", "-ffp-contract=fast", f"-DVECTOR_BYTES={width}")
+    info = cpuinfo()
+    key = hashlib.sha256(repr((source.read_bytes(), flags, os.path.realpath(cc), cpu_model(),
+                               info.get("flags") or info.get("Features", ""))).encode()).hexdigest()[:16]
+    target = cache_dir() / f"fma-peak-{key}"
+    if not target.exists():
+        try:
+            kernels.compile_c(cc, flags, source, target)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            return None, f"the FMA loop did not build: {err}"
+    return target, key
+
+
+def fma_rates(cpus, bits: int) -> tuple[dict[int, float], str]:
+    """({cpu: FLOP/s}, how) of the FMA loop on each of ``cpus``, one CPU at a time, in ``bits``-bit
+    lanes (32: float32, 64: float64); ({}, why not) when it cannot run. Measured once per machine
+    and kept in ``$MPIRT_CACHE/fma_peak.json`` (the best figure of each CPU: a loop timed in thread
+    CPU time is not slowed by load, but a later measurement never lowers a ceiling). CPUs the loop
+    may not run on take the best rate of the others."""
+    program, key = _fma_program()
+    if program is None:
+        return {}, key
+    path, entry = cache_dir() / "fma_peak.json", f"{key}/{bits}"
+    known = {int(c): float(r) for c, r in read_cache(path).get(entry, {}).items()}
+    missing = [c for c in cpus if c not in known]
+    if missing:
+        try:
+            out = subprocess.run([str(program), str(bits), *map(str, missing)], capture_output=True, text=True,
+                                 timeout=10 + len(missing), check=True).stdout
+        except (OSError, subprocess.SubprocessError) as err:
+            return {}, f"the FMA loop did not run: {err}"
+        for line in out.split("\n"):
+            if line.strip():
+                cpu, rate = line.split()
+                known[int(cpu)] = max(known.get(int(cpu), 0.0), float(rate))
+        update_cache(path, entry, {str(c): r for c, r in sorted(known.items())})
+    if not known:
+        return {}, "the FMA loop could run on none of the CPUs"
+    best = max(known.values())
+    return {c: known.get(c, best) for c in cpus}, f"{8 * simd_bytes(cpuinfo())}-bit FMA loop"
+
+
+def cpu_ceiling(comm, dtype: str, threads: int) -> tuple[float | None, str]:
+    """(This rank's CPU peak, how it was found) from :func:`fma_rates`, or (None, why not).
+    Collective over ``comm``: the ranks exchange their host and CPU affinity; the first rank of
+    each host measures the cores its host's ranks may use, and each rank gets its share of every
+    physical core it may use (1 / the ranks of the host that may use it), capped at ``threads``
+    cores. bfloat16 and float16 compute in float32 on CPUs, so they have float32's peak."""
+    bits = 64 if dtype == "float64" else 32
+    places = comm.allgather_object((socket.gethostname(), sorted(os.sched_getaffinity(0))))
+    host, mine = places[comm.rank]
+    neighbours = [cpus for name, cpus in places if name == host]
+    measurer = next(r for r, (name, _) in enumerate(places) if name == host)
+    found = fma_rates(sorted({c for cpus in neighbours for c in cpus}), bits) if comm.rank == measurer else None
+    rates, how = comm.allgather_object(found)[measurer]
+    if not rates:
+        return None, how
+    core_of = physical_cores()
+
+    def core(cpu):
+        return core_of.get(cpu, ("cpu", cpu))
+    core_rate: dict[tuple, float] = {}
+    for cpu in mine:  # a core runs at its best logical CPU's rate
+        core_rate[core(cpu)] = max(core_rate.get(core(cpu), 0.0), rates[cpu])
+    users = [{core(c) for c in cpus} for cpus in neighbours]
+    share = {c: 1 / sum(c in used for used in users) for c in core_rate}
+    cores = sum(share.values())
+    peak = sum(share[core] * rate for core, rate in core_rate.items()) * min(1.0, threads / cores)
+    used = min(cores, threads)
+    return peak, (f"{how}: {used:g} core(s) x {peak / used / 1e9:.1f} GFLOP/s per core, "
+                  f"{'float64' if bits == 64 else 'float32'} arithmetic ({cpu_model()})")
+
+
+def resolve_peak(dtype: str, cores: float, measured_gemm: float, flag: float = 0.0,
+                 ceiling: tuple[float | None, str] | None = None) -> Peak:
     """This rank's peak (see the module docstring); ``cores``: the cores its GEMM threads can use
-    (fewer than the threads when ranks oversubscribe a node); ``measured_gemm``: :func:`gemm_rate`."""
+    (fewer than the threads when ranks oversubscribe a node); ``measured_gemm``: :func:`gemm_rate`;
+    ``ceiling``: :func:`cpu_ceiling`'s answer on a CPU."""
     if flag > 0:
         return Peak(flag, "flag", f"--peak-flops {flag:.3g} FLOP/s per rank")
     info = B.device_info()
@@ -177,8 +296,12 @@ def resolve_peak(dtype: str, cores: float, measured_gemm: float, flag: float = 0
             return Peak(peak, "table", f"{info['name']} {dtype} dense peak {peak / 1e12:g} TFLOP/s (data sheet)")
         return Peak(measured_gemm, "calibrated", f"{info['name']} not in the peak table: measured GEMM rate "
                                                  f"{measured_gemm / 1e12:.2f} TFLOP/s (pass --peak-flops)")
+    fma, fma_how = ceiling or (None, "not measured")
+    if fma is not None and fma >= measured_gemm:
+        return Peak(fma, "fma", fma_how)
     vendor, how = cpu_vendor_peak(cores, dtype)
     if vendor is not None and vendor >= measured_gemm:
         return Peak(vendor, "vendor", how)
-    why = "the vendor-style peak is below the measured GEMM rate" if vendor else how
+    why = ("the GEMMs outran the FMA loop" if fma is not None
+           else "the vendor-style peak is below the measured GEMM rate" if vendor else f"{fma_how}; {how}")
     return Peak(measured_gemm, "calibrated", f"measured GEMM rate of the training's threads and GEMM path ({why})")

@@ -181,6 +181,8 @@ class RunMonitor:
         rows = max(1, cfg.batch_size // grid.sizes["dp"] // m) * cfg.seq_len
         hidden = getattr(model_cfg, "hidden", 4 * model_cfg.n_embd) // grid.sizes["tp"]
         products = flops.layer_products(model_cfg.n_embd, hidden, rows, cfg.dtype)
+        ceiling = (flops.cpu_ceiling(self.world, cfg.dtype, threads.num_threads())
+                   if B.name == "numpy" and not cfg.peak_flops else None)
         self.world.barrier()  # every rank times together, sharing the node as in training
         rate = flops.gemm_rate(products)
         if B.name == "numpy":  # a start under load must not make a peak that later steps beat
@@ -188,7 +190,7 @@ class RunMonitor:
         cores = min(threads.num_threads(), (os.cpu_count() or 1) / ctx.local_size)
         if B.name == "numpy":  # ranks oversubscribing the cores get their share of them, not a core each
             rate *= cores / threads.num_threads()
-        self.peak = flops.resolve_peak(cfg.dtype, cores, rate, cfg.peak_flops)
+        self.peak = flops.resolve_peak(cfg.dtype, cores, rate, cfg.peak_flops, ceiling)
         import numpy as np
         self.peak_total, self.gemm_total = (float(v) for v in self.world.allreduce(
             np.array([self.peak.per_rank, rate]), "sum"))
@@ -211,8 +213,10 @@ class RunMonitor:
 
     def describe(self) -> str:
         """The banner line: the peak and where it comes from, the GEMM rate, GPU sampling."""
-        line = (f"mpirt: MFU peak {self.peak_total / 1e12:.3g} TFLOP/s ({self.peak.source}: {self.peak.detail}"
-                f"{'' if self.ctx.size == 1 else ' per rank'}); GEMM rate {self.gemm_total / 1e12:.3g} TFLOP/s")
+        ranks = "" if self.ctx.size == 1 else f", total of {self.ctx.size} ranks"
+        line = (f"mpirt: MFU peak {self.peak_total / 1e12:.3g} TFLOP/s{ranks} ({self.peak.source}: {self.peak.detail}"
+                f"{'' if self.ctx.size == 1 else ' (rank 0)'}); GEMM rate {self.gemm_total / 1e12:.3g} TFLOP/s"
+                f"{ranks}")
         if self.enabled:
             line += f"; GPU: {self.gpu_note}"
         return line
@@ -314,8 +318,9 @@ class RunMonitor:
 
 def monitor_lines(s: dict, out: Path) -> list[str]:
     """The end block's monitoring lines (rank 0) from the summary ``s``."""
-    lines = [f"mpirt:   MFU {100 * s['mfu']:.1f}% of {s['peak_flops'] / 1e12:.3g} TFLOP/s ({s['peak_flops_source']}); "
-             f"step / GEMM floor {s['step_over_gemm_floor']:.2f}x (GEMM rate {s['gemm_rate_flops'] / 1e12:.3g} TFLOP/s)"]
+    lines = [f"mpirt:   MFU {100 * s['mfu']:.1f}% of {s['peak_flops'] / 1e12:.3g} TFLOP/s (peak, all ranks: "
+             f"{s['peak_flops_source']}); step / GEMM floor {s['step_over_gemm_floor']:.2f}x "
+             f"(GEMM rate {s['gemm_rate_flops'] / 1e12:.3g} TFLOP/s, all ranks)"]
     mon = s.get("monitor")
     if not mon:
         return lines

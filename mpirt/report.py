@@ -283,11 +283,11 @@ def headline(run: dict, table: dict) -> list[str]:
              f"- loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, validation "
              + (f"{s['val_loss']:.4f}" if s.get("val_loss") is not None else "not measured"),
              f"- {s['tokens_per_s']:,.0f} tokens/s, step {1e3 * t:.1f} ms (median)",
-             f"- MFU {100 * s['mfu']:.1f}% of {s['peak_flops'] / 1e12:.3g} TFLOP/s "
+             f"- MFU {100 * s['mfu']:.1f}% of {s['peak_flops'] / 1e12:.3g} TFLOP/s (peak, all ranks) "
              f"({s.get('peak_flops_source')}: {s.get('peak_flops_detail')})"]
     if s.get("step_over_gemm_floor"):
         lines.append(f"- step / GEMM floor {s['step_over_gemm_floor']:.2f}x (GEMM rate "
-                     f"{s['gemm_rate_flops'] / 1e12:.3g} TFLOP/s on the model's layer shapes)")
+                     f"{s['gemm_rate_flops'] / 1e12:.3g} TFLOP/s, all ranks, on the model's layer shapes)")
     if b and t > 0:
         comm, bubble = 100 * b.get("comm_s", 0) / t, 100 * b.get("bubble_s", 0) / t
         lines.append(f"- step on rank 0: compute {100 - comm - bubble:.0f}%, communication {comm:.0f}%, "

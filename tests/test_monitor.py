@@ -3,6 +3,7 @@ comm registry window. End-to-end cases are real ``python -m mpirt.train`` runs (
 2 ranks); the registry window is checked in the multi-rank tier."""
 import json
 import os
+import subprocess
 import sys
 import time
 import types
@@ -46,7 +47,7 @@ def test_default_run_mfu_below_100_percent_and_parts_sum_to_the_step(tmp_path):
     # the default run (tiny preset, batch 8 x 128, built-in corpus), a few steps
     result = run_module("mpirt.train", "--steps=4", "--eval-batches=1", f"--out-dir={out}", timeout=280)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["peak_flops_source"] in ("vendor", "calibrated", "table")
+    assert summary["peak_flops_source"] == "fma", summary["peak_flops_detail"]
     recs = records(out)
     assert all(0 < r["mfu"] < 1 for r in recs), [r["mfu"] for r in recs]
     assert 0 < summary["mfu"] < 1 and summary["step_over_gemm_floor"] >= 1
@@ -241,6 +242,113 @@ def test_peak_table_and_cpu_flops_per_cycle():
     # a vendor peak below what the GEMMs reach is no bound: the measured rate replaces it
     peak = flops.resolve_peak("float32", 1.0, measured_gemm=1e15)
     assert peak.source == "calibrated" and peak.per_rank == 1e15
+
+
+# GEMM-bound enough that a peak below the hardware's shows (an MFU past 100 %)
+DENSE = ["--model.n_layer=2", "--model.n_embd=256", "--model.n_head=4", "--model.n_positions=64", "--seq-len=64",
+         "--batch-size=16", "--eval-batches=1", "--eval-interval=0", "--warmup-steps=2", "--log-interval=1",
+         "--steps=4", "--progress=false"]
+
+
+def test_no_layout_reports_mfu_above_100_percent_and_runs_share_one_peak(tiny_data, tmp_path):
+    """One rank (twice), bfloat16, dp, tp and pp: every step's MFU under 100 % of the FMA loop's
+    ceiling; ranks of a node share its cores, so every layout has one peak per core used,
+    bfloat16 included (its arithmetic is float32's). Two runs of one config have the same peak: their MFU
+    differ only as their step times do."""
+    layouts = {"one": ([], 0), "again": ([], 0), "bf16": (["--dtype=bfloat16"], 0),
+               "dp": (["--dp=2"], 2), "tp": (["--tp=2"], 2), "pp": (["--pp=2"], 2)}
+    summaries = {}
+    for name, (flags, ranks) in layouts.items():
+        out = tmp_path / name
+        run_module("mpirt.train", *DENSE, *flags, f"--data={tiny_data}", f"--out-dir={out}", ranks=ranks)
+        summaries[name] = s = json.loads((out / "summary.json").read_text())
+        assert s["peak_flops_source"] == "fma", (name, s["peak_flops_detail"])
+        mfu = [r["mfu"] for r in records(out)]
+        assert all(0 < m < 1 for m in mfu), (name, mfu)
+    # run_module gives each rank one thread: a rank alone uses one core, two ranks the node's two
+    cores = min(2, len(os.sched_getaffinity(0)))
+    per_core = {name: s["peak_flops"] / (cores if layouts[name][1] else 1) for name, s in summaries.items()}
+    assert len(set(per_core.values())) == 1, per_core
+    one, again = summaries["one"], summaries["again"]
+    assert one["mfu"] * one["step_time_s"] == pytest.approx(again["mfu"] * again["step_time_s"], rel=1e-9)
+
+
+def test_the_fma_ceiling_is_the_same_under_load_and_no_gemm_beats_it(tmp_path, monkeypatch):
+    """The FMA loop measured from an empty cache on a quiet machine and again from another empty
+    cache while twice as many busy processes as CPUs run: each CPU within 10 %. One thread's
+    float32 GEMMs stay under one core's ceiling; float64 has about half float32's lanes."""
+    from mpirt import flops, threads
+
+    cpus = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("MPIRT_CACHE", str(tmp_path / "quiet"))
+    quiet, how = flops.fma_rates(cpus, 32)
+    assert set(quiet) == set(cpus) and "FMA loop" in how, how
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * len(cpus))]
+    try:
+        time.sleep(0.5)
+        monkeypatch.setenv("MPIRT_CACHE", str(tmp_path / "loaded"))
+        loaded, _ = flops.fma_rates(cpus, 32)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert all(abs(loaded[c] / quiet[c] - 1) < 0.1 for c in cpus), (quiet, loaded)
+    f64, _ = flops.fma_rates(cpus, 64)
+    assert all(0.4 < f64[c] / quiet[c] < 0.6 for c in cpus), (quiet, f64)
+    saved = threads.num_threads()
+    threads.set_num_threads(1)
+    try:
+        one_thread = flops.gemm_rate(flops.layer_products(256, 1024, 512, "float32"))
+    finally:
+        threads.set_num_threads(saved)
+    assert one_thread < max(quiet.values()), (one_thread, quiet)
+
+
+class _Ranks:
+    """:func:`mpirt.flops.cpu_ceiling`'s two exchanges as seen from ``rank`` of ranks whose (host,
+    CPUs) are ``places``: the places, then the measurements, where another rank measured
+    ``theirs``."""
+
+    def __init__(self, places, rank, theirs):
+        self.places, self.rank, self.theirs, self.calls = places, rank, theirs, 0
+
+    def allgather_object(self, obj):
+        self.calls += 1
+        return list(self.places) if self.calls == 1 else [obj if obj is not None else self.theirs] * len(self.places)
+
+
+def test_each_rank_gets_its_share_of_the_node(monkeypatch):
+    """Ranks that may all use a node's cores share each core; ranks bound to their own cores get
+    those; hyperthreads of a core count once; a rank's threads cap its cores; bfloat16 has the
+    float32 peak. The first rank of each host measures (the others take its figures)."""
+    from mpirt import flops
+
+    rate = {32: 100e9, 64: 50e9}
+    measured = []
+
+    def fake_rates(cpus, bits):
+        measured.append(list(cpus))
+        return {c: rate[bits] for c in cpus}, "test loop"
+    # 4 cores, 2 hyperthreads each: CPUs c and c + 4 are one core
+    monkeypatch.setattr(flops, "physical_cores", lambda: {c: ("0", str(c % 4)) for c in range(8)})
+    monkeypatch.setattr(flops, "fma_rates", fake_rates)
+    monkeypatch.setattr(flops.os, "sched_getaffinity", lambda pid: set())
+
+    def peak(places, rank, dtype="float32", threads=64):
+        theirs = {c: rate[64 if dtype == "float64" else 32] for c in range(8)}, "test loop"
+        return flops.cpu_ceiling(_Ranks(places, rank, theirs), dtype, threads)[0]
+    everything = list(range(8))
+    assert peak([("a", everything)] * 4, 0) == pytest.approx(100e9)           # 4 cores over 4 ranks
+    assert measured == [everything]                                           # rank 0 measured
+    assert peak([("a", everything)] * 4, 2) == pytest.approx(100e9) and len(measured) == 1
+    assert peak([("a", everything)], 0) == pytest.approx(400e9)               # hyperthreads count once
+    assert peak([("a", everything)], 0, threads=2) == pytest.approx(200e9)    # 2 threads: 2 cores
+    assert peak([("a", everything)], 0, "bfloat16") == pytest.approx(400e9)
+    assert peak([("a", everything)], 0, "float64") == pytest.approx(200e9)
+    bound = [("a", [0, 4]), ("a", [1, 5]), ("a", [2, 3, 6, 7])]              # srun --cpu-bind
+    assert [peak(bound, r) for r in range(3)] == pytest.approx([100e9, 100e9, 200e9])
+    two_hosts = [("a", everything), ("a", everything), ("b", everything)]
+    assert [peak(two_hosts, r) for r in range(3)] == pytest.approx([200e9, 200e9, 400e9])
 
 
 def test_a_start_under_load_keeps_the_best_gemm_rate_seen(tmp_path, monkeypatch):

@@ -61,20 +61,20 @@ GEMM_CALL = (P, L, I, I, L, L, L, P, L, P, L, D, P, L, P)
 POOL_ARGS = 16
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C compiler's path (``$CC``, default ``cc``), or None when there is none."""
     cc = os.environ.get("CC") or "cc"
     return shutil.which(cc)
 
 
-def _build(cc: str, target: Path) -> None:
-    """Compile the sources into ``target`` (atomically: a temporary file renamed into place)."""
-    here = Path(__file__).parent
+def compile_c(cc: str, flags, source: Path, target: Path) -> None:
+    """Compile ``source`` with ``flags`` into ``target`` (atomically: a temporary file renamed
+    into place, so ranks building at once never load a half-written file)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(here / "kernels.c")], capture_output=True,
-                                text=True, timeout=120)
+        result = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=120)
         if result.returncode:
             raise RuntimeError(f"{cc} exited {result.returncode}: {result.stderr.strip()[-500:]}")
         os.replace(tmp, target)
@@ -110,7 +110,7 @@ def _load() -> tuple:
 
 
 def _build_and_load() -> tuple:
-    cc = _compiler()
+    cc = compiler()
     if cc is None:
         return None, "numpy (no C compiler: set CC or install cc for the fused kernels)"
     here = Path(__file__).parent
@@ -132,7 +132,7 @@ def _build_and_load() -> tuple:
                 lib = None
         built = lib is None
         if built:
-            _build(cc, target)
+            compile_c(cc, FLAGS, here / "kernels.c", target)
             lib = ctypes.CDLL(str(target))
             _prune(target)
         else:
