@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import mpirt.backend as B
+from mpirt.stepstats import owned_bytes
 
 
 def format_seconds(seconds: float) -> str:
@@ -73,11 +73,6 @@ class Progress:
         elif self.enabled and self.tty:
             self.stream.write("\n")
             self.stream.flush()
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _json_or_none(line: str):
@@ -156,7 +151,7 @@ class _TensorBoard:
 
 # per-step figures shown in TensorBoard (rank 0's), beside the ranks' spread
 _TB_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "step_over_gemm_floor",
-            "compute_s", "mpi_wait_s", "comm_s", "bubble_s", "dp_exposed_s", "rss_bytes")
+            "compute_s", "mpi_wait_s", "comm_s", "bubble_s", "dp_exposed_s", "memory_bytes")
 
 
 class RunMonitor:
@@ -363,7 +358,7 @@ def memory_by_category(engine, records: list[dict], activations: int = 0) -> dic
                 "grads": sum(int(g.base.nbytes if g.base is not None else g.nbytes) for g in grads.values()),
                 "optimizer": sum(int(a.nbytes) for st in getattr(opt, "state", []) for a in st.values())}
     held["activations_peak"] = int(activations)
-    held["host_rss_peak"] = peak_rss_bytes()
+    held["host_peak"] = owned_bytes(peak=True)
     info = B.device_info()
     if info is not None:
         held["gpu_pool_peak"] = max((int(r.get("gpu_pool_bytes", 0)) for r in records), default=0)

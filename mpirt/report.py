@@ -230,10 +230,10 @@ def plot_memory(run: dict, path: Path) -> Path | None:
         if any(v):
             ax.barh(labels, v, left=left, color=color, label=name)
             left = [a + b for a, b in zip(left, v)]
-    peak_key = "gpu_pool_peak" if any("gpu_pool_peak" in m for m in memory) else "host_rss_peak"
+    peak_key = "gpu_pool_peak" if any("gpu_pool_peak" in m for m in memory) else "host_peak"
     rest = [max(0.0, m.get(peak_key, 0) / MIB - lo) for m, lo in zip(memory, left)]
     ax.barh(labels, rest, left=left, color="#e5e5e5", label="rest of peak "
-            + ("GPU pool" if peak_key == "gpu_pool_peak" else "resident memory (runtime, temporaries)"))
+            + ("GPU pool" if peak_key == "gpu_pool_peak" else "memory owned (runtime, temporaries)"))
     predicted = s.get("predicted_peak_bytes_per_rank")
     if predicted:
         ax.plot([p / MIB for p in predicted], range(len(predicted)), "kD", markersize=5, label="predicted peak")

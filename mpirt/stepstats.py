@@ -17,17 +17,18 @@ runs, ``end`` with the engine's own timers) and returns flat per-step figures fo
   itself: a slow rank has more of it, the ranks waiting for it more ``mpi_wait_s``), ``comm_s``
   (blocked time but the pipeline's p2p waits inside its schedule, which are the bubble): a step
   is ``comm_s + bubble_s`` and the rest, the live view's shares;
-- memory: ``rss_bytes`` (host resident set), ``gpu_pool_bytes`` (CuPy's pool, on GPUs).
+- memory: ``memory_bytes`` (host memory the rank owns, :func:`owned_bytes`), ``gpu_pool_bytes``
+  (CuPy's pool, on GPUs).
 
 :func:`aggregate` (collective, every logging interval) gives rank 0 min/median/max of each
 figure over the ranks and names the slowest rank by compute time.
 
 Cost: a few ``perf_counter`` calls per part, one pass over the step's comm records and a read of
-``/proc/self/statm`` per step; ``bench/monitor.py`` measures it against a run without it.
+``/proc/self/status`` per step; ``bench/monitor.py`` measures it against a run without it.
 """
 from __future__ import annotations
 
-import os
+import resource
 import statistics
 import time
 
@@ -39,17 +40,28 @@ from mpirt.comm import stats as comm_stats
 PARTS = ("data", "forward", "backward", "weight_grad", "bubble", "grad_sync", "optimizer", "injected", "other")
 # the per-rank figures rank 0 gathers every interval (means over the interval's steps)
 FIGURES = ("step_time_s", "compute_s", "mpi_wait_s", "comm_s", "bubble_s", "forward_s", "backward_s",
-           "weight_grad_s", "grad_sync_s", "optimizer_s", "rss_bytes")
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+           "weight_grad_s", "grad_sync_s", "optimizer_s", "memory_bytes")
 
 
-def rss_bytes() -> int:
-    """This process's resident set size now (0 where /proc is missing)."""
+def owned_bytes(peak: bool = False) -> int:
+    """The memory this process owns: its resident set less its file-backed pages (the code of
+    Python, NumPy, MPI and the kernels, shared with every process that maps those files and
+    reclaimable by the kernel), i.e. heap, arrays, stacks and MPI's shared segments. ``peak``:
+    the high-water mark (VmHWM less RssFile now: the file pages are mapped at start-up and stay,
+    so the difference is the peak of the rest). Where /proc/self/status is missing: the peak
+    resident set (``ru_maxrss``) with ``peak``, else 0."""
+    fields = {}
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "RssFile"):
+                    fields[key] = int(value.split()[0]) * 1024
     except (OSError, IndexError, ValueError):
-        return 0
+        pass
+    if len(fields) < 3:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if peak else 0
+    return fields["VmHWM" if peak else "VmRSS"] - fields["RssFile"]
 
 
 class StepMonitor:
@@ -109,7 +121,7 @@ class StepMonitor:
         dp = axes.get("dp")
         out["dp_exposed_s"] = dp[2] if dp else 0.0
         out["dp_hidden_s"] = max(0.0, dp[1] - dp[2]) if dp else 0.0
-        out.update(mpi_wait_s=wait, compute_s=max(0.0, step_s - wait), comm_s=outside, rss_bytes=rss_bytes())
+        out.update(mpi_wait_s=wait, compute_s=max(0.0, step_s - wait), comm_s=outside, memory_bytes=owned_bytes())
         if B.name == "cupy":
             out["gpu_pool_bytes"] = B.pool_bytes()[0]
         if self.trace is not None and self.trace.recording:

@@ -37,7 +37,8 @@ from mpirt.distributed import init_distributed, input_fingerprint
 from mpirt.grid import Grid, check_layout, resolve_dp
 from mpirt.memory import check_budget, decode_over_budget, format_size, over_budget_flag, parse_size, predict
 from mpirt.recompute import parse_layers
-from mpirt.monitor import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, peak_rss_bytes
+from mpirt.monitor import Metrics, Progress, RunMonitor, format_seconds, monitor_lines
+from mpirt.stepstats import owned_bytes
 from mpirt.optim import cosine_lr
 from mpirt.precision import LossScaler, is_half
 from mpirt.parallel import tensor as TP
@@ -580,7 +581,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         time_stop = is_main and deadline.should_stop(slowest_step, last_save["seconds"],
                                                      extra_s=evaluation_time(step, slowest_step))
         ckpt_due = is_main and cfg.ckpt_minutes > 0 and time.time() - last_save["time"] > 60 * cfg.ckpt_minutes
-        over = over_budget_flag(peak_rss_bytes(), budget, ctx.rank)
+        over = over_budget_flag(owned_bytes(peak=True), budget, ctx.rank)
         flags = world_comm.allreduce(np.array([signal_stop, time_stop, ckpt_due, over], dtype=np.int64), "max")
         if flags[3] and not stopped:  # the same verdict on every rank; no checkpoint: gathering needs memory
             over_rank, over_peak = decode_over_budget(flags[3])
@@ -640,7 +641,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     engine.close()
     grid.free()
 
-    peaks = world_comm.allgather_object(peak_rss_bytes())
+    peaks = world_comm.allgather_object(owned_bytes(peak=True))
     # as the end block's model check counts it (rank 0's writing on top): one predicted peak per run
     predicted = [predict(cfg, model_cfg, layout, r, rank0_on_top=True)["peak"] for r in range(ctx.size)]
     summary = {

@@ -238,7 +238,8 @@ def measure_mpi(ranks: list[int], launcher: str = "mpiexec") -> dict:
 def measure_process_bytes(launcher: str = "mpiexec") -> dict:
     """The process baseline: a 2-rank data-parallel run of a one-block, 32-wide GPT for 3 steps
     (its model, activations and checkpoint are a few MiB); the baseline is
-    :data:`mpirt.memory.PROCESS_BYTES` plus the median over the ranks of measured peak RSS less
+    :data:`mpirt.memory.PROCESS_BYTES` plus the median over the ranks of the measured peak memory
+    owned (:func:`mpirt.stepstats.owned_bytes`) less
     :func:`mpirt.memory.predict` (rank 0's writing counted on top)."""
     import dataclasses
     import tempfile
