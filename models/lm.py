@@ -147,8 +147,7 @@ class CausalSelfAttention(Module):
         probabilities, their product with v. No parameters: selective recomputation reruns it."""
         d = self.attn_dropout
         if self.training and d.p > 0.0:
-            d.calls += 1
-            return ops.causal_self_attention(qkv, self.n_head, dropout_p=d.p, seed=(d.seed, d.calls))
+            return ops.causal_self_attention(qkv, self.n_head, dropout_p=d.p, seed=d.next_source())
         return ops.causal_self_attention(qkv, self.n_head)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 import mpirt.backend as B
 from mpirt import ops
+from mpirt.ops.dropout import MaskSource
 from mpirt.tensor import Tensor
 from mpirt.threads import fill_zero
 
@@ -439,22 +440,56 @@ class RMSNorm(Module):
 
 
 class Dropout(Module):
-    """Inverted dropout whose masks are reproducible: call ``n`` of a run uses seed (seed, n).
+    """Inverted dropout with masks that depend on where an element is, not on who holds it
+    (:func:`mpirt.ops.dropout.dropout_mask`): the mask key is (``seed``, step) and the rows are
+    placed in the global batch.
 
-    ``seed`` is set by the owner (the training script derives it from the run seed and rank).
-    """
+    ``seed``: set by the owner from the run seed and the module's name (the same on every rank).
+    ``place``: ``(step, first global row)`` of the micro-batch about to run, set by the engine
+    before each forward; without one (a model driven by hand) the call count stands in for the
+    step, so each call draws a new mask. ``split``: ``(rank, size)`` when this module's input has
+    dimension 1 split over tp (set by tensor parallelism)."""
 
     def __init__(self, p: float = 0.0, seed: int = 0):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"Dropout: p must be in [0, 1), got {p}")
         self.p, self.seed, self.calls = p, seed, 0
+        self.place: tuple[int, int] | None = None
+        self.split: tuple[int, int] | None = None
+
+    def next_source(self) -> MaskSource:
+        """The mask source of the next call (counted)."""
+        self.calls += 1
+        step, row0 = self.place if self.place is not None else (self.calls, 0)
+        return MaskSource((self.seed, step), row0, self.split)
+
+    def state(self) -> tuple:
+        """What the next mask depends on: set it back with :meth:`set_state` to draw a call's
+        mask again (recomputation)."""
+        return self.calls, self.place
+
+    def set_state(self, state: tuple) -> None:
+        self.calls, self.place = state
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        self.calls += 1
-        return ops.dropout(x, self.p, seed=(self.seed, self.calls))
+        return ops.dropout(x, self.p, seed=self.next_source())
+
+
+def dropout_modules(*roots) -> dict:
+    """Every :class:`Dropout` under the ``roots`` (None skipped), by module name (a module under
+    two roots once)."""
+    return {name: m for root in roots if root is not None
+            for name, m in root.named_modules() if isinstance(m, Dropout)}
+
+
+def place_dropouts(dropouts, step: int, row0: int) -> None:
+    """The next forward of ``dropouts`` runs step ``step``'s micro-batch whose first row is row
+    ``row0`` of the global batch (see :class:`Dropout`)."""
+    for m in dropouts:
+        m.place = (step, row0)
 
 
 class ModuleList(Module):

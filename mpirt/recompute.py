@@ -9,9 +9,10 @@ parallelism's bucket allreduces, fire once, from the enclosing pass, as without 
 
 What stays equal to the run without recomputation:
 
-- randomness: every mask mpirt draws is a pure function of a Dropout module's ``(seed, calls)``;
-  the call counters of the unit's Dropout modules are set back for the rerun and forward again
-  after it, so the rerun draws the forward's masks;
+- randomness: every mask mpirt draws is a pure function of a Dropout module's state (seed, its
+  place in the step and batch, or its call count: :meth:`mpirt.nn.Dropout.state`); the unit's
+  Dropout modules are set back to their forward state for the rerun and forward again after it,
+  so the rerun draws the forward's masks (also when other micro-batches ran in between);
 - deferred weight gradients (zero-bubble's B/W split): the checkpoint declares the parameters as
   weight inputs; its input-gradient pass reruns the unit and back-propagates with the unit's own
   weight passes deferred, its weight-gradient pass runs them;
@@ -38,7 +39,7 @@ class _Checkpoint(Function):
         self.call, self.tensor_args = call, tensor_args
         self.args = arrays[:n_args]  # the only activations kept: the rerun's inputs
         self.weight_inputs = tuple(range(n_args, len(arrays)))
-        self.dropouts = [(m, m.calls) for m in dropouts]
+        self.dropouts = [(m, m.state()) for m in dropouts]
         with no_grad():
             out = call(*[Tensor(a) if t else a for a, t in zip(self.args, tensor_args)])
         if not isinstance(out, Tensor):
@@ -53,15 +54,15 @@ class _Checkpoint(Function):
         n = len(self.args)
         ins = [Tensor(a, requires_grad=need) if t else a
                for a, t, need in zip(self.args, self.tensor_args, self.needs_input_grad)]
-        after = [(m, m.calls) for m, _ in self.dropouts]
-        for m, calls in self.dropouts:  # replay the forward's masks
-            m.calls = calls
+        after = [(m, m.state()) for m, _ in self.dropouts]
+        for m, state in self.dropouts:  # replay the forward's masks
+            m.set_state(state)
         try:
             with enable_grad():
                 out = self.call(*ins)
         finally:
-            for m, calls in after:
-                m.calls = calls
+            for m, state in after:
+                m.set_state(state)
         self.grads: dict = {}
         self.weight_pass = out.backward(grad, defer_weight_grad=True, leaf_grads=self.grads)
         self.ins = ins

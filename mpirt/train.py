@@ -429,7 +429,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     world_comm = ctx.comm
 
     B.limit_pool(parse_size(cfg.memory_budget))  # on a GPU the pool itself holds the budget
-    engine = Engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed(f"dropout-dp{grid.coords['dp']}", rank=0))
+    # one dropout seed for every rank: the masks depend on each element's place in the global batch
+    engine = Engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed("dropout", rank=0))
     optimizer = engine.optimizer
     scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window) if cfg.dtype == "float16" else None
     start_step = 0
@@ -441,7 +442,6 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         engine.load_sharded(reader, with_optimizer=meta["optimizer"] is not None)  # only this rank's boxes
         if scaler is not None:
             scaler.load_state_dict((meta["optimizer"] or {}).get("scalars", {}))
-        engine.load_dropout_state((meta["extra"] or {}).get("dropout", {}))  # masks continue, not restart
         start_step = meta["step"]
     summary_layout = dict(grid.sizes)
 
@@ -493,14 +493,13 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         """Checkpoint ``step`` (collective: every rank writes its own boxes, rank 0 commits), noting
         the step's training ``loss``; False when the state is not finite and nothing was written."""
         t0 = time.time()
-        dropout = engine.dropout_state()  # collective with pp
         scalars = {**optimizer.scalars(), **(scaler.state_dict() if scaler is not None else {})}
         try:
             path = save_sharded(out / "ckpt", world_comm, engine.save_sharded, step=step, config=cfg.to_dict(),
                                 keep=cfg.keep_checkpoints, optimizer={"type": "AdamW", "scalars": scalars},
                                 extra={"model_config": dataclasses.asdict(model_cfg), "model_source": model_source,
                                        "data": str(data.directory),
-                                       "layout": summary_layout, "dropout": dropout,
+                                       "layout": summary_layout,
                                        "loss": loss if math.isfinite(loss) else None})
         except OSError as err:  # disk full, quota, permissions on any rank: the previous version stays intact
             if is_main:
@@ -547,7 +546,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                          dp_rank=grid.coords["dp"], dp_size=dp)
         monitor.mark("data")
         scale = scaler.scale if scaler is not None else 1.0
-        loss_value = engine.train_step(x, y, loss_scale=scale * faults.loss_scale_factor(ctx.rank, step + 1))
+        loss_value = engine.train_step(x, y, loss_scale=scale * faults.loss_scale_factor(ctx.rank, step + 1),
+                                       step=step + 1)
         monitor.mark("train_step")
         # the norm is reduced over the grid (the loss over dp): every rank reaches the same verdict; the
         # gradients are `scale` times the loss's, so the clipping threshold too

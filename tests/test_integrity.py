@@ -142,7 +142,7 @@ def test_overrides_on_a_hf_directory(tmp_path):
             resolve_model(parse_args([f"--init-from={hf}", arg]))
 
 
-# --- dropout position in the checkpoint -------------------------------------------------------
+# --- dropout masks across a resume ---------------------------------------------------------
 @pytest.mark.parametrize("ranks, layout", [(0, []), (2, ["--dp=2"]), (2, ["--pp=2", "--model.n_layer=2"])])
 def test_resume_with_dropout_equals_uninterrupted_run(tiny_data, tmp_path, ranks, layout):
     common = [*TINY, *DROPOUT, *layout, f"--data={tiny_data}"]

@@ -286,6 +286,32 @@ def test_dropout_modules_seeded_and_off_in_eval():
     np.testing.assert_array_equal(model(idx).data, a)
 
 
+def test_dropout_masks_depend_on_the_global_place_not_the_shard():
+    """A shard of the batch draws its part of the whole batch's mask: rows placed by ``row0``,
+    dimension 1 split over tp (heads, or tokens under sequence parallelism). P(keep) = 1 - p,
+    neighbours and steps independent; a module placed in the batch draws the shard's mask, and
+    its saved state draws it again (recomputation)."""
+    from mpirt.nn import Dropout
+    from mpirt.ops.dropout import MaskSource, dropout_mask
+
+    whole = dropout_mask((8, 4, 16, 16), 0.25, MaskSource((3, 7)))
+    for row0, rank in ((0, 0), (2, 1), (6, 3)):
+        part = dropout_mask((2, 1, 16, 16), 0.25, MaskSource((3, 7), row0=row0, split=(rank, 4)))
+        np.testing.assert_array_equal(part, whole[row0:row0 + 2, rank:rank + 1])
+    big = dropout_mask((64, 256, 64), 0.1, MaskSource((1, 1))).astype(np.float64)
+    assert abs(big.mean() - 0.9) < 0.002
+    assert abs(np.corrcoef(big[..., 1:].ravel(), big[..., :-1].ravel())[0, 1]) < 0.01
+    next_step = dropout_mask((64, 256, 64), 0.1, MaskSource((1, 2)))
+    assert abs((big == next_step).mean() - (0.9 ** 2 + 0.1 ** 2)) < 0.002
+    m = Dropout(0.5, seed=3)
+    m.place, x = (7, 4), Tensor(np.ones((2, 4, 8)))
+    state = m.state()
+    y = m(x).data
+    np.testing.assert_array_equal(y != 0, dropout_mask((6, 4, 8), 0.5, MaskSource((3, 7)))[4:])
+    m.set_state(state)
+    np.testing.assert_array_equal(m(x).data, y)
+
+
 # ------------------------------------------------------------------ Hugging Face interop
 
 IDX = np.random.default_rng(7).integers(0, 101, (2, 16))

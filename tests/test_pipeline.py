@@ -350,21 +350,3 @@ def test_one_stage_is_the_plain_model():
         ok, detail, stage, _ = parity(g, config(2), "float64", name, 2, steps=3)
         assert ok, detail
         assert [n for n, _ in stage.named_parameters()].count("wte.weight") == 1
-
-
-@pytest.mark.mpi(min_size=4)
-def test_each_dp_replica_of_a_pipeline_draws_its_own_embedding_dropout(grid):
-    """Under dp x pp the embedding dropout (kept in the first and last stages' shell) is seeded per
-    dp replica, like every block's: the replicas see different rows, so the same masks on all of
-    them would correlate their noise."""
-    from mpirt.distributed import derive_seed
-
-    g = grid(2, dp=2)
-    if g is None:
-        return
-    cfg = replace(TrainConfig(), pp=2, dp=2, batch_size=4, seq_len=SEQ, dtype="float64")
-    model_cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, n_positions=SEQ, vocab_size=64, embd_pdrop=0.1)
-    engine = Engine(cfg, model_cfg, g, dropout_seed=derive_seed(0, 0, f"dropout-dp{g.coords['dp']}"))
-    seeds = g.comm["dp"].allgather_object(engine.stage.shell.drop.seed if engine.stage.shell else None)
-    engine.close()
-    agree(seeds[0] is None or seeds[0] != seeds[1], f"pp rank {g.coords['pp']}: shell dropout seeds {seeds}")

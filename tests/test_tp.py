@@ -485,14 +485,14 @@ def test_parallelize_slices_current_weights_and_logits_gather(sp, group):
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_dropout_keeps_replicas_identical(sp, group):
     """With dropout, replicated activations draw the same mask on every tp rank (else the
-    replicas of the replicated parameters drift apart) and split ones draw distinct masks."""
+    replicas of the replicated parameters drift apart) and split ones their own part of it."""
     comm = group(2, "tp")
     ok, detail = True, ""
     if comm is not None:
         cfg = GPTConfig(n_layer=2, n_head=4, n_embd=16, n_positions=8, vocab_size=37, embd_pdrop=0.1,
                         attn_pdrop=0.1, resid_pdrop=0.1)
         model = TP.parallelize(GPT(cfg, dtype="float64"), comm, sequence_parallel=sp, seed=1)
-        TP.reseed_dropouts(model, 11, comm.rank, sp)
+        TP.reseed_dropouts(model, 11, comm.rank, comm.size, sp)
         opt = AdamW(model.parameters(), lr=1e-2)
         for step in range(3):
             opt.zero_grad()
@@ -503,8 +503,8 @@ def test_dropout_keeps_replicas_identical(sp, group):
         for n, p in model.named_parameters():
             if "tp" not in p.spec.dims:
                 spread = max(spread, float(np.abs(comm.allreduce(p.data, "max") - p.data).max()))
-        attn_seeds = comm.mpi.allgather(model.h[0].attn.attn_dropout.seed)
-        ok, detail = spread == 0.0 and len(set(attn_seeds)) == 2, f"spread {spread}, seeds {attn_seeds}"
+        parts = comm.mpi.allgather(model.h[0].attn.attn_dropout.split)
+        ok, detail = spread == 0.0 and parts == [(0, 2), (1, 2)], f"spread {spread}, attention dropout parts {parts}"
     agree(ok, detail)
 
 

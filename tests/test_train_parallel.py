@@ -66,6 +66,37 @@ def test_parallel_layout_matches_single_rank(tiny_data, tmp_path, reference, ran
         np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
+DROPOUT = ["--model.embd_pdrop=0.1", "--model.resid_pdrop=0.1", "--model.attn_pdrop=0.1"]
+
+
+@pytest.fixture(scope="module")
+def dropout_reference(tiny_data, tmp_path_factory):
+    return run(tiny_data, tmp_path_factory.mktemp("dropout-single"), *DROPOUT)
+
+
+@pytest.mark.parametrize("ranks, layout", [
+    (2, ["--dp=2", "--grad-accum=2"]),
+    (2, ["--tp=2"]),
+    (2, ["--tp=2", "--sequence-parallel"]),
+    (2, ["--dp=2", "--zero=3"]),
+    (2, ["--pp=2", "--schedule=interleaved", "--microbatches=4", "--recompute=full"]),
+    (2, ["--pp=2", "--schedule=zb", "--microbatches=4", "--recompute=selective"]),
+    (8, ["--dp=2", "--pp=2", "--tp=2", "--sequence-parallel", "--recompute=full"]),
+], ids=lambda v: v if isinstance(v, int) else " ".join(v))
+def test_dropout_layout_matches_single_rank(tiny_data, tmp_path, reference, dropout_reference, ranks, layout):
+    """With dropout on (embedding, attention probabilities, residuals), every layout gives the
+    single-rank run: each mask is a function of the element's place in the global batch, not of
+    the rank's shard (rows over dp and micro-batches, heads over tp, tokens under sequence
+    parallelism, recomputed units replaying theirs)."""
+    losses, summary, weights = run(tiny_data, tmp_path, *DROPOUT, *layout, ranks=ranks)
+    ref_losses, ref_summary, ref_weights = dropout_reference
+    assert not np.allclose(ref_losses, reference[0], rtol=1e-6)  # the masks are on
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
+    assert summary["val_loss"] == pytest.approx(ref_summary["val_loss"], rel=1e-10)
+    for name, w in ref_weights.items():
+        np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
 @pytest.fixture(scope="module")
 def llama_reference(tiny_data, tmp_path_factory):
     return run(tiny_data, tmp_path_factory.mktemp("llama-single"), "--model=llama-tiny")

@@ -2,13 +2,12 @@
 
 The training script talks to one interface whatever the layout:
 
-    engine.train_step(x, y, loss_scale=1.0) -> float   # forward/backward of this dp replica's rows,
-                                         # grads synced (and loss_scale times the loss's)
+    engine.train_step(x, y, loss_scale=1.0, step=None) -> float   # forward/backward of this dp
+                                         # replica's rows, grads synced (loss_scale times the loss's)
     engine.clip(max_norm)   -> float     # global gradient norm (before clipping), over all shards
     engine.optimizer.step()
     engine.evaluate(x, y)   -> float     # mean loss of the global batch, no gradients
     engine.save_sharded(writer) / engine.load_sharded(reader)     # checkpoints: this rank's boxes
-    engine.dropout_state() / engine.load_dropout_state(d)          # where each mask stream stands
 
 :class:`Engine` is a *local part* and a *sync*. The local part is this rank's piece of the model:
 a :class:`~mpirt.parallel.pipeline.PipelineStage` when pp > 1 (its schedule runs the micro-batches),
@@ -28,7 +27,7 @@ import mpirt.backend as B
 from mpirt import recompute
 from mpirt.data import split_microbatches
 from mpirt.modeling import attention_core, build_model
-from mpirt.nn import Dropout
+from mpirt.nn import dropout_modules, place_dropouts
 from mpirt.optim import AdamW
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.data import DataParallel
@@ -96,9 +95,9 @@ class Engine:
             init = seeded_init(cfg.seed, {"tp": tp}, {"tp": grid.coords["tp"]})
             blocks, tied_copy, roots = dict(enumerate(self.model.h)), (), (self.model,)
         if local is None:
-            for part in filter(None, roots):  # each dp replica draws its own masks
-                TP.reseed_dropouts(part, dropout_seed, grid.coords["tp"], cfg.sequence_parallel)
-        self._dropout_roots = roots
+            for part in filter(None, roots):
+                TP.reseed_dropouts(part, dropout_seed, grid.coords["tp"], tp, cfg.sequence_parallel)
+        self._dropouts = list(dropout_modules(*roots).values())
         if cfg.zero < 3:  # ZeRO-3 already reruns every unit in backward (its units keep only their inputs)
             recompute.apply(blocks, cfg.recompute, cfg.recompute_layers, attention_core(model_cfg))
         counted = count_once(grid.coords["tp"] if tp > 1 else 0, tied_copy)
@@ -125,18 +124,22 @@ class Engine:
     def _no_sync(self):
         return self.ddp.no_sync() if self.ddp else contextlib.nullcontext()
 
-    def train_step(self, x, y, loss_scale: float = 1.0) -> float:
+    def train_step(self, x, y, loss_scale: float = 1.0, step: int | None = None) -> float:
         """Forward and backward of this dp replica's rows (x, y), backward seeded with
         ``loss_scale`` (:class:`mpirt.precision.LossScaler`); then the gradients are summed over
         the tied copies, over tp for sequence-parallel partial sums and averaged over dp. Returns
-        the (unscaled) mean loss of the global batch."""
+        the (unscaled) mean loss of the global batch. ``step``: the optimizer step, which with the
+        rows' place in the global batch (this replica holds rows ``[dp rank x len(x), ...)``)
+        makes the dropout masks those of one rank running the whole batch (None: each module's
+        call count stands in)."""
         self.optimizer.zero_grad()
         clock = time.perf_counter
+        row0 = self.grid.coords["dp"] * len(x)
         if self.stage:
             with self._no_sync():
-                loss = self.stage.train_step(x, y, loss_scale)
+                loss = self.stage.train_step(x, y, loss_scale, place=None if step is None else (step, row0))
         else:
-            loss = self._accumulate(x, y, loss_scale)
+            loss = self._accumulate(x, y, loss_scale, None if step is None else (step, row0))
         t0 = clock()
         if self.ddp:
             self.ddp.finish()
@@ -148,14 +151,17 @@ class Engine:
             self._stats["spans"].append(("grad_sync", t0, clock()))
         return loss
 
-    def _accumulate(self, x, y, loss_scale: float) -> float:
+    def _accumulate(self, x, y, loss_scale: float, place: tuple | None) -> float:
         """``grad_accum`` micro-batches of the whole (tp-parallel) model; all but the last only
-        accumulate locally. ``stats["spans"]``: (part, start, end) times for the monitor."""
+        accumulate locally. ``place``: (step, global row of x's first row) for the dropout masks.
+        ``stats["spans"]``: (part, start, end) times for the monitor."""
         k = self.cfg.grad_accum
         loss_sum = 0.0
         spans = self._stats["spans"] = []
         clock = time.perf_counter
         for i, (xm, ym) in enumerate(split_microbatches(x, y, k)):
+            if place is not None:
+                place_dropouts(self._dropouts, place[0], place[1] + i * len(xm))
             with self._no_sync() if i < k - 1 else contextlib.nullcontext():
                 t0 = clock()
                 _, loss = self.model(B.asarray(xm), B.asarray(ym))
@@ -203,36 +209,7 @@ class Engine:
         ends read the tied embedding). Collective over dp under ZeRO."""
         load_shards(reader, self.model, self.optimizer, self.tp_comm, with_optimizer=with_optimizer)
 
-    def dropout_state(self) -> dict:
-        """``{module name: calls}`` for every Dropout of the whole model: how far each mask stream
-        has advanced (the call count is part of the mask seed), so that a resumed run draws the
-        masks an uninterrupted one would. Collective over pp (each stage holds its own modules)."""
-        mine = {name: m.calls for name, m in _dropouts(*self._dropout_roots).items()}
-        if not self.stage:
-            return mine
-        merged: dict = {}
-        for part in self.pp_comm.allgather_object(mine):
-            for name, calls in part.items():  # the first and last stage's shells both hold ``drop``: only one
-                merged[name] = max(calls, merged.get(name, 0))  # runs it, the other's count stays 0
-        return merged
-
-    def load_dropout_state(self, state: dict) -> None:
-        """Restore the counts saved by :meth:`dropout_state`; modules it does not name keep theirs."""
-        _load_dropouts(_dropouts(*self._dropout_roots), state)
-
     def close(self) -> None:
         """Stop DataParallel's communication thread, if any."""
         if self.ddp:
             self.ddp.close()
-
-
-def _dropouts(*roots) -> dict:
-    """Every Dropout module under the ``roots`` (None skipped), by module name."""
-    return {name: m for root in roots if root is not None
-            for name, m in root.named_modules() if isinstance(m, Dropout)}
-
-
-def _load_dropouts(modules: dict, state: dict) -> None:
-    for name, m in modules.items():
-        if name in state:
-            m.calls = int(state[name])

@@ -37,7 +37,7 @@ import numpy as np
 
 import mpirt.backend as B
 from mpirt.modeling import block_class, build_model, check_config, lm_loss, model_class, seed_dropouts
-from mpirt.nn import Module, graph_parameters, stand_ins
+from mpirt.nn import Module, dropout_modules, graph_parameters, place_dropouts, stand_ins
 from mpirt.parallel.partition import layer_costs, partition
 from mpirt.parallel.pipeline_exec import PipelineExecutor
 from mpirt.parallel.schedule_check import check
@@ -146,6 +146,8 @@ class PipelineStage(PipelineExecutor):
             model.initialize(seed)
         self.model = model
         self._params = model.parameters()
+        self._dropouts = list(dropout_modules(model, self.shell).values())
+        self.place = None
         if any(p.dtype != self.dtype for p in self._params):
             raise TypeError(f"PipelineStage: parameters of mixed dtypes {sorted({str(p.dtype) for p in self._params})}")
         # the norm counts every element once: the tied copy on the first rank only
@@ -195,13 +197,15 @@ class PipelineStage(PipelineExecutor):
             out.append(f"stage {s} (rank {s % self.pp}, chunk {s // self.pp}): h.{lo}..h.{hi - 1}{extra}")
         return "\n".join(out)
 
-    def train_step(self, x, y, loss_scale: float = 1.0) -> float:
+    def train_step(self, x, y, loss_scale: float = 1.0, place: tuple | None = None) -> float:
         """Forward and backward of the batch ``(x, y)`` (this dp replica's rows, split into
         ``microbatches``), then the tied-weight gradient sum over the pipeline ends. The last stage
         seeds backward with ``loss_scale`` (the gradients are then that many times the loss's).
         Returns the mean loss of these rows on every pp rank. Averaging over dp, the sequence-
-        parallel gradient sum and clipping are the engine's (:class:`mpirt.parallel.engine.Engine`)."""
-        self.loss_scale = float(loss_scale)
+        parallel gradient sum and clipping are the engine's (:class:`mpirt.parallel.engine.Engine`).
+        ``place``: (step, global batch row of x's first row): each micro-batch's dropout masks are
+        then the single rank's for its rows (None: the modules' call counts stand in)."""
+        self.loss_scale, self.place = float(loss_scale), place
         x, y = self._prepare(x, y)
         self.zero_grad()
         loss = self._run(self.schedule, x, y, training=True)
@@ -209,10 +213,17 @@ class PipelineStage(PipelineExecutor):
         return self._share_loss(loss)
 
     def evaluate(self, x, y) -> float:
-        """Mean loss of ``(x, y)`` without gradients (forward-only schedule)."""
+        """Mean loss of ``(x, y)`` without gradients (forward-only schedule), dropout off."""
         x, y = self._prepare(x, y)
-        with no_grad():
-            loss = self._run(self.eval_schedule, x, y, training=False)
+        parts = [m for m in (self.model, self.shell) if m is not None]
+        for m in parts:
+            m.eval()
+        try:
+            with no_grad():
+                loss = self._run(self.eval_schedule, x, y, training=False)
+        finally:
+            for m in parts:
+                m.train()
         return self._share_loss(loss)
 
     # -- the step ----------------------------------------------------------------------------
@@ -255,6 +266,9 @@ class PipelineStage(PipelineExecutor):
     def _forward(self, chunk, mb, inp, xs, ys):
         """Chunk ``chunk`` on micro-batch ``mb``: the stage output, or the scaled loss (last stage)."""
         s = chunk * self.pp + self.rank
+        if self.place is not None:
+            step, row0 = self.place
+            place_dropouts(self._dropouts, step, row0 + mb * self.act_shape[0])
         h = self.shell.embed(xs[mb]) if s == 0 else inp
         lo, hi = self.chunk_bounds[chunk]
         for i in range(lo, hi):

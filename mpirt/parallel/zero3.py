@@ -143,9 +143,9 @@ class _ZeroUnit(Function):
 
 
 def _dropout_state(model) -> list:
-    return [(m, m.calls) for _, m in model.named_modules() if isinstance(m, Dropout)]
+    return [(m, m.state()) for _, m in model.named_modules() if isinstance(m, Dropout)]
 
 
-def _restore_dropouts(state) -> None:
-    for m, calls in state:
-        m.calls = calls
+def _restore_dropouts(saved) -> None:
+    for m, state in saved:
+        m.set_state(state)

@@ -219,14 +219,13 @@ class ParallelSelfAttention(Module):
         self.c_proj = RowParallelLinear(n_embd, n_embd, comm, sequence_parallel=sequence_parallel, std=proj_std,
                                         dtype=dtype)
         self.attn_dropout, self.resid_dropout = Dropout(attn_dropout), Dropout(resid_dropout)
-        self.attn_dropout.tp_distinct = True
+        self.attn_dropout.tp_split = True  # its input is the local heads: (B, H/t, T, T)
 
     def forward(self, x):
         qkv = self.c_attn(x)                                               # (B, T, 3C/t): q_r | k_r | v_r
         d = self.attn_dropout
         if self.training and d.p > 0.0:
-            d.calls += 1
-            y = ops.causal_self_attention(qkv, self.n_head, dropout_p=d.p, seed=(d.seed, d.calls))
+            y = ops.causal_self_attention(qkv, self.n_head, dropout_p=d.p, seed=d.next_source())
         else:
             y = ops.causal_self_attention(qkv, self.n_head)                # (B, T, C/t)
         return self.resid_dropout(self.c_proj(y))

@@ -23,7 +23,7 @@ KINDS = {
     "vocab": "Embedding -> VocabParallelEmbedding (rows split, vocabulary padded to a multiple of tp)",
     "positions": "Embedding of sequence positions: replicated; sliced to the sequence chunk under SP",
     "heads": "a module attribute n_head divided by tp",
-    "sharded_dropout": "a Dropout acting on tp-split data: distinct masks per tp rank",
+    "sharded_dropout": "a Dropout acting on tp-split data (dimension 1): its part of the tp=1 mask",
     "vocab_head": "a model attribute (callable (x, table) -> logits) -> VocabParallelHead",
     "vocab_loss": "a model attribute (callable (logits, targets) -> loss) -> VocabParallelLoss",
     "replicated": "unchanged, replicated over tp",
@@ -137,7 +137,7 @@ def parallelize(model: Module, comm, sequence_parallel: bool = False, seed: int 
         elif kind == "heads":
             module.n_head //= t
         elif kind == "sharded_dropout":
-            module.tp_distinct = True
+            module.tp_split = True
     for pattern, kind, *_ in plan:
         if kind == "vocab_head":
             setattr(model, pattern, VocabParallelHead(comm, sequence_parallel, regather))
@@ -149,22 +149,24 @@ def parallelize(model: Module, comm, sequence_parallel: bool = False, seed: int 
     for _, p in model.named_parameters():  # replicated parameters see 1/t of the tokens under SP
         p.tp_partial_grad = bool(sequence_parallel and AXIS not in p.spec.dims)
     object.__setattr__(model, "tp_info", {"size": t, "rank": r, "sequence_parallel": sequence_parallel})
-    reseed_dropouts(model, None, r, sequence_parallel)
+    reseed_dropouts(model, None, r, t, sequence_parallel)
     if seed is not None:
         model.initialize(seed, sizes, ranks)
     return model
 
 
-def reseed_dropouts(model: Module, seed: int | None, tp_rank: int, sequence_parallel: bool = False) -> None:
-    """Seed every Dropout of a tensor-parallel model. Dropouts on replicated activations must draw
-    the *same* mask on every tp rank (else the replicas diverge): their seed comes from ``seed``
-    and the module name only, so ``seed`` must be equal over the tp group. Dropouts on tp-split data
-    (attention probabilities of the local heads; every dropout under sequence parallelism) mix in
-    the tp rank. ``seed=None`` keeps the current seeds and only mixes the rank in."""
+def reseed_dropouts(model: Module, seed: int | None, tp_rank: int, tp_size: int,
+                    sequence_parallel: bool = False) -> None:
+    """Seed every Dropout of a (tensor-parallel) model from ``seed`` and its name (``seed=None``
+    keeps the seeds) and tell those whose input is split over tp along dimension 1 which part
+    they hold (the attention probabilities of the local heads; every dropout under sequence
+    parallelism, on its sequence chunk): masks depend on the global position
+    (:mod:`mpirt.ops.dropout`), so replicated activations draw one mask on every tp rank and a
+    split one its part of the tp=1 mask. ``seed`` must be equal over the tp group."""
     for name, m in model.named_modules():
         if not isinstance(m, Dropout):
             continue
         if seed is not None:
             m.seed, m.calls = zlib.crc32(f"{seed}:{name}".encode()), 0
-        if sequence_parallel or getattr(m, "tp_distinct", False):
-            m.seed = zlib.crc32(f"{m.seed}:tp{tp_rank}".encode())
+        split = tp_size > 1 and (sequence_parallel or getattr(m, "tp_split", False))
+        m.split = (tp_rank, tp_size) if split else None
