@@ -46,7 +46,13 @@ def float32_compute(cls=None, *, keep_output: bool = False):
     and the backward passes run on float32 copies of the array arguments and their results are
     rounded once to the half dtype (``keep_output=True`` leaves the forward's result in float32:
     a loss). With no half input the op runs unchanged, so float32/float64 numbers are untouched.
-    Saved activations are then float32 (twice the bytes of a half-storing GPU kernel).
+
+    What the forward saves for backward stays half, as a half-storing GPU kernel keeps it
+    (:func:`_keep_half`): a saved float32 copy of a half argument is the argument itself, the
+    saved output is the rounded output, and any other saved float32 array the size of an argument
+    or of the output (a derivative, a normalised input) is rounded to the half dtype; smaller
+    ones (per-row statistics) stay float32, and so does what a loss saves (``keep_output``:
+    probabilities near 1 would round to 1). The backward passes see them in float32 again.
 
     A class whose fused kernel takes half arrays itself (the CUDA kernels, :mod:`mpirt.kernels.cuda`)
     defines ``runs_half(self, *args, **kwargs) -> bool``: where it says True, forward and backward
@@ -62,8 +68,14 @@ def float32_compute(cls=None, *, keep_output: bool = False):
             if self._half is None:
                 return forward(self, *args, **kwargs)
             self._in_dtypes = [getattr(a, "dtype", None) for a in args]
-            out = forward(self, *(upcast(a) for a in args), **kwargs)
-            return out if keep_output else out.astype(self._half)
+            wide = [upcast(a) for a in args]
+            out = forward(self, *wide, **kwargs)
+            if keep_output:  # a loss: its saved probabilities stay float32 (p near 1 rounds to 1 in half)
+                self._kept_half = []
+                return out
+            result = out.astype(self._half)
+            _keep_half(self, args, wide, out, result)
+            return result
         cls.forward = fwd
         for name in ("backward", "backward_input", "backward_weight"):
             if name in cls.__dict__:
@@ -72,11 +84,39 @@ def float32_compute(cls=None, *, keep_output: bool = False):
     return wrap if cls is None else wrap(cls)
 
 
+def _keep_half(fn, args, wide, out, result) -> None:
+    """Store ``fn``'s saved float32 activations in the half dtype (see :func:`float32_compute`);
+    ``fn._kept_half`` names them, for the backward passes to widen."""
+    argument_of = {id(w): a for a, w in zip(args, wide) if w is not a}
+    sizes = {a.size for a in args if hasattr(a, "size")} | {out.size}
+    kept = []
+    for name, value in list(vars(fn).items()):
+        if getattr(value, "dtype", None) != "float32" or name.startswith("_"):
+            continue
+        if id(value) in argument_of:
+            setattr(fn, name, argument_of[id(value)])
+        elif value is out:
+            setattr(fn, name, result)
+        elif value.size in sizes:
+            setattr(fn, name, value.astype(fn._half))
+        else:
+            continue
+        kept.append(name)
+    fn._kept_half = kept
+
+
 def _wrap_backward(method):
     def bwd(self, g):
         if getattr(self, "_half", None) is None:
             return method(self, g)
-        grads = method(self, upcast(g))
+        half = {name: getattr(self, name) for name in self._kept_half}
+        for name, value in half.items():  # widened for this pass only: between passes they stay half
+            setattr(self, name, upcast(value))
+        try:
+            grads = method(self, upcast(g))
+        finally:
+            for name, value in half.items():
+                setattr(self, name, value)
         return tuple(gx.astype(dt) if gx is not None and is_half(dt) else gx
                      for gx, dt in zip(grads, self._in_dtypes))
     bwd.__name__, bwd.__doc__ = method.__name__, method.__doc__
