@@ -41,7 +41,8 @@ def stack_costs(cfg, embed: LayerCost, block: LayerCost, head: LayerCost) -> lis
 
 
 def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
-                     itemsize: int = 4, qkv_arrays: int = 1, row_bias: bool = True, positions: bool = False) -> dict:
+                     itemsize: int = 4, qkv_arrays: int = 1, row_bias: bool = True, positions: bool = False,
+                     mlp_saved: int = 1) -> dict:
     """Bytes one micro-batch keeps alive for backward, per rank, in a model built from this module's
     pre-norm block (see ``CausalLM.activation_bytes_of``; docs/architecture.md derives it).
 
@@ -64,7 +65,12 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     its partial lookup ``u`` too; ``positions``: the position rows and the sum), the final norm
     ``2u/p + bs/p``, logits and the loss's probabilities ``2 b s V'/t`` (``V'`` padded to a multiple
     of t), token ids and targets (int64).
-    Returns ``{"block", "core", "input", "embed", "head"}`` in bytes.
+
+    ``widened``: in half precision the largest float32 transient of the backward
+    (:func:`mpirt.precision.float32_compute`), the MLP activation's: the incoming gradient and the
+    ``mlp_saved`` hidden arrays its op saved (GELU 1, SwiGLU 2) widened to float32, a float32
+    gradient per saved array and its rounding.
+    Returns ``{"block", "core", "input", "embed", "head", "widened"}`` in bytes.
     """
     b, s, h, t, a, f = batch, seq_len, cfg.n_embd, tp, cfg.n_head, cfg.hidden
     p = t if sequence_parallel else 1
@@ -82,8 +88,9 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
             embed += (e + 1) * u / p
     v = -(-cfg.vocab_size // t) * t
     head = e * ((2 * u + b * s) / p + 2 * b * s * v / t) + 9 * b * s
+    widened = b * s * f / t * ((1 + mlp_saved) * 4 + mlp_saved * (4 + e))
     return {"block": int(block + core), "core": int(core), "input": int(e * u / p), "embed": int(embed),
-            "head": int(head)}
+            "head": int(head), "widened": int(widened)}
 
 
 class TiedLM(CausalLM):

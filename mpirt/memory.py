@@ -212,6 +212,9 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
         comm += 2 * rows * (cfg.seq_len // (tp if sp else 1)) * model_cfg.n_embd * e
     vocab = -(-model_cfg.vocab_size // tp) * tp
     backward = 2 * rows * cfg.seq_len * vocab / tp * e  # the logits' gradient and a temporary
+    if state_e > e:  # half: fused ops widen to float32 in backward (mpirt.precision.float32_compute):
+        # the loss's float32 gradient beside its rounding, or the MLP activation's backward
+        backward = max(rows * cfg.seq_len * vocab / tp * (state_e + e), acts["widened"])
     if any(i in picked for i in held) and mode != "none":  # one rerun, alive while its backward runs
         backward += acts["block"] if mode == "full" else acts["core"]
     gathers_state = pp == 1 or pos["pp"] == 0

@@ -126,8 +126,9 @@ class CausalLM(Module):
                             itemsize: int = 4) -> dict:
         """Bytes of activations one micro-batch of ``batch`` rows keeps alive for backward, per tp
         rank: ``{"block": per block without recomputation, "core": what selective recomputation
-        of one block drops, "input": what full recomputation keeps of a block, "embed", "head"}``
-        (the memory prediction, :mod:`mpirt.memory`)."""
+        of one block drops, "input": what full recomputation keeps of a block, "embed", "head",
+        "widened": the largest float32 transient of a half-precision backward}`` (the memory
+        prediction, :mod:`mpirt.memory`)."""
         raise NotImplementedError
 
     def embed(self, idx):
