@@ -19,8 +19,8 @@ same ``8 b s h (t-1)/t`` plus ``2 b s h (t-1)/t`` for re-gathering the two colum
 in backward (Megatron's choice, which saves their memory).
 
 Memory per rank: parameters, gradients and AdamW state (this rank's shards) and the activations
-saved for backward (:func:`mpirt.parallel.tensor.saved_activation_bytes`) against
-:func:`mpirt.parallel.tensor.activation_bytes`. Prints a table and writes bench/results/tp.{md,json}
+kept for backward (:func:`mpirt.memory.kept_bytes`) against the model's formula
+(:func:`mpirt.modeling.activation_bytes`). Prints a table and writes bench/results/tp.{md,json}
 (rank 0).
 """
 from __future__ import annotations
@@ -44,6 +44,8 @@ from mpi4py import MPI  # noqa: E402
 
 from mpirt import comm as C  # noqa: E402
 from mpirt.comm import Comm  # noqa: E402
+from mpirt.memory import kept_bytes  # noqa: E402
+from mpirt.modeling import activation_bytes  # noqa: E402
 from mpirt.optim import AdamW  # noqa: E402
 from mpirt.parallel import tensor as TP  # noqa: E402
 from mpirt.tensor import Function  # noqa: E402
@@ -122,7 +124,7 @@ class Config:
         C.stats.reset()
         _, loss = self.model(self.x, self.y)
         if self.act is None:
-            self.act = TP.saved_activation_bytes(loss)
+            self.act = kept_bytes(loss)
         loss.backward()
         if self.tp > 1:
             TP.sync_sequence_parallel_grads(self.model, self.comm)
@@ -139,8 +141,8 @@ class Config:
         theory_sp = theory + 2 * b * s * h * (tp - 1) / tp * it if sp else theory
         state = sum(p.data.nbytes + p.grad.nbytes for p in self.model.parameters())
         state += sum(a.nbytes for st in self.opt.state for a in st.values())
-        predicted = TP.activation_bytes(n_layer=cfg.n_layer, n_embd=h, n_head=cfg.n_head, hidden=cfg.hidden,
-                                        vocab_size=cfg.vocab_size, batch=b, seq_len=s, tp=tp, sequence_parallel=sp)
+        per = activation_bytes(cfg, batch=b, seq_len=s, tp=tp, sequence_parallel=sp)
+        predicted = per["embed"] + cfg.n_layer * per["block"] + per["head"]
         step = statistics.median(seconds)
         return {"tp": tp, "sp": sp, "step_s": BC.spread(seconds), "tokens_per_s": b * s / step,
                 "layer_bytes": moved, "layer_bytes_theory": theory_sp, "layer_bytes_8bsh": theory,

@@ -131,8 +131,8 @@ class GPT(TiedLM):
 
     @classmethod
     def activation_bytes_of(cls, cfg: GPTConfig, **kwargs) -> dict:
-        """:func:`~mpirt.models.lm.activation_bytes` with biased projections and learned positions."""
-        return activation_bytes(cfg, row_bias=True, positions=True, **kwargs)
+        """:func:`~mpirt.models.lm.activation_bytes` with learned positions (their ids kept)."""
+        return activation_bytes(cfg, positions=True, **kwargs)
 
     @classmethod
     def read_hf_config(cls, path) -> dict:

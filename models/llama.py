@@ -125,9 +125,9 @@ class Llama(TiedLM):
 
     @classmethod
     def activation_bytes_of(cls, cfg: LlamaConfig, **kwargs) -> dict:
-        """:func:`~mpirt.models.lm.activation_bytes` without biases, qkv kept twice (before and
-        after the rotary embedding), no position table."""
-        return activation_bytes(cfg, qkv_arrays=2, row_bias=False, mlp_saved=2, **kwargs)
+        """:func:`~mpirt.models.lm.activation_bytes` with SwiGLU's two saved arrays (gate and up)
+        and no position table (the rotary embedding keeps only its cos/sin tables)."""
+        return activation_bytes(cfg, mlp_saved=2, **kwargs)
 
     @classmethod
     def layer_costs_of(cls, cfg: LlamaConfig, seq_len: int) -> list:

@@ -41,53 +41,53 @@ def stack_costs(cfg, embed: LayerCost, block: LayerCost, head: LayerCost) -> lis
 
 
 def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
-                     itemsize: int = 4, qkv_arrays: int = 1, row_bias: bool = True, positions: bool = False,
-                     mlp_saved: int = 1) -> dict:
+                     itemsize: int = 4, positions: bool = False, mlp_saved: int = 1) -> dict:
     """Bytes one micro-batch keeps alive for backward, per rank, in a model built from this module's
-    pre-norm block (see ``CausalLM.activation_bytes_of``; docs/architecture.md derives it).
+    pre-norm block (see ``CausalLM.activation_bytes_of``; docs/memory.md has the table beside
+    Korthikanti et al. 2022). The autograd keeps what each op saved and nothing else (an op's
+    output is held only as its producer, :class:`mpirt.tensor.Edge`).
 
     With ``u = b s h``, ``p = t`` under sequence parallelism (else 1), ``f`` the MLP width, ``a``
-    the heads, a block keeps (elements; the autograd holds every op's inputs until backward):
+    the heads, ``e`` the itemsize and ``e'`` that of per-row statistics (float32 in half
+    precision), a block keeps:
 
-    - ``(6u + 2bs) / p``: the block input and the mid residual, each norm's normalised input and
-      output, and its 1/rms per row;
-    - per output projection (attention's and the MLP's): at t = 1 its output ``u``; at t > 1 the
-      partial sum ``u``, the reduced ``u/p`` and, with a bias added after the reduction, ``u/p``;
-    - ``(qkv_arrays * 3u + u + 3bsf) / t``: qkv (twice with rotary: before and after), the
-      attention output, the MLP's three hidden arrays (GELU: input, derivative, output; SwiGLU:
-      gate, up, product);
-    - the attention core: ``a b s / t`` (the log-sum-exp of each query's scores; the backward
+    - ``4 e u / p + 2 e' b s / p``: each norm's normalised input and 1/std per row, and its output
+      (the input of the projection after it);
+    - ``e (4u + (mlp_saved + 1) b s f) / t``: qkv and the attention output (the output
+      projection's input); the MLP activation's saved arrays (GELU: its derivative; SwiGLU: gate
+      and up) and its output (the down projection's input);
+    - the attention core: ``e' a b s / t`` (the log-sum-exp of each query's scores; the backward
       computes the scores again), plus ``a b s^2 / t`` bytes of mask with attention dropout: what
       selective recomputation drops;
-    - with residual dropout, twice ``u/p`` elements plus ``u/p`` bytes of mask.
+    - with residual dropout, two masks of ``u / p`` bytes.
 
-    Full recomputation keeps the block input, ``u/p``. Outside the blocks: the embedding (at t > 1
-    its partial lookup ``u`` too; ``positions``: the position rows and the sum), the final norm
-    ``2u/p + bs/p``, logits and the loss's probabilities ``2 b s V'/t`` (``V'`` padded to a multiple
-    of t), token ids and targets (int64).
+    The residual sums, the projections' outputs (partial sums under tp), the norms' inputs and
+    the MLP's pre-activation are not kept. Full recomputation keeps the block input, ``e u / p``.
+    Outside the blocks: the token ids (int64; ``positions``: the position ids too), with
+    embedding dropout its mask ``u / p`` bytes; the final norm and the head's input ``2 e u / p +
+    e' b s / p``, the loss's probabilities ``b s V' / t`` (float32 in half precision; ``V'``
+    padded to a multiple of t) with 1/rowsum per row, the targets and their mask.
 
     ``widened``: in half precision the largest float32 transient of the backward
     (:func:`mpirt.precision.float32_compute`), the MLP activation's: the incoming gradient and the
-    ``mlp_saved`` hidden arrays its op saved (GELU 1, SwiGLU 2) widened to float32, a float32
-    gradient per saved array and its rounding.
+    ``mlp_saved`` hidden arrays its op saved widened to float32, a float32 gradient per saved
+    array and its rounding.
     Returns ``{"block", "core", "input", "embed", "head", "widened"}`` in bytes.
     """
     b, s, h, t, a, f = batch, seq_len, cfg.n_embd, tp, cfg.n_head, cfg.hidden
     p = t if sequence_parallel else 1
     u, e = b * s * h, itemsize
+    stat = 4 if e == 2 else e  # per-row statistics and the loss's probabilities stay float32 in half
     attn_p, resid_p = getattr(cfg, "attn_pdrop", 0.0), getattr(cfg, "resid_pdrop", 0.0)
-    row = u if t == 1 else u + u / p + (u / p if row_bias else 0)
-    block = e * ((6 * u + 2 * b * s) / p + 2 * row + (qkv_arrays * 3 * u + u + 3 * b * s * f) / t)
-    core = ((attn_p > 0) * s + e) * a * b * s / t
+    block = e * (4 * u / p + (4 * u + (mlp_saved + 1) * b * s * f) / t) + stat * 2 * b * s / p
+    core = ((attn_p > 0) * s + stat) * a * b * s / t
     if resid_p > 0:
-        block += 2 * (e + 1) * u / p
-    embed = e * ((u if t > 1 else 0) + u / p) + 8 * b * s
-    if positions:
-        embed += e * (s * h + u) / p + 8 * s
-        if getattr(cfg, "embd_pdrop", 0.0) > 0:
-            embed += (e + 1) * u / p
+        block += 2 * u / p
+    embed = 8 * b * s + (8 * s if positions else 0)
+    if getattr(cfg, "embd_pdrop", 0.0) > 0:
+        embed += u / p
     v = -(-cfg.vocab_size // t) * t
-    head = e * ((2 * u + b * s) / p + 2 * b * s * v / t) + 9 * b * s
+    head = e * 2 * u / p + stat * (b * s / p + b * s * v / t + b * s) + 9 * b * s
     widened = b * s * f / t * ((1 + mlp_saved) * 4 + mlp_saved * (4 + e))
     return {"block": int(block + core), "core": int(core), "input": int(e * u / p), "embed": int(embed),
             "head": int(head), "widened": int(widened)}

@@ -65,13 +65,13 @@ class MLP(TiedLM):
 
     @classmethod
     def activation_bytes_of(cls, cfg: GPTConfig, *, batch: int, seq_len: int, itemsize: int = 4, **kwargs) -> dict:
-        """Embedding and head as :func:`~mpirt.models.lm.activation_bytes`; a block keeps its input,
-        the norm's normalised input, 1/std and output, the three hidden arrays and the projection
-        (``u = b s h``): ``e (4u + bs + 3 b s f)``, with dropout ``(e + 1) u`` more. No attention core."""
+        """Embedding and head as :func:`~mpirt.models.lm.activation_bytes`; a block keeps the
+        norm's normalised input, 1/std and output, GELU's derivative and output (``u = b s h``):
+        ``e (2u + 2 b s f) + e' b s``, with dropout a mask of ``u`` bytes more. No attention core."""
         out = activation_bytes(cfg, batch=batch, seq_len=seq_len, itemsize=itemsize, **kwargs)
         u, e = batch * seq_len * cfg.n_embd, itemsize
-        block = e * (4 * u + batch * seq_len + 3 * batch * seq_len * cfg.hidden)
-        block += (e + 1) * u if cfg.resid_pdrop > 0 else 0
+        block = e * (2 * u + 2 * batch * seq_len * cfg.hidden) + (4 if e == 2 else e) * batch * seq_len
+        block += u if cfg.resid_pdrop > 0 else 0
         return {**out, "block": block, "core": 0}
 
     @classmethod

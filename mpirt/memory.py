@@ -49,8 +49,9 @@ def arrays_in(value):
 
 def kept_bytes(root) -> int:
     """Bytes of the activations the graph behind the Tensor ``root`` keeps alive until backward:
-    arrays its Functions saved, the data of every Tensor that is an input of one of them (the
-    autograd holds its inputs) and ``root``'s own, each buffer once; parameters are left out.
+    arrays its Functions saved, the data of leaf Tensors that are inputs of one of them (an op's
+    output is held only as its producer, :class:`mpirt.tensor.Edge`) and ``root``'s own, each
+    buffer once; parameters are left out.
     Call before backward: this is what a pipeline stash or a step's forward holds per micro-batch."""
     from mpirt.nn import Parameter
     from mpirt.tensor import Tensor
@@ -77,8 +78,9 @@ def kept_bytes(root) -> int:
             if isinstance(x, Parameter):
                 params.add(id(array_base(x.data)))
             elif isinstance(x, Tensor):
-                add(x.data)
-                if x._ctx is not None:
+                if x._ctx is None:
+                    add(x.data)
+                else:
                     stack.append(x._ctx)
     return sum(n for k, n in found.items() if k not in params)
 

@@ -105,7 +105,7 @@ class Function:
         fn.needs_input_grad = tuple(isinstance(x, Tensor) and x.requires_grad for x in inputs)
         out = fn.forward(*arrays, **kwargs)
         if _grad_enabled and any(fn.needs_input_grad):
-            fn.inputs = inputs
+            fn.inputs = tuple(_edge(x) for x in inputs)
             return Tensor(out, requires_grad=True, _ctx=fn)
         return Tensor(out)
 
@@ -123,6 +123,14 @@ class Function:
 
     def backward_weight(self, grad):
         raise NotImplementedError
+
+
+def _edge(x):
+    """What a Function keeps of an input: a leaf Tensor (it receives the gradient) or a constant
+    as it is; of an op's output only its producer (an :class:`Edge`), not its data: what backward
+    needs of an input, the Function saved itself, so a tensor no op saved (a residual sum, a
+    norm's input) is freed as soon as the forward lets go of it."""
+    return Edge(x._ctx) if isinstance(x, Tensor) and x._ctx is not None else x
 
 
 class SparseGrad:
@@ -233,6 +241,13 @@ class Tensor:
     @property
     def T(self):
         return _ops.transpose(self, None)
+
+
+class Edge(Tensor):
+    """An op's output as the graph remembers it: the Function that produced it, no data."""
+
+    def __init__(self, ctx: Function):
+        self.data, self.requires_grad, self.grad, self._ctx, self._hooks = None, True, None, ctx, []
 
 
 class _Backward:

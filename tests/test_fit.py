@@ -14,8 +14,8 @@ import pytest
 from conftest import ROOT
 
 # 118M parameters, most of them in the token table: little compute for the memory it needs. Its
-# single rank needs 2.12 GiB (predicted), 4.17x the budget; measured on 8 ranks: 475-484 MiB owned
-# per rank (rank 0 writes the checkpoint's metadata), 13-14 MiB above the prediction
+# single rank needs 2.12 GiB (predicted), 4.17x the budget; measured on 8 ranks: 465-474 MiB owned
+# per rank (rank 0 writes the checkpoint's metadata), 3-5 MiB above the prediction
 TWIN = ["--model=tiny", "--model-args=--model.n_layer=4 --model.n_embd=1024 --model.n_head=8 "
         "--model.vocab_size=65536 --model.n_positions=32", "--seq-len=32", "--batch-size=4", "--steps=2",
         "--budget=520MiB", "--layout=--dp=2 --tp=4 --zero=1 --recompute=selective", "--then=--tp=8"]

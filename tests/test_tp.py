@@ -17,6 +17,8 @@ from mpirt import comm as C
 from mpirt import ops
 from mpirt.data import get_batch
 from mpirt.grid import Grid
+from mpirt.memory import kept_bytes
+from mpirt.modeling import activation_bytes
 from mpirt.nn import ShardSpec
 from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel import tensor as TP
@@ -96,12 +98,17 @@ def test_layout_errors_name_the_numbers():
     assert model.wte.weight.shape == (37, 16)
 
 
+def kept_per_rank(cfg, *, batch, seq_len, tp=1, sequence_parallel=False) -> int:
+    """The model's activation formula for one forward with loss: embed, blocks, head."""
+    a = activation_bytes(cfg, batch=batch, seq_len=seq_len, tp=tp, sequence_parallel=sequence_parallel)
+    return a["embed"] + cfg.n_layer * a["block"] + a["head"]
+
+
 def test_activation_formula_is_exact_on_one_rank():
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, n_positions=16, vocab_size=37)
     x, y = get_batch(TOKENS, 0, batch_size=4, seq_len=16, seed=0)
     _, loss = GPT(cfg, seed=1)(x, y)
-    predicted = TP.activation_bytes(n_layer=2, n_embd=32, n_head=4, hidden=128, vocab_size=37, batch=4, seq_len=16)
-    assert TP.saved_activation_bytes(loss) == predicted
+    assert kept_bytes(loss) == kept_per_rank(cfg, batch=4, seq_len=16) + loss.data.nbytes
 
 
 # --- single layers -------------------------------------------------------------------------------
@@ -598,14 +605,14 @@ def test_activation_memory_matches_formula(tp, sp, group):
         x, y = get_batch(TOKENS, 0, batch_size=4, seq_len=16, seed=0)
         model = TP.parallelize(GPT(cfg, dtype="float32"), comm, sequence_parallel=sp, seed=1)
         loss = model(x, y)[1]
-        measured = TP.saved_activation_bytes(loss)
-        kw = dict(n_layer=2, n_embd=32, n_head=4, hidden=128, vocab_size=37, batch=4, seq_len=16, tp=tp)
-        predicted = TP.activation_bytes(**kw, sequence_parallel=sp)
-        single = TP.activation_bytes(**dict(kw, tp=1))
+        measured = kept_bytes(loss)
+        kw = dict(batch=4, seq_len=16, tp=tp)
+        predicted = kept_per_rank(cfg, **kw, sequence_parallel=sp)
+        single = kept_per_rank(cfg, **dict(kw, tp=1))
         err = abs(measured - predicted) / predicted
         ok = err <= 0.10 and measured < single
         detail = f"measured {measured} predicted {predicted} ({err:.2%}); tp=1 {single}"
         if sp:  # sequence parallelism saves memory on top of tensor parallelism
-            plain = TP.activation_bytes(**kw)
+            plain = kept_per_rank(cfg, **kw)
             ok = ok and measured < plain
     agree(ok, detail)

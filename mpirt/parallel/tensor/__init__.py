@@ -46,7 +46,8 @@ The package, one module per concern: :mod:`.layout` (the tp axis, divisibility, 
 padding), :mod:`.comm` (``f``/``g`` and the sequence Functions), :mod:`.layers` (parallel modules
 and their fused Functions), :mod:`.loss` (vocabulary-parallel head and cross-entropy),
 :mod:`.plan` (:func:`parallelize`, :func:`reseed_dropouts`), :mod:`.state` (shards, state dicts,
-gradient sync, gathered logits), :mod:`.memory` (activation bytes, measured and predicted).
+gradient sync, gathered logits). Activation bytes: the model's formula
+(:func:`mpirt.modeling.activation_bytes`) and :func:`mpirt.memory.kept_bytes`.
 """
 from __future__ import annotations
 
@@ -56,7 +57,6 @@ from .layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, R
                      SeqParallelLinear, SequenceParallelEmbedding, VocabEmbedding, VocabParallelEmbedding)
 from .layout import AXIS, PaddedParameter, check_model_tp, check_tp_layout, pad_rows, pad_vocab
 from .loss import VocabParallelCrossEntropy, VocabParallelHead, VocabParallelLoss, vocab_parallel_cross_entropy
-from .memory import activation_bytes, saved_activation_bytes
 from .plan import KINDS, parallelize, reseed_dropouts
 from .state import (full_state_dict, gather_logits, gather_param, shard_param,
                     shard_state_dict, sync_sequence_parallel_grads)
@@ -79,5 +79,4 @@ __all__ = [
     "shard_param", "gather_param", "shard_state_dict", "full_state_dict", "sync_sequence_parallel_grads",
     "gather_logits",
     # memory
-    "saved_activation_bytes", "activation_bytes",
 ]
