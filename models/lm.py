@@ -68,11 +68,20 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     e' b s / p``, the loss's probabilities ``b s V' / t`` (float32 in half precision; ``V'``
     padded to a multiple of t) with 1/rowsum per row, the targets and their mask.
 
+    ``weight_pass``: what a block holds between its input-gradient pass and its deferred weight
+    pass (split pipeline schedules): the norms' normalised inputs and output gradients ``4u/p``,
+    the projections' inputs ``2u/p + (u + bsf)/t``, the column projections' output gradients
+    ``(3u + m bsf)/t`` and the row projections' (before the reduction) ``2u``, times ``e``
+    (``m`` = ``mlp_saved``: the up projections). ``embed_weight_pass``: the token ids and the
+    embedding's output gradient; ``head_weight_pass``: the final norm's and the head's, the
+    logits' gradient ``e b s V'/t`` above all.
+
     ``widened``: in half precision the largest float32 transient of the backward
     (:func:`mpirt.precision.float32_compute`), the MLP activation's: the incoming gradient and the
     ``mlp_saved`` hidden arrays its op saved widened to float32, a float32 gradient per saved
     array and its rounding.
-    Returns ``{"block", "core", "input", "embed", "head", "widened"}`` in bytes.
+    Returns ``{"block", "core", "input", "embed", "head", "weight_pass", "embed_weight_pass",
+    "head_weight_pass", "widened"}`` in bytes.
     """
     b, s, h, t, a, f = batch, seq_len, cfg.n_embd, tp, cfg.n_head, cfg.hidden
     p = t if sequence_parallel else 1
@@ -89,8 +98,10 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     v = -(-cfg.vocab_size // t) * t
     head = e * 2 * u / p + stat * (b * s / p + b * s * v / t + b * s) + 9 * b * s
     widened = b * s * f / t * ((1 + mlp_saved) * 4 + mlp_saved * (4 + e))
+    weight_pass = e * (6 * u / p + (4 * u + (1 + mlp_saved) * b * s * f) / t + 2 * u)
     return {"block": int(block + core), "core": int(core), "input": int(e * u / p), "embed": int(embed),
-            "head": int(head), "widened": int(widened)}
+            "head": int(head), "weight_pass": int(weight_pass), "embed_weight_pass": int(e * u / p + 8 * b * s),
+            "head_weight_pass": int(e * (3 * u / p + b * s * v / t)), "widened": int(widened)}
 
 
 class TiedLM(CausalLM):

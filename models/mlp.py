@@ -72,7 +72,10 @@ class MLP(TiedLM):
         u, e = batch * seq_len * cfg.n_embd, itemsize
         block = e * (2 * u + 2 * batch * seq_len * cfg.hidden) + (4 if e == 2 else e) * batch * seq_len
         block += u if cfg.resid_pdrop > 0 else 0
-        return {**out, "block": block, "core": 0}
+        # until the weight passes: the norm's normalised input and gradient, both projections'
+        # inputs and output gradients
+        weight_pass = e * (4 * u + 2 * batch * seq_len * cfg.hidden)
+        return {**out, "block": block, "core": 0, "weight_pass": weight_pass}
 
     @classmethod
     def layer_costs_of(cls, cfg: GPTConfig, seq_len: int) -> list:

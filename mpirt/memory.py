@@ -106,18 +106,23 @@ def rank_position(layout: dict, rank: int) -> dict:
     return {"dp": rank // (pp * tp), "pp": rank // tp % pp, "tp": rank % tp}
 
 
-def peak_in_flight(schedule, rank: int, chunk_bytes: list) -> int:
+def peak_in_flight(schedule, rank: int, chunk_bytes: list, weight_bytes: list | None = None) -> int:
     """Peak bytes of the micro-batches a pipeline rank holds for backward under ``schedule`` (its
-    action list: an F stashes ``chunk_bytes[chunk]`` until its B, or its W when the backward is
-    split), as :class:`mpirt.parallel.pipeline_exec.PipelineExecutor` holds them."""
+    action list: an F stashes ``chunk_bytes[chunk]`` until its B), as
+    :class:`mpirt.parallel.pipeline_exec.PipelineExecutor` holds them. When the backward is split,
+    a B leaves ``weight_bytes[chunk]`` (the weight passes' inputs and output gradients) until its
+    W; without ``weight_bytes`` the stash itself stays until W."""
     live = peak = 0
-    release = "W" if schedule.split_backward else "B"
+    split = schedule.split_backward
+    weight_bytes = weight_bytes if split and weight_bytes is not None else chunk_bytes
     for a in schedule.actions[rank]:
         if a.op == "F":
             live += chunk_bytes[a.chunk]
-            peak = max(peak, live)
-        elif a.op == release:
-            live -= chunk_bytes[a.chunk]
+        elif a.op == "B":
+            live += weight_bytes[a.chunk] - chunk_bytes[a.chunk] if split else -chunk_bytes[a.chunk]
+        elif a.op == "W":
+            live -= weight_bytes[a.chunk]
+        peak = max(peak, live)
     return peak
 
 
@@ -146,7 +151,7 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     (freed by then), what saving a checkpoint holds: every rank streams the boxes it owns (format 3),
     one at a time, so at most the largest local tensor once and its finiteness mask, and rank 0's writing
     (:data:`RANK0_EXTRA_BYTES`). Split
-    (zero-bubble) schedules charge a recomputed micro-batch its unrecomputed bytes until W.
+    (zero-bubble) schedules hold a micro-batch's weight-pass bytes from its B to its W.
 
     The planner's options (defaults give the figures above): ``process_bytes`` replaces
     :data:`PROCESS_BYTES` (a calibrated baseline of this machine's environment); ``rank0_on_top``
@@ -192,15 +197,14 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
         n_local = sum(costs[0].params * (c == 0 and pos["pp"] == 0) + costs[-1].params * (
             c == chunks - 1 and pos["pp"] == pp - 1) + sum(costs[1 + i].params for i in range(lo, hi))
             for c, (lo, hi) in enumerate(mine)) / tp
-        per_chunk = [stage_bytes(lo, hi, c == 0 and pos["pp"] == 0, c == chunks - 1 and pos["pp"] == pp - 1)
-                     for c, (lo, hi) in enumerate(mine)]
+        ends = [(c == 0 and pos["pp"] == 0, c == chunks - 1 and pos["pp"] == pp - 1) for c in range(chunks)]
+        per_chunk = [stage_bytes(lo, hi, *ends[c]) for c, (lo, hi) in enumerate(mine)]
+        # between B and W a chunk holds its weight passes' inputs and output gradients (recomputed
+        # or not: the rerun's B leaves the same)
+        per_chunk_w = [(hi - lo) * acts["weight_pass"] + ends[c][0] * acts["embed_weight_pass"]
+                       + ends[c][1] * acts["head_weight_pass"] for c, (lo, hi) in enumerate(mine)]
         sched = build(cfg.schedule, pp, cfg.microbatches or pp, chunks)
-        if sched.split_backward and mode != "none":
-            # between B and W a rerun block holds its weight passes' inputs and output gradients
-            # (measured 12-13 u against 26 u unrecomputed): charged unrecomputed until W, an upper bound
-            per_chunk = [stage_bytes(lo, hi, c == 0 and pos["pp"] == 0, c == chunks - 1 and pos["pp"] == pp - 1,
-                                     "none") for c, (lo, hi) in enumerate(mine)]
-        activations = peak_in_flight(sched, pos["pp"], per_chunk)
+        activations = peak_in_flight(sched, pos["pp"], per_chunk, per_chunk_w)
         held = [i for lo, hi in mine for i in range(lo, hi)]
     per_param = bytes_per_parameter(cfg.dtype, dp, cfg.zero)  # masters and moments in float32 for half
     params, grads, optimizer = (n_local * per_param[k] for k in ("params", "grads", "optimizer"))
