@@ -212,8 +212,13 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     if cfg.zero == 3:
         unit = max(c.params for c in costs) / tp  # the largest unit (its tp slice), gathered with its gradient
         comm += 2 * unit * e
-    elif cfg.zero == 2:
+    elif cfg.zero == 2 and pp > 1:
         grads += n_local * e  # the full gradient while backward runs, beside the shard
+    elif cfg.zero == 2:  # buckets reduced during backward: the staging buffer and the gradients being
+        # filled, each parameter's made beside its copy (a weight matrix: a third of a block)
+        from mpirt.parallel.zero import BUCKET_BYTES
+        bucket = min(BUCKET_BYTES, n_local * e)
+        grads += bucket + 2 * min(max(bucket, max(c.params for c in costs[1:-1]) / 3 / tp * e), n_local * e)
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
         comm += 2 * rows * (cfg.seq_len // (tp if sp else 1)) * model_cfg.n_embd * e
     vocab = -(-model_cfg.vocab_size // tp) * tp

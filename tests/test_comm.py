@@ -295,6 +295,30 @@ def test_reduce_scatter_gives_each_rank_its_chunk():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_reduce_scatter_with_counts_gives_each_rank_its_part():
+    """Uneven parts, some empty (ZeRO-2's buckets reduced straight to their owners), in float32
+    and bfloat16 (reduced in float32); counts that do not add up name the problem."""
+    c, fails = comm.world_comm(), []
+    counts = [(3 * r + 1) % 4 for r in range(c.size)]  # 1, 0, 3, 2, ...: zeros included
+    n = sum(counts)
+    for dtype in (np.float32, "bfloat16"):
+        x = (np.arange(n) + c.rank).astype(dtype)
+        want = sum((np.arange(n) + r).astype(dtype).astype(np.float64) for r in range(c.size)) / c.size
+        start = sum(counts[:c.rank])
+        got = c.reduce_scatter(x, op="avg", counts=counts)
+        if got.size != counts[c.rank] or not np.allclose(got.astype(np.float64), want[start:start + got.size],
+                                                         rtol=1e-2):
+            fails.append(f"{dtype}: {got} != {want[start:start + counts[c.rank]]}")
+    try:
+        c.reduce_scatter(np.zeros(n + 1, np.float32), counts=counts)
+        fails.append("counts not adding up accepted")
+    except ValueError as err:
+        if "summing to" not in str(err):
+            fails.append(str(err))
+    agree(not fails, fails)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_reduce_scatter_then_allgather_flat_equals_allreduce():
     c, fails = comm.world_comm(), []
     for n in (1, c.size - 1, c.size, 13, 42, 1000):

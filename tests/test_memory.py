@@ -52,7 +52,11 @@ def test_prediction_sums_its_categories_and_follows_zero():
     assert set(base) == {*CATEGORIES, "peak"} and base["peak"] == sum(base[k] for k in CATEGORIES)
     z = {s: predict(_cfg(zero=s), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1) for s in (1, 2, 3)}
     assert z[1]["optimizer_state"] == pytest.approx(base["optimizer_state"] / 2, abs=2)
-    assert z[2]["gradients"] == pytest.approx(1.5 * base["gradients"], abs=2)
+    # ZeRO-2 without a pipeline: the shard and the buckets being reduced (never the whole gradient)
+    from mpirt.parallel.zero import BUCKET_BYTES
+    assert base["gradients"] / 2 < z[2]["gradients"] <= base["gradients"] / 2 + 3 * BUCKET_BYTES + 2
+    piped = {s: predict(_cfg(zero=s, pp=2), MODEL, {"dp": 2, "pp": 2, "tp": 1}, 1) for s in (0, 2)}
+    assert piped[2]["gradients"] == pytest.approx(1.5 * piped[0]["gradients"], abs=2)  # under pp: whole
     assert z[3]["parameters"] == pytest.approx(base["parameters"] / 2, abs=2)
     assert z[3]["activations"] < base["activations"]  # stage 3 reruns every unit
     full = predict(_cfg(recompute="full"), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1)
@@ -122,6 +126,26 @@ def test_half_precision_peak_is_predicted_within_5_percent(tiny_data, tmp_path, 
     s = json.loads((tmp_path / "summary.json").read_text())
     for measured, predicted in zip(s["peak_memory_bytes_per_rank"], s["predicted_peak_bytes_per_rank"]):
         assert measured == pytest.approx(predicted, rel=0.05), (measured / 2**20, predicted / 2**20)
+
+
+def test_zero2_peaks_below_zero1_by_most_of_the_gradient(tiny_data, tmp_path):
+    """ZeRO-2 reduces the gradients bucket by bucket during backward and never holds them whole:
+    at dp 4 (a 29M-parameter GPT, float32) its measured peak is below ZeRO-1's by at least half
+    of the (1 - 1/dp) x gradient bytes it no longer keeps (measured here: 57%), on every rank,
+    and within 10% of the prediction."""
+    peaks = {}
+    for zero in (1, 2):
+        out = tmp_path / f"zero{zero}"
+        run_module("mpirt.train", "--model=gpt2", "--model.n_layer=4", "--seq-len=64", "--batch-size=4", "--steps=2",
+                   "--eval-batches=1", "--eval-interval=0", "--progress=false", "--dp=4", f"--zero={zero}",
+                   f"--data={tiny_data}", f"--out-dir={out}", ranks=4, timeout=600)
+        s = json.loads((out / "summary.json").read_text())
+        peaks[zero] = s["peak_memory_bytes_per_rank"]
+        grad_bytes = 4 * s["num_parameters"]
+        if zero == 2:
+            assert all(m == pytest.approx(p, rel=0.1) for m, p in zip(peaks[2], s["predicted_peak_bytes_per_rank"]))
+    saved = [one - two for one, two in zip(peaks[1], peaks[2])]
+    assert min(saved) >= 0.5 * (1 - 1 / 4) * grad_bytes, (saved, grad_bytes)
 
 
 def test_the_measured_peak_is_the_same_on_a_loaded_machine(tiny_data, tmp_path):

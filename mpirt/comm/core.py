@@ -137,38 +137,46 @@ class Comm(PointToPoint):
                 x[...] = buffers._xp(x).asarray(buf)
         return Handle(req, finish, engine, x, call)
 
-    def reduce_scatter(self, x, op: str = "sum", out=None):
+    def reduce_scatter(self, x, op: str = "sum", out=None, counts=None):
         """Reduce ``x`` (flattened) over the ranks and return this rank's chunk of the flat
-        result, chunks following :func:`chunk_bounds` ``(x.size, size)``. ``out``: a preallocated
+        result, chunks following :func:`chunk_bounds` ``(x.size, size)``, or ``counts`` (elements
+        per rank, in rank order, summing to ``x.size``; zeros allowed). ``out``: a preallocated
         1-D array of the chunk's length."""
         call = new_call(self._ch, "reduce_scatter", x.nbytes, -1, _clock())
         try:
             engine = "host" if not hasattr(x, "__cuda_array_interface__") else self._engine(x)
             mtype = _REDUCE_TYPES.get(x.dtype)
-            if (engine == "host" and out is not None and mtype is not None and op in _OPS and  # the hot path
-                    x.size % self.size == 0 and out.size * self.size == x.size and out.ndim == 1 and
+            if (engine == "host" and counts is None and out is not None and mtype is not None and op in _OPS and
+                    x.size % self.size == 0 and out.size * self.size == x.size and out.ndim == 1 and  # the hot path
                     out.dtype == x.dtype and x.flags.c_contiguous and out.flags.c_contiguous):
                 self.mpi.Reduce_scatter_block([x, mtype], [out, mtype], _OPS[op])
                 if op == "avg":
                     _divide(out, self.size)
                 result = out
-            elif engine == "nccl":
+            elif engine == "nccl" and counts is None:
                 result = self._nccl().reduce_scatter(x, op, out)
+            elif engine == "nccl":  # NCCL has no uneven reduce-scatter: the whole sum, then this rank's part
+                start = sum(counts[:self.rank])
+                part = self._nccl().allreduce(x.reshape(-1), op, None)[start:start + counts[self.rank]]
+                result = part.astype(x.dtype, copy=False) if out is None else _put_back(part, part, out)
             elif engine == "staged":
-                result = _put_back(self._reduce_scatter(B.to_host(x), op, None), x, out)
+                result = _put_back(self._reduce_scatter(B.to_host(x), op, None, counts), x, out)
             else:
-                result = self._reduce_scatter(x, op, out)
+                result = self._reduce_scatter(x, op, out, counts)
         finally:
             self._ch.cur = None
         self._record(call, engine)
         return result
 
-    def _reduce_scatter(self, x, op, out):
+    def _reduce_scatter(self, x, op, out, counts=None):
         mop = _mpi_op(op, "reduce_scatter")
         rdtype, mtype = _reduce_dtype(x.dtype, "reduce_scatter")
         flat = _contig(x, rdtype).reshape(-1)
-        even = flat.size % self.size == 0
-        counts = None if even else _counts(flat.size, self.size)
+        if counts is not None and (len(counts) != self.size or sum(counts) != flat.size or min(counts) < 0):
+            raise ValueError(f"reduce_scatter: counts {list(counts)} must be {self.size} non-negative numbers "
+                             f"summing to {flat.size}")
+        even = counts is None and flat.size % self.size == 0
+        counts = None if even else (list(counts) if counts is not None else _counts(flat.size, self.size))
         mine = flat.size // self.size if even else counts[self.rank]
         if out is not None and (out.ndim != 1 or out.size != mine):
             raise ValueError(f"reduce_scatter: out must be 1-D of {mine} elements, got shape {out.shape}")

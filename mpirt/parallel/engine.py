@@ -110,9 +110,9 @@ class Engine:
         else:
             params = self.stage.parameters() if self.stage else self.model.parameters()
             self.store = FlatParams(params, counted, init=init)
-            if cfg.zero:
+            if cfg.zero:  # ZeRO-2 reduces buckets during backward, except under a pipeline (tied copies first)
                 self.optimizer = ZeroOptimizer(self.store, self.dp_comm, stage=cfg.zero, norm_comms=norm_comms,
-                                               **hyper)
+                                               stream_grads=self.stage is None, **hyper)
             else:
                 if grid.sizes["dp"] > 1:
                     self.ddp = DataParallel(self.store, self.dp_comm)
@@ -143,7 +143,7 @@ class Engine:
         t0 = clock()
         if self.ddp:
             self.ddp.finish()
-        (self.store or self.optimizer).sync_partial_grads(self.tp_comm)
+        (self.optimizer if self.cfg.zero else self.store).sync_partial_grads(self.tp_comm)
         loss = self.dp_comm.allreduce_scalar(loss, "avg")
         if self.stage:
             self.stage.stats["sync_t0"], self.stage.stats["sync_s"] = t0, clock() - t0

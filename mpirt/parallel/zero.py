@@ -12,9 +12,16 @@ the shard that belong to decayed parameters, exactly as AdamW applies it per par
   (:class:`mpirt.parallel.flat.FlatParams`): each ``p.data`` and ``p.grad`` is a view into a full
   flat vector. ``step`` allreduces (averages) the full gradient, updates the owned chunk, allgathers
   the parameters. Per rank: params 4N + grads 4N + state 8N/dp bytes (fp32).
-* Stage 2: as stage 1, but ``step`` reduce-scatters the gradient, so only the owned chunk is kept.
-  The full gradient exists only between :meth:`zero_grad` and :meth:`step` (backward accumulates
-  into it), then it is released (``p.grad`` becomes None). Persistent: 4N + (4 + 8)N/dp.
+* Stage 2: as stage 1, but the gradient is reduce-scattered, so only the owned chunk is kept.
+  With ``stream_grads`` (no pipeline: one backward per micro-batch) the full gradient never
+  exists: backward fills each parameter's own ``p.grad``, and as soon as a bucket of them (a
+  contiguous range of the parameter store, ~``bucket_bytes``, cut in the order backward finishes
+  them) is final it is packed into one staging buffer, reduced straight into the owners' chunks
+  (an uneven reduce-scatter: each rank gets the part of the range it owns, maybe none) and added
+  to the gradient shard, and those ``p.grad`` are freed. Peak gradient memory: the buckets being
+  filled, the staging buffer and the shard. Without it (under a pipeline, whose tied embedding
+  is summed over the stages first) the full gradient lives between :meth:`zero_grad` and
+  :meth:`step`. Persistent: 4N + (4 + 8)N/dp.
 * Stage 3: the parameters themselves are sharded. Groups follow the model's *units*: for a model
   with the ``embed`` / ``h`` / ``head`` interface of :mod:`mpirt.modeling` the units are ``embed``, each
   block and ``head``, and a group is the set of parameters used by the same units (so GPT's tied
@@ -38,19 +45,20 @@ Checkpoints are layout-independent: :meth:`state_dict` gathers the shards into A
 from __future__ import annotations
 
 import contextlib
-import math
 
 import mpirt.backend as B
 from mpirt.nn import Module, stand_ins
 from mpirt.optim import adamw_update
 from mpirt.precision import compute_dtype, is_half
 from mpirt.parallel.data import broadcast_parameters
+from mpirt.comm import chunk_bounds
 from mpirt.parallel.flat import FlatLayout, FlatParams, allreduce_runs, clip_flat, is_partial, sum_squares
 from mpirt.parallel.zero3 import plan_units
 from mpirt.tensor import Tensor
 
 
 PIECE_BYTES = 16 << 20  # the update and stage 1's allreduce run over pieces of the shard this large
+BUCKET_BYTES = 4 << 20  # stage 2 reduces the gradients in buckets of about this many bytes
 
 
 class _Group(FlatLayout):
@@ -85,6 +93,8 @@ class ZeroOptimizer:
     0 at construction, except lazy ones (no array yet): ``init(p, out=None)`` gives their value
     on every rank alike (e.g. :meth:`mpirt.nn.Parameter.init_slice`); at stage 3 one parameter is
     generated at a time and the rank keeps its chunk, so the model is never held whole.
+    ``stream_grads`` (stage 2, one backward per micro-batch: not under a pipeline): reduce the
+    gradients bucket by bucket (``bucket_bytes``) while backward runs, never holding them whole.
 
     Loop: ``zero_grad()``; forward/backward per micro-batch (scale the loss by 1/K); optionally
     ``clip_grad_norm(max_norm)``; ``step()``. All parameters must share one dtype.
@@ -92,7 +102,8 @@ class ZeroOptimizer:
 
     def __init__(self, model_or_params, comm, stage: int = 1, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, decay=None, units=None, counted=None,
-                 norm_comms=(), probe_len: int = 1, init=None):
+                 norm_comms=(), probe_len: int = 1, init=None, stream_grads: bool = False,
+                 bucket_bytes: int = BUCKET_BYTES):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}")
         beta1, beta2 = betas
@@ -168,6 +179,7 @@ class ZeroOptimizer:
             else:
                 self.grad_shard = xp.zeros(offset, dtype=self.dtype)
                 self.store.release_grads()
+        self._stream = _GradStream(self, bucket_bytes) if stream_grads and stage == 2 else None
         self.master_shard = self.param_shard.astype(self.state_dtype) if is_half(self.dtype) else None
 
     # --- stage 3: the sharded parameters (units: mpirt.parallel.zero3) ------------------------
@@ -217,7 +229,10 @@ class ZeroOptimizer:
     def zero_grad(self) -> None:
         """Zero the gradients (stage 2: also allocate the transient full gradient for backward)."""
         self._reduced = False
-        if self.stage < 3:
+        if self._stream is not None:  # each p.grad is made by backward and freed once reduced
+            self.store.release_grads()
+            self._stream.reset()
+        elif self.stage < 3:
             self.store.zero_grad()
         if self.stage > 1:
             self.grad_shard.fill(0)
@@ -226,9 +241,10 @@ class ZeroOptimizer:
         """Sum over tp the partial gradients of sequence parallelism's replicated parameters
         (stages 1-2: in the full gradient before it is reduced; stage 3: in the shard, where the
         units' reduce-scatter already put them). Collective over tp."""
-        if self.stage < 3:
+        if self.stage < 3 and self._stream is None:
             self.store.sync_partial_grads(tp_comm)
-        else:
+        else:  # summing over tp commutes with averaging over dp: done on the reduced shard
+            self.reduce_gradients()
             allreduce_runs(tp_comm, self.grad_shard, self._partial_runs)
 
     def reduce_gradients(self) -> None:
@@ -245,6 +261,8 @@ class ZeroOptimizer:
             for a in range(0, grad.size, piece):
                 part = grad[a:a + piece]
                 self.comm.allreduce(part, op="avg", out=part)
+        elif self._stream is not None:
+            self._stream.finish()
         elif self.stage == 2:
             self.store.check_views("ZeroOptimizer")
             self.comm.reduce_scatter(self.store.grad, op="avg", out=self.grad_shard)
@@ -420,3 +438,63 @@ class ZeroOptimizer:
                 if copy:
                     v[...] = p.data
                 p.data = v
+
+
+class _GradStream:
+    """ZeRO-2's gradient reduction while backward runs (see the module docstring): buckets of the
+    parameter store, reduced in index order (every rank issues the same collectives in the same
+    order) as their parameters' gradient hooks report them final; a bucket that fills before its
+    predecessors waits for them, and :meth:`finish` reduces whatever is left (unused parameters
+    never fire their hook). Under gradient accumulation every micro-batch's backward reduces its
+    buckets and the shard sums them."""
+
+    def __init__(self, opt: ZeroOptimizer, bucket_bytes: int):
+        self.opt, store = opt, opt.store
+        lo_mine = opt.groups[0].lo
+        owners = chunk_bounds(store.numel, opt.size)
+        # (lo, hi, [(param, start, stop)], elements per rank, where this rank's part goes in the shard)
+        self.buckets, members, hi = [], [], store.numel
+        for p, (a, b) in reversed(list(zip(store.params, store.offsets))):
+            members.append((p, a, b))
+            if (hi - a) * store.dtype.itemsize >= bucket_bytes or a == 0:
+                counts = [max(0, min(hi, r_hi) - max(a, r_lo)) for r_lo, r_hi in owners]
+                self.buckets.append((a, hi, members, counts, max(a, lo_mine) - lo_mine))
+                members, hi = [], a
+        self._index = {id(p): k for k, bucket in enumerate(self.buckets) for p, _, _ in bucket[2]}
+        self.staging = B.xp.empty(max(hi - lo for lo, hi, *_ in self.buckets), dtype=store.dtype)
+        for p in store.params:
+            p.register_hook(self._ready)
+        self.reset()
+
+    def reset(self) -> None:
+        self.final = [set() for _ in self.buckets]
+        self.next, self.pending = 0, False  # the bucket to reduce next; whether a pass is under way
+
+    def _ready(self, p) -> None:
+        self.final[self._index[id(p)]].add(id(p))
+        self.pending = True
+        while self.pending and len(self.final[self.next]) == len(self.buckets[self.next][2]):
+            self._reduce(self.next)
+
+    def _reduce(self, k: int) -> None:
+        lo, hi, members, counts, at = self.buckets[k]
+        opt = self.opt
+        for p, a, b in members:  # packed, and each p.grad freed
+            part = self.staging[a - lo:b - lo]
+            if p.grad is None:
+                part.fill(0)
+            else:
+                part[...] = p.grad.reshape(-1)
+                p.grad = None
+        B.synchronize()
+        mine = opt.comm.reduce_scatter(self.staging[:hi - lo], op="avg", counts=counts)
+        if counts[opt.rank]:
+            opt.grad_shard[at:at + counts[opt.rank]] += mine
+        self.final[k].clear()
+        self.next = (k + 1) % len(self.buckets)
+        self.pending = self.next != 0  # after the last bucket the next micro-batch starts over
+
+    def finish(self) -> None:
+        """Reduce the buckets of an unfinished pass (in order, from the next one on)."""
+        while self.pending:
+            self._reduce(self.next)
