@@ -262,7 +262,12 @@ def cpu_ceiling(comm, dtype: str, threads: int) -> tuple[float | None, str]:
     host, mine = places[comm.rank]
     neighbours = [cpus for name, cpus in places if name == host]
     measurer = next(r for r, (name, _) in enumerate(places) if name == host)
-    found = fma_rates(sorted({c for cpus in neighbours for c in cpus}), bits) if comm.rank == measurer else None
+    found = None
+    if comm.rank == measurer:
+        try:  # whatever fails here, the other ranks must still get an answer at the exchange below
+            found = fma_rates(sorted({c for cpus in neighbours for c in cpus}), bits)
+        except Exception as err:  # noqa: BLE001
+            found = {}, f"the FMA loop failed: {type(err).__name__}: {err}"
     rates, how = comm.allgather_object(found)[measurer]
     if not rates:
         return None, how

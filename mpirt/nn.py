@@ -485,11 +485,11 @@ def dropout_modules(*roots) -> dict:
             for name, m in root.named_modules() if isinstance(m, Dropout)}
 
 
-def place_dropouts(dropouts, step: int, row0: int) -> None:
+def place_dropouts(dropouts, step: int | None, row0: int = 0) -> None:
     """The next forward of ``dropouts`` runs step ``step``'s micro-batch whose first row is row
-    ``row0`` of the global batch (see :class:`Dropout`)."""
+    ``row0`` of the global batch (see :class:`Dropout`); ``step=None``: no place (call counts)."""
     for m in dropouts:
-        m.place = (step, row0)
+        m.place = None if step is None else (step, row0)
 
 
 class ModuleList(Module):

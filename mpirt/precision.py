@@ -74,7 +74,10 @@ def float32_compute(cls=None, *, keep_output: bool = False):
                 self._kept_half = []
                 return out
             result = out.astype(self._half)
-            _keep_half(self, args, wide, out, result)
+            self._kept_half = []
+            from mpirt.tensor import is_grad_enabled  # (mpirt.tensor imports this module)
+            if is_grad_enabled():  # no backward follows a forward without a graph
+                _keep_half(self, args, wide, out, result)
             return result
         cls.forward = fwd
         for name in ("backward", "backward_input", "backward_weight"):
@@ -88,7 +91,9 @@ def _keep_half(fn, args, wide, out, result) -> None:
     """Store ``fn``'s saved float32 activations in the half dtype (see :func:`float32_compute`);
     ``fn._kept_half`` names them, for the backward passes to widen."""
     argument_of = {id(w): a for a, w in zip(args, wide) if w is not a}
-    sizes = {a.size for a in args if hasattr(a, "size")} | {out.size}
+    # activation-sized: as many elements as an argument or the output, and its rows as wide (a
+    # (rows, 1) statistic never passes, whatever the rows: a norm's weight has C elements)
+    shapes = {(a.size, a.shape[-1]) for a in (*args, out) if getattr(a, "ndim", 0) >= 1}
     kept = []
     for name, value in list(vars(fn).items()):
         if getattr(value, "dtype", None) != "float32" or name.startswith("_"):
@@ -97,7 +102,7 @@ def _keep_half(fn, args, wide, out, result) -> None:
             setattr(fn, name, argument_of[id(value)])
         elif value is out:
             setattr(fn, name, result)
-        elif value.size in sizes:
+        elif value.ndim >= 1 and (value.size, value.shape[-1]) in shapes:
             setattr(fn, name, value.astype(fn._half))
         else:
             continue

@@ -48,8 +48,9 @@ def owned_bytes(peak: bool = False) -> int:
     Python, NumPy, MPI and the kernels, shared with every process that maps those files and
     reclaimable by the kernel), i.e. heap, arrays, stacks and MPI's shared segments. ``peak``:
     the high-water mark (VmHWM less RssFile now: the file pages are mapped at start-up and stay,
-    so the difference is the peak of the rest). Where /proc/self/status is missing: the peak
-    resident set (``ru_maxrss``) with ``peak``, else 0."""
+    so the difference is the peak of the rest; file pages mapped only around the peak, such as a
+    checkpoint being read, or reclaimed since, make it read high, code mapped after it low).
+    Where /proc/self/status is missing: the peak resident set (``ru_maxrss``) with ``peak``, else 0."""
     fields = {}
     try:
         with open("/proc/self/status") as f:

@@ -80,6 +80,26 @@ def _params(dtype, seed=0):
     return ps
 
 
+@pytest.mark.parametrize("rows", [3, 8])  # 8: as many rows as the weight has elements
+def test_half_ops_keep_half_activations_and_float32_row_statistics(rows):
+    """A half layer norm keeps its normalised input in half and 1/std per row in float32, also
+    when the rows number the weight's elements; GELU keeps its derivative in half; a forward
+    without a graph rounds nothing it will not need."""
+    from mpirt.tensor import no_grad
+
+    x = Tensor(np.random.default_rng(0).standard_normal((2, rows, 8)).astype("float16"), requires_grad=True)
+    w = Tensor(np.ones(8, "float16"), requires_grad=True)
+    y = ops.layer_norm(x, w)
+    fn = y._ctx
+    assert fn.xhat.dtype == np.float16 and fn.rstd.dtype == np.float32 and "rstd" not in fn._kept_half
+    assert fn.weight is w.data  # its float32 copy is not kept: the argument itself is
+    assert ops.gelu(x)._ctx.d.dtype == np.float16
+    y.sum().backward()
+    assert x.grad.dtype == np.float16 and np.isfinite(x.grad.astype(np.float32)).all()
+    with no_grad():
+        assert ops.layer_norm(x, w).dtype == np.float16
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_adamw_keeps_float32_masters_and_unscales_in_float32(dtype):
     """The update runs on float32 masters with float32 moments, exactly as a float32 AdamW fed the

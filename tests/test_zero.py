@@ -380,3 +380,25 @@ def test_rejects_bad_arguments():
     model.ln_f.bias.data = model.ln_f.bias.data.astype("float32")
     with pytest.raises(ValueError, match="one dtype"):
         ZeroOptimizer(model, comm, stage=1)
+
+
+def test_stage2_streaming_keeps_every_micro_batch_with_an_unused_parameter():
+    """ZeRO-2 reducing during backward: a bucket whose parameter never gets a gradient waits, and
+    the buckets before it wait through the next micro-batch; the step's shard holds the sum of
+    both micro-batches everywhere (one bucket per parameter)."""
+    from mpirt.comm import Comm
+    from mpirt.nn import Parameter
+    from mpirt.parallel.zero import ZeroOptimizer
+
+    ps = [Parameter((4,), dtype="float64") for _ in range(3)]
+    for i, p in enumerate(ps):
+        p.data, p.name = np.ones(4), f"p{i}"
+    opt = ZeroOptimizer(ps, Comm(MPI.COMM_SELF), stage=2, stream_grads=True, bucket_bytes=1, lr=0.0,
+                        weight_decay=0.0)
+    for _ in range(2):  # two steps: the stream starts over after each
+        opt.zero_grad()
+        for _ in range(2):  # micro-batches; p1 unused
+            ((ps[0] * 1.0).sum() + (ps[2] * 2.0).sum()).backward()
+        opt.reduce_gradients()
+        np.testing.assert_array_equal(opt.grad_shard, [2.0] * 4 + [0.0] * 4 + [4.0] * 4)
+        assert all(p.grad is None for p in ps)  # never held whole

@@ -135,11 +135,14 @@ class Engine:
         self.optimizer.zero_grad()
         clock = time.perf_counter
         row0 = self.grid.coords["dp"] * len(x)
-        if self.stage:
-            with self._no_sync():
-                loss = self.stage.train_step(x, y, loss_scale, place=None if step is None else (step, row0))
-        else:
-            loss = self._accumulate(x, y, loss_scale, None if step is None else (step, row0))
+        try:
+            if self.stage:
+                with self._no_sync():
+                    loss = self.stage.train_step(x, y, loss_scale, place=None if step is None else (step, row0))
+            else:
+                loss = self._accumulate(x, y, loss_scale, None if step is None else (step, row0))
+        finally:  # a later forward without a step (by hand) counts calls again
+            place_dropouts(self._dropouts, None)
         t0 = clock()
         if self.ddp:
             self.ddp.finish()

@@ -445,7 +445,8 @@ class _GradStream:
     parameter store, reduced in index order (every rank issues the same collectives in the same
     order) as their parameters' gradient hooks report them final; a bucket that fills before its
     predecessors waits for them, and :meth:`finish` reduces whatever is left (unused parameters
-    never fire their hook). Under gradient accumulation every micro-batch's backward reduces its
+    never fire their hook: their bucket, and those after it, wait until then, also through the
+    next micro-batches). Under gradient accumulation every micro-batch's backward reduces its
     buckets and the shard sums them."""
 
     def __init__(self, opt: ZeroOptimizer, bucket_bytes: int):
@@ -477,6 +478,12 @@ class _GradStream:
             self._reduce(self.next)
 
     def _reduce(self, k: int) -> None:
+        self._reduce_bucket(k)
+        self.final[k].clear()
+        self.next = (k + 1) % len(self.buckets)
+        self.pending = self.next != 0  # after the last bucket the next micro-batch starts over
+
+    def _reduce_bucket(self, k: int) -> None:
         lo, hi, members, counts, at = self.buckets[k]
         opt = self.opt
         for p, a, b in members:  # packed, and each p.grad freed
@@ -490,11 +497,12 @@ class _GradStream:
         mine = opt.comm.reduce_scatter(self.staging[:hi - lo], op="avg", counts=counts)
         if counts[opt.rank]:
             opt.grad_shard[at:at + counts[opt.rank]] += mine
-        self.final[k].clear()
-        self.next = (k + 1) % len(self.buckets)
-        self.pending = self.next != 0  # after the last bucket the next micro-batch starts over
 
     def finish(self) -> None:
-        """Reduce the buckets of an unfinished pass (in order, from the next one on)."""
-        while self.pending:
-            self._reduce(self.next)
+        """Reduce, in index order, every bucket that still holds a gradient (a waiting bucket of
+        this or an earlier micro-batch: the same ones on every rank, whose graphs are alike);
+        then the next backward starts from bucket 0."""
+        for k, (_, _, members, _, _) in enumerate(self.buckets):
+            if any(p.grad is not None for p, _, _ in members):
+                self._reduce_bucket(k)
+        self.reset()
