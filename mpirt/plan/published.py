@@ -44,8 +44,9 @@ def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int = 
 def zero_table(psi: float = 7.5e9, devices: int = 64) -> list[dict]:
     """Per ZeRO stage: model states per device in GB (1e9) from :func:`mpirt.memory.predict` for
     the 7.5B GPT of :data:`MEGATRON` (bfloat16, AdamW) and from ``bytes_per_parameter`` at exactly
-    ``psi`` parameters, against the paper. mpirt's ZeRO-2 also holds the full gradient while
-    backward runs (``transient_gb``), which the paper's steady-state figure leaves out."""
+    ``psi`` parameters, against the paper. mpirt's ZeRO-2 also holds, while backward runs, its
+    staging bucket and the gradients being filled (``transient_gb``), which the paper's
+    steady-state figure leaves out."""
     from mpirt import memory
     from mpirt.modeling import num_parameters
     from mpirt.plan.search import base_config
@@ -57,7 +58,7 @@ def zero_table(psi: float = 7.5e9, devices: int = 64) -> list[dict]:
     for stage in range(4):
         cfg = dataclasses.replace(base_config(devices, 2048, "bfloat16"), dp=devices, zero=stage)
         p = memory.predict(cfg, model_cfg, {"dp": devices, "pp": 1, "tp": 1}, 1)
-        transient = n * 2 if stage == 2 else 0
+        transient = p["gradients"] - n * 2 / devices if stage == 2 else 0  # beside the bf16 shard
         states = p["parameters"] + p["gradients"] - transient + p["optimizer_state"]
         exact = sum(bytes_per_parameter("bfloat16", devices, stage).values()) * psi
         paper = ZERO_PAPER_GB[stage]
