@@ -6,6 +6,7 @@ import mpirt.backend as B
 from mpirt import ops
 from mpirt.nn import Dropout, Module, ShardSpec
 from mpirt.tensor import Function, Tensor
+from mpirt.threads import matmul
 
 try:  # sparse row gradient (added to the table's grad in place) when the runtime has it
     from mpirt.ops.nn import RowGrad as _RowGrad
@@ -37,15 +38,15 @@ class SeqParallelLinear(Function):
         self.comm, self.dim, self.weight, self.full_shape = comm, dim, weight, full.shape
         self.x = x if regather else full
         self.gathered = not regather
-        y = full.reshape(-1, full.shape[-1]) @ weight
-        if bias is not None:
-            y += bias
+        # threads.matmul as the Linear layers: the pool's GEMMs, and half products in float32
+        # rounded once (NumPy's own bfloat16 matmul returns float32)
+        y = matmul(full.reshape(-1, full.shape[-1]), weight, bias=bias)
         return y.reshape(*full.shape[:-1], weight.shape[1])
 
     def backward_input(self, g):
         gx = None
         if self.needs_input_grad[0]:
-            gx = (g.reshape(-1, g.shape[-1]) @ self.weight.T).reshape(self.full_shape)
+            gx = matmul(g.reshape(-1, g.shape[-1]), self.weight.T).reshape(self.full_shape)
             gx = _reduce_scatter_dim(gx, self.comm, self.dim)
         return gx, None, None
 
@@ -55,7 +56,7 @@ class SeqParallelLinear(Function):
         gw = gb = None
         if need[1]:
             full = self.x if self.gathered else _gather_dim(self.x, self.comm, self.dim)
-            gw = full.reshape(-1, full.shape[-1]).T @ g2
+            gw = matmul(full.reshape(-1, full.shape[-1]).T, g2)
         if len(need) > 2 and need[2]:
             gb = g2.sum(axis=0)
         return None, gw, gb
