@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mpirt.backend as B
-from mpirt.sysinfo import cache_dir, cpu_model, cpuinfo, read_cache, update_cache
+from mpirt.sysinfo import cache_dir, cpu_model, cpuinfo, processors, read_cache, update_cache
 
 # Dense peak FLOP/s per GPU by dtype (vendor data sheets, SXM/OAM boards unless named); the
 # first entry whose key is in the device name (lower case) wins, so specific names come first.
@@ -182,35 +182,27 @@ def physical_cores() -> dict[int, tuple]:
     """Each logical CPU's physical core, ``{cpu: (package, core)}`` from ``/proc/cpuinfo``
     (hyperthreads of one core share its FMA units, so a core counts once); a CPU whose core is
     not listed is a core of its own."""
-    cores, fields = {}, {}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {cpu: ("cpu", cpu) for cpu in range(os.cpu_count() or 1)}
-    for line in text.splitlines() + [""]:
-        if line.strip():
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-        elif "processor" in fields:
+    cores = {}
+    for fields in processors():
+        if "processor" in fields:
             cpu = int(fields["processor"])
             core = (fields.get("physical id"), fields.get("core id"))
             cores[cpu] = core if None not in core else ("cpu", cpu)
-            fields = {}
-    return cores
+    return cores or {cpu: ("cpu", cpu) for cpu in range(os.cpu_count() or 1)}
 
 
-def _fma_program() -> tuple[Path, str] | tuple[None, str]:
+def _fma_program() -> tuple[Path, str, int] | tuple[None, str, None]:
     """The FMA loop (``kernels/fma_peak.c``) built for this CPU's SIMD width in ``$MPIRT_CACHE``:
-    (path, cache key), or (None, why not)."""
+    (path, cache key, SIMD bytes), or (None, why not, None)."""
     from mpirt import kernels
-    cc, width = kernels.compiler(), simd_bytes(cpuinfo())
+    info = cpuinfo()
+    cc, width = kernels.compiler(), simd_bytes(info)
     if cc is None:
-        return None, "no C compiler for the FMA loop"
+        return None, "no C compiler for the FMA loop", None
     if width is None:
-        return None, "no SIMD flags in /proc/cpuinfo"
+        return None, "no SIMD flags in /proc/cpuinfo", None
     source = Path(kernels.__file__).parent / "fma_peak.c"
     flags = ("-O2", "-march=native", "-ffp-contract=fast", f"-DVECTOR_BYTES={width}")
-    info = cpuinfo()
     key = hashlib.sha256(repr((source.read_bytes(), flags, os.path.realpath(cc), cpu_model(),
                                info.get("flags") or info.get("Features", ""))).encode()).hexdigest()[:16]
     target = cache_dir() / f"fma-peak-{key}"
@@ -218,8 +210,8 @@ def _fma_program() -> tuple[Path, str] | tuple[None, str]:
         try:
             kernels.compile_c(cc, flags, source, target)
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            return None, f"the FMA loop did not build: {err}"
-    return target, key
+            return None, f"the FMA loop did not build: {err}", None
+    return target, key, width
 
 
 def fma_rates(cpus, bits: int) -> tuple[dict[int, float], str]:
@@ -228,7 +220,7 @@ def fma_rates(cpus, bits: int) -> tuple[dict[int, float], str]:
     and kept in ``$MPIRT_CACHE/fma_peak.json`` (the best figure of each CPU: a loop timed in thread
     CPU time is not slowed by load, but a later measurement never lowers a ceiling). CPUs the loop
     may not run on take the best rate of the others."""
-    program, key = _fma_program()
+    program, key, width = _fma_program()
     if program is None:
         return {}, key
     path, entry = cache_dir() / "fma_peak.json", f"{key}/{bits}"
@@ -248,7 +240,7 @@ def fma_rates(cpus, bits: int) -> tuple[dict[int, float], str]:
     if not known:
         return {}, "the FMA loop could run on none of the CPUs"
     best = max(known.values())
-    return {c: known.get(c, best) for c in cpus}, f"{8 * simd_bytes(cpuinfo())}-bit FMA loop"
+    return {c: known.get(c, best) for c in cpus}, f"{8 * width}-bit FMA loop"
 
 
 def cpu_ceiling(comm, dtype: str, threads: int) -> tuple[float | None, str]:

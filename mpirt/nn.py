@@ -485,6 +485,17 @@ def dropout_modules(*roots) -> dict:
             for name, m in root.named_modules() if isinstance(m, Dropout)}
 
 
+def dropout_states(dropouts) -> list:
+    """``[(module, state)]`` of ``dropouts``: set them back with :func:`restore_dropout_states` to
+    draw the same masks again (recomputation)."""
+    return [(m, m.state()) for m in dropouts]
+
+
+def restore_dropout_states(saved: list) -> None:
+    for m, state in saved:
+        m.set_state(state)
+
+
 def place_dropouts(dropouts, step: int | None, row0: int = 0) -> None:
     """The next forward of ``dropouts`` runs step ``step``'s micro-batch whose first row is row
     ``row0`` of the global batch (see :class:`Dropout`); ``step=None``: no place (call counts)."""

@@ -70,11 +70,10 @@ def float32_compute(cls=None, *, keep_output: bool = False):
             self._in_dtypes = [getattr(a, "dtype", None) for a in args]
             wide = [upcast(a) for a in args]
             out = forward(self, *wide, **kwargs)
+            self._kept_half = []
             if keep_output:  # a loss: its saved probabilities stay float32 (p near 1 rounds to 1 in half)
-                self._kept_half = []
                 return out
             result = out.astype(self._half)
-            self._kept_half = []
             from mpirt.tensor import is_grad_enabled  # (mpirt.tensor imports this module)
             if is_grad_enabled():  # no backward follows a forward without a graph
                 _keep_half(self, args, wide, out, result)

@@ -26,7 +26,7 @@ and their product with v, rerun from the saved q/k/v), after Korthikanti et al. 
 """
 from __future__ import annotations
 
-from mpirt.nn import Dropout, Module
+from mpirt.nn import Module, dropout_modules, dropout_states, restore_dropout_states
 from mpirt.tensor import Function, Tensor, enable_grad, is_grad_enabled, no_grad
 
 MODES = ("none", "selective", "full")
@@ -39,7 +39,7 @@ class _Checkpoint(Function):
         self.call, self.tensor_args = call, tensor_args
         self.args = arrays[:n_args]  # the only activations kept: the rerun's inputs
         self.weight_inputs = tuple(range(n_args, len(arrays)))
-        self.dropouts = [(m, m.state()) for m in dropouts]
+        self.dropouts = dropout_states(dropouts)
         with no_grad():
             out = call(*[Tensor(a) if t else a for a, t in zip(self.args, tensor_args)])
         if not isinstance(out, Tensor):
@@ -54,15 +54,13 @@ class _Checkpoint(Function):
         n = len(self.args)
         ins = [Tensor(a, requires_grad=need) if t else a
                for a, t, need in zip(self.args, self.tensor_args, self.needs_input_grad)]
-        after = [(m, m.state()) for m, _ in self.dropouts]
-        for m, state in self.dropouts:  # replay the forward's masks
-            m.set_state(state)
+        after = dropout_states(m for m, _ in self.dropouts)
+        restore_dropout_states(self.dropouts)  # replay the forward's masks
         try:
             with enable_grad():
                 out = self.call(*ins)
         finally:
-            for m, state in after:
-                m.set_state(state)
+            restore_dropout_states(after)
         self.grads: dict = {}
         self.weight_pass = out.backward(grad, defer_weight_grad=True, leaf_grads=self.grads)
         self.ins = ins
@@ -120,10 +118,6 @@ def chosen(n_layer: int, mode: str, layers: str) -> list[int]:
     return [i for i in range(n_layer) if picked is None or i in picked]
 
 
-def _dropouts(module: Module) -> list:
-    return [m for _, m in module.named_modules() if isinstance(m, Dropout)]
-
-
 def _wrap(owner: Module, name: str, params: list, dropouts: list) -> None:
     original = getattr(owner, name)
 
@@ -147,12 +141,12 @@ def apply(blocks: dict, mode: str, layers: str, attention_core: str = "") -> lis
         if mode == "none" or picked is not None and i not in picked:
             continue
         if mode == "full":
-            _wrap(block, "forward", block.parameters(), _dropouts(block))
+            _wrap(block, "forward", block.parameters(), list(dropout_modules(block).values()))
         else:
             path, _, name = attention_core.rpartition(".")
             owner = block
             for part in filter(None, path.split(".")):
                 owner = getattr(owner, part)
-            _wrap(owner, name, [], _dropouts(owner))
+            _wrap(owner, name, [], list(dropout_modules(owner).values()))
         done.append(i)
     return done

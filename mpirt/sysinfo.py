@@ -40,18 +40,26 @@ def mapped_libraries(match: str | Callable[[str], bool]) -> list[str]:
     return paths
 
 
-def cpuinfo() -> dict:
-    """The first processor's fields of ``/proc/cpuinfo`` (empty when unreadable)."""
-    fields = {}
+def processors() -> list[dict]:
+    """Each processor's fields of ``/proc/cpuinfo``, in order (empty when unreadable)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip():
-                break
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    out, fields = [], {}
+    for line in text.splitlines() + [""]:
+        if line.strip():
             key, _, value = line.partition(":")
             fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return fields
+        elif fields:
+            out.append(fields)
+            fields = {}
+    return out
+
+
+def cpuinfo() -> dict:
+    """The first processor's fields of ``/proc/cpuinfo`` (empty when unreadable)."""
+    return next(iter(processors()), {})
 
 
 def cpu_model() -> str:

@@ -110,7 +110,8 @@ class DataParallel:
         self.params = self.store.params
         self.names = [getattr(p, "name", "") or f"param{i}" for i, p in enumerate(self.params)]
         broadcast_parameters(self.store, comm)
-        self.buckets = self._make_buckets(self.store, int(bucket_bytes))
+        self.buckets = [_Bucket(k, params, self.store, lo, hi) for k, (lo, hi, params)
+                        in enumerate(self.store.buckets(int(bucket_bytes), self.store.grad.itemsize))]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._fired: set[int] = set()   # params whose hook fired since the last finish
         self._next_launch = 0           # buckets are launched strictly in index order
@@ -128,22 +129,6 @@ class DataParallel:
             p.register_hook(self._hook)
 
     # --- construction -----------------------------------------------------------------------
-    @staticmethod
-    def _make_buckets(store, bucket_bytes: int) -> list[_Bucket]:
-        """The store's parameters in reverse order (the order backward finishes them), cut into
-        contiguous ranges of ~bucket_bytes."""
-        buckets, group, filled = [], [], 0
-        hi = store.numel
-        for p, (a, b) in reversed(list(zip(store.params, store.offsets))):
-            group.append(p)
-            filled += (b - a) * store.grad.itemsize
-            if filled >= bucket_bytes:
-                buckets.append(_Bucket(len(buckets), group, store, a, hi))
-                group, filled, hi = [], 0, a
-        if group:
-            buckets.append(_Bucket(len(buckets), group, store, 0, hi))
-        return buckets
-
     # --- the module interface -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)

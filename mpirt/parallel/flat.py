@@ -66,6 +66,18 @@ class FlatLayout:
                 out.append((p, s - a, e - a, s - lo))
         return out
 
+    def buckets(self, bucket_bytes: int, itemsize: int) -> list[tuple[int, int, list]]:
+        """``(lo, hi, params)``: the vector cut into contiguous ranges of about ``bucket_bytes``
+        (``itemsize`` bytes per element), in reverse parameter order (the order backward finishes
+        the gradients); ``params`` in that order too."""
+        out, group, hi = [], [], self.numel
+        for p, (a, b) in reversed(list(zip(self.params, self.offsets))):
+            group.append(p)
+            if (hi - a) * itemsize >= bucket_bytes or a == 0:
+                out.append((a, hi, group))
+                group, hi = [], a
+        return out
+
     def runs(self, lo: int, hi: int, select) -> list[tuple[int, int]]:
         """Maximal ``[start, stop)`` runs, relative to ``lo``, of the range ``[lo, hi)`` that belong to
         parameters for which ``select(p)`` holds."""

@@ -227,7 +227,8 @@ class ZeroOptimizer:
         return None if self.store is None else self.store.grad
 
     def zero_grad(self) -> None:
-        """Zero the gradients (stage 2: also allocate the transient full gradient for backward)."""
+        """Zero the gradients (stage 2: the shard; without ``stream_grads`` also allocate the
+        transient full gradient for backward)."""
         self._reduced = False
         if self._stream is not None:  # each p.grad is made by backward and freed once reduced
             self.store.release_grads()
@@ -453,14 +454,11 @@ class _GradStream:
         self.opt, store = opt, opt.store
         lo_mine = opt.groups[0].lo
         owners = chunk_bounds(store.numel, opt.size)
+        offsets = {id(p): ab for p, ab in zip(store.params, store.offsets)}
         # (lo, hi, [(param, start, stop)], elements per rank, where this rank's part goes in the shard)
-        self.buckets, members, hi = [], [], store.numel
-        for p, (a, b) in reversed(list(zip(store.params, store.offsets))):
-            members.append((p, a, b))
-            if (hi - a) * store.dtype.itemsize >= bucket_bytes or a == 0:
-                counts = [max(0, min(hi, r_hi) - max(a, r_lo)) for r_lo, r_hi in owners]
-                self.buckets.append((a, hi, members, counts, max(a, lo_mine) - lo_mine))
-                members, hi = [], a
+        self.buckets = [(lo, hi, [(p, *offsets[id(p)]) for p in params],
+                         [max(0, min(hi, r_hi) - max(lo, r_lo)) for r_lo, r_hi in owners], max(lo, lo_mine) - lo_mine)
+                        for lo, hi, params in store.buckets(bucket_bytes, store.dtype.itemsize)]
         self._index = {id(p): k for k, bucket in enumerate(self.buckets) for p, _, _ in bucket[2]}
         self.staging = B.xp.empty(max(hi - lo for lo, hi, *_ in self.buckets), dtype=store.dtype)
         for p in store.params:

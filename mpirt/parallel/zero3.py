@@ -17,7 +17,7 @@ import contextlib
 import numpy as np
 
 import mpirt.backend as B
-from mpirt.nn import Dropout, graph_parameters
+from mpirt.nn import dropout_modules, dropout_states, graph_parameters, restore_dropout_states
 from mpirt.tensor import Function, Tensor, enable_grad, no_grad
 
 
@@ -62,7 +62,7 @@ def _discover_unit_params(opt, units, probe_len: int) -> list[list]:
     if [name for _, name in units][:1] != ["embed"]:
         raise ValueError("ZeroOptimizer stage 3: pass units whose first is the model's embed "
                          "(parameter discovery runs embed -> ... -> head on one token)")
-    saved = _dropout_state(opt.model)
+    saved = dropout_states(dropout_modules(opt.model).values())
     used, x = [], B.xp.zeros((1, probe_len), dtype=np.int64)
     with enable_grad():
         for k, (obj, name) in enumerate(units):
@@ -70,7 +70,7 @@ def _discover_unit_params(opt, units, probe_len: int) -> list[list]:
             out = getattr(obj, name)(inp)
             used.append(graph_parameters(out))
             x = out.data
-    _restore_dropouts(saved)
+    restore_dropout_states(saved)
     return used
 
 
@@ -118,7 +118,7 @@ class _ZeroUnit(Function):
     def forward(self, *arrays, unit, n_args, tensor_args, kwargs):
         self.unit, self.kwargs, self.tensor_args = unit, kwargs, tensor_args
         self.args = arrays[:n_args]
-        self.dropouts = _dropout_state(unit.opt.model)
+        self.dropouts = dropout_states(dropout_modules(unit.opt.model).values())
         with gathered(unit.opt, unit.group_ids), no_grad():
             out = unit.original(*[Tensor(a) if t else a for a, t in zip(self.args, tensor_args)], **kwargs)
         if not isinstance(out, Tensor):
@@ -127,8 +127,8 @@ class _ZeroUnit(Function):
 
     def backward(self, grad):
         unit, opt = self.unit, self.unit.opt
-        after = _dropout_state(opt.model)
-        _restore_dropouts(self.dropouts)  # replay the forward's dropout masks
+        after = dropout_states(dropout_modules(opt.model).values())
+        restore_dropout_states(self.dropouts)  # replay the forward's dropout masks
         ins = [Tensor(a, requires_grad=need) if t else a
                for a, t, need in zip(self.args, self.tensor_args, self.needs_input_grad)]
         with gathered(opt, unit.group_ids, with_grads=True) as full_grads:
@@ -137,15 +137,6 @@ class _ZeroUnit(Function):
             out.backward(grad)
             B.synchronize()
             shard_grads = [opt.comm.reduce_scatter(full_grads[i], op="avg") for i in unit.group_ids]
-        _restore_dropouts(after)
+        restore_dropout_states(after)
         arg_grads = [x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in ins]
         return (*arg_grads, *shard_grads)
-
-
-def _dropout_state(model) -> list:
-    return [(m, m.state()) for _, m in model.named_modules() if isinstance(m, Dropout)]
-
-
-def _restore_dropouts(saved) -> None:
-    for m, state in saved:
-        m.set_state(state)
