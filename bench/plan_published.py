@@ -42,6 +42,17 @@ def main() -> None:
         md.append(f"| {name} | {100 * r['simulated']:.2f}% | {100 * r['theory']:.2f}% | "
                   f"{100 * r['simulated_over_ideal']:.2f}% | {100 * r['paper_over_ideal']:.2f}% | {r['peak_stash']} |")
 
+    md += ["", "## The largest published layouts on 80 GB GPUs: mpirt's predicted peak of the largest rank", "",
+           "| model | layout | schedule, recompute | params | largest rank (stage) | GiB | of which activations | "
+           "block sbh (SP + selective) | paper 34/t |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in P.frontier_rows():
+        lay = r["layout"]
+        md.append(f"| {r['name']} | tp {lay['tp']} pp {lay['pp']} dp {lay['dp']} | {r['schedule']}, {r['recompute']} | "
+                  f"{r['params_b']:.0f}B | {r['stage']} | {r['peak_gib']:.1f} | {r['categories_gib']['activations']:.1f} | "
+                  f"{r['block_sbh']:.3f} | " + (f"{r['paper_block_sbh']:.3f}" if r["paper_block_sbh"] else "-") + " |")
+    md += ["", "bfloat16, micro-batches of one sequence, GPU process baseline left out; per-row statistics "
+           "(8/h sbh) are mpirt's only bytes above the paper's."]
+
     rows = []
     for i, row in enumerate(P.MEGATRON):
         saved = P.MEGATRON

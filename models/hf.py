@@ -224,11 +224,11 @@ def hf_config_dict(cfg: GPTConfig, dtype: str = "float32") -> dict:
 
 def llama_config_dict(cfg, dtype: str = "float32") -> dict:
     """``config.json`` contents for ``LlamaForCausalLM`` with the architecture of a Llama-style
-    ``cfg`` (every head its own k and v: no grouped-query attention; the head tied to the table)."""
+    ``cfg`` (``num_key_value_heads``: its key/value heads; the head tied to the table)."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.n_embd, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head, "head_dim": cfg.n_embd // cfg.n_head,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head or cfg.n_head, "head_dim": cfg.n_embd // cfg.n_head,
         "max_position_embeddings": cfg.n_positions, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "attention_dropout": cfg.attn_pdrop, "initializer_range": cfg.initializer_range, "tie_word_embeddings": True,
@@ -236,12 +236,17 @@ def llama_config_dict(cfg, dtype: str = "float32") -> dict:
     }
 
 
+def _kv_width(cfg) -> int:
+    """``Ck``: the key (= value) columns of a Llama-style ``c_attn``, ``n_kv_head`` heads."""
+    return (cfg.n_kv_head or cfg.n_head) * (cfg.n_embd // cfg.n_head)
+
+
 def llama_param_shapes(cfg) -> dict:
     """mpirt's parameter names and shapes of a Llama-style model (what an export reads)."""
-    c, h = cfg.n_embd, cfg.hidden
+    c, h, ck = cfg.n_embd, cfg.hidden, _kv_width(cfg)
     shapes = {"wte.weight": (cfg.vocab_size, c), "ln_f.weight": (c,)}
     for i in range(cfg.n_layer):
-        shapes.update({f"h.{i}.ln_1.weight": (c,), f"h.{i}.attn.c_attn.weight": (c, 3 * c),
+        shapes.update({f"h.{i}.ln_1.weight": (c,), f"h.{i}.attn.c_attn.weight": (c, c + 2 * ck),
                        f"h.{i}.attn.c_proj.weight": (c, c), f"h.{i}.ln_2.weight": (c,),
                        f"h.{i}.mlp.gate_proj.weight": (c, h), f"h.{i}.mlp.up_proj.weight": (c, h),
                        f"h.{i}.mlp.down_proj.weight": (h, c)})
@@ -251,9 +256,11 @@ def llama_param_shapes(cfg) -> dict:
 def llama_hf_tensors(cfg, read) -> list:
     """``(hf name, shape, read)`` of every tensor of a Llama-style model in ``LlamaForCausalLM``'s
     names and layout, each ``read()`` built from ``read(mpirt name)``: mpirt keeps ``(in, out)``
-    matrices (HF ``(out, in)``) and one fused ``c_attn`` whose q | k | v column blocks become
-    ``q_proj``, ``k_proj``, ``v_proj``. The rotary layout (rotate half) is the same in both."""
-    c, h = cfg.n_embd, cfg.hidden
+    matrices (HF ``(out, in)``) and one fused ``c_attn`` whose q | k | v column blocks (C, Ck, Ck
+    columns) become ``q_proj``, ``k_proj``, ``v_proj``. The rotary layout (rotate half) is the
+    same in both."""
+    c, h, ck = cfg.n_embd, cfg.hidden, _kv_width(cfg)
+    qkv_cols = {"q": (0, c), "k": (c, c + ck), "v": (c + ck, c + 2 * ck)}
 
     def part(name, lo=None, hi=None):
         return lambda: np.ascontiguousarray(read(name)[:, lo:hi].T)
@@ -262,8 +269,8 @@ def llama_hf_tensors(cfg, read) -> list:
     for i in range(cfg.n_layer):
         mine, theirs = f"h.{i}.", f"model.layers.{i}."
         items += [(theirs + "input_layernorm.weight", (c,), lambda n=mine + "ln_1.weight": read(n)),
-                  *((theirs + f"self_attn.{x}_proj.weight", (c, c), part(mine + "attn.c_attn.weight", j * c, (j + 1) * c))
-                    for j, x in enumerate("qkv")),
+                  *((theirs + f"self_attn.{x}_proj.weight", (hi - lo, c), part(mine + "attn.c_attn.weight", lo, hi))
+                    for x, (lo, hi) in qkv_cols.items()),
                   (theirs + "self_attn.o_proj.weight", (c, c), part(mine + "attn.c_proj.weight")),
                   (theirs + "post_attention_layernorm.weight", (c,), lambda n=mine + "ln_2.weight": read(n)),
                   (theirs + "mlp.gate_proj.weight", (h, c), part(mine + "mlp.gate_proj.weight")),

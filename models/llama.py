@@ -9,9 +9,12 @@
 Names follow mpirt's GPT-2 where the parts are shared (``wte``, ``h.N.attn.c_attn``/``c_proj``,
 ``ln_1``, ``ln_2``, ``ln_f``) and Hugging Face Llama's for the MLP (``gate_proj``, ``up_proj``,
 ``down_proj``). Rotary embeddings use the "rotate half" layout of each head (GPT-NeoX, HF Llama).
-There is no grouped-query attention: q, k and v have ``n_head`` heads each. Tensor parallelism
-splits the heads (q | k | v blocks of ``c_attn``), ``gate_proj``/``up_proj`` by columns and
-``down_proj`` by rows; the RMSNorms are replicated (sequence-split under sequence parallelism).
+Grouped-query attention: ``n_kv_head`` key and value heads (Hugging Face ``num_key_value_heads``;
+None: one per query head), each read by ``n_head / n_kv_head`` query heads, fused in ``c_attn``
+as q | k | v column blocks (C + 2 Ck columns, ``Ck = n_kv_head D``). Tensor parallelism splits the
+heads (each block of ``c_attn`` by whole heads: tp divides ``n_kv_head`` too),
+``gate_proj``/``up_proj`` by columns and ``down_proj`` by rows; the RMSNorms are replicated
+(sequence-split under sequence parallelism).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from mpirt import ops
 from mpirt.modeling import LayerCost, register
 from mpirt.nn import Dropout, Embedding, Linear, Module, ModuleList, RMSNorm
 from mpirt.models.lm import (ATTENTION_PLAN, COLUMN, ROW, VOCAB_HEAD_PLAN, VOCAB_TABLE, CausalSelfAttention,
-                             PreNormBlock, TiedLM, activation_bytes, stack_costs)
+                             PreNormBlock, TiedLM, activation_bytes, kv_heads, stack_costs)
 
 
 @dataclass
@@ -36,6 +39,7 @@ class LlamaConfig:
     n_positions: int = 256
     vocab_size: int = 256
     n_inner: int | None = None          # SwiGLU hidden size; None: 8/3 n_embd rounded up to 64
+    n_kv_head: int | None = None        # key/value heads (grouped-query attention); None: n_head
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     attn_pdrop: float = 0.0
@@ -108,15 +112,27 @@ class Llama(TiedLM):
 
     @classmethod
     def check_config(cls, cfg: LlamaConfig) -> None:
-        """Whole heads of an even size (rotary embeddings rotate pairs)."""
+        """Whole heads of an even size (rotary embeddings rotate pairs); key/value heads that
+        divide the query heads into equal groups."""
         if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
             raise ValueError(f"n_head: must divide n_embd={cfg.n_embd} into heads of an even size, got {cfg.n_head}")
+        if cfg.n_kv_head is not None and (not isinstance(cfg.n_kv_head, int) or cfg.n_kv_head < 1
+                                          or cfg.n_head % cfg.n_kv_head):
+            raise ValueError(f"n_kv_head: must divide n_head={cfg.n_head} into equal groups of query heads, "
+                             f"got {cfg.n_kv_head!r}")
+
+    @staticmethod
+    def _attention_params(cfg: LlamaConfig) -> int:
+        """``c_attn`` and ``c_proj``: ``2 C^2 + 2 C Ck`` with ``Ck = n_kv_head C / n_head``."""
+        c = cfg.n_embd
+        return 2 * c * c + 2 * c * (kv_heads(cfg) * c // cfg.n_head)
 
     @classmethod
     def num_parameters_of(cls, cfg: LlamaConfig) -> int:
-        """``V C`` (tied table) + per block ``4 C^2 + 3 C H + 2 C`` + ``C`` (final norm)."""
+        """``V C`` (tied table) + per block the attention's ``2 C^2 + 2 C Ck`` (``4 C^2`` without
+        grouped-query attention), ``3 C H + 2 C`` + ``C`` (final norm)."""
         c, h = cfg.n_embd, cfg.hidden
-        return cfg.vocab_size * c + cfg.n_layer * (4 * c * c + 3 * c * h + 2 * c) + c
+        return cfg.vocab_size * c + cfg.n_layer * (cls._attention_params(cfg) + 3 * c * h + 2 * c) + c
 
     @classmethod
     def flops_per_token_of(cls, cfg: LlamaConfig, seq_len: int) -> float:
@@ -126,7 +142,8 @@ class Llama(TiedLM):
     @classmethod
     def activation_bytes_of(cls, cfg: LlamaConfig, **kwargs) -> dict:
         """:func:`~mpirt.models.lm.activation_bytes` with SwiGLU's two saved arrays (gate and up)
-        and no position table (the rotary embedding keeps only its cos/sin tables)."""
+        and no position table (the rotary embedding keeps only its cos/sin tables); the fused qkv
+        is ``C + 2 Ck`` wide."""
         return activation_bytes(cfg, mlp_saved=2, **kwargs)
 
     @classmethod
@@ -134,7 +151,7 @@ class Llama(TiedLM):
         """Per block ``6 x`` its weight matrices plus attention's ``12 C T``; the embedding one
         lookup and scatter-add; the head the tied projection and its own copy of ``wte``."""
         c, h, v = cfg.n_embd, cfg.hidden, cfg.vocab_size
-        mat = 4 * c * c + 3 * c * h
+        mat = cls._attention_params(cfg) + 3 * c * h
         return stack_costs(cfg, LayerCost("embed", 2.0 * c, v * c),
                            LayerCost("", 6.0 * mat + 12.0 * c * seq_len, mat + 2 * c),
                            LayerCost("head", 6.0 * v * c + 6.0 * c, v * c + c))

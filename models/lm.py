@@ -16,6 +16,12 @@ from mpirt.nn import Dropout, Linear, Module, ShardSpec
 from mpirt.ops.attention import rotary_tables
 
 
+def kv_heads(cfg) -> int:
+    """Key/value heads of the attention: ``n_kv_head`` where the config has one (grouped-query
+    attention), else ``n_head``."""
+    return getattr(cfg, "n_kv_head", None) or cfg.n_head
+
+
 def check_seq_len(cfg, idx) -> None:
     """Refuse a batch whose sequence length exceeds the model's ``n_positions``."""
     if idx.ndim != 2:
@@ -53,7 +59,8 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
 
     - ``4 e u / p + 2 e' b s / p``: each norm's normalised input and 1/std per row, and its output
       (the input of the projection after it);
-    - ``e (4u + (mlp_saved + 1) b s f) / t``: qkv and the attention output (the output
+    - ``e ((2 + 2r) u + (mlp_saved + 1) b s f) / t``: qkv (``(1 + 2r) u``, ``r = n_kv_head /
+      n_head``: 1 without grouped-query attention) and the attention output (the output
       projection's input); the MLP activation's saved arrays (GELU: its derivative; SwiGLU: gate
       and up) and its output (the down projection's input);
     - the attention core: ``e' a b s / t`` (the log-sum-exp of each query's scores; the backward
@@ -71,7 +78,7 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     ``weight_pass``: what a block holds between its input-gradient pass and its deferred weight
     pass (split pipeline schedules): the norms' normalised inputs and output gradients ``4u/p``,
     the projections' inputs ``2u/p + (u + bsf)/t``, the column projections' output gradients
-    ``(3u + m bsf)/t`` and the row projections' (before the reduction) ``2u``, times ``e``
+    ``((1 + 2r)u + m bsf)/t`` and the row projections' (before the reduction) ``2u``, times ``e``
     (``m`` = ``mlp_saved``: the up projections). ``embed_weight_pass``: the token ids and the
     embedding's output gradient; ``head_weight_pass``: the final norm's and the head's, the
     logits' gradient ``e b s V'/t`` above all.
@@ -86,9 +93,10 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     b, s, h, t, a, f = batch, seq_len, cfg.n_embd, tp, cfg.n_head, cfg.hidden
     p = t if sequence_parallel else 1
     u, e = b * s * h, itemsize
+    qkv_out = (2 + 2 * kv_heads(cfg) / a) * u  # qkv and the attention output
     stat = 4 if e == 2 else e  # per-row statistics and the loss's probabilities stay float32 in half
     attn_p, resid_p = getattr(cfg, "attn_pdrop", 0.0), getattr(cfg, "resid_pdrop", 0.0)
-    block = e * (4 * u / p + (4 * u + (mlp_saved + 1) * b * s * f) / t) + stat * 2 * b * s / p
+    block = e * (4 * u / p + (qkv_out + (mlp_saved + 1) * b * s * f) / t) + stat * 2 * b * s / p
     core = ((attn_p > 0) * s + stat) * a * b * s / t
     if resid_p > 0:
         block += 2 * u / p
@@ -98,7 +106,7 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     v = -(-cfg.vocab_size // t) * t
     head = e * 2 * u / p + stat * (b * s / p + b * s * v / t + b * s) + 9 * b * s
     widened = b * s * f / t * ((1 + mlp_saved) * 4 + mlp_saved * (4 + e))
-    weight_pass = e * (6 * u / p + (4 * u + (1 + mlp_saved) * b * s * f) / t + 2 * u)
+    weight_pass = e * (6 * u / p + (qkv_out + (1 + mlp_saved) * b * s * f) / t + 2 * u)
     return {"block": int(block + core), "core": int(core), "input": int(e * u / p), "embed": int(embed),
             "head": int(head), "weight_pass": int(weight_pass), "embed_weight_pass": int(e * u / p + 8 * b * s),
             "head_weight_pass": int(e * (3 * u / p + b * s * v / t)), "widened": int(widened)}
@@ -139,34 +147,38 @@ class PreNormBlock(Module):
 
 
 class CausalSelfAttention(Module):
-    """Fused qkv projection ``c_attn`` (C -> 3C), causal multi-head attention, output projection
-    ``c_proj``. ``bias=False`` drops the projections' biases; ``rope_theta`` rotates q and k by
-    their positions (rotary embeddings, base ``rope_theta``) before the scores."""
+    """Fused qkv projection ``c_attn`` (C -> C + 2 Ck: ``n_head`` query heads, then ``n_kv_head``
+    key and value heads of the same size, ``Ck = C`` without grouped-query attention), causal
+    multi-head attention, output projection ``c_proj``. ``bias=False`` drops the projections'
+    biases; ``rope_theta`` rotates q and k by their positions (rotary embeddings, base
+    ``rope_theta``) before the scores."""
 
     def __init__(self, cfg, dtype="float32", bias: bool = True, rope_theta: float | None = None):
         super().__init__()
         c = cfg.n_embd
-        self.n_head, self.rope_theta = cfg.n_head, rope_theta
-        self.c_attn = Linear(c, 3 * c, bias=bias, std=cfg.initializer_range, dtype=dtype)
+        self.n_head, self.n_kv_head, self.rope_theta = cfg.n_head, kv_heads(cfg), rope_theta
+        qkv_width = c + 2 * self.n_kv_head * (c // cfg.n_head)
+        self.c_attn = Linear(c, qkv_width, bias=bias, std=cfg.initializer_range, dtype=dtype)
         self.c_proj = Linear(c, c, bias=bias, std=cfg.initializer_range / math.sqrt(2 * cfg.n_layer), dtype=dtype)
         self.attn_dropout = Dropout(cfg.attn_pdrop)  # its p/seed/calls drive the fused attention op
         self.resid_dropout = Dropout(cfg.resid_pdrop)
 
     def forward(self, x):
-        qkv = self.c_attn(x)                                       # (B, T, 3C); 3C / tp under tp
+        qkv = self.c_attn(x)                                       # (B, T, C + 2 Ck); / tp under tp
         if self.rope_theta is not None:
-            head_dim = qkv.shape[-1] // (3 * self.n_head)          # n_head is the local count under tp
+            head_dim = qkv.shape[-1] // (self.n_head + 2 * self.n_kv_head)  # local head counts under tp
             cos, sin = rotary_tables(qkv.shape[1], head_dim, self.rope_theta, B.xp.dtype(qkv.dtype))
-            qkv = ops.rotary_embedding(qkv, cos, sin)
+            qkv = ops.rotary_embedding(qkv, cos, sin, n_kv_head=self.n_kv_head)
         return self.resid_dropout(self.c_proj(self.core(qkv)))
 
     def core(self, qkv):
-        """The attention core, (B, T, 3C) -> (B, T, C): scores, softmax, dropout on the
+        """The attention core, (B, T, C + 2 Ck) -> (B, T, C): scores, softmax, dropout on the
         probabilities, their product with v. No parameters: selective recomputation reruns it."""
         d = self.attn_dropout
         if self.training and d.p > 0.0:
-            return ops.causal_self_attention(qkv, self.n_head, dropout_p=d.p, seed=d.next_source())
-        return ops.causal_self_attention(qkv, self.n_head)
+            return ops.causal_self_attention(qkv, self.n_head, dropout_p=d.p, seed=d.next_source(),
+                                             n_kv_head=self.n_kv_head)
+        return ops.causal_self_attention(qkv, self.n_head, n_kv_head=self.n_kv_head)
 
 
 # Tensor-parallel plan entries, read by mpirt.parallel.tensor.parallelize(model, tp_comm, ...):
@@ -176,10 +188,9 @@ COLUMN = {"weight": ShardSpec((None, "tp")), "bias": ShardSpec(("tp",))}
 ROW = {"weight": ShardSpec(("tp", None)), "bias": ShardSpec((None,))}
 VOCAB_TABLE = ("wte", "vocab", {"weight": ShardSpec(("tp", None))})  # rows (vocabulary, padded) split
 ATTENTION_PLAN = (
-    ("h.*.attn.c_attn", "column",                             # q | k | v each split: whole heads
-     {"weight": ShardSpec((None, "tp"), blocks=(1, 3)), "bias": ShardSpec(("tp",), blocks=(3,))}),
+    ("h.*.attn.c_attn", "qkv", {}),                            # q | k | v each split: whole heads
     ("h.*.attn.c_proj", "row", ROW),
-    ("h.*.attn", "heads", {}),                                 # n_head -> n_head / tp
+    ("h.*.attn", "heads", {}),                                 # n_head, n_kv_head -> / tp
     ("h.*.attn.attn_dropout", "sharded_dropout", {}),
 )
 VOCAB_HEAD_PLAN = (

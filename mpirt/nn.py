@@ -27,12 +27,15 @@ from mpirt.threads import fill_zero
 class ShardSpec:
     """For each dimension of a parameter, the grid axis it is split over (``"tp"``, ...) or None.
 
-    ``blocks`` (optional, one int per dimension, default all 1) describes fused parameters: a
+    ``blocks`` (optional, one entry per dimension, default all 1) describes fused parameters: a
     dimension with ``blocks[d] = k`` is ``k`` equal contiguous blocks, *each* split over
     ``dims[d]``, and a rank's shard is the concatenation of its piece of every block. GPT-2's fused
     ``c_attn`` weight (C, 3C) is ``ShardSpec((None, "tp"), blocks=(1, 3))``: q, k and v are each
     split by heads, so at tp=2 rank 0 holds ``[q0 | k0 | v0]`` (columns ``0:C/2``, ``C:3C/2`` and
-    ``2C:5C/2``), never the contiguous first half of 3C. Such a shard is not a box of the full tensor:
+    ``2C:5C/2``), never the contiguous first half of 3C. An entry may also be a tuple of block
+    weights, for blocks of unequal sizes in those proportions: grouped-query attention's
+    ``c_attn`` (C, C + 2 Ck) with 8 query heads per key/value head is ``blocks=(1, (8, 1, 1))``
+    (equal weights are stored as their count). Such a shard is not a box of the full tensor:
     use :meth:`local_index` / :meth:`shard` / :meth:`place` (``local_slices`` refuses it).
     """
 
@@ -40,14 +43,20 @@ class ShardSpec:
     blocks: tuple = ()
 
     def __post_init__(self):
-        if self.blocks:
-            if len(self.blocks) != len(self.dims):
-                raise ValueError(f"ShardSpec: blocks {self.blocks} must give one entry per dimension of {self.dims}")
-            for d, (k, axis) in enumerate(zip(self.blocks, self.dims)):
-                if not isinstance(k, int) or k < 1:
-                    raise ValueError(f"ShardSpec: blocks[{d}] must be a positive integer, got {k!r}")
-                if k > 1 and axis is None:
-                    raise ValueError(f"ShardSpec: dimension {d} has {k} blocks but is not split over any axis")
+        if not self.blocks:
+            return
+        if len(self.blocks) != len(self.dims):
+            raise ValueError(f"ShardSpec: blocks {self.blocks} must give one entry per dimension of {self.dims}")
+        canonical = []
+        for d, (k, axis) in enumerate(zip(self.blocks, self.dims)):
+            weights = tuple(k) if isinstance(k, (tuple, list)) else (k,)
+            if not all(isinstance(w, int) and w >= 1 for w in weights) or (len(weights) == 1 and weights != (k,)):
+                raise ValueError(f"ShardSpec: blocks[{d}] must be a positive integer or a tuple of them, got {k!r}")
+            k = k if isinstance(k, int) else len(weights) if len(set(weights)) == 1 else weights
+            if k != 1 and axis is None:
+                raise ValueError(f"ShardSpec: dimension {d} has {k} blocks but is not split over any axis")
+            canonical.append(k)
+        object.__setattr__(self, "blocks", tuple(canonical))
 
     @classmethod
     def replicated(cls, ndim: int) -> "ShardSpec":
@@ -59,18 +68,30 @@ class ShardSpec:
     @property
     def is_blocked(self) -> bool:
         """True when some dimension is split block-wise (its shard is not one contiguous range)."""
-        return any(k > 1 for k in self._blocks())
+        return any(k != 1 for k in self._blocks())
+
+    def block_sizes(self, d: int, n: int, parts: int = 1) -> list:
+        """Sizes of the blocks of dimension ``d`` (global size ``n``), each of which must split into
+        ``parts`` equal pieces (ValueError naming the sizes otherwise)."""
+        k = self._blocks()[d]
+        weights = (1,) * k if isinstance(k, int) else k
+        unit, rest = divmod(n, sum(weights))
+        sizes = [w * unit for w in weights]
+        if rest or any(m % parts for m in sizes):
+            axis = self.dims[d]
+            count = len(weights) if len(set(weights)) == 1 else f"{len(weights)} ({':'.join(map(str, weights))})"
+            what = f"{count} blocks each split over {axis}={parts}" if len(weights) > 1 else f"{axis}={parts}"
+            raise ValueError(f"dimension {d} of size {n} does not split evenly into {what}")
+        return sizes
 
     def local_shape(self, global_shape, axis_sizes: dict) -> tuple:
         """Shape of one rank's shard given the size of each grid axis."""
         if len(self.dims) != len(global_shape):
             raise ValueError(f"ShardSpec {self.dims} has {len(self.dims)} dims for shape {tuple(global_shape)}")
         shape = []
-        for dim, (n, axis, k) in enumerate(zip(global_shape, self.dims, self._blocks())):
+        for dim, (n, axis) in enumerate(zip(global_shape, self.dims)):
             parts = axis_sizes.get(axis, 1) if axis else 1
-            if n % (parts * k):
-                what = f"{k} blocks each split over {axis}={parts}" if k > 1 else f"{axis}={parts}"
-                raise ValueError(f"dimension {dim} of size {n} does not split evenly into {what}")
+            self.block_sizes(dim, n, parts)
             shape.append(n // parts)
         return tuple(shape)
 
@@ -88,17 +109,16 @@ class ShardSpec:
     def dim_index(self, d: int, n: int, axis_sizes: dict, axis_ranks: dict):
         """Positions (a slice, or a NumPy int array for a blocked dimension) that this rank holds
         along dimension ``d`` of global size ``n``, in shard order."""
-        axis, k = self.dims[d], self._blocks()[d]
+        axis = self.dims[d]
         if not axis:
             return slice(None)
         parts, r = axis_sizes.get(axis, 1), axis_ranks.get(axis, 0)
-        if n % (parts * k):
-            raise ValueError(f"dimension {d} of size {n} does not split evenly into {k} block(s) over {axis}={parts}")
-        piece = n // (parts * k)
-        if k == 1:
+        sizes = self.block_sizes(d, n, parts)
+        if len(sizes) == 1:
+            piece = n // parts
             return slice(r * piece, (r + 1) * piece)
-        block = n // k
-        return (np.arange(k)[:, None] * block + r * piece + np.arange(piece)).reshape(-1)
+        starts = np.cumsum([0, *sizes[:-1]])
+        return np.concatenate([start + r * (m // parts) + np.arange(m // parts) for start, m in zip(starts, sizes)])
 
     def local_index(self, global_shape, axis_sizes: dict, axis_ranks: dict) -> tuple:
         """An index such that ``full[index]`` is this rank's shard (and ``full[index] = shard``

@@ -107,19 +107,20 @@ def test_an_export_loads_with_transformers_tokenizer_included_and_generates(tp2_
 
 
 def test_a_llama_checkpoint_exports_to_llama_for_causal_lm(tiny_data, tmp_path):
-    """A Llama-style run (trained at tp 2) exports to LlamaForCausalLM: transformers gives mpirt's
-    logits (q | k | v split from the fused c_attn, matrices transposed, the same rotary layout)."""
+    """A Llama-style run with grouped-query attention (2 key/value heads, trained at tp 2) exports
+    to LlamaForCausalLM: transformers gives mpirt's logits (q | k | v split from the fused c_attn,
+    num_key_value_heads 2, matrices transposed, the same rotary layout)."""
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mpirt.modeling import build_model, config_from_dict
     from mpirt.tensor import no_grad
     run_module("mpirt.train", "--model=llama-tiny", "--model.n_layer=2", "--model.n_embd=64", "--model.n_head=4",
-               "--model.n_positions=32", "--seq-len=16", "--batch-size=8", "--eval-batches=2", "--eval-interval=0",
+               "--model.n_kv_head=2", "--model.n_positions=32", "--seq-len=16", "--batch-size=8", "--eval-batches=2", "--eval-interval=0",
                "--progress=false", "--steps=3", "--tp=2", f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}", ranks=2)
     run_module("mpirt.checkpoint", "export", tmp_path / "run" / "ckpt", tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(hf).__name__ == "LlamaForCausalLM"
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.num_key_value_heads == 2
     ids = AutoTokenizer.from_pretrained(tmp_path / "hf")("x = 1 + 2").input_ids
     meta, weights, _ = load_state(tmp_path / "run" / "ckpt")
     model = build_model(config_from_dict(meta["extra"]["model_config"]))

@@ -67,6 +67,9 @@ CASES = {
     "attention": (lambda qkv: ops.causal_self_attention(qkv, n_head=3), [(2, 150, 3 * 48)]),
     "attention_dropout": (lambda qkv: ops.causal_self_attention(qkv, n_head=2, dropout_p=0.25, seed=5),
                           [(2, 70, 3 * 16)]),
+    "attention_gqa": (lambda qkv: ops.causal_self_attention(qkv, n_head=6, n_kv_head=2), [(2, 150, 10 * 16)]),
+    "attention_gqa_dropout": (lambda qkv: ops.causal_self_attention(qkv, n_head=4, n_kv_head=1, dropout_p=0.25,
+                                                                    seed=5), [(2, 70, 6 * 8)]),
 }
 
 
@@ -90,7 +93,9 @@ KERNELS_OF = {  # (float32, float64)
     "layer_norm": (NORM, NORM), "layer_norm_no_affine": (NORM, NORM), "rms_norm": (NORM, NORM),
     "gelu": ({"gelu"}, {"gelu"}),
     "attention": ({"attention_forward", "attention_backward"}, SOFTMAX),   # whole in C: float32 only
-    "attention_dropout": (SOFTMAX, SOFTMAX)}
+    "attention_dropout": (SOFTMAX, SOFTMAX),
+    "attention_gqa": ({"attention_forward", "attention_backward"}, SOFTMAX),
+    "attention_gqa_dropout": (SOFTMAX, SOFTMAX)}
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -517,7 +517,8 @@ def hf_llama(cfg: LlamaConfig):
     """A Hugging Face LlamaForCausalLM (float64, eager attention) of ``cfg``'s architecture."""
     from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
     hf = HFLlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.hidden,
-                       num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+                       num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+                       num_key_value_heads=cfg.n_kv_head or cfg.n_head,
                        max_position_embeddings=cfg.n_positions, rms_norm_eps=cfg.rms_norm_eps,
                        rope_theta=cfg.rope_theta, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -526,28 +527,23 @@ def hf_llama(cfg: LlamaConfig):
 
 
 def to_hf_llama(model) -> dict:
-    """mpirt Llama weights under Hugging Face names: (in, out) Linear weights transposed, the fused
-    c_attn split into q, k and v."""
+    """mpirt Llama weights under Hugging Face names, through the export's own mapping
+    (:func:`mpirt.models.hf.llama_hf_tensors`)."""
     import torch
-    c = model.config.n_embd
+    from mpirt.models.hf import llama_hf_tensors
     p = {n: q.data for n, q in model.named_parameters()}
-    out = {"model.embed_tokens.weight": p["wte.weight"], "model.norm.weight": p["ln_f.weight"]}
-    for i in range(model.config.n_layer):
-        h, layer = f"h.{i}.", f"model.layers.{i}."
-        qkv = p[h + "attn.c_attn.weight"]
-        out.update({layer + "input_layernorm.weight": p[h + "ln_1.weight"],
-                    layer + "post_attention_layernorm.weight": p[h + "ln_2.weight"],
-                    **{layer + f"self_attn.{x}_proj.weight": qkv[:, k * c:(k + 1) * c].T for k, x in enumerate("qkv")},
-                    layer + "self_attn.o_proj.weight": p[h + "attn.c_proj.weight"].T,
-                    **{layer + f"mlp.{x}.weight": p[h + f"mlp.{x}.weight"].T for x in ("gate_proj", "up_proj", "down_proj")}})
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
+    return {name: torch.from_numpy(read()) for name, _, read in llama_hf_tensors(model.config, p.__getitem__)}
 
 
-def test_llama_logits_equal_hugging_face_llama():
+@pytest.mark.parametrize("n_kv_head", [None, 2, 1], ids=["mha", "gqa2", "mqa"])
+def test_llama_logits_equal_hugging_face_llama(n_kv_head):
     """Same weights, same logits as transformers' LlamaForCausalLM (tied head, no biases, rotary
-    "rotate half", SwiGLU). Hugging Face builds its rotary tables in float32: agreement ~1e-6."""
+    "rotate half", SwiGLU), with as many key/value heads as query heads, grouped-query attention
+    (num_key_value_heads 2 of 4) and multi-query (1); the weight gradients of a loss too.
+    Hugging Face builds its rotary tables in float32: agreement ~1e-6."""
     import torch
-    cfg = LlamaConfig(n_layer=2, n_head=4, n_embd=32, n_positions=16, vocab_size=37, n_inner=48, rope_theta=500.0)
+    cfg = LlamaConfig(n_layer=2, n_head=4, n_embd=32, n_positions=16, vocab_size=37, n_inner=48, rope_theta=500.0,
+                      n_kv_head=n_kv_head)
     model = Llama(cfg, dtype="float64", seed=0)
     randomize(model, 1)
     hf = hf_llama(cfg)
@@ -555,10 +551,18 @@ def test_llama_logits_equal_hugging_face_llama():
     assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # tied to embed_tokens
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     idx = np.random.default_rng(2).integers(0, 37, (2, 16))
-    with torch.no_grad():
-        want = hf(torch.from_numpy(idx)).logits.numpy()
-    np.testing.assert_allclose(model(idx).data, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    want = hf(torch.from_numpy(idx)).logits
+    np.testing.assert_allclose(model(idx).data, want.detach().numpy(), rtol=0, atol=2e-5 * want.abs().max().item())
     assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
+    targets = np.random.default_rng(3).integers(0, 37, (2, 16))
+    model(idx, targets)[1].backward()
+    torch.nn.functional.cross_entropy(want.reshape(-1, 37), torch.from_numpy(targets).reshape(-1)).backward()
+    attn = hf.model.layers[1].self_attn
+    ck = (n_kv_head or 4) * 8
+    grad = model.h[1].attn.c_attn.weight.grad                                # (C, C + 2 Ck): q | k | v
+    for mine, theirs in ((grad[:, :32], attn.q_proj), (grad[:, 32:32 + ck], attn.k_proj),
+                         (grad[:, 32 + ck:], attn.v_proj)):
+        np.testing.assert_allclose(mine, theirs.weight.grad.numpy().T, rtol=0, atol=1e-5 * np.abs(mine).max())
 
 
 def test_llama_structure_count_registry_and_preset():
@@ -585,3 +589,9 @@ def test_llama_structure_count_registry_and_preset():
         modeling.load_model_config("llama-tiny", {"layer_norm_epsilon": 1e-5})
     with pytest.raises(ConfigError, match="n_head: must divide n_embd=32 into heads of an even size"):
         modeling.load_model_config("llama-tiny", {"n_embd": 32, "n_head": 32})
+    gqa = dataclasses.replace(cfg, n_kv_head=2)                      # 2 key/value heads of 8 columns
+    assert build_model(gqa, seed=0).num_parameters() == Llama.num_parameters_of(gqa) == n - 3 * 2 * 32 * 16
+    assert dict(build_model(gqa).named_parameters())["h.0.attn.c_attn.weight"].shape == (32, 32 + 2 * 16)
+    assert sum(c.params for c in modeling.layer_costs(gqa, 16)) == Llama.num_parameters_of(gqa) + 37 * 32
+    with pytest.raises(ConfigError, match="n_kv_head: must divide n_head=4 into equal groups of query heads, got 3"):
+        modeling.load_model_config("llama-tiny", {"n_kv_head": 3})

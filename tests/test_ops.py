@@ -115,19 +115,23 @@ def _torch_rotate(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def test_rotary_attention_matches_torch_reference():
+@pytest.mark.parametrize("h, hk", [(3, 3), (4, 2), (4, 1)])
+def test_rotary_attention_matches_torch_reference(h, hk):
     """Rotary q and k, then mpirt's fused causal attention, against HF Llama's rotation and
-    PyTorch's SDPA: outputs and the gradient of the fused qkv."""
-    b, t, h, d = 2, 7, 3, 4
-    qkv, dy = normal(b, t, 3 * h * d), normal(b, t, h * d, seed=1)
+    PyTorch's SDPA: outputs and the gradient of the fused qkv; with hk < h key/value heads
+    (grouped-query attention) too."""
+    b, t, d = 2, 7, 4
+    qkv, dy = normal(b, t, (h + 2 * hk) * d), normal(b, t, h * d, seed=1)
     cos, sin = rotary_tables(t, d, 500.0, np.float64)
     x = Tensor(qkv.copy(), requires_grad=True)
-    y = ops.causal_self_attention(ops.rotary_embedding(x, cos, sin), n_head=h)
+    y = ops.causal_self_attention(ops.rotary_embedding(x, cos, sin, n_kv_head=hk), n_head=h, n_kv_head=hk)
     y.backward(dy)
     tx = _torch(qkv, grad=True)
-    q, k, v = (part.reshape(b, t, h, d).transpose(1, 2) for part in tx.split(h * d, dim=-1))
+    q, k, v = tx.split([h * d, hk * d, hk * d], dim=-1)
+    q, k, v = (part.reshape(b, t, -1, d).transpose(1, 2) for part in (q, k, v))
     tc, ts = torch.from_numpy(cos), torch.from_numpy(sin)
-    ty = F.scaled_dot_product_attention(_torch_rotate(q, tc, ts), _torch_rotate(k, tc, ts), v, is_causal=True)
+    k, v = (z.repeat_interleave(h // hk, dim=1) for z in (_torch_rotate(k, tc, ts), v))
+    ty = F.scaled_dot_product_attention(_torch_rotate(q, tc, ts), k, v, is_causal=True)
     ty = ty.transpose(1, 2).reshape(b, t, h * d)
     ty.backward(torch.from_numpy(dy))
     np.testing.assert_allclose(y.data, ty.detach().numpy(), rtol=1e-10, atol=1e-12)
@@ -196,27 +200,42 @@ def test_cross_entropy_rejects_bad_targets():
         ops.cross_entropy(Tensor(normal(2, 3)), np.array([0.0, 1.0]))
 
 
-def _torch_causal_attention(qkv, n_head):
-    b, t, c3 = qkv.shape
-    c = c3 // 3
-    q, k, v = qkv.split(c, dim=-1)
-    heads = lambda z: z.view(b, t, n_head, c // n_head).transpose(1, 2)  # noqa: E731
-    out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-    return out.transpose(1, 2).reshape(b, t, c)
+def _torch_causal_attention(qkv, n_head, n_kv_head=None):
+    """PyTorch's SDPA on a fused (B, T, C + 2 Ck) qkv; fewer key/value heads are repeated over
+    their group of query heads (Hugging Face Llama's ``repeat_kv``)."""
+    kv = n_kv_head or n_head
+    b, t, w = qkv.shape
+    d = w // (n_head + 2 * kv)
+    q, k, v = qkv.split([n_head * d, kv * d, kv * d], dim=-1)
+    heads = lambda z, n: z.reshape(b, t, n, d).transpose(1, 2)  # noqa: E731
+    k, v = (heads(z, kv).repeat_interleave(n_head // kv, dim=1) for z in (k, v))
+    out = F.scaled_dot_product_attention(heads(q, n_head), k, v, is_causal=True)
+    return out.transpose(1, 2).reshape(b, t, n_head * d)
 
 
-@pytest.mark.parametrize("shape,n_head", [((2, 5, 24), 2), ((2, 1, 24), 2), ((3, 7, 36), 3), ((1, 6, 12), 1)])
-def test_attention_matches_torch_sdpa(shape, n_head):
+@pytest.mark.parametrize("shape,n_head,n_kv_head", [((2, 5, 24), 2, None), ((2, 1, 24), 2, None), ((3, 7, 36), 3, None),
+                                                    ((1, 6, 12), 1, None), ((2, 9, 32), 6, 1), ((3, 70, 40), 6, 2),
+                                                    ((2, 7, 48), 4, 4)])
+def test_attention_matches_torch_sdpa(shape, n_head, n_kv_head):
+    """Multi-head and grouped-query attention (n_kv_head key/value heads): outputs and the fused
+    qkv's gradient, the key/value columns summed over each group's query heads."""
     qkv = normal(*shape)
     x = Tensor(qkv.copy(), requires_grad=True)
-    out = ops.causal_self_attention(x, n_head)
+    out = ops.causal_self_attention(x, n_head, n_kv_head=n_kv_head)
     g = normal(*out.shape, seed=3)
     out.backward(g)
     tx = _torch(qkv, grad=True)
-    want = _torch_causal_attention(tx, n_head)
+    want = _torch_causal_attention(tx, n_head, n_kv_head)
     want.backward(torch.tensor(g))
     np.testing.assert_allclose(out.data, want.detach().numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(x.grad, tx.grad.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_grouped_query_attention_refuses_heads_that_do_not_group():
+    with pytest.raises(ValueError, match="n_kv_head=4 key and value heads"):
+        ops.causal_self_attention(Tensor(normal(1, 3, 6 * 14)), 6, n_kv_head=4)   # 4 does not divide 6
+    with pytest.raises(ValueError, match="n_kv_head=2"):
+        ops.causal_self_attention(Tensor(normal(1, 3, 50)), 4, n_kv_head=2)       # 50 is not 8 heads
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])

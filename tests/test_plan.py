@@ -14,7 +14,7 @@ from mpirt.modeling import load_model_config
 from mpirt.parallel.schedule_check import simulate, theoretical_bubble
 from mpirt.parallel.schedules import build
 from mpirt.plan import Cluster, coll_time, estimate, hardware, plan, self_check
-from mpirt.plan.published import bubble_table, megatron_flops, zero_table
+from mpirt.plan.published import bubble_table, frontier_rows, megatron_flops, zero_table
 from mpirt.plan.work import ops_per_block
 
 
@@ -67,6 +67,21 @@ def test_published_bubbles_and_zero_table():
     # Narayanan et al.'s count for the 1T model's step: ~ 6.6e21 FLOPs per 3072-sequence batch
     assert megatron_flops(3072, 2048, 128, 25600) == pytest.approx(96 * 3072 * 2048 * 128 * 25600**2 * (
         1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600)))
+
+
+def test_the_largest_published_layouts_are_predicted_to_fit_where_they_ran():
+    """Korthikanti et al.'s 175B and 1T GPT (tp 8 + SP + selective) and Llama 3 405B at 8K (tp 8,
+    pp 16, interleaved, grouped-query attention, no recomputation) trained on 80 GB GPUs: mpirt's
+    largest rank fits in 80 GiB, and a GPT block keeps the paper's 34 sbh / t (plus mpirt's per-row
+    statistics, 8 / h of it)."""
+    rows = {r["name"].split(" (")[0]: r for r in frontier_rows()}
+    assert set(rows) == {"GPT 175B", "GPT 1T", "Llama 3 405B"}
+    assert rows["Llama 3 405B"]["params_b"] == pytest.approx(405, rel=0.01)    # 126 layers, 8 KV heads
+    assert rows["GPT 1T"]["params_b"] == pytest.approx(1008, rel=0.001)
+    for name, r in rows.items():
+        assert r["peak_gib"] <= 80, (name, r["categories_gib"])
+        if r["paper_block_sbh"] is not None:
+            assert r["paper_block_sbh"] <= r["block_sbh"] <= r["paper_block_sbh"] * 1.001, name
 
 
 def test_oversubscription_slows_every_rank():

@@ -54,7 +54,8 @@ def test_gradients_equal_without_recomputation(name, mode, layers, defer):
 
 
 @pytest.mark.parametrize("name, over, mode, layers", [
-    (name, over, mode, layers) for name in ("tiny", "llama-tiny") for over in ({}, DROPOUT)
+    (name, over, mode, layers) for name, over in (("tiny", {}), ("tiny", DROPOUT), ("llama-tiny", {}),
+                                                  ("llama-tiny", DROPOUT), ("llama-tiny", {"n_kv_head": 2, **DROPOUT}))
     for mode, layers in (("none", ""), ("selective", ""), ("full", ""), ("full", "1-2"))]
     + [("mlp", over, mode, "") for over in ({}, {"resid_pdrop": 0.1}) for mode in ("none", "full")], ids=str)
 def test_kept_activations_match_the_formula(name, over, mode, layers):

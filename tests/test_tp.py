@@ -82,6 +82,24 @@ def test_shardspec_blocks_hold_whole_qkv_heads():
         ShardSpec((None,), blocks=(3,))
 
 
+def test_shardspec_weighted_blocks_hold_whole_grouped_query_heads():
+    """Grouped-query attention's c_attn: 4 query heads, 2 key and 2 value heads of size 1 (C=4,
+    Ck=2): at tp=2 each rank holds 2 query heads, 1 key and 1 value head."""
+    full = np.arange(3 * 8).reshape(3, 8)                    # q 0:4, k 4:6, v 6:8
+    spec = ShardSpec((None, "tp"), blocks=(1, (2, 1, 1)))
+    assert spec.blocks == (1, (2, 1, 1)) and ShardSpec((None, "tp"), blocks=(1, (2, 2, 2))).blocks == (1, 3)
+    assert spec.shard(full, {"tp": 2}, {"tp": 0})[0].tolist() == [0, 1, 4, 6]
+    assert spec.shard(full, {"tp": 2}, {"tp": 1})[0].tolist() == [2, 3, 5, 7]
+    back = np.zeros_like(full)
+    for r in range(2):
+        spec.place(back, spec.shard(full, {"tp": 2}, {"tp": r}), {"tp": 2}, {"tp": r})
+    assert (back == full).all()
+    with pytest.raises(ValueError, match=r"3 \(2:1:1\) blocks each split over tp=4"):
+        spec.local_shape((3, 8), {"tp": 4})
+    with pytest.raises(ValueError, match="positive integer or a tuple"):
+        ShardSpec((None, "tp"), blocks=(1, (2, 0)))
+
+
 def test_layout_errors_name_the_numbers():
     with pytest.raises(ValueError, match=r"tp=3 must divide n_head=4, n_embd=16, MLP hidden size=64"):
         TP.check_tp_layout(3, n_head=4, n_embd=16, hidden=64, vocab_size=37)
@@ -272,16 +290,19 @@ def test_parallel_mlp_and_attention(tp, sp, group):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sp", [False, True])
-def test_llama_block_sharded_by_its_plan_equals_unsharded(tp, sp, group):
+@pytest.mark.parametrize("n_head, n_kv_head", [(4, None), (8, 4)], ids=["mha", "gqa"])
+def test_llama_block_sharded_by_its_plan_equals_unsharded(tp, sp, n_head, n_kv_head, group):
     """The Llama block (RMSNorm, rotary bias-free attention, SwiGLU) made tensor parallel by the
     model's own tp_plan: output, input gradient and every parameter's gradient slice equal the
-    unsharded block's (float64)."""
+    unsharded block's (float64); with grouped-query attention each rank holds whole key/value
+    heads (n_kv_head / tp) and the query heads that read them."""
     if MPI.COMM_WORLD.size < tp:
         pytest.skip(f"needs {tp} ranks")
     comm = group(tp, "tp")
     ok, detail = True, ""
     if comm is not None:
-        cfg = LlamaConfig(n_layer=1, n_head=4, n_embd=16, n_positions=8, vocab_size=37, n_inner=24)
+        cfg = LlamaConfig(n_layer=1, n_head=n_head, n_embd=16, n_positions=8, vocab_size=37, n_inner=24,
+                          n_kv_head=n_kv_head)
         rng = np.random.default_rng(5)
         x, dy = rng.standard_normal((2, 8, 16)), rng.standard_normal((2, 8, 16))
         ref = Llama(cfg, dtype="float64")

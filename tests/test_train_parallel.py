@@ -101,23 +101,37 @@ def test_dropout_layout_matches_single_rank(tiny_data, tmp_path, reference, drop
 
 @pytest.fixture(scope="module")
 def llama_reference(tiny_data, tmp_path_factory):
-    return run(tiny_data, tmp_path_factory.mktemp("llama-single"), "--model=llama-tiny")
+    """The single-rank Llama run of a model option tuple, run once per module."""
+    runs = {}
+
+    def reference(model: tuple):
+        if model not in runs:
+            runs[model] = run(tiny_data, tmp_path_factory.mktemp("llama-single"), "--model=llama-tiny", *model)
+        return runs[model]
+    return reference
 
 
-@pytest.mark.parametrize("ranks, layout", [
-    (2, ["--dp=2"]),
-    (2, ["--dp=2", "--zero=1"]),
-    (2, ["--dp=2", "--zero=3"]),
-    (2, ["--tp=2"]),
-    (2, ["--tp=2", "--sequence-parallel"]),
-    (2, ["--pp=2", "--schedule=1f1b"]),
-    (8, ["--dp=2", "--pp=2", "--tp=2"]),
-], ids=lambda v: v if isinstance(v, int) else " ".join(v))
-def test_llama_layout_matches_single_rank(tiny_data, tmp_path, llama_reference, ranks, layout):
+GQA = ("--model.n_kv_head=2",)  # grouped-query attention: 2 key/value heads for 4 query heads
+
+
+@pytest.mark.parametrize("ranks, layout, model", [
+    (2, ["--dp=2"], ()),
+    (2, ["--dp=2", "--zero=1"], ()),
+    (2, ["--dp=2", "--zero=3"], ()),
+    (2, ["--tp=2"], ()),
+    (2, ["--tp=2", "--sequence-parallel"], ()),
+    (2, ["--pp=2", "--schedule=1f1b"], ()),
+    (8, ["--dp=2", "--pp=2", "--tp=2"], ()),
+    (2, ["--dp=2", "--recompute=selective"], GQA),
+    (2, ["--tp=2", "--sequence-parallel"], GQA),
+    (2, ["--pp=2", "--schedule=zb", "--microbatches=4"], GQA),
+], ids=lambda v: v if isinstance(v, int) else " ".join(v) or "mha")
+def test_llama_layout_matches_single_rank(tiny_data, tmp_path, llama_reference, ranks, layout, model):
     """The second architecture (mpirt.models.llama) on the layouts, with no Llama-specific code in
-    mpirt/parallel: the single-rank Llama curve, validation loss and final weights."""
-    losses, summary, weights = run(tiny_data, tmp_path, "--model=llama-tiny", *layout, ranks=ranks)
-    ref_losses, ref_summary, ref_weights = llama_reference
+    mpirt/parallel: the single-rank Llama curve, validation loss and final weights; with
+    grouped-query attention too (tp splits the key/value heads)."""
+    losses, summary, weights = run(tiny_data, tmp_path, "--model=llama-tiny", *model, *layout, ranks=ranks)
+    ref_losses, ref_summary, ref_weights = llama_reference(model)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
     assert summary["val_loss"] == pytest.approx(ref_summary["val_loss"], rel=1e-10)
     assert weights.keys() == ref_weights.keys() and "h.3.mlp.gate_proj.weight" in weights

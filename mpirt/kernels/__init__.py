@@ -52,8 +52,8 @@ SIGNATURES = {
 }
 LONG = np.dtype(f"i{ctypes.sizeof(ctypes.c_long)}")  # index arrays the kernels take (idx in C)
 FLOAT32_ONLY = {  # return 0, or -1 when their workspace could not be allocated
-    "attention_forward": (P, P, P, L, L, L, L, L, D),
-    "attention_backward": (P, P, P, P, P, L, L, L, L, L, D, P, L),
+    "attention_forward": (P, P, P, L, L, L, L, L, L, D),
+    "attention_backward": (P, P, P, P, P, L, L, L, L, L, L, D, P, L),
 }
 # The pool's cblas_?gemm call (kernels_pool.h): function, ILP64?, transa, transb, m, n, k, A, lda,
 # B, ldb, beta, C, ldc, bias (or None)

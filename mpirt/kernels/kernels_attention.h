@@ -7,8 +7,10 @@
  * stay in cache from the product through the softmax to the next product, and the tiles above
  * the causal diagonal are skipped.
  *
- * Layout (mpirt/ops/attention.py): qkv (B, T, 3C) with head h of q, k, v at columns h D, C + h D,
- * 2C + h D (rows 3C apart); out and the incoming gradient (B, T, C); lse (B, H, T) the log-sum-exp
+ * Layout (mpirt/ops/attention.py): qkv (B, T, C + 2 Ck) with C = H D query columns and Ck = Hk D
+ * key and value columns each (grouped-query attention: Hk <= H key/value heads, query head h reads
+ * key/value head h / (H / Hk)); query head h at column h D, its key and value heads at C + j D and
+ * C + Ck + j D (rows C + 2 Ck apart); out and the incoming gradient (B, T, C); lse (B, H, T) the log-sum-exp
  * of each query's scores, the only state kept between forward and backward: the backward
  * computes the scores again (FlashAttention's recomputation), so neither pass writes or reads a
  * (B, H, T, T) array. The backward takes the queries in the NumPy form's chunks (`bounds`). */
@@ -136,17 +138,17 @@ static inline float row_max_f32(const float *a, idx n) {
  * in a small workspace from the product through the softmax to the product with V and is then
  * dropped: nothing of size T x T is written. Returns 0, or -1 when the workspace could not be
  * allocated. */
-int attention_forward_f32(const float *qkv, float *lse, float *out, idx bh0, idx bh1, idx heads, idx t, idx c,
-                          double scale) {
-    idx d = c / heads, ld = 3 * c;
+int attention_forward_f32(const float *qkv, float *lse, float *out, idx bh0, idx bh1, idx heads, idx kv_heads,
+                          idx t, idx c, double scale) {
+    idx d = c / heads, ld = c + 2 * kv_heads * d, group = heads / kv_heads;
     float *kt = malloc(sizeof(float) * (d * t + MR * t + MR));  /* scale K^T (D, T), packed; E tile; r */
     if (!kt) return -1;
     float *e = kt + d * t, *r = e + MR * t;
     for (idx bh = bh0; bh < bh1; bh++) {
         idx b = bh / heads, h = bh % heads;
-        const float *q = qkv + b * t * ld + h * d, *v = q + 2 * c;
+        const float *q = qkv + b * t * ld + h * d, *k = qkv + b * t * ld + c + h / group * d, *v = k + kv_heads * d;
         float *l = lse + bh * t, *o = out + b * t * c + h * d;
-        transpose_scaled(q + c, ld, t, d, (float)scale, kt);
+        transpose_scaled(k, ld, t, d, (float)scale, kt);
         for (idx i0 = 0; i0 < t; i0 += MR) {
             idx mr = t - i0 < MR ? t - i0 : MR;
             idx keys = round_up(i0 + mr, VW) < t ? round_up(i0 + mr, VW) : t;  /* the tile's causal width */
@@ -169,59 +171,66 @@ int attention_forward_f32(const float *qkv, float *lse, float *out, idx bh0, idx
     return 0;
 }
 
-/* Backward for pairs [bh0, bh1): writes their columns of dqkv (B, T, 3C) from the incoming
- * gradient g (B, T, C). Per query chunk (`bounds`, the last, which sees every key, first: it
+/* Backward for (batch, key/value head) pairs [bk0, bk1) of B x Hk: writes the columns of dqkv
+ * (B, T, C + 2 Ck) of the pair's key and value head and of its query heads from the incoming
+ * gradient g (B, T, C); a pair's query heads run one after another (the first writes dK and dV,
+ * the others add), so pairs split over threads never write the same columns. Per query chunk (`bounds`, the last, which sees every key, first: it
  * writes dK and dV, the others add), tile by tile: the scores again, P = exp(S - lse) (the
  * forward's probabilities to rounding), dP = dO V^T, dS = P (dP - rowdot) with rowdot = dO . O
  * per query (= rowsum(dP P)); then dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO. Returns 0,
  * or -1 when the workspace could not be allocated. */
 int attention_backward_f32(const float *qkv, const float *lse, const float *out, const float *g, float *dqkv,
-                           idx bh0, idx bh1, idx heads, idx t, idx c, double scale, const idx *bounds, idx chunks) {
-    idx d = c / heads, ld = 3 * c, widest = 0;
+                           idx bk0, idx bk1, idx heads, idx kv_heads, idx t, idx c, double scale, const idx *bounds,
+                           idx chunks) {
+    idx d = c / heads, ld = c + 2 * kv_heads * d, group = heads / kv_heads, widest = 0;
     for (idx n = 0; n < chunks - 1; n++)
         widest = bounds[n + 1] - bounds[n] > widest ? bounds[n + 1] - bounds[n] : widest;
     float *kt = malloc(sizeof(float) * (2 * d * t + t + 2 * widest * t));
     if (!kt) return -1;
     float *vt = kt + d * t, *rd = vt + d * t, *pc = rd + t, *ds = pc + widest * t;  /* P and dS of a chunk */
-    for (idx bh = bh0; bh < bh1; bh++) {
-        idx b = bh / heads, h = bh % heads;
-        const float *q = qkv + b * t * ld + h * d, *k = q + c, *v = q + 2 * c;
-        const float *l = lse + bh * t, *gi = g + b * t * c + h * d, *o = out + b * t * c + h * d;
-        float *dq = dqkv + b * t * ld + h * d, *dk = dq + c, *dv = dq + 2 * c;
-        for (idx i = 0; i < t; i++) rd[i] = row_dot_f32(gi + i * c, o + i * c, d);
+    for (idx bk = bk0; bk < bk1; bk++) {
+        idx b = bk / kv_heads, kh = bk % kv_heads;
+        const float *k = qkv + b * t * ld + c + kh * d, *v = k + kv_heads * d;
+        float *dk = dqkv + b * t * ld + c + kh * d, *dv = dk + kv_heads * d;
         transpose_scaled(k, ld, t, d, (float)scale, kt);
         transpose_scaled(v, ld, t, d, 1.0f, vt);
-        for (idx n = chunks - 2; n >= 0; n--) {
-            idx q0 = bounds[n], q1 = bounds[n + 1], first = n == chunks - 2;
-            for (idx i0 = q0; i0 < q1; i0 += MR) {          /* P and dS rows, tile by tile */
-                idx mr = q1 - i0 < MR ? q1 - i0 : MR;
-                idx keys = round_up(i0 + mr, VW) < q1 ? round_up(i0 + mr, VW) : q1;
-                float *pi0 = pc + (i0 - q0) * t, *dsi = ds + (i0 - q0) * t;
-                small_gemm(mr, keys, d, q + i0 * ld, ld, 1, kt, t, pi0, t, NULL, 1.0f, 0);
-                small_gemm(mr, keys, d, gi + i0 * c, c, 1, vt, t, dsi, t, NULL, 1.0f, 0);
-                for (idx i = i0; i < i0 + mr; i++) {
-                    float *pr = pc + (i - q0) * t, *dr = ds + (i - q0) * t, li = l[i], ri = rd[i];
+        for (idx h = kh * group; h < (kh + 1) * group; h++) {
+            const float *q = qkv + b * t * ld + h * d;
+            const float *l = lse + (b * heads + h) * t, *gi = g + b * t * c + h * d, *o = out + b * t * c + h * d;
+            float *dq = dqkv + b * t * ld + h * d;
+            for (idx i = 0; i < t; i++) rd[i] = row_dot_f32(gi + i * c, o + i * c, d);
+            for (idx n = chunks - 2; n >= 0; n--) {
+                idx q0 = bounds[n], q1 = bounds[n + 1], first = n == chunks - 2 && h == kh * group;
+                for (idx i0 = q0; i0 < q1; i0 += MR) {          /* P and dS rows, tile by tile */
+                    idx mr = q1 - i0 < MR ? q1 - i0 : MR;
+                    idx keys = round_up(i0 + mr, VW) < q1 ? round_up(i0 + mr, VW) : q1;
+                    float *pi0 = pc + (i0 - q0) * t, *dsi = ds + (i0 - q0) * t;
+                    small_gemm(mr, keys, d, q + i0 * ld, ld, 1, kt, t, pi0, t, NULL, 1.0f, 0);
+                    small_gemm(mr, keys, d, gi + i0 * c, c, 1, vt, t, dsi, t, NULL, 1.0f, 0);
+                    for (idx i = i0; i < i0 + mr; i++) {
+                        float *pr = pc + (i - q0) * t, *dr = ds + (i - q0) * t, li = l[i], ri = rd[i];
 #pragma omp simd
-                    for (idx j = 0; j <= i; j++) {
-                        float pj = exp_f32(pr[j] - li);
-                        pr[j] = pj;
-                        dr[j] = pj * (dr[j] - ri);
+                        for (idx j = 0; j <= i; j++) {
+                            float pj = exp_f32(pr[j] - li);
+                            pr[j] = pj;
+                            dr[j] = pj * (dr[j] - ri);
+                        }
+                        for (idx j = i + 1; j < q1; j++) pr[j] = dr[j] = 0;  /* read by the products below */
                     }
-                    for (idx j = i + 1; j < q1; j++) pr[j] = dr[j] = 0;  /* read by the products below */
                 }
-            }
-            /* dQ rows of the chunk: keys up to each tile's last query */
-            for (idx i0 = q0; i0 < q1; i0 += MR) {
-                idx mr = q1 - i0 < MR ? q1 - i0 : MR;
-                small_gemm(mr, d, i0 + mr, ds + (i0 - q0) * t, t, 1, k, ld, dq + i0 * ld, ld, NULL, (float)scale, 0);
-            }
-            /* dK and dV of keys [0, q1): key j gets queries i >= max(j, q0) of the chunk */
-            for (idx j0 = 0; j0 < q1; j0 += MR) {
-                idx mr = q1 - j0 < MR ? q1 - j0 : MR, from = j0 > q0 ? j0 : q0;
-                small_gemm(mr, d, q1 - from, ds + (from - q0) * t + j0, 1, t, q + from * ld, ld, dk + j0 * ld, ld,
-                           NULL, (float)scale, !first);
-                small_gemm(mr, d, q1 - from, pc + (from - q0) * t + j0, 1, t, gi + from * c, c, dv + j0 * ld, ld,
-                           NULL, 1.0f, !first);
+                /* dQ rows of the chunk: keys up to each tile's last query */
+                for (idx i0 = q0; i0 < q1; i0 += MR) {
+                    idx mr = q1 - i0 < MR ? q1 - i0 : MR;
+                    small_gemm(mr, d, i0 + mr, ds + (i0 - q0) * t, t, 1, k, ld, dq + i0 * ld, ld, NULL, (float)scale, 0);
+                }
+                /* dK and dV of keys [0, q1): key j gets queries i >= max(j, q0) of the chunk */
+                for (idx j0 = 0; j0 < q1; j0 += MR) {
+                    idx mr = q1 - j0 < MR ? q1 - j0 : MR, from = j0 > q0 ? j0 : q0;
+                    small_gemm(mr, d, q1 - from, ds + (from - q0) * t + j0, 1, t, q + from * ld, ld, dk + j0 * ld, ld,
+                               NULL, (float)scale, !first);
+                    small_gemm(mr, d, q1 - from, pc + (from - q0) * t + j0, 1, t, gi + from * c, c, dv + j0 * ld, ld,
+                               NULL, 1.0f, !first);
+                }
             }
         }
     }

@@ -48,11 +48,11 @@ PACK_BODY(float, f32)
 PACK_BODY(double, f64)
 
 static int packed_attention_forward_f32(const idx *a) {
-    return attention_forward_f32(PF(1), PF(2), PF(3), a[4], a[5], a[6], a[7], a[8], arg_double(a[9]));
+    return attention_forward_f32(PF(1), PF(2), PF(3), a[4], a[5], a[6], a[7], a[8], a[9], arg_double(a[10]));
 }
 static int packed_attention_backward_f32(const idx *a) {
-    return attention_backward_f32(PF(1), PF(2), PF(3), PF(4), PF(5), a[6], a[7], a[8], a[9], a[10],
-                                  arg_double(a[11]), (const idx *)a[12], a[13]);
+    return attention_backward_f32(PF(1), PF(2), PF(3), PF(4), PF(5), a[6], a[7], a[8], a[9], a[10], a[11],
+                                  arg_double(a[12]), (const idx *)a[13], a[14]);
 }
 
 /* cblas_?gemm, row-major, alpha 1: a[1] the function, a[2] 1 for 64-bit integers (ILP64), then

@@ -1,8 +1,12 @@
 """Causal multi-head self-attention as one fused Function.
 
-The input is GPT-2's ``c_attn`` output, ``qkv`` of shape (B, T, 3C): ``q = qkv[..., :C]``,
-``k = qkv[..., C:2C]``, ``v = qkv[..., 2C:]``; head ``h`` owns columns ``h*D:(h+1)*D`` of each
-(``D = C // n_head``). The output (B, T, C) has the heads merged back in the same order.
+The input is the fused ``c_attn`` output, ``qkv`` of shape (B, T, C + 2 Ck): ``q = qkv[..., :C]``,
+``k = qkv[..., C:C + Ck]``, ``v = qkv[..., C + Ck:]``; head ``h`` owns columns ``h*D:(h+1)*D`` of
+each (``D = C // n_head``, ``Ck = n_kv_head D``; GPT-2: ``Ck = C``). With grouped-query attention
+(``n_kv_head < n_head``) the query heads come in ``n_kv_head`` groups, each reading one key and
+value head: keys and values broadcast over the group in the forward's products, and the
+backward's dK and dV sum the group in one product each. The output (B, T, C) has the heads
+merged back in the same order.
 
 Memory: between forward and backward the op keeps no array of the scores' size, (B, H, T, T):
 only ``lse`` (B, H, T, 1), each query's log-sum-exp ``rowmax(S) + log(rowsum(exp(S - rowmax)))``.
@@ -60,10 +64,31 @@ from mpirt.threads import BLOCK, c_blocks, for_blocks, num_threads
 QUERY_CHUNK = 64
 
 
-def _heads(a, n_head):
-    """View (B, T, n_head*D) as (B, n_head, T, D) without copying."""
+def _heads(a, n_kv, group=1):
+    """View (B, T, n_kv*group*D) as (B, n_kv, group, T, D) without copying: query heads grouped by
+    the key/value head they read (grouped-query attention), keys and values with ``group`` 1."""
     b, t, c = a.shape
-    return a.reshape(b, t, n_head, c // n_head).transpose(0, 2, 1, 3)
+    return a.reshape(b, t, n_kv, group, c // (n_kv * group)).transpose(0, 2, 3, 1, 4)
+
+
+def _fold(a):
+    """(B, Hk, G, T, X) -> (B, Hk, 1, G*T, X): a group's query heads as one run of rows, so that a
+    product over them sums the group (dK, dV); a copy only when G > 1 and ``a`` is strided."""
+    b, hk, g, t, x = a.shape
+    return a.reshape(b, hk, 1, g * t, x)
+
+
+def _layout(qkv, n_head, n_kv_head):
+    """``(C, Ck, D)`` of a fused (B, T, C + 2 Ck) ``qkv``: query, key (= value) widths, head size."""
+    kv = n_head if n_kv_head is None else n_kv_head
+    if qkv.ndim != 3:
+        raise ValueError(f"causal_self_attention: qkv must be (B, T, C + 2 Ck), got shape {qkv.shape}")
+    w = qkv.shape[-1]
+    if n_head < 1 or kv < 1 or n_head % kv or w % (n_head + 2 * kv):
+        raise ValueError(f"causal_self_attention: qkv width {w} does not hold n_head={n_head} query heads and "
+                         f"n_kv_head={kv} key and value heads of one size (n_kv_head must divide n_head)")
+    d = w // (n_head + 2 * kv)
+    return n_head * d, kv * d, d
 
 
 _BIAS_CACHE: dict = {}
@@ -148,23 +173,26 @@ def _over_pairs(name, arrays, pairs, *rest) -> None:
 
 @float32_compute
 class CausalSelfAttention(Function):
-    def runs_half(self, qkv, n_head, dropout_p=0.0, seed=None):
-        return dropout_p == 0 and cuda.attention_takes(qkv, n_head)
+    def runs_half(self, qkv, n_head, dropout_p=0.0, seed=None, n_kv_head=None):
+        return self._flash(qkv, n_head, dropout_p, n_kv_head)
 
-    def forward(self, qkv, n_head, dropout_p=0.0, seed=None):
+    @staticmethod
+    def _flash(qkv, n_head, dropout_p, n_kv_head) -> bool:
+        """Whether CUDA's flash attention runs both passes (no dropout, as many key/value heads as
+        query heads: its kernels read one of each per query head)."""
+        return dropout_p == 0 and n_kv_head in (None, n_head) and cuda.attention_takes(qkv, n_head)
+
+    def forward(self, qkv, n_head, dropout_p=0.0, seed=None, n_kv_head=None):
         xp = B.xp
-        if qkv.ndim != 3 or qkv.shape[-1] % 3:
-            raise ValueError(f"causal_self_attention: qkv must be (B, T, 3C), got shape {qkv.shape}")
-        b, t, c3 = qkv.shape
-        c = c3 // 3
-        if n_head < 1 or c % n_head:
-            raise ValueError(f"causal_self_attention: n_head={n_head} does not divide C={c}")
-        self.on_gpu = dropout_p == 0 and cuda.attention_takes(qkv, n_head)
+        c, ck, d = _layout(qkv, n_head, n_kv_head)
+        b, t = qkv.shape[:2]
+        kv = ck // d
+        self.on_gpu = self._flash(qkv, n_head, dropout_p, n_kv_head)
         if self.on_gpu:                                             # flash attention on tensor cores
             out, lse = cuda.attention_forward(qkv, n_head)
             self.qkv, self.lse, self.out, self.n_head = qkv, lse, out, n_head
             return out
-        scale = 1.0 / math.sqrt(c // n_head)
+        scale = 1.0 / math.sqrt(d)
         lse = xp.empty((b, n_head, t, 1), dtype=qkv.dtype)          # log-sum-exp of each query's scores
         out = xp.empty((b, t, c), dtype=qkv.dtype)
         chunks = _query_chunks(t)
@@ -172,40 +200,45 @@ class CausalSelfAttention(Function):
         if dropout_p > 0:
             mask, keep_scale = dropout_mask((b, n_head, t, t), dropout_p, seed), 1.0 / (1.0 - dropout_p)
         if mask is None and _whole_in_c(qkv, lse, out):
-            _over_pairs("attention_forward", (qkv, lse, out), b * n_head, n_head, t, c, scale)
+            _over_pairs("attention_forward", (qkv, lse, out), b * n_head, n_head, kv, t, c, scale)
         else:
-            forward = functools.partial(self._forward_block, n_head=n_head, scale=scale, chunks=chunks,
+            forward = functools.partial(self._forward_block, n_head=n_head, n_kv=kv, scale=scale, chunks=chunks,
                                         keep_scale=keep_scale)
             for_blocks(forward, lse, qkv, out, mask, blas=True, block=_rows_block(t))
         # out is saved by reference (the next linear layer saves it too); ops never write into it
         self.qkv, self.lse, self.out, self.mask, self.keep_scale = qkv, lse, out, mask, keep_scale
-        self.n_head, self.scale, self.chunks = n_head, scale, chunks
+        self.n_head, self.n_kv, self.scale, self.chunks = n_head, kv, scale, chunks
         return out
 
     @staticmethod
-    def _forward_block(lse, qkv, out, mask, *, n_head, scale, chunks, keep_scale):
-        """The NumPy form of the forward on a few batch rows, chunk by chunk."""
-        xp, c = B.xp, out.shape[-1]
-        q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], n_head) for i in range(3))
+    def _forward_block(lse, qkv, out, mask, *, n_head, n_kv, scale, chunks, keep_scale):
+        """The NumPy form of the forward on a few batch rows, chunk by chunk; arrays of heads are
+        (b, Hk, G, T, D) (:func:`_heads`), keys and values broadcast over a group's G query heads."""
+        xp, (b, t, c), g = B.xp, out.shape, n_head // n_kv
+        ck = c // g
+        q = _heads(qkv[..., :c], n_kv, g)
+        k, v = _heads(qkv[..., c:c + ck], n_kv), _heads(qkv[..., c + ck:], n_kv)
         qs = _scaled_queries(q, scale)
-        o = _heads(out, n_head)                                     # products land with heads merged
+        o = _heads(out, n_kv, g)                                    # products land with heads merged
+        lse = lse.reshape(b, n_kv, g, t, 1)
+        mask = None if mask is None else mask.reshape(b, n_kv, g, t, t)
         rinv = xp.empty(lse.shape, dtype=lse.dtype)                 # 1 / rowsum(E) per query
         for q0, q1 in zip(chunks, chunks[1:]):                      # keys [0, q1) only
-            s = xp.matmul(qs[:, :, q0:q1], k[:, :, :q1].swapaxes(-1, -2))  # (b, H, q1 - q0, q1)
-            r = rinv[:, :, q0:q1]
+            s = xp.matmul(qs[..., q0:q1, :], k[..., :q1, :].swapaxes(-1, -2))  # (b, Hk, G, q1 - q0, q1)
+            r = rinv[..., q0:q1, :]
             if kernels.usable(s, rinv, lse):                        # E, 1 / rowsum(E), lse in one pass
-                kernels.call("causal_softmax", s.dtype, s, r, lse[:, :, q0:q1], s.shape[0] * n_head,
-                             s.shape[2] * s.shape[3], q1 - q0, q1, q1, q0, lse.shape[2])
+                kernels.call("causal_softmax", s.dtype, s, r, lse[..., q0:q1, :], b * n_head, s.shape[-2] * s.shape[-1],
+                             q1 - q0, q1, q1, q0, t)
             else:
-                s[..., q0:] += _causal_bias(qkv.shape[1], s.dtype)[q0:q1, q0:q1]  # -inf above the diagonal
+                s[..., q0:] += _causal_bias(t, s.dtype)[q0:q1, q0:q1]  # -inf above the diagonal
                 m = _row_max(s)
                 s -= m
                 xp.exp(s, out=s)                                    # E: unnormalised
                 total = _row_sum(s)
                 xp.divide(1.0, total, out=r)
-                xp.add(m, xp.log(total), out=lse[:, :, q0:q1])
-            pv = o[:, :, q0:q1]
-            xp.matmul(s if mask is None else s * mask[:, :, q0:q1, :q1], v[:, :, :q1], out=pv)
+                xp.add(m, xp.log(total), out=lse[..., q0:q1, :])
+            pv = o[..., q0:q1, :]
+            xp.matmul(s if mask is None else s * mask[..., q0:q1, :q1], v[..., :q1, :], out=pv)
             pv *= r if keep_scale is None else r * keep_scale       # O = (E V) / rowsum(E)
 
     def backward(self, g):
@@ -213,79 +246,88 @@ class CausalSelfAttention(Function):
         if self.on_gpu:
             g = xp.ascontiguousarray(g, dtype=self.qkv.dtype)
             return (cuda.attention_backward(self.qkv, self.out, self.lse, g, self.n_head),)
-        h, scale, keep_scale, chunks = self.n_head, self.scale, self.keep_scale, self.chunks
-        c = self.qkv.shape[-1] // 3
+        h, kv, scale, keep_scale, chunks = self.n_head, self.n_kv, self.scale, self.keep_scale, self.chunks
+        c = g.shape[-1]
+        ck, grp = c // h * kv, h // kv
         dqkv = xp.empty(self.qkv.shape, dtype=self.qkv.dtype)
         t = g.shape[1]
         if self.mask is None and _whole_in_c(self.qkv, self.lse, self.out, g, dqkv):
-            b = g.shape[0]
             bounds = _bounds(chunks)
-            _over_pairs("attention_backward", (self.qkv, self.lse, self.out, g, dqkv), b * h, h, t, c, scale,
-                        bounds, len(bounds))
+            _over_pairs("attention_backward", (self.qkv, self.lse, self.out, g, dqkv), g.shape[0] * kv, h, kv, t, c,
+                        scale, bounds, len(bounds))
             return (dqkv,)
 
         def block(lse, qkv, g, out, mask, dqkv):                    # a few batch rows
-            q, k, v = (_heads(qkv[..., i * c:(i + 1) * c], h) for i in range(3))
-            qs = _scaled_queries(q, scale)
-            go = _heads(g, h)                                       # (b, H, T, D)
             b = g.shape[0]
+            q = _heads(qkv[..., :c], kv, grp)                       # (b, Hk, G, T, D)
+            k, v = _heads(qkv[..., c:c + ck], kv), _heads(qkv[..., c + ck:], kv)  # (b, Hk, 1, T, D)
+            qs = _scaled_queries(q, scale)
+            go = _heads(g, kv, grp)
+            lse = lse.reshape(b, kv, grp, t, 1)
+            mask = None if mask is None else mask.reshape(b, kv, grp, t, t)
             # rowsum(dP * P) = dO . O per query (FlashAttention's identity; dropout included), a
             # (B, T, C) product instead of a pass over (B, H, T, T)
-            rowdot = xp.einsum("bthd,bthd->bht", g.reshape(b, t, h, -1), out.reshape(b, t, h, -1))[..., None]
-            dq, dk, dv = (xp.empty(q.shape, dtype=q.dtype) for _ in range(3))
+            rowdot = xp.einsum("bthd,bthd->bht", g.reshape(b, t, h, -1), out.reshape(b, t, h, -1))
+            rowdot = rowdot.reshape(b, kv, grp, t, 1)
+            dq, dk, dv = xp.empty(q.shape, dtype=q.dtype), xp.empty(k.shape, dtype=q.dtype), xp.empty(v.shape, dtype=q.dtype)
             # The last chunk sees every key: it runs first and writes dk and dv (no zero fill),
-            # the others add into their keys' rows. Every chunk writes its own rows of dq.
+            # the others add into their keys' rows. Every chunk writes its own rows of dq. dK and
+            # dV sum over a group's query heads: its heads and queries fold into one product.
             for q0, q1 in reversed(list(zip(chunks, chunks[1:]))):  # keys [0, q1) only
-                pj = xp.matmul(qs[:, :, q0:q1], k[:, :, :q1].swapaxes(-1, -2))  # the scores again
-                lj = lse[:, :, q0:q1]
+                pj = xp.matmul(qs[..., q0:q1, :], k[..., :q1, :].swapaxes(-1, -2))  # the scores again
+                lj = lse[..., q0:q1, :]
                 if kernels.usable(pj, lse):                         # P = exp(S - lse), one pass
-                    kernels.call("causal_probs", pj.dtype, pj, lj, pj.shape[0] * h, pj.shape[2] * pj.shape[3],
-                                 q1 - q0, q1, q1, q0, lse.shape[2])
+                    kernels.call("causal_probs", pj.dtype, pj, lj, b * h, pj.shape[-2] * pj.shape[-1],
+                                 q1 - q0, q1, q1, q0, t)
                 else:
                     pj[..., q0:] += _causal_bias(t, pj.dtype)[q0:q1, q0:q1]
                     pj -= lj
                     xp.exp(pj, out=pj)
                 # dropout: P as applied is P * mask * keep_scale; the scale goes on the small dO side
                 # and the bool mask multiplies without promoting float32
-                gj = go[:, :, q0:q1] if mask is None else go[:, :, q0:q1] * keep_scale
-                pd = pj if mask is None else pj * mask[:, :, q0:q1, :q1]
+                gj = go[..., q0:q1, :] if mask is None else go[..., q0:q1, :] * keep_scale
+                pd = pj if mask is None else pj * mask[..., q0:q1, :q1]
                 if q1 == t:
-                    xp.matmul(pd.swapaxes(-1, -2), gj, out=dv)                      # dV = P^T dO
+                    xp.matmul(_fold(pd).swapaxes(-1, -2), _fold(gj), out=dv)           # dV = P^T dO
                 else:
-                    dv[:, :, :q1] += xp.matmul(pd.swapaxes(-1, -2), gj)
-                ds = xp.matmul(gj, v[:, :, :q1].swapaxes(-1, -2))                   # dP = dO V^T
+                    dv[..., :q1, :] += xp.matmul(_fold(pd).swapaxes(-1, -2), _fold(gj))
+                ds = xp.matmul(gj, v[..., :q1, :].swapaxes(-1, -2))                    # dP = dO V^T
                 if mask is not None:
-                    ds *= mask[:, :, q0:q1, :q1]
-                rd = xp.ascontiguousarray(rowdot[:, :, q0:q1])
+                    ds *= mask[..., q0:q1, :q1]
+                rd = xp.ascontiguousarray(rowdot[..., q0:q1, :])
                 if kernels.usable(ds, pj, rd):                      # dS = P (dP - rowdot), one pass
                     # (checked here: the incoming gradient's dtype decides ds's)
-                    kernels.call("softmax_grad", ds.dtype, ds, pj, rd, ds.shape[0] * h, ds.shape[2] * ds.shape[3],
+                    kernels.call("softmax_grad", ds.dtype, ds, pj, rd, b * h, ds.shape[-2] * ds.shape[-1],
                                  q1 - q0, q1, q1)
                 else:
                     ds -= rd
                     ds *= pj                                        # dS (masked entries: P = 0)
-                xp.matmul(ds, k[:, :, :q1], out=dq[:, :, q0:q1])
+                xp.matmul(ds, k[..., :q1, :], out=dq[..., q0:q1, :])
                 if q1 == t:
-                    xp.matmul(ds.swapaxes(-1, -2), q[:, :, q0:q1], out=dk)
+                    xp.matmul(_fold(ds).swapaxes(-1, -2), _fold(q[..., q0:q1, :]), out=dk)
                 else:
-                    dk[:, :, :q1] += xp.matmul(ds.swapaxes(-1, -2), q[:, :, q0:q1])
-            for i, (grad, factor) in enumerate(((dq, scale), (dk, scale), (dv, None))):
-                _merge_heads(grad, dqkv[..., i * c:(i + 1) * c], factor)
+                    dk[..., :q1, :] += xp.matmul(_fold(ds).swapaxes(-1, -2), _fold(q[..., q0:q1, :]))
+            for grad, cols, factor in ((dq, slice(0, c), scale), (dk, slice(c, c + ck), scale),
+                                       (dv, slice(c + ck, None), None)):
+                _merge_heads(grad.reshape(b, -1, t, grad.shape[-1]), dqkv[..., cols], factor)
 
         for_blocks(block, self.lse, self.qkv, g, self.out, self.mask, dqkv, blas=True, block=_rows_block(t))
         return (dqkv,)
 
 
-def causal_self_attention(qkv, n_head, dropout_p=0.0, seed=None):
-    """Causal multi-head self-attention on GPT-2's fused ``qkv`` (B, T, 3C) -> (B, T, C).
+def causal_self_attention(qkv, n_head, dropout_p=0.0, seed=None, n_kv_head=None):
+    """Causal multi-head self-attention on a fused ``qkv`` (B, T, C + 2 Ck) -> (B, T, C).
 
-    Scores are scaled by ``1/sqrt(D)`` and position ``t`` attends to positions ``<= t``. With
+    ``C = n_head D`` query columns, then ``Ck = n_kv_head D`` key and ``Ck`` value columns
+    (``n_kv_head`` None: ``n_head``, GPT-2's (B, T, 3C)); with fewer key/value heads than query
+    heads (grouped-query attention) query head ``h`` reads key/value head ``h // (n_head /
+    n_kv_head)``. Scores are scaled by ``1/sqrt(D)`` and position ``t`` attends to positions ``<= t``. With
     ``dropout_p > 0`` the probabilities are dropped out (inverted scaling) with a mask that is a
     pure function of ``seed`` and the shape; ``seed`` is then required. ``dropout_p == 0`` does
     no mask work at all.
     """
     _check_p(dropout_p, "causal_self_attention", "dropout_p")
-    return CausalSelfAttention.apply(qkv, n_head=n_head, dropout_p=dropout_p, seed=seed)
+    return CausalSelfAttention.apply(qkv, n_head=n_head, dropout_p=dropout_p, seed=seed, n_kv_head=n_kv_head)
 
 
 # ------------------------------------------------------------------------------------------
@@ -326,32 +368,36 @@ class RotaryEmbedding(Function):
     nothing but the tables is saved.
     """
 
-    def forward(self, qkv, cos, sin):
-        t, c3 = qkv.shape[1:]
-        half = cos.shape[-1]
-        if c3 % 3 or (c3 // 3) % (2 * half) or cos.shape != (t, half) or sin.shape != cos.shape:
-            raise ValueError(f"rotary_embedding: qkv (B, T, 3C) {qkv.shape} does not fit tables of shape "
-                             f"{cos.shape} (T, D/2) with D dividing C")
+    def forward(self, qkv, cos, sin, n_kv_head=None):
+        t, w = qkv.shape[1:]
+        d = 2 * cos.shape[-1]
+        heads = w // d if d and w % d == 0 else 0                  # q, k and v heads together
+        kv = heads // 3 if n_kv_head is None else n_kv_head
+        if not heads or heads <= 2 * kv or (n_kv_head is None and heads % 3) or cos.shape != (t, d // 2) \
+                or sin.shape != cos.shape:
+            raise ValueError(f"rotary_embedding: qkv (B, T, C + 2 Ck) {qkv.shape} does not fit tables of shape "
+                             f"{cos.shape} (T, D/2) with D dividing C" + (f" and n_kv_head={n_kv_head}" if n_kv_head else ""))
         self.cos, self.sin = cos[:, None, :], sin[:, None, :]     # (T, 1, D/2): broadcast over heads
+        self.n_qk = heads - kv                                    # heads of q and k together
         return self._apply(qkv, 1.0)
 
     def backward(self, g):
         return (self._apply(g, -1.0),)
 
     def _apply(self, a, sign: float):
-        b, t, c3 = a.shape
-        d = 2 * self.cos.shape[-1]
-        n_qk = 2 * c3 // (3 * d)                                   # heads of q and k together
-        src = a.reshape(b, t, c3 // d, d)                          # (B, T, 3H, D): q, k, v heads
+        b, t, w = a.shape
+        d, n_qk = 2 * self.cos.shape[-1], self.n_qk
+        src = a.reshape(b, t, w // d, d)                           # (B, T, H + 2 Hk, D): q, k, v heads
         out = B.xp.empty(src.shape, dtype=a.dtype)
         _rotate(src[:, :, :n_qk], out[:, :, :n_qk], self.cos, self.sin, sign)
         out[:, :, n_qk:] = src[:, :, n_qk:]                        # v passes through
         return out.reshape(a.shape)
 
 
-def rotary_embedding(qkv, cos, sin):
-    """Rotary position embeddings on a fused ``qkv`` (B, T, 3C): every head of q and k (head size
-    ``D = 2 * cos.shape[-1]``) is rotated by its position, v is unchanged. ``cos``/``sin`` are
-    (T, D/2) arrays (:func:`rotary_tables`), constants. Works on a tp rank's local qkv too
-    (``[q_r | k_r | v_r]``, whole heads)."""
-    return RotaryEmbedding.apply(qkv, cos=cos, sin=sin)
+def rotary_embedding(qkv, cos, sin, n_kv_head=None):
+    """Rotary position embeddings on a fused ``qkv`` (B, T, C + 2 Ck): every head of q and k (head
+    size ``D = 2 * cos.shape[-1]``) is rotated by its position, v (the last ``n_kv_head`` heads;
+    None: a third of them, ``Ck = C``) is unchanged. ``cos``/``sin`` are (T, D/2) arrays
+    (:func:`rotary_tables`), constants. Works on a tp rank's local qkv too (``[q_r | k_r | v_r]``,
+    whole heads, ``n_kv_head`` the local count)."""
+    return RotaryEmbedding.apply(qkv, cos=cos, sin=sin, n_kv_head=n_kv_head)

@@ -8,7 +8,10 @@
   2048, A100 80 GB, 8 per node): layout, batch and the achieved teraFLOP/s per GPU, counted with
   their formula ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` (activation recomputation included);
 - :func:`bubble_table`: 1F1B, interleaved and ZB-H1 at p = 8, m = 32 simulated from the action
-  lists against the papers' formulas.
+  lists against the papers' formulas;
+- :data:`FRONTIER`: the layouts the largest published models trained on 80 GB GPUs (Korthikanti
+  et al. 2022's 175B and 1T GPT, Llama 3 405B at 8K with grouped-query attention), and
+  :func:`frontier_rows`, mpirt's predicted peak of their largest rank.
 """
 from __future__ import annotations
 
@@ -28,6 +31,29 @@ MEGATRON = [
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52),
 ]
 ZERO_PAPER_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+
+DROPOUT = {"embd_pdrop": 0.1, "attn_pdrop": 0.1, "resid_pdrop": 0.1}  # the paper's masks (1 byte each)
+# name: (model config fields, layout and training keys) as published; every one trained on 80 GB
+FRONTIER = {
+    # Korthikanti et al. 2022, table 3: micro-batch 1, SP + selective recomputation, dp 1
+    "GPT 175B (Korthikanti et al.)": ({"model_type": "gpt2", "n_layer": 96, "n_embd": 12288, "n_head": 96,
+                                       "vocab_size": 51200, "n_positions": 2048, **DROPOUT},
+                                      {"tp": 8, "pp": 8, "dp": 1, "batch_size": 64, "seq_len": 2048,
+                                       "recompute": "selective", "sequence_parallel": True}),
+    "GPT 1T (Korthikanti et al.)": ({"model_type": "gpt2", "n_layer": 128, "n_embd": 25600, "n_head": 160,
+                                     "vocab_size": 51200, "n_positions": 2048, **DROPOUT},
+                                    {"tp": 8, "pp": 64, "dp": 1, "batch_size": 512, "seq_len": 2048,
+                                     "recompute": "selective", "sequence_parallel": True}),
+    # Llama 3 (Dubey et al. 2024): 16K H100s, tp 8 x pp 16 x dp 128, 16M-token batches of 8K
+    # sequences, interleaved pipeline, no recomputation; FSDP's sharding is ZeRO-1 here (mpirt's
+    # ZeRO-3 does not run under pp)
+    "Llama 3 405B (Dubey et al.)": ({"model_type": "llama", "n_layer": 126, "n_embd": 16384, "n_head": 128,
+                                     "n_kv_head": 8, "n_inner": 53248, "vocab_size": 128256, "n_positions": 8192,
+                                     "rope_theta": 500000.0},
+                                    {"tp": 8, "pp": 16, "dp": 128, "batch_size": 2048, "seq_len": 8192,
+                                     "schedule": "interleaved", "chunks": 2, "recompute": "none",
+                                     "sequence_parallel": True, "zero": 1}),
+}
 
 
 def gpt_config(hidden: int, layers: int, heads: int, vocab: int = 51200, seq: int = 2048):
@@ -124,4 +150,35 @@ def megatron_rows(cluster_name: str = "a100", search: bool = False, schedules=("
                 row["planner_tflops_model"] = best.mfu * cluster.peak("bfloat16") / 1e12
                 row["planner_step_s"] = best.step_s
         out.append(row)
+    return out
+
+
+def frontier_rows() -> list[dict]:
+    """Each :data:`FRONTIER` layout in bfloat16 (micro-batches of one sequence, every micro-batch
+    of a dp rank's share in one step): mpirt's predicted peak GiB of the largest rank (over the
+    pipeline stages, GPU process baseline left out), its categories, and one block's kept
+    activation bytes in units of ``s b h`` beside Korthikanti et al.'s formula for tp + SP +
+    selective recomputation, ``34 / t`` (GPT rows: their f = 4h, heads of q, k and v alike)."""
+    from mpirt import memory
+    from mpirt.modeling import activation_bytes, config_from_dict, num_parameters
+    from mpirt.plan.search import base_config
+
+    out = []
+    for name, (model_fields, train) in FRONTIER.items():
+        model_cfg = config_from_dict(model_fields)
+        layout = {k: train[k] for k in ("dp", "pp", "tp")}
+        cfg = dataclasses.replace(base_config(train["batch_size"], train["seq_len"], "bfloat16"), **train,
+                                  microbatches=train["batch_size"] // train["dp"], grad_accum=1)
+        peaks = [memory.predict(cfg, model_cfg, layout, stage * layout["tp"], process_bytes=0)
+                 for stage in range(layout["pp"])]
+        worst = max(range(layout["pp"]), key=lambda i: peaks[i]["peak"])
+        s, h, t = train["seq_len"], model_cfg.n_embd, layout["tp"]
+        acts = activation_bytes(model_cfg, batch=1, seq_len=s, tp=t, sequence_parallel=True, itemsize=2)
+        selective = acts["block"] - acts["core"] if train["recompute"] == "selective" else acts["block"]
+        out.append({"name": name, "params_b": num_parameters(model_cfg) / 1e9, "layout": layout,
+                    "schedule": cfg.schedule, "recompute": cfg.recompute, "stage": worst,
+                    "peak_gib": peaks[worst]["peak"] / 2**30,
+                    "categories_gib": {k: v / 2**30 for k, v in peaks[worst].items() if k != "peak"},
+                    "block_sbh": selective / (s * h),
+                    "paper_block_sbh": 34 / t if model_cfg.model_type == "gpt2" else None})
     return out

@@ -28,9 +28,11 @@ def base_config(batch_size: int, seq_len: int, dtype: str):
 
 def tp_options(model_cfg, cluster: Cluster) -> list[int]:
     """The tensor-parallel sizes a plan tries: divisors of the device count that divide the heads
-    and fit in one node (tp spans the fast links of a node)."""
+    (query and key/value) and fit in one node (tp spans the fast links of a node)."""
     heads = getattr(model_cfg, "n_head", 1)
-    return [tp for tp in _divisors(cluster.devices) if tp <= max(cluster.devices_per_node, 1) and heads % tp == 0]
+    kv = getattr(model_cfg, "n_kv_head", None) or heads
+    return [tp for tp in _divisors(cluster.devices)
+            if tp <= max(cluster.devices_per_node, 1) and heads % tp == 0 and kv % tp == 0]
 
 
 def candidates(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype: str,

@@ -3,6 +3,8 @@ sequence-parallel counterparts (allgather / reduce-scatter along one dimension),
 helpers they are built on."""
 from __future__ import annotations
 
+import numpy as np
+
 import mpirt.backend as B
 from mpirt.nn import ShardSpec
 from mpirt.tensor import Function
@@ -50,8 +52,9 @@ def _split_dim(a, comm, dim: int):
     return B.xp.ascontiguousarray(a[index])
 
 
-def _last_dim_index(n_local: int, comm, blocks: int, rank: int):
-    """Positions along the full last dimension held by ``rank`` (``blocks`` blocks each split)."""
+def _last_dim_index(n_local: int, comm, blocks, rank: int):
+    """Positions along the full last dimension held by ``rank`` (``blocks`` blocks each split: a
+    count or a tuple of block weights, as :class:`~mpirt.nn.ShardSpec` takes)."""
     spec = ShardSpec((AXIS,), (blocks,))
     return spec.dim_index(0, n_local * comm.size, {AXIS: comm.size}, {AXIS: rank})
 
@@ -126,9 +129,11 @@ class GatherLastDim(Function):
         xp, t = B.xp, comm.size
         front = xp.ascontiguousarray(xp.moveaxis(x, -1, 0))                 # (n, ...)
         full = comm.allgather(front, counts=[front.shape[0]] * t)           # (t*n, ...) rank-major
-        piece = self.n_local // blocks
-        full = full.reshape((t, blocks, piece) + front.shape[1:]).swapaxes(0, 1)  # block-major
-        return xp.ascontiguousarray(xp.moveaxis(full.reshape((-1,) + front.shape[1:]), 0, -1))
+        n = t * self.n_local
+        where = np.concatenate([np.arange(n)[_last_dim_index(self.n_local, comm, blocks, r)] for r in range(t)])
+        out = xp.empty_like(full)
+        out[xp.asarray(where)] = full                                       # each gathered row to its column
+        return xp.ascontiguousarray(xp.moveaxis(out, 0, -1))
 
     def backward(self, g):
         if self.comm.size == 1:

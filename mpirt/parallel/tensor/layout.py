@@ -15,16 +15,18 @@ def pad_vocab(vocab_size: int, tp: int) -> int:
 
 
 def check_tp_layout(tp: int, *, n_head: int, n_embd: int, hidden: int, vocab_size: int | None = None,
-                    seq_len: int | None = None, sequence_parallel: bool = False) -> None:
+                    seq_len: int | None = None, sequence_parallel: bool = False, n_kv_head: int | None = None) -> None:
     """Refuse a tensor-parallel size that does not divide the model, naming the numbers.
 
-    tp must divide the attention heads, the embedding width and the MLP hidden size; the
+    tp must divide the attention heads (the key/value heads too: each rank holds whole ones, none
+    replicated), the embedding width and the MLP hidden size; the
     vocabulary is padded to a multiple of tp (so it always fits); with sequence parallelism tp must
     divide the sequence length. Pure: call it before any communication (config validation).
     """
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp: must be a positive integer, got {tp!r}")
-    bad = [f"n_head={n_head}" if n_head % tp else "", f"n_embd={n_embd}" if n_embd % tp else "",
+    bad = [f"n_head={n_head}" if n_head % tp else "", f"n_kv_head={n_kv_head}" if n_kv_head and n_kv_head % tp else "",
+           f"n_embd={n_embd}" if n_embd % tp else "",
            f"MLP hidden size={hidden}" if hidden % tp else ""]
     if sequence_parallel and seq_len is not None and seq_len % tp:
         bad.append(f"seq_len={seq_len} (sequence parallelism)")
@@ -46,7 +48,8 @@ def check_model_tp(model_cfg, tp: int, *, seq_len: int | None = None, sequence_p
         raise ValueError(f"model_type {model_cfg.model_type!r} has no tensor-parallel plan (tp_plan); use --tp 1 "
                          "(data or pipeline parallelism split it instead)")
     check_tp_layout(tp, n_head=model_cfg.n_head, n_embd=model_cfg.n_embd, hidden=model_cfg.hidden,
-                    vocab_size=model_cfg.vocab_size, seq_len=seq_len, sequence_parallel=sequence_parallel)
+                    vocab_size=model_cfg.vocab_size, seq_len=seq_len, sequence_parallel=sequence_parallel,
+                    n_kv_head=getattr(model_cfg, "n_kv_head", None))
 
 
 def _local_param(global_shape, spec: ShardSpec, comm, init="normal", std=0.02, dtype="float32", cls=Parameter,

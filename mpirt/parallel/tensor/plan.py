@@ -22,7 +22,9 @@ KINDS = {
     "row": "Linear -> RowParallelLinear (weight (tp, None), bias replicated)",
     "vocab": "Embedding -> VocabParallelEmbedding (rows split, vocabulary padded to a multiple of tp)",
     "positions": "Embedding of sequence positions: replicated; sliced to the sequence chunk under SP",
-    "heads": "a module attribute n_head divided by tp",
+    "qkv": "the fused q|k|v Linear of the attention module that owns it -> ColumnParallelLinear whose column "
+           "blocks (n_head, n_kv_head, n_kv_head heads) are each split over tp: every rank holds whole heads",
+    "heads": "module attributes n_head (and n_kv_head, where there is one) divided by tp",
     "sharded_dropout": "a Dropout acting on tp-split data (dimension 1): its part of the tp=1 mask",
     "vocab_head": "a model attribute (callable (x, table) -> logits) -> VocabParallelHead",
     "vocab_loss": "a model attribute (callable (logits, targets) -> loss) -> VocabParallelLoss",
@@ -42,6 +44,13 @@ def _owner(model: Module, name: str):
     for part in path:
         parent = parent._modules[part]
     return parent, last
+
+
+def _qkv_specs(attention) -> dict:
+    """The ShardSpecs of a fused q|k|v projection owned by ``attention`` (its ``n_head`` and, for
+    grouped-query attention, ``n_kv_head``): three column blocks in proportion to the heads."""
+    heads = (attention.n_head, *(2 * [getattr(attention, "n_kv_head", attention.n_head)]))
+    return {"weight": ShardSpec((None, AXIS), blocks=(1, heads)), "bias": ShardSpec((AXIS,), blocks=(heads,))}
 
 
 def _new_module(kind, old, spec: dict, comm, sp, regather):
@@ -96,7 +105,7 @@ def parallelize(model: Module, comm, sequence_parallel: bool = False, seed: int 
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "n_head"):
         check_tp_layout(t, n_head=cfg.n_head, n_embd=cfg.n_embd, hidden=cfg.hidden, vocab_size=cfg.vocab_size,
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel, n_kv_head=getattr(cfg, "n_kv_head", None))
     for name, p in model.named_parameters():  # names and full values, before anything changes
         p.name = name
     modules = dict(model.named_modules())
@@ -104,13 +113,17 @@ def parallelize(model: Module, comm, sequence_parallel: bool = False, seed: int 
     for name, module in modules.items():
         entry = next((e for e in plan if e[1] not in ("vocab_head", "vocab_loss") and _matches(e[0], name)), None)
         if entry is not None:
-            changes.append((name, module, entry[1], entry[2] if len(entry) > 2 else {}))
+            kind, specs = entry[1], entry[2] if len(entry) > 2 else {}
+            if kind == "qkv":
+                kind, specs = "column", _qkv_specs(modules[name.rpartition(".")[0]])
+            changes.append((name, module, kind, specs))
     # validate everything (with the numbers) before changing anything
     for name, module, kind, specs in changes:
         if kind not in KINDS:
             raise ValueError(f"tp plan: {name}: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
-        if kind == "heads" and module.n_head % t:
-            raise ValueError(f"tensor parallelism: tp={t} must divide {name}.n_head={module.n_head}")
+        for heads in ("n_head", "n_kv_head"):
+            if kind == "heads" and getattr(module, heads, 0) % t:
+                raise ValueError(f"tensor parallelism: tp={t} must divide {name}.{heads}={getattr(module, heads)}")
         for pname, spec in specs.items():
             p = module._parameters.get(pname)
             if p is not None:
@@ -136,6 +149,8 @@ def parallelize(model: Module, comm, sequence_parallel: bool = False, seed: int 
             setattr(parent, attr, new)
         elif kind == "heads":
             module.n_head //= t
+            if hasattr(module, "n_kv_head"):
+                module.n_kv_head //= t
         elif kind == "sharded_dropout":
             module.tp_split = True
     for pattern, kind, *_ in plan:
