@@ -87,7 +87,9 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     (:func:`mpirt.precision.float32_compute`), the MLP activation's: the incoming gradient and the
     ``mlp_saved`` hidden arrays its op saved widened to float32, a float32 gradient per saved
     array and its rounding.
-    Returns ``{"block", "core", "input", "embed", "head", "weight_pass", "embed_weight_pass",
+    ``rerun``: what a selective rerun of the core makes again while its backward runs: the core
+    plus its output, ``e u / t``.
+    Returns ``{"block", "core", "rerun", "input", "embed", "head", "weight_pass", "embed_weight_pass",
     "head_weight_pass", "widened"}`` in bytes.
     """
     b, s, h, t, a, f = batch, seq_len, cfg.n_embd, tp, cfg.n_head, cfg.hidden
@@ -107,7 +109,8 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     head = e * 2 * u / p + stat * (b * s / p + b * s * v / t + b * s) + 9 * b * s
     widened = b * s * f / t * ((1 + mlp_saved) * 4 + mlp_saved * (4 + e))
     weight_pass = e * (6 * u / p + (qkv_out + (1 + mlp_saved) * b * s * f) / t + 2 * u)
-    return {"block": int(block + core), "core": int(core), "input": int(e * u / p), "embed": int(embed),
+    return {"block": int(block + core), "core": int(core), "rerun": int(core + e * u / t), "input": int(e * u / p),
+            "embed": int(embed),
             "head": int(head), "weight_pass": int(weight_pass), "embed_weight_pass": int(e * u / p + 8 * b * s),
             "head_weight_pass": int(e * (3 * u / p + b * s * v / t)), "widened": int(widened)}
 

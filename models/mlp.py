@@ -75,7 +75,7 @@ class MLP(TiedLM):
         # until the weight passes: the norm's normalised input and gradient, both projections'
         # inputs and output gradients
         weight_pass = e * (4 * u + 2 * batch * seq_len * cfg.hidden)
-        return {**out, "block": block, "core": 0, "weight_pass": weight_pass}
+        return {**out, "block": block, "core": 0, "rerun": 0, "weight_pass": weight_pass}
 
     @classmethod
     def layer_costs_of(cls, cfg: GPTConfig, seq_len: int) -> list:

@@ -112,9 +112,11 @@ class TrainConfig:
     chunks: int = _opt(2, "virtual pipeline stages per rank for the interleaved schedule")
     schedule: str = _opt("1f1b", "pipeline schedule: " + "|".join(SCHEDULES))
     recompute: str = _opt("none", "activation recomputation: " + "|".join(RECOMPUTE) + " (full: each block's "
-                                  "forward again in backward; selective: only its attention core)")
+                                  "forward again in backward; selective: only its attention core), on the "
+                                  "pipeline stages where it lowers the predicted peak")
     recompute_layers: str = _opt("", "blocks that recompute: global indices and ranges ('0-3,8'; a pipeline "
-                                     "stage takes those it holds); empty = every block")
+                                     "stage takes those it holds), whether or not it lowers the peak; empty = "
+                                     "every block of the stages where it does")
     memory_budget: str = _opt("", "per-rank memory budget ('1.5GiB', '800MB'): refuse a layout predicted not "
                                   "to fit, stop (exit 5) when a rank's measured peak exceeds it; empty = none")
     model_overrides: dict = field(default_factory=dict, metadata={

@@ -214,6 +214,20 @@ def _fma_program() -> tuple[Path, str, int] | tuple[None, str, None]:
     return target, key, width
 
 
+def _cached_rates(entry) -> dict[int, float]:
+    """{cpu: FLOP/s} of a cache entry; what is not a CPU number and a positive rate is dropped
+    (a damaged or hand-edited file: those CPUs are measured again)."""
+    known = {}
+    for cpu, rate in (entry.items() if isinstance(entry, dict) else ()):
+        try:
+            cpu, rate = int(cpu), float(rate)
+        except (TypeError, ValueError):
+            continue
+        if rate > 0 and math.isfinite(rate):
+            known[cpu] = rate
+    return known
+
+
 def fma_rates(cpus, bits: int) -> tuple[dict[int, float], str]:
     """({cpu: FLOP/s}, how) of the FMA loop on each of ``cpus``, one CPU at a time, in ``bits``-bit
     lanes (32: float32, 64: float64); ({}, why not) when it cannot run. Measured once per machine
@@ -224,7 +238,7 @@ def fma_rates(cpus, bits: int) -> tuple[dict[int, float], str]:
     if program is None:
         return {}, key
     path, entry = cache_dir() / "fma_peak.json", f"{key}/{bits}"
-    known = {int(c): float(r) for c, r in read_cache(path).get(entry, {}).items()}
+    known = _cached_rates(read_cache(path).get(entry))
     missing = [c for c in cpus if c not in known]
     if missing:
         try:

@@ -1,6 +1,7 @@
 """Per-rank memory: sizes, what a graph keeps alive, and the peak predicted from the config."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -133,6 +134,22 @@ def _kept(acts: dict, mode: str, recomputed: bool) -> int:
     return acts["block"] - acts["core"] if mode == "selective" else acts["input"]
 
 
+def recompute_pays(cfg, model_cfg, layout: dict, rank: int) -> bool:
+    """Whether ``cfg.recompute`` lowers the predicted peak of the training step (the activations
+    kept plus the backward's transient, the rerun's included) on world rank ``rank``'s pipeline
+    stage; the same answer on every rank of a stage. A stage whose micro-batches go from F to B
+    one at a time (a zero-bubble schedule's last stage) or whose blocks keep little beyond what a
+    rerun makes again (selective without attention dropout: the core keeps only its
+    log-sum-exp) would only add the rerun's transient: the engine recomputes only where this says
+    it pays. Blocks named in ``recompute_layers`` always recompute (the user's choice), and
+    ZeRO-3 always reruns its units."""
+    if cfg.recompute == "none" or cfg.zero == 3 or cfg.recompute_layers:
+        return cfg.zero == 3 or cfg.recompute != "none"
+    first = rank_position(layout, rank)["pp"] * layout["tp"]  # the stage's rank at dp 0, tp 0
+    without = dataclasses.replace(cfg, recompute="none")
+    return _predict(cfg, model_cfg, layout, first)[1] < _predict(without, model_cfg, layout, first)[1]
+
+
 def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
             rank0_on_top: bool = False, checkpoint_gather: bool = False) -> dict:
     """Predicted peak bytes of world rank ``rank`` by category (:data:`CATEGORIES`) plus ``"peak"``,
@@ -161,6 +178,16 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     gathered state); ``checkpoint_gather=True`` models the older whole-state checkpoints instead (the
     full state gathered on every rank without pp, on pp rank 0 with it).
     """
+    if cfg.recompute != "none" and cfg.zero < 3 and not recompute_pays(cfg, model_cfg, layout, rank):
+        cfg = dataclasses.replace(cfg, recompute="none")  # what the engine runs on this stage
+    return _predict(cfg, model_cfg, layout, rank, data_bytes, process_bytes=process_bytes,
+                    rank0_on_top=rank0_on_top, checkpoint_gather=checkpoint_gather)[0]
+
+
+def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
+             rank0_on_top: bool = False, checkpoint_gather: bool = False) -> dict:
+    """:func:`predict`'s categories with ``cfg.recompute`` applied as it is, and the step's
+    activation peak (kept activations plus the backward's transient)."""
     from mpirt import recompute
     from mpirt.precision import bytes_per_parameter, compute_dtype
     from mpirt.modeling import activation_bytes, layer_costs, num_parameters
@@ -214,11 +241,12 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
         comm += 2 * unit * e
     elif cfg.zero == 2 and pp > 1:
         grads += n_local * e  # the full gradient while backward runs, beside the shard
-    elif cfg.zero == 2:  # buckets reduced during backward: the staging buffer and the gradients being
-        # filled, each parameter's made beside its copy (a weight matrix: a third of a block)
+    elif cfg.zero == 2:  # buckets reduced during backward: the staging buffer and the reduction's own
+        # buffer, and the gradients being filled: a bucket that spans two parameters holds the first
+        # until the second is final (two weight matrices, each a third of a block)
         from mpirt.parallel.zero import BUCKET_BYTES
         bucket = min(BUCKET_BYTES, n_local * e)
-        grads += bucket + 2 * min(max(bucket, max(c.params for c in costs[1:-1]) / 3 / tp * e), n_local * e)
+        grads += 2 * bucket + 2 * min(max(c.params for c in costs[1:-1]) / 3 / tp * e, n_local * e)
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
         comm += 2 * rows * (cfg.seq_len // (tp if sp else 1)) * model_cfg.n_embd * e
     vocab = -(-model_cfg.vocab_size // tp) * tp
@@ -227,7 +255,7 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
         # the loss's float32 gradient beside its rounding, or the MLP activation's backward
         backward = max(rows * cfg.seq_len * vocab / tp * (state_e + e), acts["widened"])
     if any(i in picked for i in held) and mode != "none":  # one rerun, alive while its backward runs
-        backward += acts["block"] if mode == "full" else acts["core"]
+        backward += acts["block"] if mode == "full" else acts["rerun"]
     gathers_state = pp == 1 or pos["pp"] == 0
     checkpoint = 3 * n_full * state_e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * tp * state_e
     if not checkpoint_gather:  # format 3: boxes stream from the arrays, one at a time copied when not
@@ -241,7 +269,7 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
            "activations": activations, "communication": comm, "workspace": workspace}
     out = {k: int(v) for k, v in out.items()}
     out["peak"] = sum(out.values())
-    return out
+    return out, activations + backward
 
 
 def describe_rank(layout: dict, rank: int) -> str:

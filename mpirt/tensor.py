@@ -91,10 +91,16 @@ class Function:
     add the gradient into that array in place and return :data:`GRAD_ADDED` instead of it (the
     engine then only counts the edge: hooks fire as usual). The engine hands out no buffers when
     gradients are collected elsewhere (``leaf_grads``) or a leaf has no ``grad`` yet.
+
+    With ``owns_weight_grads`` set, the weight gradients its passes return are new arrays nothing
+    else refers to (a GEMM's output): a leaf without a ``grad`` takes one as it is, where any
+    other gradient is copied first (it may alias a saved array or another gradient), so a
+    parameter's gradient is never held twice (ZeRO-2 makes each ``p.grad`` this way).
     """
 
     weight_inputs: tuple[int, ...] = ()
     adds_weight_grads: bool = False
+    owns_weight_grads: bool = False
     grad_into: dict = {}  # read-only default; the engine sets a dict per Function instance
 
     @classmethod
@@ -336,10 +342,12 @@ class _Backward:
         """Deliver ``grads`` to the leaf inputs of ``fn`` whose positions are not in ``skip``."""
         for i, (x, gx) in enumerate(zip(fn.inputs, grads)):
             if i not in skip and isinstance(x, Tensor) and x._ctx is None and fn.needs_input_grad[i]:
-                self._deliver(x, gx)
+                self._deliver(x, gx, owned=fn.owns_weight_grads and i in fn.weight_inputs)
 
-    def _deliver(self, leaf: Tensor, g) -> None:
-        """Accumulate ``g`` into ``leaf.grad`` in place; fire hooks once all edges delivered."""
+    def _deliver(self, leaf: Tensor, g, owned: bool = False) -> None:
+        """Accumulate ``g`` into ``leaf.grad`` in place (``owned``: ``g`` is a new array no one
+        else refers to, kept as the first gradient without a copy); fire hooks once all edges
+        delivered."""
         if self.leaf_grads is not None:
             if g is not None:
                 g = g.dense() if isinstance(g, SparseGrad) else g
@@ -347,9 +355,9 @@ class _Backward:
                 self.leaf_grads[key] = g if key not in self.leaf_grads else self.leaf_grads[key] + g
             return
         if g is not None and g is not GRAD_ADDED:  # GRAD_ADDED: the Function added it already
-            if leaf.grad is None:  # a copy: g may alias a saved array or another gradient
+            if leaf.grad is None:  # a copy (unless owned): g may alias a saved array or another gradient
                 leaf.grad = g.dense().astype(leaf.dtype, copy=False) if isinstance(g, SparseGrad) \
-                    else B.xp.array(g, dtype=leaf.dtype, copy=True)
+                    else g.astype(leaf.dtype, copy=False) if owned else B.xp.array(g, dtype=leaf.dtype, copy=True)
             elif isinstance(g, SparseGrad):
                 g.add_to(leaf.grad)
             else:

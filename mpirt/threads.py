@@ -411,13 +411,21 @@ def _pooled_gemm(a2, b, out, bias, accumulate: bool) -> bool:
     return True
 
 
+def gemms_side_by_side() -> bool:
+    """Whether :func:`run_gemms` can run products side by side here (NumPy, two threads or more,
+    the native pool and its GEMM library; not inside a pool worker): ask before allocating their
+    outputs."""
+    from mpirt import kernels
+    return (B.name == "numpy" and num_threads() >= 2 and _split_gemms and not getattr(_in_worker, "active", False)
+            and kernels.library() is not None)
+
+
 def run_gemms(*products) -> bool:
     """Run 2-D products ``(a, b, out, accumulate)`` side by side, each whole on one thread of the
     native pool (as :func:`run_tasks` runs small ones); False, with nothing done, where the pool,
     the library's cblas or the layouts cannot take them all."""
     from mpirt import kernels
-    if (B.name != "numpy" or num_threads() < 2 or not _split_gemms or getattr(_in_worker, "active", False)
-            or kernels.library() is None):
+    if not gemms_side_by_side():
         return False
     calls = [blas.gemm_call(a, b, out, accumulate) for a, b, out, accumulate in products]  # no bias
     if None in calls:

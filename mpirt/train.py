@@ -35,7 +35,8 @@ from mpirt.config import ConfigError, parse_args, parse_duration
 from mpirt.data import MetaError, TokenDataset, TokenIdError, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.distributed import init_distributed, input_fingerprint
 from mpirt.grid import Grid, check_layout, resolve_dp
-from mpirt.memory import check_budget, decode_over_budget, format_size, over_budget_flag, parse_size, predict
+from mpirt.memory import (check_budget, decode_over_budget, format_size, over_budget_flag, parse_size, predict,
+                          rank_position, recompute_pays)
 from mpirt.recompute import parse_layers
 from mpirt.monitor import Metrics, Progress, RunMonitor, format_seconds, monitor_lines
 from mpirt.stepstats import owned_bytes
@@ -321,6 +322,7 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
         f"batch {cfg.batch_size} x {cfg.seq_len}",
         f"mpirt: memory: recompute {cfg.recompute}" + (f" (blocks {cfg.recompute_layers})" if cfg.recompute_layers
                                                          and cfg.recompute != "none" else "")
+        + _recompute_skipped(cfg, model_cfg, layout, ctx.size)
         + f", predicted peak {format_size(max(predict(cfg, model_cfg, layout, r, rank0_on_top=True)['peak'] for r in range(ctx.size)))}"
         + f" (largest rank), budget {cfg.memory_budget or 'none'}",
         f"mpirt: out {out} ({where}; steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
@@ -328,6 +330,20 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
         + (f"; time limit {cfg.time_limit}" if cfg.time_limit else "") + ")",
     ]
     return "\n".join(lines)
+
+
+def _recompute_skipped(cfg, model_cfg, layout: dict, world_size: int) -> str:
+    """The banner's note on the pipeline stages where recomputation would not lower the peak and
+    so does not run (:func:`mpirt.memory.recompute_pays`)."""
+    if cfg.recompute == "none" or cfg.zero == 3:
+        return ""
+    stages = sorted({rank_position(layout, r)["pp"] for r in range(world_size)
+                     if not recompute_pays(cfg, model_cfg, layout, r)})
+    if not stages:
+        return ""
+    if len(stages) == layout["pp"]:
+        return " (skipped: it would not lower the peak)"
+    return f" (not on pp stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}: it would not lower the peak there)"
 
 
 def main(argv=None) -> dict:

@@ -130,22 +130,24 @@ def test_half_precision_peak_is_predicted_within_5_percent(tiny_data, tmp_path, 
 
 def test_zero2_peaks_below_zero1_by_most_of_the_gradient(tiny_data, tmp_path):
     """ZeRO-2 reduces the gradients bucket by bucket during backward and never holds them whole:
-    at dp 4 (a 29M-parameter GPT, float32) its measured peak is below ZeRO-1's by at least half
-    of the (1 - 1/dp) x gradient bytes it no longer keeps (measured here: 57%), on every rank,
-    and within 10% of the prediction."""
+    at dp 4 (a 58M-parameter GPT, 8 layers, float32) its measured peak is below ZeRO-1's by at
+    least 70% of the (1 - 1/dp) x gradient bytes it no longer keeps (measured: 81-86%), on every
+    rank, and within 5% of the prediction. What it keeps instead is fixed: two weight gradients in
+    flight, the staging bucket and the reduction's buffer (~27 MiB here; at 4 layers the share
+    saved is 66-80%)."""
     peaks = {}
     for zero in (1, 2):
         out = tmp_path / f"zero{zero}"
-        run_module("mpirt.train", "--model=gpt2", "--model.n_layer=4", "--seq-len=64", "--batch-size=4", "--steps=2",
+        run_module("mpirt.train", "--model=gpt2", "--model.n_layer=8", "--seq-len=64", "--batch-size=4", "--steps=2",
                    "--eval-batches=1", "--eval-interval=0", "--progress=false", "--dp=4", f"--zero={zero}",
                    f"--data={tiny_data}", f"--out-dir={out}", ranks=4, timeout=600)
         s = json.loads((out / "summary.json").read_text())
         peaks[zero] = s["peak_memory_bytes_per_rank"]
         grad_bytes = 4 * s["num_parameters"]
         if zero == 2:
-            assert all(m == pytest.approx(p, rel=0.1) for m, p in zip(peaks[2], s["predicted_peak_bytes_per_rank"]))
+            assert all(m == pytest.approx(p, rel=0.05) for m, p in zip(peaks[2], s["predicted_peak_bytes_per_rank"]))
     saved = [one - two for one, two in zip(peaks[1], peaks[2])]
-    assert min(saved) >= 0.5 * (1 - 1 / 4) * grad_bytes, (saved, grad_bytes)
+    assert min(saved) >= 0.7 * (1 - 1 / 4) * grad_bytes, (saved, grad_bytes)
 
 
 def test_the_measured_peak_is_the_same_on_a_loaded_machine(tiny_data, tmp_path):

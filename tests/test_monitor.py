@@ -304,6 +304,25 @@ def test_the_fma_ceiling_is_the_same_under_load_and_no_gemm_beats_it(tmp_path, m
     assert one_thread < max(quiet.values()), (one_thread, quiet)
 
 
+def test_a_damaged_fma_cache_entry_is_measured_again(tmp_path, monkeypatch):
+    """A cache entry that is not {cpu: rate} (a damaged or hand-edited file), or holds a rate that
+    is not a positive number, does not drop the ceiling: those CPUs are measured again."""
+    from mpirt import flops
+
+    cpus = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("MPIRT_CACHE", str(tmp_path))
+    good, _ = flops.fma_rates(cpus, 32)
+    path = tmp_path / "fma_peak.json"
+    entries = json.loads(path.read_text())
+    key = next(iter(entries))
+    for damaged in ("garbage", [1, 2], {str(c): "nan" for c in cpus}, {str(c): -1 for c in cpus}):
+        path.write_text(json.dumps({key: damaged}))
+        again, how = flops.fma_rates(cpus, 32)
+        assert set(again) == set(cpus) and "FMA loop" in how, (damaged, how)
+        assert all(abs(again[c] / good[c] - 1) < 0.25 for c in cpus), (damaged, good, again)
+        assert json.loads(path.read_text())[key].keys() == {str(c) for c in cpus}
+
+
 class _Ranks:
     """:func:`mpirt.flops.cpu_ceiling`'s two exchanges as seen from ``rank`` of ranks whose (host,
     CPUs) are ``places``: the places, then the measurements, where another rank measured

@@ -7,7 +7,8 @@ from __future__ import annotations
 import mpirt.backend as B
 from mpirt.ops.basic import unbroadcast
 from mpirt.tensor import GRAD_ADDED, Function
-from mpirt.threads import MAX_TASK_MACS, can_accumulate, matmul as _mm, run_gemms, run_tasks, sum_rows
+from mpirt.threads import (MAX_TASK_MACS, can_accumulate, gemms_side_by_side, matmul as _mm, run_gemms, run_tasks,
+                           sum_rows)
 
 
 def _macs(g, x) -> int:
@@ -33,7 +34,7 @@ def _side_by_side(fn: Function, g, input_product, weight_product):
     instead, see :func:`~mpirt.threads.run_tasks`). ``(gx, gw)``, or None where the pool cannot
     take them."""
     (a, b), (wa, wb) = input_product, weight_product
-    if _macs(g, fn.x) >= MAX_TASK_MACS:
+    if _macs(g, fn.x) >= MAX_TASK_MACS or not gemms_side_by_side():  # (before allocating their outputs)
         return None
     gx = B.xp.empty((a.shape[0], b.shape[1]), dtype=B.xp.result_type(a, b))
     into = fn.grad_into.get(1)
@@ -90,6 +91,7 @@ class Linear(Function):
 
     weight_inputs = (1, 2)
     adds_weight_grads = True
+    owns_weight_grads = True  # fresh GEMM outputs and row sums
 
     def backward(self, g):
         """Both passes at once; small products side by side on two threads (:func:`~mpirt.threads.run_tasks`)."""
@@ -129,6 +131,7 @@ class TransposedLinear(Function):
 
     weight_inputs = (1,)
     adds_weight_grads = True
+    owns_weight_grads = True
 
     def forward(self, x, weight):
         if weight.ndim != 2:

@@ -24,7 +24,7 @@ import contextlib
 import time
 
 import mpirt.backend as B
-from mpirt import recompute
+from mpirt import memory, recompute
 from mpirt.data import split_microbatches
 from mpirt.modeling import attention_core, build_model
 from mpirt.nn import dropout_modules, place_dropouts
@@ -98,7 +98,10 @@ class Engine:
             for part in filter(None, roots):
                 TP.reseed_dropouts(part, dropout_seed, grid.coords["tp"], tp, cfg.sequence_parallel)
         self._dropouts = list(dropout_modules(*roots).values())
-        if cfg.zero < 3:  # ZeRO-3 already reruns every unit in backward (its units keep only their inputs)
+        # ZeRO-3 already reruns every unit in backward (its units keep only their inputs); elsewhere
+        # recompute only where it lowers this stage's predicted peak (memory.recompute_pays)
+        sizes = {k: grid.sizes[k] for k in ("dp", "pp", "tp")}
+        if cfg.zero < 3 and (local is not None or memory.recompute_pays(cfg, model_cfg, sizes, grid.rank)):
             recompute.apply(blocks, cfg.recompute, cfg.recompute_layers, attention_core(model_cfg))
         counted = count_once(grid.coords["tp"] if tp > 1 else 0, tied_copy)
         norm_comms = (self.tp_comm, self.pp_comm)  # ranks along them hold different parameters
@@ -109,7 +112,7 @@ class Engine:
                                            probe_len=tp if sp else 1, init=init, **hyper)
         else:
             params = self.stage.parameters() if self.stage else self.model.parameters()
-            self.store = FlatParams(params, counted, init=init)
+            self.store = FlatParams(params, counted, init=init, grads=cfg.zero != 2)  # ZeRO-2: a shard only
             if cfg.zero:  # ZeRO-2 reduces buckets during backward, except under a pipeline (tied copies first)
                 self.optimizer = ZeroOptimizer(self.store, self.dp_comm, stage=cfg.zero, norm_comms=norm_comms,
                                                stream_grads=self.stage is None, **hyper)

@@ -99,9 +99,11 @@ class FlatParams(FlatLayout):
     (:func:`count_once`; default every parameter). Every ``p.data`` becomes a view into
     :attr:`data` (values kept) and every ``p.grad`` a view into :attr:`grad` (zeroed). A lazy
     parameter (no array yet) is materialised in its view by ``init(p, out=view)`` (e.g.
-    :meth:`mpirt.nn.Parameter.init_slice`), so its values are never held twice."""
+    :meth:`mpirt.nn.Parameter.init_slice`), so its values are never held twice. ``grads=False``
+    leaves the gradient vector unallocated until :meth:`alloc_grads` (ZeRO-2 keeps only its shard:
+    a full vector made and dropped at start-up would set the run's peak)."""
 
-    def __init__(self, params, counted=None, init=None):
+    def __init__(self, params, counted=None, init=None, grads: bool = True):
         params = [p for p in params if p.requires_grad]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("FlatParams: a parameter appears twice")
@@ -126,7 +128,8 @@ class FlatParams(FlatLayout):
                 moved = 0
         release_freed_memory()
         self.grad = None
-        self.alloc_grads()
+        if grads:
+            self.alloc_grads()
 
     def alloc_grads(self) -> None:
         """A zeroed gradient vector behind every ``p.grad`` (after :meth:`release_grads`: a new one)."""

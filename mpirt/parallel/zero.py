@@ -14,12 +14,13 @@ the shard that belong to decayed parameters, exactly as AdamW applies it per par
   the parameters. Per rank: params 4N + grads 4N + state 8N/dp bytes (fp32).
 * Stage 2: as stage 1, but the gradient is reduce-scattered, so only the owned chunk is kept.
   With ``stream_grads`` (no pipeline: one backward per micro-batch) the full gradient never
-  exists: backward fills each parameter's own ``p.grad``, and as soon as a bucket of them (a
-  contiguous range of the parameter store, ~``bucket_bytes``, cut in the order backward finishes
-  them) is final it is packed into one staging buffer, reduced straight into the owners' chunks
-  (an uneven reduce-scatter: each rank gets the part of the range it owns, maybe none) and added
-  to the gradient shard, and those ``p.grad`` are freed. Peak gradient memory: the buckets being
-  filled, the staging buffer and the shard. Without it (under a pipeline, whose tied embedding
+  exists: backward fills each parameter's own ``p.grad``, and as soon as a bucket (a range of
+  at most ``bucket_bytes`` of the parameter store, cut in the order backward finishes the
+  gradients, across parameter boundaries) has all its gradients final it is packed into one
+  staging buffer, reduced straight into the owners' chunks (an uneven reduce-scatter: each rank
+  gets the part of the range it owns, maybe none) and added to the gradient shard; a ``p.grad``
+  is freed with its last bucket. Peak gradient memory: the gradients being filled (at most one
+  parameter's beyond those of the bucket in flight), the staging buffer and the shard. Without it (under a pipeline, whose tied embedding
   is summed over the stages first) the full gradient lives between :meth:`zero_grad` and
   :meth:`step`. Persistent: 4N + (4 + 8)N/dp.
 * Stage 3: the parameters themselves are sharded. Groups follow the model's *units*: for a model
@@ -169,7 +170,7 @@ class ZeroOptimizer:
         else:
             g = self.groups[0]
             lazy = any(not p.materialized for p in self.params)
-            self.store = store or FlatParams(self.params, counted, init=init)
+            self.store = store or FlatParams(self.params, counted, init=init, grads=stage == 1)
             if not lazy:  # seeded values are the same on every rank already
                 broadcast_parameters(self.store, comm)
             self.flat_param = self.store.data
@@ -442,65 +443,84 @@ class ZeroOptimizer:
 
 
 class _GradStream:
-    """ZeRO-2's gradient reduction while backward runs (see the module docstring): buckets of the
-    parameter store, reduced in index order (every rank issues the same collectives in the same
-    order) as their parameters' gradient hooks report them final; a bucket that fills before its
-    predecessors waits for them, and :meth:`finish` reduces whatever is left (unused parameters
-    never fire their hook: their bucket, and those after it, wait until then, also through the
-    next micro-batches). Under gradient accumulation every micro-batch's backward reduces its
-    buckets and the shard sums them."""
+    """ZeRO-2's gradient reduction while backward runs (see the module docstring): buckets are
+    ranges of at most ``bucket_bytes`` of the parameter store, cut from its end (the order backward
+    finishes the gradients) at element granularity, so a large parameter spans several buckets
+    and no bucket is larger than the staging buffer. They are reduced in index order (every rank
+    issues the same collectives in the same order) once every parameter they touch reported its
+    gradient final; a parameter's ``p.grad`` is freed with its last bucket (the parts taken
+    before are zeroed). A bucket whose
+    parameters finish before its predecessors' waits for them, and :meth:`finish` reduces
+    whatever is left (unused parameters never fire their hook: their bucket, and those after it,
+    wait until then, also through the next micro-batches). Under gradient accumulation every
+    micro-batch's backward reduces its buckets and the shard sums them."""
 
     def __init__(self, opt: ZeroOptimizer, bucket_bytes: int):
         self.opt, store = opt, opt.store
         lo_mine = opt.groups[0].lo
         owners = chunk_bounds(store.numel, opt.size)
-        offsets = {id(p): ab for p, ab in zip(store.params, store.offsets)}
-        # (lo, hi, [(param, start, stop)], elements per rank, where this rank's part goes in the shard)
-        self.buckets = [(lo, hi, [(p, *offsets[id(p)]) for p in params],
+        step = max(1, bucket_bytes // store.dtype.itemsize)
+        bounds = [(max(0, hi - step), hi) for hi in range(store.numel, 0, -step)]
+        # (lo, hi, [(param, start, stop, pos)], elements per rank, where this rank's part goes in the shard)
+        self.buckets = [(lo, hi, store.segments(lo, hi),
                          [max(0, min(hi, r_hi) - max(lo, r_lo)) for r_lo, r_hi in owners], max(lo, lo_mine) - lo_mine)
-                        for lo, hi, params in store.buckets(bucket_bytes, store.dtype.itemsize)]
-        self._index = {id(p): k for k, bucket in enumerate(self.buckets) for p, _, _ in bucket[2]}
-        self.staging = B.xp.empty(max(hi - lo for lo, hi, *_ in self.buckets), dtype=store.dtype)
+                        for lo, hi in bounds]
+        self._buckets_of: dict = {}
+        for k, bucket in enumerate(self.buckets):
+            for p, *_ in bucket[2]:
+                self._buckets_of.setdefault(id(p), []).append(k)
+        self._last = {key: ks[-1] for key, ks in self._buckets_of.items()}  # frees the parameter's gradient
+        self.staging = B.xp.empty(min(step, store.numel), dtype=store.dtype)
         for p in store.params:
             p.register_hook(self._ready)
         self.reset()
 
     def reset(self) -> None:
-        self.final = [set() for _ in self.buckets]
+        self.final = [set() for _ in self.buckets]  # parameters final since the bucket's last reduction
         self.next, self.pending = 0, False  # the bucket to reduce next; whether a pass is under way
 
     def _ready(self, p) -> None:
-        self.final[self._index[id(p)]].add(id(p))
+        for k in self._buckets_of[id(p)]:
+            self.final[k].add(id(p))
         self.pending = True
         while self.pending and len(self.final[self.next]) == len(self.buckets[self.next][2]):
             self._reduce(self.next)
 
     def _reduce(self, k: int) -> None:
         self._reduce_bucket(k)
-        self.final[k].clear()
         self.next = (k + 1) % len(self.buckets)
         self.pending = self.next != 0  # after the last bucket the next micro-batch starts over
 
     def _reduce_bucket(self, k: int) -> None:
+        """Pack bucket ``k``, reduce-scatter it into the shard. What it took of a gradient is gone
+        from ``p.grad`` afterwards (freed with the last bucket, zeroed before: a later micro-batch
+        adds only its own part)."""
         lo, hi, members, counts, at = self.buckets[k]
         opt = self.opt
-        for p, a, b in members:  # packed, and each p.grad freed
-            part = self.staging[a - lo:b - lo]
+        for p, a, b, pos in members:
+            part = self.staging[pos:pos + b - a]
             if p.grad is None:
                 part.fill(0)
-            else:
-                part[...] = p.grad.reshape(-1)
+                continue
+            if not p.grad.flags.c_contiguous:  # (once: its flat ranges must be views)
+                p.grad = B.xp.ascontiguousarray(p.grad)
+            flat = p.grad.reshape(-1)
+            part[...] = flat[a:b]
+            if self._last[id(p)] == k:
                 p.grad = None
+            else:
+                flat[a:b] = 0
+        self.final[k].clear()
         B.synchronize()
         mine = opt.comm.reduce_scatter(self.staging[:hi - lo], op="avg", counts=counts)
         if counts[opt.rank]:
             opt.grad_shard[at:at + counts[opt.rank]] += mine
 
     def finish(self) -> None:
-        """Reduce, in index order, every bucket that still holds a gradient (a waiting bucket of
-        this or an earlier micro-batch: the same ones on every rank, whose graphs are alike);
-        then the next backward starts from bucket 0."""
-        for k, (_, _, members, _, _) in enumerate(self.buckets):
-            if any(p.grad is not None for p, _, _ in members):
+        """Reduce, in index order, every bucket that got a gradient since its last reduction (a
+        waiting bucket of this or an earlier micro-batch: the same ones on every rank, whose
+        graphs are alike); then the next backward starts from bucket 0."""
+        for k, final in enumerate(self.final):
+            if final:
                 self._reduce_bucket(k)
         self.reset()
