@@ -88,9 +88,11 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     ``mlp_saved`` hidden arrays its op saved widened to float32, a float32 gradient per saved
     array and its rounding.
     ``rerun``: what a selective rerun of the core makes again while its backward runs: the core
-    plus its output, ``e u / t``.
+    plus its output, ``e u / t``. ``backward``: the gradients alive at once inside a block's
+    backward, ``e (2u/p + (1 + m) b s f / t)``: the residual's and the current op's output
+    gradient, the MLP activation's incoming and outgoing gradients.
     Returns ``{"block", "core", "rerun", "input", "embed", "head", "weight_pass", "embed_weight_pass",
-    "head_weight_pass", "widened"}`` in bytes.
+    "head_weight_pass", "widened", "backward"}`` in bytes.
     """
     b, s, h, t, a, f = batch, seq_len, cfg.n_embd, tp, cfg.n_head, cfg.hidden
     p = t if sequence_parallel else 1
@@ -112,7 +114,8 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     return {"block": int(block + core), "core": int(core), "rerun": int(core + e * u / t), "input": int(e * u / p),
             "embed": int(embed),
             "head": int(head), "weight_pass": int(weight_pass), "embed_weight_pass": int(e * u / p + 8 * b * s),
-            "head_weight_pass": int(e * (3 * u / p + b * s * v / t)), "widened": int(widened)}
+            "head_weight_pass": int(e * (3 * u / p + b * s * v / t)), "widened": int(widened),
+            "backward": int(e * (2 * u / p + (1 + mlp_saved) * b * s * f / t))}
 
 
 class TiedLM(CausalLM):

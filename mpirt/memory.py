@@ -242,18 +242,26 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     elif cfg.zero == 2 and pp > 1:
         grads += n_local * e  # the full gradient while backward runs, beside the shard
     elif cfg.zero == 2:  # buckets reduced during backward: the staging buffer and the reduction's own
-        # buffer, and the gradients being filled: a bucket that spans two parameters holds the first
-        # until the second is final (two weight matrices, each a third of a block)
+        # (the parts bound for the other ranks), and the gradients being filled: a bucket that spans
+        # two parameters holds the first until the second is final (two weight matrices, each a
+        # third of a block)
         from mpirt.parallel.zero import BUCKET_BYTES
         bucket = min(BUCKET_BYTES, n_local * e)
-        grads += 2 * bucket + 2 * min(max(c.params for c in costs[1:-1]) / 3 / tp * e, n_local * e)
+        grads += bucket * (2 - 1 / dp) + 2 * min(max(c.params for c in costs[1:-1]) / 3 / tp * e, n_local * e)
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
         comm += 2 * rows * (cfg.seq_len // (tp if sp else 1)) * model_cfg.n_embd * e
     vocab = -(-model_cfg.vocab_size // tp) * tp
-    backward = 2 * rows * cfg.seq_len * vocab / tp * e  # the logits' gradient and a temporary
+    has_head = pp == 1 or pos["pp"] == pp - 1
+    logits = 2 * rows * cfg.seq_len * vocab / tp * e  # the logits' gradient and a temporary
+    # the gradients alive inside a block's backward; without a split schedule the stage with the
+    # head reaches its blocks after freeing what the head kept
+    split = pp > 1 and build(cfg.schedule, pp, cfg.microbatches or pp, chunks).split_backward
+    block = max(0, acts["backward"] - (acts["head"] if has_head and not split else 0)) if held else 0
     if state_e > e:  # half: fused ops widen to float32 in backward (mpirt.precision.float32_compute):
         # the loss's float32 gradient beside its rounding, or the MLP activation's backward
-        backward = max(rows * cfg.seq_len * vocab / tp * (state_e + e), acts["widened"])
+        logits = rows * cfg.seq_len * vocab / tp * (state_e + e)
+        block = max(block, acts["widened"] if held else 0)
+    backward = max(logits if has_head else 0, block)
     if any(i in picked for i in held) and mode != "none":  # one rerun, alive while its backward runs
         backward += acts["block"] if mode == "full" else acts["rerun"]
     gathers_state = pp == 1 or pos["pp"] == 0

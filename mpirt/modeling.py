@@ -129,7 +129,8 @@ class CausalLM(Module):
         of one block drops, "rerun": what its rerun makes again while its backward runs,
         "input": what full recomputation keeps of a block, "embed", "head", "weight_pass", "embed_weight_pass", "head_weight_pass": what a block, the embedding and
         the head hold from their input-gradient pass to their deferred weight pass, "widened":
-        the largest float32 transient of a half-precision backward}`` (the memory prediction,
+        the largest float32 transient of a half-precision backward, "backward": the gradients
+        alive at once inside a block's backward}`` (the memory prediction,
         :mod:`mpirt.memory`; :func:`mpirt.models.lm.activation_bytes` has the formulas)."""
         raise NotImplementedError
 

@@ -60,8 +60,13 @@ def test_prediction_sums_its_categories_and_follows_zero():
     assert z[3]["parameters"] == pytest.approx(base["parameters"] / 2, abs=2)
     assert z[3]["activations"] < base["activations"]  # stage 3 reruns every unit
     full = predict(_cfg(recompute="full"), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1)
-    sel = predict(_cfg(recompute="selective"), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1)
-    assert full["activations"] < sel["activations"] < base["activations"]
+    # selective pays with attention dropout (its (B, H, T, T) mask goes); without it the core keeps
+    # only a log-sum-exp, less than the rerun makes again: the run does not recompute
+    dropout = replace(MODEL, attn_pdrop=0.1)
+    sel = predict(_cfg(recompute="selective"), dropout, {"dp": 2, "pp": 1, "tp": 1}, 1)
+    none = predict(_cfg(), dropout, {"dp": 2, "pp": 1, "tp": 1}, 1)
+    assert full["activations"] < sel["activations"] < none["activations"]
+    assert predict(_cfg(recompute="selective"), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1) == base
 
 
 @pytest.mark.parametrize("zero, per_param", [(0, (2, 2, 12)), (1, (2, 2, 6)), (3, (1, 1, 6))])
@@ -103,16 +108,22 @@ def test_layout_that_cannot_fit_is_refused(tiny_data, tmp_path):
 
 @pytest.mark.parametrize("ranks, layout", [
     (1, []), (1, ["--recompute=full"]), (1, ["--recompute=selective", "--model=llama-tiny"]),
-    (2, ["--tp=2", "--sequence-parallel"]), (2, ["--dp=2", "--zero=3"]),
+    (1, ["--model=llama-tiny", "--model.n_kv_head=2", "--dtype=bfloat16"]),
+    (2, ["--tp=2", "--sequence-parallel"]), (2, ["--dp=2", "--zero=3"]), (2, ["--dp=2", "--zero=2"]),
     (2, ["--pp=2", "--microbatches=4", "--schedule=zb-h1"]), (2, ["--pp=2", "--microbatches=4", "--recompute=full"]),
+    (2, ["--pp=2", "--microbatches=4", "--schedule=interleaved"]),
+    (4, ["--pp=4", "--microbatches=8", "--model=llama-tiny"]),
 ], ids=str)
 def test_run_that_fits_is_predicted(tiny_data, tmp_path, ranks, layout):
+    """Every rank's measured peak within 5% of memory.predict's: GPT and Llama (grouped-query
+    attention too), pipeline first, middle and last stages, ZeRO 2 and 3, recompute none,
+    selective and full, float32 and bfloat16 (float16: the test below)."""
     run_module("mpirt.train", *ARGS, f"--data={tiny_data}", f"--out-dir={tmp_path}", "--memory-budget=1GiB",
                *layout, ranks=ranks)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["memory_budget_bytes"] == 2**30 and s["peak_memory_bytes"] <= 2**30
     for measured, predicted in zip(s["peak_memory_bytes_per_rank"], s["predicted_peak_bytes_per_rank"]):
-        assert predicted == pytest.approx(measured, rel=0.2)
+        assert predicted == pytest.approx(measured, rel=0.05), (measured / 2**20, predicted / 2**20)
 
 
 @pytest.mark.parametrize("ranks, layout", [

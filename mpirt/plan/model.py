@@ -155,6 +155,22 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
     picked = set(range(model_cfg.n_layer)) if cfg.zero == 3 else \
         set(recompute.chosen(model_cfg.n_layer, mode, cfg.recompute_layers))
+    # the stages: layer indices into `work` per (pp rank, chunk)
+    if pp == 1:
+        stage_layers = {(0, 0): list(range(len(costs)))}
+    else:
+        bounds = partition(costs, pp * chunks, None, "flops")
+        stage_layers = {}
+        for s, (lo, hi) in enumerate(bounds):
+            idx = [1 + i for i in range(lo, hi)]
+            if s == 0:
+                idx = [0] + idx
+            if s == pp * chunks - 1:
+                idx = idx + [len(costs) - 1]
+            stage_layers[(s % pp, s // pp)] = idx
+    if cfg.zero < 3 and cfg.recompute != "none":  # stages where it would not lower the peak do not recompute
+        skipped = {r for r in range(pp) if not memory.recompute_pays(cfg, model_cfg, layout, r * tp)}
+        picked -= {i - 1 for (r, _), idx in stage_layers.items() if r in skipped for i in idx}
     split = pp > 1 and build(cfg.schedule, pp, m, chunks).split_backward if pp > 1 else False
     work = layer_work(model_cfg, costs, rows=rows, seq_len=cfg.seq_len, tp=tp, sp=sp, itemsize=e,
                       recompute=mode, recomputed=picked, split=split)
@@ -170,19 +186,6 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         return comp, sum(tp_time(w[op]) for w in ws)
 
     n_full = num_parameters(model_cfg)
-    # the stages: layer indices into `work` per (pp rank, chunk)
-    if pp == 1:
-        stage_layers = {(0, 0): list(range(len(costs)))}
-    else:
-        bounds = partition(costs, pp * chunks, None, "flops")
-        stage_layers = {}
-        for s, (lo, hi) in enumerate(bounds):
-            idx = [1 + i for i in range(lo, hi)]
-            if s == 0:
-                idx = [0] + idx
-            if s == pp * chunks - 1:
-                idx = idx + [len(costs) - 1]
-            stage_layers[(s % pp, s // pp)] = idx
     times = {k: {op: pass_time([work[i] for i in v], op) for op in ("F", "B", "W")} for k, v in stage_layers.items()}
     local_params = {r: sum(costs[i].params for (rr, _), v in stage_layers.items() if rr == r for i in v) / tp
                     for r in range(pp)}
