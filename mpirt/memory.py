@@ -159,8 +159,8 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     caller holds in memory (none for ``mpirt.train``: its token files are read window by window,
     never mapped, :class:`mpirt.data.TokenFile`); ``parameters``, ``gradients``,
     ``optimizer_state`` (AdamW's two moments): this rank's share under tp, its pipeline stage's
-    layers (the tied table on both end stages), ZeRO's sharding over dp (stage 2: the full gradient
-    is alive during backward); ``activations``: one micro-batch's kept bytes (the model's
+    layers (the tied table on both end stages), ZeRO's sharding over dp (stage 2: the shard, the
+    buckets being reduced, the gradients in flight and a pipeline's tied embedding gradient); ``activations``: one micro-batch's kept bytes (the model's
     ``activation_bytes_of`` under the recomputation setting; ZeRO-3 keeps only unit inputs) times the
     pipeline schedule's peak in flight; ``communication``: pipeline receive buffers, ZeRO-3's
     gathered unit (parameters and gradient); ``workspace``: the larger transient of the backward's
@@ -239,8 +239,6 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     if cfg.zero == 3:
         unit = max(c.params for c in costs) / tp  # the largest unit (its tp slice), gathered with its gradient
         comm += 2 * unit * e
-    elif cfg.zero == 2 and pp > 1:
-        grads += n_local * e  # the full gradient while backward runs, beside the shard
     elif cfg.zero == 2:  # buckets reduced during backward: the staging buffer and the reduction's own
         # (the parts bound for the other ranks), and the gradients being filled: a bucket that spans
         # two parameters holds the first until the second is final (two weight matrices, each a
@@ -248,6 +246,8 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         from mpirt.parallel.zero import BUCKET_BYTES
         bucket = min(BUCKET_BYTES, n_local * e)
         grads += bucket * (2 - 1 / dp) + 2 * min(max(c.params for c in costs[1:-1]) / 3 / tp * e, n_local * e)
+        if pp > 1 and pos["pp"] in (0, pp - 1):  # the tied embedding's gradient, held for the step
+            grads += costs[0].params / tp * e
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
         comm += 2 * rows * (cfg.seq_len // (tp if sp else 1)) * model_cfg.n_embd * e
     vocab = -(-model_cfg.vocab_size // tp) * tp

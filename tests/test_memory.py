@@ -56,7 +56,8 @@ def test_prediction_sums_its_categories_and_follows_zero():
     from mpirt.parallel.zero import BUCKET_BYTES
     assert base["gradients"] / 2 < z[2]["gradients"] <= base["gradients"] / 2 + 3 * BUCKET_BYTES + 2
     piped = {s: predict(_cfg(zero=s, pp=2), MODEL, {"dp": 2, "pp": 2, "tp": 1}, 1) for s in (0, 2)}
-    assert piped[2]["gradients"] == pytest.approx(1.5 * piped[0]["gradients"], abs=2)  # under pp: whole
+    # under pp too: every micro-batch's buckets as its backward runs, the tied embedding's for the step
+    assert piped[0]["gradients"] / 2 < piped[2]["gradients"] < piped[0]["gradients"] / 2 + 3 * BUCKET_BYTES
     assert z[3]["parameters"] == pytest.approx(base["parameters"] / 2, abs=2)
     assert z[3]["activations"] < base["activations"]  # stage 3 reruns every unit
     full = predict(_cfg(recompute="full"), MODEL, {"dp": 2, "pp": 1, "tp": 1}, 1)
@@ -139,26 +140,32 @@ def test_half_precision_peak_is_predicted_within_5_percent(tiny_data, tmp_path, 
         assert measured == pytest.approx(predicted, rel=0.05), (measured / 2**20, predicted / 2**20)
 
 
-def test_zero2_peaks_below_zero1_by_most_of_the_gradient(tiny_data, tmp_path):
+@pytest.mark.parametrize("layout, dp, pp, share", [
+    (["--dp=4"], 4, 1, 0.7),
+    (["--dp=2", "--pp=2", "--microbatches=2"], 2, 2, 0.3),
+], ids=["dp4", "dp2-pp2"])
+def test_zero2_peaks_below_zero1_by_most_of_the_gradient(tiny_data, tmp_path, layout, dp, pp, share):
     """ZeRO-2 reduces the gradients bucket by bucket during backward and never holds them whole:
     at dp 4 (a 58M-parameter GPT, 8 layers, float32) its measured peak is below ZeRO-1's by at
     least 70% of the (1 - 1/dp) x gradient bytes it no longer keeps (measured: 81-86%), on every
     rank, and within 5% of the prediction. What it keeps instead is fixed: two weight gradients in
     flight, the staging bucket and the reduction's buffer (~27 MiB here; at 4 layers the share
-    saved is 66-80%)."""
+    saved is 66-80%). Under a pipeline every micro-batch's gradients are reduced as its backward
+    runs (the tied embedding's wait for the step): at dp 2 x pp 2, 35-55% of the smaller (1 - 1/2)
+    share is saved (dp 4 x pp 2: 57-61%)."""
     peaks = {}
     for zero in (1, 2):
         out = tmp_path / f"zero{zero}"
         run_module("mpirt.train", "--model=gpt2", "--model.n_layer=8", "--seq-len=64", "--batch-size=4", "--steps=2",
-                   "--eval-batches=1", "--eval-interval=0", "--progress=false", "--dp=4", f"--zero={zero}",
+                   "--eval-batches=1", "--eval-interval=0", "--progress=false", *layout, f"--zero={zero}",
                    f"--data={tiny_data}", f"--out-dir={out}", ranks=4, timeout=600)
         s = json.loads((out / "summary.json").read_text())
         peaks[zero] = s["peak_memory_bytes_per_rank"]
-        grad_bytes = 4 * s["num_parameters"]
+        grad_bytes = 4 * s["num_parameters"] / pp  # a stage's share
         if zero == 2:
             assert all(m == pytest.approx(p, rel=0.05) for m, p in zip(peaks[2], s["predicted_peak_bytes_per_rank"]))
     saved = [one - two for one, two in zip(peaks[1], peaks[2])]
-    assert min(saved) >= 0.7 * (1 - 1 / 4) * grad_bytes, (saved, grad_bytes)
+    assert min(saved) >= share * (1 - 1 / dp) * grad_bytes, (saved, grad_bytes)
 
 
 def test_the_measured_peak_is_the_same_on_a_loaded_machine(tiny_data, tmp_path):

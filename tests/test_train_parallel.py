@@ -54,6 +54,8 @@ def reference(tiny_data, tmp_path_factory):
     (4, ["--dp=2", "--tp=2", "--zero=2", "--sequence-parallel"]),
     (4, ["--dp=2", "--tp=2", "--zero=3", "--sequence-parallel"]),
     (4, ["--dp=2", "--pp=2", "--zero=2"]),
+    (4, ["--dp=2", "--pp=2", "--zero=2", "--schedule=zb", "--microbatches=4"]),
+    (4, ["--dp=2", "--pp=2", "--zero=2", "--schedule=interleaved", "--microbatches=4"]),
     (8, ["--dp=2", "--pp=2", "--tp=2", "--zero=1", "--recompute=selective"]),
 ], ids=lambda v: v if isinstance(v, int) else " ".join(v))
 def test_parallel_layout_matches_single_rank(tiny_data, tmp_path, reference, ranks, layout):

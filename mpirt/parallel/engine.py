@@ -82,6 +82,7 @@ class Engine:
                 chunks=cfg.chunks if cfg.schedule == "interleaved" else 1, dtype=cfg.dtype, seed=cfg.seed,
                 seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
             self.model, blocks, tied_copy = self.stage.model, self.stage.blocks, self.stage.tied_copy
+            tied_names = self.stage.tied_names if self.stage.has_embed or self.stage.has_head else []
             roots = (self.model, self.stage.shell)  # the embedding dropout stays in the ends' shell
             init = None  # the stage initialises its own layers
         else:
@@ -113,9 +114,10 @@ class Engine:
         else:
             params = self.stage.parameters() if self.stage else self.model.parameters()
             self.store = FlatParams(params, counted, init=init, grads=cfg.zero != 2)  # ZeRO-2: a shard only
-            if cfg.zero:  # ZeRO-2 reduces buckets during backward, except under a pipeline (tied copies first)
+            if cfg.zero:  # ZeRO-2 reduces buckets during backward; a pipeline's tied copies wait for the step
+                held = [p for name, p in self.model.named_parameters() if name in tied_names] if self.stage else []
                 self.optimizer = ZeroOptimizer(self.store, self.dp_comm, stage=cfg.zero, norm_comms=norm_comms,
-                                               stream_grads=self.stage is None, **hyper)
+                                               stream_grads=True, held=held, **hyper)
             else:
                 if grid.sizes["dp"] > 1:
                     self.ddp = DataParallel(self.store, self.dp_comm)

@@ -182,11 +182,10 @@ class PipelineStage(PipelineExecutor):
         return list(self.model.named_parameters())
 
     def zero_grad(self) -> None:
-        """Zero the gradients in place (views into a parameter store stay views)."""
+        """Zero the gradients in place (views into a parameter store stay views); a parameter
+        without one (ZeRO-2 streaming: backward makes each and frees it once reduced) gets none."""
         for p in self._params:
-            if p.grad is None:
-                p.grad = B.xp.zeros_like(p.data)
-            else:
+            if p.grad is not None:
                 p.grad.fill(0)
 
     def describe_partition(self) -> str:

@@ -13,16 +13,18 @@ the shard that belong to decayed parameters, exactly as AdamW applies it per par
   flat vector. ``step`` allreduces (averages) the full gradient, updates the owned chunk, allgathers
   the parameters. Per rank: params 4N + grads 4N + state 8N/dp bytes (fp32).
 * Stage 2: as stage 1, but the gradient is reduce-scattered, so only the owned chunk is kept.
-  With ``stream_grads`` (no pipeline: one backward per micro-batch) the full gradient never
-  exists: backward fills each parameter's own ``p.grad``, and as soon as a bucket (a range of
-  at most ``bucket_bytes`` of the parameter store, cut in the order backward finishes the
-  gradients, across parameter boundaries) has all its gradients final it is packed into one
-  staging buffer, reduced straight into the owners' chunks (an uneven reduce-scatter: each rank
-  gets the part of the range it owns, maybe none) and added to the gradient shard; a ``p.grad``
-  is freed with its last bucket. Peak gradient memory: the gradients being filled (at most one
-  parameter's beyond those of the bucket in flight), the staging buffer and the shard. Without it (under a pipeline, whose tied embedding
-  is summed over the stages first) the full gradient lives between :meth:`zero_grad` and
-  :meth:`step`. Persistent: 4N + (4 + 8)N/dp.
+  With ``stream_grads`` the full gradient never exists: backward fills each parameter's own
+  ``p.grad``, and as soon as a bucket (a range of at most ``bucket_bytes`` of the parameter
+  store, cut in the order backward finishes the gradients, across parameter boundaries) has all
+  its gradients final it is packed into one staging buffer, reduced straight into the owners'
+  chunks (an uneven reduce-scatter: each rank gets the part of the range it owns, maybe none)
+  and added to the gradient shard; a ``p.grad`` is freed with its last bucket. Every
+  micro-batch's backward does so (gradient accumulation, a pipeline's micro-batches: the shard
+  sums them, at the price of one reduction per micro-batch); a pipeline's tied copies are
+  ``held`` for the step (summed over the pipeline ends first). Peak gradient memory: the
+  gradients being filled (at most one parameter's beyond those of the bucket in flight), the
+  staging buffer, the held gradients and the shard. Without it the full gradient lives between
+  :meth:`zero_grad` and :meth:`step`. Persistent: 4N + (4 + 8)N/dp.
 * Stage 3: the parameters themselves are sharded. Groups follow the model's *units*: for a model
   with the ``embed`` / ``h`` / ``head`` interface of :mod:`mpirt.modeling` the units are ``embed``, each
   block and ``head``, and a group is the set of parameters used by the same units (so GPT's tied
@@ -94,8 +96,9 @@ class ZeroOptimizer:
     0 at construction, except lazy ones (no array yet): ``init(p, out=None)`` gives their value
     on every rank alike (e.g. :meth:`mpirt.nn.Parameter.init_slice`); at stage 3 one parameter is
     generated at a time and the rank keeps its chunk, so the model is never held whole.
-    ``stream_grads`` (stage 2, one backward per micro-batch: not under a pipeline): reduce the
-    gradients bucket by bucket (``bucket_bytes``) while backward runs, never holding them whole.
+    ``stream_grads`` (stage 2): reduce the gradients bucket by bucket (``bucket_bytes``) while
+    each micro-batch's backward runs, never holding them whole; ``held``: parameters whose
+    gradients wait for the step instead (a pipeline's tied copies, summed over its ends first).
 
     Loop: ``zero_grad()``; forward/backward per micro-batch (scale the loss by 1/K); optionally
     ``clip_grad_norm(max_norm)``; ``step()``. All parameters must share one dtype.
@@ -103,7 +106,7 @@ class ZeroOptimizer:
 
     def __init__(self, model_or_params, comm, stage: int = 1, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, decay=None, units=None, counted=None,
-                 norm_comms=(), probe_len: int = 1, init=None, stream_grads: bool = False,
+                 norm_comms=(), probe_len: int = 1, init=None, stream_grads: bool = False, held=(),
                  bucket_bytes: int = BUCKET_BYTES):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}")
@@ -180,7 +183,7 @@ class ZeroOptimizer:
             else:
                 self.grad_shard = xp.zeros(offset, dtype=self.dtype)
                 self.store.release_grads()
-        self._stream = _GradStream(self, bucket_bytes) if stream_grads and stage == 2 else None
+        self._stream = _GradStream(self, bucket_bytes, held) if stream_grads and stage == 2 else None
         self.master_shard = self.param_shard.astype(self.state_dtype) if is_half(self.dtype) else None
 
     # --- stage 3: the sharded parameters (units: mpirt.parallel.zero3) ------------------------
@@ -449,22 +452,34 @@ class _GradStream:
     and no bucket is larger than the staging buffer. They are reduced in index order (every rank
     issues the same collectives in the same order) once every parameter they touch reported its
     gradient final; a parameter's ``p.grad`` is freed with its last bucket (the parts taken
-    before are zeroed). A bucket whose
-    parameters finish before its predecessors' waits for them, and :meth:`finish` reduces
-    whatever is left (unused parameters never fire their hook: their bucket, and those after it,
-    wait until then, also through the next micro-batches). Under gradient accumulation every
-    micro-batch's backward reduces its buckets and the shard sums them."""
+    before are zeroed). A bucket whose parameters finish before its predecessors' waits for them,
+    and :meth:`finish` reduces whatever is left (unused parameters never fire their hook: their
+    bucket, and those after it, wait until then, also through the next micro-batches). Every
+    micro-batch's backward (gradient accumulation, a pipeline's micro-batches) reduces its
+    buckets and the shard sums them. The parameters in ``held`` (a pipeline's tied copies, summed
+    over the pipeline ends after the schedule) get buckets of their own, which the stream passes
+    over and :meth:`finish` reduces."""
 
-    def __init__(self, opt: ZeroOptimizer, bucket_bytes: int):
+    def __init__(self, opt: ZeroOptimizer, bucket_bytes: int, held=()):
         self.opt, store = opt, opt.store
         lo_mine = opt.groups[0].lo
         owners = chunk_bounds(store.numel, opt.size)
         step = max(1, bucket_bytes // store.dtype.itemsize)
-        bounds = [(max(0, hi - step), hi) for hi in range(store.numel, 0, -step)]
+        held = {id(p) for p in held}
+        # runs of parameters alike (held or not), from the end; each cut into buckets from its end
+        runs, bounds = [], []
+        for p, (a, b) in zip(store.params, store.offsets):
+            if runs and runs[-1][2] == (id(p) in held):
+                runs[-1][1] = b
+            else:
+                runs.append([a, b, id(p) in held])
+        for a, b, is_held in reversed(runs):
+            bounds += [(max(a, hi - step), hi, is_held) for hi in range(b, a, -step)]
         # (lo, hi, [(param, start, stop, pos)], elements per rank, where this rank's part goes in the shard)
         self.buckets = [(lo, hi, store.segments(lo, hi),
                          [max(0, min(hi, r_hi) - max(lo, r_lo)) for r_lo, r_hi in owners], max(lo, lo_mine) - lo_mine)
-                        for lo, hi in bounds]
+                        for lo, hi, _ in bounds]
+        self.held = [is_held for *_, is_held in bounds]
         self._buckets_of: dict = {}
         for k, bucket in enumerate(self.buckets):
             for p, *_ in bucket[2]:
@@ -472,7 +487,8 @@ class _GradStream:
         self._last = {key: ks[-1] for key, ks in self._buckets_of.items()}  # frees the parameter's gradient
         self.staging = B.xp.empty(min(step, store.numel), dtype=store.dtype)
         for p in store.params:
-            p.register_hook(self._ready)
+            if id(p) not in held:
+                p.register_hook(self._ready)
         self.reset()
 
     def reset(self) -> None:
@@ -483,13 +499,14 @@ class _GradStream:
         for k in self._buckets_of[id(p)]:
             self.final[k].add(id(p))
         self.pending = True
-        while self.pending and len(self.final[self.next]) == len(self.buckets[self.next][2]):
-            self._reduce(self.next)
-
-    def _reduce(self, k: int) -> None:
-        self._reduce_bucket(k)
-        self.next = (k + 1) % len(self.buckets)
-        self.pending = self.next != 0  # after the last bucket the next micro-batch starts over
+        while self.pending:
+            k = self.next
+            if not self.held[k]:
+                if len(self.final[k]) < len(self.buckets[k][2]):
+                    break
+                self._reduce_bucket(k)
+            self.next = (k + 1) % len(self.buckets)
+            self.pending = self.next != 0  # after the last bucket the next micro-batch starts over
 
     def _reduce_bucket(self, k: int) -> None:
         """Pack bucket ``k``, reduce-scatter it into the shard. What it took of a gradient is gone
@@ -517,10 +534,10 @@ class _GradStream:
             opt.grad_shard[at:at + counts[opt.rank]] += mine
 
     def finish(self) -> None:
-        """Reduce, in index order, every bucket that got a gradient since its last reduction (a
-        waiting bucket of this or an earlier micro-batch: the same ones on every rank, whose
-        graphs are alike); then the next backward starts from bucket 0."""
+        """Reduce, in index order, the held buckets and every bucket that got a gradient since
+        its last reduction (a waiting bucket of this or an earlier micro-batch: the same ones on
+        every rank, whose graphs are alike); then the next backward starts from bucket 0."""
         for k, final in enumerate(self.final):
-            if final:
+            if final or self.held[k]:
                 self._reduce_bucket(k)
         self.reset()
