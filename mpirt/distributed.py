@@ -11,19 +11,16 @@ strings that ride along with the config through :func:`check_same_config`.
 
 BLAS threads. NumPy's OpenBLAS starts one thread per core in *every* rank, so k ranks on a node
 oversubscribe its cores k times. The thread variables cannot be set before NumPy loads here (it is
-already imported), so :func:`set_blas_threads` finds the OpenBLAS mapped into the process
-(``/proc/self/maps``) and calls its ``openblas_set_num_threads`` (the scipy-openblas build names
-it ``scipy_openblas_set_num_threads64_``) through ctypes, then reads the count back with
-``openblas_get_num_threads``; ``mpirt.threads`` (the elementwise pool) gets the same count. The
-count is ``threads`` when given; otherwise left alone when the
+already imported), so :func:`mpirt.threads.set_num_threads`, the one owner of the thread counts,
+gives mpirt's pool the count and sets the OpenBLAS mapped into the process to one thread per
+pool thread (it splits the GEMMs itself; without OpenBLAS the GEMM library keeps its own count);
+``Context`` holds both counts read back. The count is ``threads`` when given; otherwise left alone when the
 user set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS; otherwise the CPUs this process
 may use (its affinity mask) divided by the ranks on the node, at least 1. A failure is recorded in
 ``Context.blas_note`` and start-up carries on.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -32,9 +29,8 @@ from pathlib import Path
 import numpy as np
 
 import mpirt.backend as B
-from mpirt import comm as C
+from mpirt import comm as C, threads as T
 from mpirt.config import ConfigError, config_hash, diff_configs
-from mpirt.sysinfo import mapped_libraries
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -50,7 +46,8 @@ class Context:
     seed: int
     backend: str
     device: int | None
-    blas_threads: int | None          # OpenBLAS's thread count read back (None: OpenBLAS not found)
+    threads: int                      # mpirt's thread pool (GEMMs split over it, elementwise passes)
+    blas_threads: int | None          # OpenBLAS's own thread count read back (None: OpenBLAS not found)
     blas_note: str                    # where the count came from, or why it could not be set
     comm: C.Comm = field(repr=False)  # the world
 
@@ -91,18 +88,13 @@ def init_distributed(seed: int, backend: str = "auto", threads: int | None = Non
     device = B.bind_device(info.local_rank)
     count, note = plan_blas_threads(threads, info.local_size)
     if count is not None:
-        try:
-            got = set_blas_threads(count)
-        except RuntimeError as err:
-            got, note = None, f"{note}; not applied: {err}"
-        from mpirt import threads  # the elementwise thread pool follows the BLAS thread count
-        threads.set_num_threads(count)
-    else:
-        got = blas_threads()
+        T.set_num_threads(count)  # mpirt's pool; OpenBLAS one thread per pool thread where it splits
+    if T.blas_threads() is None and count is not None:
+        note += "; OpenBLAS not found: the GEMM library keeps its own thread count"
     if name == "numpy":
         agree_on_kernels(world)
     return Context(info.rank, info.size, info.local_rank, info.local_size, int(seed), name, device,
-                   got, note, world)
+                   T.num_threads(), T.blas_threads(), note, world)
 
 
 def agree_on_kernels(comm: C.Comm) -> None:
@@ -228,34 +220,3 @@ def plan_blas_threads(threads: int | None, local_size: int, env=None,
     return n, f"{cpus} cpus // {local_size} ranks on the node"
 
 
-@functools.lru_cache(maxsize=None)
-def _openblas():
-    """(set, get) ctypes functions of the OpenBLAS loaded in this process, or None."""
-    for path in mapped_libraries("openblas"):
-        lib = ctypes.CDLL(path)
-        for suffix in ("64_", "", "_64"):
-            for prefix in ("scipy_openblas", "openblas"):
-                try:
-                    set_fn = getattr(lib, f"{prefix}_set_num_threads{suffix}")
-                    get_fn = getattr(lib, f"{prefix}_get_num_threads{suffix}")
-                except AttributeError:
-                    continue
-                set_fn.argtypes, set_fn.restype = [ctypes.c_int], None
-                get_fn.argtypes, get_fn.restype = [], ctypes.c_int
-                return set_fn, get_fn
-    return None
-
-
-def blas_threads() -> int | None:
-    """OpenBLAS's current thread count, or None when no OpenBLAS is loaded."""
-    fns = _openblas()
-    return fns[1]() if fns else None
-
-
-def set_blas_threads(n: int) -> int:
-    """Set OpenBLAS's thread count; returns the count read back. RuntimeError when not possible."""
-    fns = _openblas()
-    if fns is None:
-        raise RuntimeError("no OpenBLAS with openblas_set_num_threads is loaded in this process")
-    fns[0](int(n))
-    return fns[1]()

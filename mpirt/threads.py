@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -88,7 +89,9 @@ def num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Use ``n`` threads (the calling thread included) for mpirt's GEMMs and passes; 1 turns the
-    pool off. Sets NumPy's OpenBLAS to one thread when it can (see the module docstring)."""
+    pool off. The one owner of the process's CPU thread counts: NumPy's OpenBLAS runs one thread
+    per pool thread where the pool splits the GEMMs (OpenBLAS found), else ``n`` itself (see the
+    module docstring); :func:`blas_threads` reads back the count in force."""
     global _num_threads, _pool, _split_gemms
     if n < 1:
         raise ValueError(f"set_num_threads: need n >= 1, got {n}")
@@ -96,23 +99,45 @@ def set_num_threads(n: int) -> None:
         _pool.shutdown(wait=True)
         _pool = None
     _num_threads = int(n)
-    set_blas = _openblas_set_num_threads()
-    if set_blas is not None:
-        set_blas(1)
-    _split_gemms = set_blas is not None and n > 1
+    _split_gemms = _openblas() is not None and n > 1
+    if _openblas() is not None:
+        set_blas_threads(1 if _split_gemms else n)
 
 
-def _openblas_set_num_threads():
-    """The ``set_num_threads`` function of the OpenBLAS that NumPy loaded, or None."""
+@functools.lru_cache(maxsize=None)
+def _openblas():
+    """(set, get) ctypes functions of the OpenBLAS NumPy loaded (found in ``/proc/self/maps``; the
+    scipy-openblas build names them ``scipy_openblas_*_num_threads64_``), or None."""
     for path in mapped_libraries("openblas"):
         lib = ctypes.CDLL(path)
-        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
-                     "openblas_set_num_threads"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.argtypes, fn.restype = [ctypes.c_int], None
-                return fn
+        for suffix in ("64_", "", "_64"):
+            for prefix in ("scipy_openblas", "openblas"):
+                try:
+                    set_fn = getattr(lib, f"{prefix}_set_num_threads{suffix}")
+                    get_fn = getattr(lib, f"{prefix}_get_num_threads{suffix}")
+                except AttributeError:
+                    continue
+                set_fn.argtypes, set_fn.restype = [ctypes.c_int], None
+                get_fn.argtypes, get_fn.restype = [], ctypes.c_int
+                return set_fn, get_fn
     return None
+
+
+def blas_threads() -> int | None:
+    """OpenBLAS's current thread count, or None when no OpenBLAS is loaded."""
+    fns = _openblas()
+    return fns[1]() if fns else None
+
+
+def set_blas_threads(n: int) -> int:
+    """Set OpenBLAS's own thread count; returns the count read back. RuntimeError when not
+    possible. (:func:`set_num_threads` sets it for training; this alone is for measurements of
+    OpenBLAS itself.)"""
+    fns = _openblas()
+    if fns is None:
+        raise RuntimeError("no OpenBLAS with openblas_set_num_threads is loaded in this process")
+    fns[0](int(n))
+    return fns[1]()
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -310,8 +310,9 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
         stops.append(f"every {cfg.ckpt_minutes:g} min")
     lines = [
         f"mpirt: world_size {ctx.size} ({launch['name']}, PMI {launch['pmi']}), layout {lay}",
-        f"mpirt: backend {ctx.backend}, comm engine {engine_name}, BLAS threads/rank {ctx.blas_threads} "
-        f"({ctx.blas_note}), comm timeout " + (f"{comm_timeout(cfg, model_cfg):.0f} s" if comm_timeout(cfg, model_cfg) else "off"),
+        f"mpirt: backend {ctx.backend}, comm engine {engine_name}, threads/rank {ctx.threads} "
+        f"(OpenBLAS {ctx.blas_threads if ctx.blas_threads is not None else 'not found'} each; {ctx.blas_note}), "
+        f"comm timeout " + (f"{comm_timeout(cfg, model_cfg):.0f} s" if comm_timeout(cfg, model_cfg) else "off"),
         *([f"mpirt: GEMM {blas.describe()}; kernels {kernels.describe()}"] if ctx.backend == "numpy" else []),
         f"mpirt: model {cfg.model} ({num_parameters(model_cfg) / 1e6:.2f}M parameters, {model_cfg.n_layer} layers, "
         f"n_embd {model_cfg.n_embd}, vocab {model_cfg.vocab_size}), {cfg.dtype}" + (

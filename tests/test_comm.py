@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import mpirt.backend as B
 from mpirt import comm
-from mpirt import distributed as D
+from mpirt import distributed as D, threads as T
 from mpirt.comm import PROC_NULL, Comm, CommError, chunk_bounds
 from mpirt.config import ConfigError, TrainConfig
 
@@ -172,17 +172,17 @@ def _busy_threads(work) -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
 def test_set_blas_threads_limits_the_threads_that_run_a_matmul():
-    previous = D.blas_threads()
+    previous = T.blas_threads()
     assert previous is not None, "NumPy's OpenBLAS was not found in /proc/self/maps"
     a = np.random.default_rng(0).random((400, 400))
     try:
-        assert D.set_blas_threads(1) == 1
+        assert T.set_blas_threads(1) == 1
         assert _busy_threads(lambda: [a @ a for _ in range(60)]) == 1
         if len(os.sched_getaffinity(0)) >= 2:
-            assert D.set_blas_threads(2) == 2
+            assert T.set_blas_threads(2) == 2
             assert _busy_threads(lambda: [a @ a for _ in range(60)]) == 2
     finally:
-        D.set_blas_threads(previous)
+        T.set_blas_threads(previous)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
@@ -591,6 +591,19 @@ def test_init_distributed_context_and_rank_seeds():
         ctx.rank_seed("data") == D.init_distributed(seed=42).rank_seed("data") != ctx.rank_seed("dropout") and \
         ctx.blas_threads is not None and ctx.blas_threads >= 1
     agree(ok, repr(ctx))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_thread_counts_reported_are_the_counts_in_force():
+    """One owner (mpirt.threads): the context reports mpirt's pool and OpenBLAS's own count as
+    read back after start-up; with the pool splitting the GEMMs OpenBLAS runs one thread each."""
+    saved = T.num_threads()
+    try:
+        ctx = D.init_distributed(seed=1, threads=2)
+        ok = (ctx.threads, ctx.blas_threads) == (T.num_threads(), T.blas_threads()) == (2, 1)
+        agree(ok, repr(ctx))
+    finally:
+        T.set_num_threads(saved)
 
 
 # ------------------------------------------------------------------ the NCCL engine, on CPU

@@ -54,7 +54,7 @@ def _timeit(fn, seconds: float = 0.2, min_reps: int = 3, stat=min) -> float:
 
 def _set_threads(n: int) -> None:
     from mpirt import threads
-    from mpirt.distributed import set_blas_threads
+    from mpirt.threads import set_blas_threads
 
     try:
         set_blas_threads(n)
