@@ -7,6 +7,7 @@ import re
 import numpy as np
 
 import mpirt.backend as B
+from mpirt.parallel.layout import Layout
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -101,12 +102,6 @@ CATEGORIES = ("baseline", "data", "parameters", "gradients", "optimizer_state", 
               "workspace")
 
 
-def rank_position(layout: dict, rank: int) -> dict:
-    """``{"dp", "pp", "tp"}`` coordinates of world rank ``rank`` (tp innermost, as :class:`mpirt.grid.Grid`)."""
-    pp, tp = layout["pp"], layout["tp"]
-    return {"dp": rank // (pp * tp), "pp": rank // tp % pp, "tp": rank % tp}
-
-
 def peak_in_flight(schedule, rank: int, chunk_bytes: list, weight_bytes: list | None = None) -> int:
     """Peak bytes of the micro-batches a pipeline rank holds for backward under ``schedule`` (its
     action list: an F stashes ``chunk_bytes[chunk]`` until its B), as
@@ -145,7 +140,7 @@ def recompute_pays(cfg, model_cfg, layout: dict, rank: int) -> bool:
     ZeRO-3 always reruns its units."""
     if cfg.recompute == "none" or cfg.zero == 3 or cfg.recompute_layers:
         return cfg.zero == 3 or cfg.recompute != "none"
-    first = rank_position(layout, rank)["pp"] * layout["tp"]  # the stage's rank at dp 0, tp 0
+    first = Layout.of(cfg, layout).stage_rank(rank)
     without = dataclasses.replace(cfg, recompute="none")
     return _predict(cfg, model_cfg, layout, first)[1] < _predict(without, model_cfg, layout, first)[1]
 
@@ -192,17 +187,14 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     from mpirt.precision import bytes_per_parameter, compute_dtype
     from mpirt.modeling import activation_bytes, layer_costs, num_parameters
     from mpirt.parallel.partition import partition
-    from mpirt.parallel.schedules import build
 
-    pos = rank_position(layout, rank)
-    dp, pp, tp = layout["dp"], layout["pp"], layout["tp"]
+    lay = Layout.of(cfg, layout)
+    pos = lay.position(rank)
+    dp, pp, tp, sp, chunks, rows = lay.dp, lay.pp, lay.tp, lay.sequence_parallel, lay.chunks, lay.rows
     e = np.dtype(cfg.dtype).itemsize  # activations, buffers and gradients travel in the compute/storage dtype
     state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
-    sp = bool(cfg.sequence_parallel and tp > 1)
-    chunks = cfg.chunks if pp > 1 and cfg.schedule == "interleaved" else 1
     costs = layer_costs(model_cfg, cfg.seq_len)
     n_full = num_parameters(model_cfg)
-    rows = cfg.batch_size // dp // (cfg.microbatches or pp if pp > 1 else cfg.grad_accum)
     acts = activation_bytes(model_cfg, batch=rows, seq_len=cfg.seq_len, tp=tp, sequence_parallel=sp, itemsize=e)
     mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
     picked = set(range(model_cfg.n_layer)) if cfg.zero == 3 else \
@@ -230,8 +222,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         # or not: the rerun's B leaves the same)
         per_chunk_w = [(hi - lo) * acts["weight_pass"] + ends[c][0] * acts["embed_weight_pass"]
                        + ends[c][1] * acts["head_weight_pass"] for c, (lo, hi) in enumerate(mine)]
-        sched = build(cfg.schedule, pp, cfg.microbatches or pp, chunks)
-        activations = peak_in_flight(sched, pos["pp"], per_chunk, per_chunk_w)
+        activations = peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w)
         held = [i for lo, hi in mine for i in range(lo, hi)]
     per_param = bytes_per_parameter(cfg.dtype, dp, cfg.zero)  # masters and moments in float32 for half
     params, grads, optimizer = (n_local * per_param[k] for k in ("params", "grads", "optimizer"))
@@ -255,8 +246,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     logits = 2 * rows * cfg.seq_len * vocab / tp * e  # the logits' gradient and a temporary
     # the gradients alive inside a block's backward; without a split schedule the stage with the
     # head reaches its blocks after freeing what the head kept
-    split = pp > 1 and build(cfg.schedule, pp, cfg.microbatches or pp, chunks).split_backward
-    block = max(0, acts["backward"] - (acts["head"] if has_head and not split else 0)) if held else 0
+    block = max(0, acts["backward"] - (acts["head"] if has_head and not lay.split_backward else 0)) if held else 0
     if state_e > e:  # half: fused ops widen to float32 in backward (mpirt.precision.float32_compute):
         # the loss's float32 gradient beside its rounding, or the MLP activation's backward
         logits = rows * cfg.seq_len * vocab / tp * (state_e + e)
@@ -280,9 +270,9 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     return out, activations + backward
 
 
-def describe_rank(layout: dict, rank: int) -> str:
+def describe_rank(layout, rank: int) -> str:
     """``rank 3 (pp stage 1)``, ``rank 2 (dp 1, tp 0)``: where a rank sits, for messages."""
-    pos = rank_position(layout, rank)
+    pos = Layout(**{a: layout[a] for a in ("dp", "pp", "tp")}).position(rank)
     where = ", ".join(f"{'pp stage' if a == 'pp' else a} {pos[a]}" for a in ("dp", "pp", "tp") if layout[a] > 1)
     return f"rank {rank}" + (f" ({where})" if where else "")
 

@@ -167,13 +167,13 @@ class RunMonitor:
 
     def __init__(self, cfg, ctx, grid, engine, model_cfg, out: Path, start_step: int, flops_per_step: float):
         from mpirt import flops, gpumon, stepstats, threads
+        from mpirt.parallel.layout import Layout
         from mpirt.trace import TraceRecorder
 
         self.cfg, self.ctx, self.grid, self.engine, self.out = cfg, ctx, grid, engine, out
         self.world, self.is_main, self.enabled = ctx.comm, ctx.rank == 0, bool(cfg.monitor)
         self.flops_per_step = flops_per_step
-        m = cfg.microbatches or grid.sizes["pp"] if grid.sizes["pp"] > 1 else cfg.grad_accum
-        rows = max(1, cfg.batch_size // grid.sizes["dp"] // m) * cfg.seq_len
+        rows = max(1, Layout.of(cfg, grid.sizes).rows) * cfg.seq_len
         hidden = getattr(model_cfg, "hidden", 4 * model_cfg.n_embd) // grid.sizes["tp"]
         products = flops.layer_products(model_cfg.n_embd, hidden, rows, cfg.dtype)
         ceiling = (flops.cpu_ceiling(self.world, cfg.dtype, threads.num_threads())

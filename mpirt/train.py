@@ -36,7 +36,7 @@ from mpirt.data import MetaError, TokenDataset, TokenIdError, default_dataset_di
 from mpirt.distributed import init_distributed, input_fingerprint
 from mpirt.grid import Grid, check_layout, resolve_dp
 from mpirt.memory import (check_budget, decode_over_budget, format_size, over_budget_flag, parse_size, predict,
-                          rank_position, recompute_pays)
+                          recompute_pays)
 from mpirt.recompute import parse_layers
 from mpirt.monitor import Metrics, Progress, RunMonitor, format_seconds, monitor_lines
 from mpirt.stepstats import owned_bytes
@@ -44,14 +44,16 @@ from mpirt.optim import cosine_lr
 from mpirt.precision import LossScaler, is_half
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.engine import Engine, zero_refusal
+from mpirt.parallel.layout import Layout
 from mpirt.plan import format_lines as prediction_lines, self_check
 from mpirt.parallel.schedules import check_shape
 from mpirt.modeling import apply_overrides, attention_core, config_from_dict, flops_per_token, load_model_config, \
     missing_model_file, num_parameters, open_hf
 
 
-def plan_layout(cfg, world_size: int) -> dict:
-    """The dp/pp/tp sizes for this run (pure: no communication), refusing impossible layouts."""
+def plan_layout(cfg, world_size: int) -> Layout:
+    """The run's :class:`~mpirt.parallel.layout.Layout` (pure: no communication), refusing
+    impossible layouts."""
     try:
         dp = resolve_dp(world_size, cfg.dp, cfg.pp, cfg.tp)
         check_layout(dp, cfg.pp, cfg.tp, world_size)
@@ -60,16 +62,17 @@ def plan_layout(cfg, world_size: int) -> dict:
     why = zero_refusal(cfg.zero, cfg.tp, cfg.pp)
     if why:
         raise ConfigError(f"zero: {why}")
+    layout = Layout.of(cfg, {"dp": dp, "pp": cfg.pp, "tp": cfg.tp})
     if cfg.pp > 1:
         if cfg.grad_accum > 1:
             raise ConfigError(f"grad_accum: with pp={cfg.pp} the pipeline's micro-batches replace gradient "
                               f"accumulation; use --microbatches instead of --grad-accum={cfg.grad_accum}")
-        m = cfg.microbatches or cfg.pp
+        m = layout.microbatches
         if (cfg.batch_size // dp) % m:
             raise ConfigError(f"microbatches: the {cfg.batch_size // dp} rows per data-parallel replica "
                               f"(batch_size {cfg.batch_size} / dp {dp}) do not split into {m} micro-batches")
         try:
-            check_shape(cfg.schedule, cfg.pp, m, cfg.chunks if cfg.schedule == "interleaved" else 1)
+            check_shape(cfg.schedule, cfg.pp, m, layout.chunks)
         except ValueError as err:
             raise ConfigError(f"schedule: {err}") from None
     if cfg.sequence_parallel and cfg.tp == 1:
@@ -77,7 +80,7 @@ def plan_layout(cfg, world_size: int) -> dict:
     if cfg.batch_size % (dp * cfg.grad_accum):
         raise ConfigError(f"batch_size: the global batch {cfg.batch_size} does not divide into dp={dp} x "
                           f"grad_accum={cfg.grad_accum} = {dp * cfg.grad_accum} equal micro-batches")
-    return {"dp": dp, "tp": cfg.tp, "pp": cfg.pp}
+    return layout
 
 
 # --model.* keys that must equal the loaded model's: they set tensor shapes, or (initializer_range)
@@ -137,7 +140,7 @@ def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> list[str]:
     if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"data: vocabulary {data.vocab_size} of {data.directory} exceeds the model's "
                           f"vocab_size {model_cfg.vocab_size}")
-    stages = layout["pp"] * (cfg.chunks if cfg.schedule == "interleaved" else 1)
+    stages = Layout.of(cfg, layout).stages
     if layout["pp"] > 1 and model_cfg.n_layer < stages:
         raise ConfigError(f"pp: n_layer={model_cfg.n_layer} cannot fill pp x chunks = {stages} pipeline stages")
     if num_eval_batches(data.val, cfg.batch_size, cfg.seq_len) < 1:
@@ -295,13 +298,7 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
            engine_name: str) -> str:
     """The start-up lines on rank 0: enough to see a wrong launch before a long run starts."""
     launch = jobctl.launcher_info()
-    lay = f"dp {layout['dp']} x pp {layout['pp']} x tp {layout['tp']}"
-    if cfg.zero:
-        lay += f", ZeRO-{cfg.zero}"
-    if layout["pp"] > 1:
-        lay += f", {cfg.schedule} schedule, {cfg.microbatches or layout['pp']} micro-batches"
-    if cfg.sequence_parallel:
-        lay += ", sequence parallel"
+    lay = Layout.of(cfg, layout).describe()
     where = f"resuming {cfg.init_from} at step {start_step}" if start_step else "fresh start"
     stops = []
     if cfg.ckpt_interval:
@@ -338,7 +335,7 @@ def _recompute_skipped(cfg, model_cfg, layout: dict, world_size: int) -> str:
     so does not run (:func:`mpirt.memory.recompute_pays`)."""
     if cfg.recompute == "none" or cfg.zero == 3:
         return ""
-    stages = sorted({rank_position(layout, r)["pp"] for r in range(world_size)
+    stages = sorted({Layout.of(cfg, layout).position(r)["pp"] for r in range(world_size)
                      if not recompute_pays(cfg, model_cfg, layout, r)})
     if not stages:
         return ""
@@ -678,7 +675,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         # the grid and every other layout setting (the checkpoint's extra keeps the grid alone)
         "layout": {**summary_layout, "zero": cfg.zero, "sequence_parallel": cfg.sequence_parallel,
                    "schedule": cfg.schedule if layout["pp"] > 1 else None,
-                   "microbatches": (cfg.microbatches or layout["pp"]) if layout["pp"] > 1 else None,
+                   "microbatches": Layout.of(cfg, layout).microbatches if layout["pp"] > 1 else None,
                    "recompute": cfg.recompute},
         "num_parameters": num_parameters(model_cfg),
         "skipped_steps": sum(1 for r in metrics.records if r.get("skipped")),

@@ -32,6 +32,7 @@ from mpirt.optim import AdamW
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.data import DataParallel
 from mpirt.parallel.flat import FlatParams, count_once
+from mpirt.parallel.layout import Layout
 from mpirt.parallel.pipeline import PipelineStage
 from mpirt.parallel.state import load_shards, save_shards
 from mpirt.parallel.zero import ZeroOptimizer
@@ -75,11 +76,12 @@ class Engine:
         why = zero_refusal(cfg.zero, tp, pp)
         if why:
             raise ValueError(why)
-        sp = bool(cfg.sequence_parallel and tp > 1)
+        layout = Layout.of(cfg, grid.sizes)
+        sp = layout.sequence_parallel
         if pp > 1 or local is not None:
             self.stage = local or PipelineStage(
-                model_cfg, grid, schedule=cfg.schedule, microbatches=cfg.microbatches or None,
-                chunks=cfg.chunks if cfg.schedule == "interleaved" else 1, dtype=cfg.dtype, seed=cfg.seed,
+                model_cfg, grid, schedule=cfg.schedule, microbatches=layout.microbatches,
+                chunks=layout.chunks, dtype=cfg.dtype, seed=cfg.seed,
                 seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
             self.model, blocks, tied_copy = self.stage.model, self.stage.blocks, self.stage.tied_copy
             tied_names = self.stage.tied_names if self.stage.has_embed or self.stage.has_head else []
@@ -101,8 +103,7 @@ class Engine:
         self._dropouts = list(dropout_modules(*roots).values())
         # ZeRO-3 already reruns every unit in backward (its units keep only their inputs); elsewhere
         # recompute only where it lowers this stage's predicted peak (memory.recompute_pays)
-        sizes = {k: grid.sizes[k] for k in ("dp", "pp", "tp")}
-        if cfg.zero < 3 and (local is not None or memory.recompute_pays(cfg, model_cfg, sizes, grid.rank)):
+        if cfg.zero < 3 and (local is not None or memory.recompute_pays(cfg, model_cfg, layout, grid.rank)):
             recompute.apply(blocks, cfg.recompute, cfg.recompute_layers, attention_core(model_cfg))
         counted = count_once(grid.coords["tp"] if tp > 1 else 0, tied_copy)
         norm_comms = (self.tp_comm, self.pp_comm)  # ranks along them hold different parameters

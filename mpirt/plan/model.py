@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpirt.parallel.layout import Layout
 from mpirt.plan.hardware import Cluster
 from mpirt.plan.work import Work, layer_work, tensors_per_block
 
@@ -140,17 +141,12 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     from mpirt.modeling import flops_per_token, layer_costs, num_parameters
     from mpirt.parallel.partition import partition
     from mpirt.parallel.schedule_check import simulate
-    from mpirt.parallel.schedules import build
 
-    dp, pp, tp = (cfg.dp or 1), cfg.pp, cfg.tp
-    world = dp * pp * tp
-    layout = {"dp": dp, "pp": pp, "tp": tp}
+    layout = Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp})
+    dp, pp, tp, world = layout.dp, layout.pp, layout.tp, layout.world_size
     mach = _Machine(cluster, world, cfg.dtype)
     e = np.dtype(cfg.dtype).itemsize
-    sp = bool(cfg.sequence_parallel and tp > 1)
-    chunks = cfg.chunks if pp > 1 and cfg.schedule == "interleaved" else 1
-    m = (cfg.microbatches or pp) if pp > 1 else cfg.grad_accum
-    rows = cfg.batch_size // dp // m
+    sp, chunks, m, rows = layout.sequence_parallel, layout.chunks, layout.microbatches, layout.rows
     costs = layer_costs(model_cfg, cfg.seq_len)
     mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
     picked = set(range(model_cfg.n_layer)) if cfg.zero == 3 else \
@@ -171,7 +167,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     if cfg.zero < 3 and cfg.recompute != "none":  # stages where it would not lower the peak do not recompute
         skipped = {r for r in range(pp) if not memory.recompute_pays(cfg, model_cfg, layout, r * tp)}
         picked -= {i - 1 for (r, _), idx in stage_layers.items() if r in skipped for i in idx}
-    split = pp > 1 and build(cfg.schedule, pp, m, chunks).split_backward if pp > 1 else False
+    split = layout.split_backward
     work = layer_work(model_cfg, costs, rows=rows, seq_len=cfg.seq_len, tp=tp, sp=sp, itemsize=e,
                       recompute=mode, recomputed=picked, split=split)
     tp_span = _spans_nodes(cluster, "tp", layout)
@@ -219,7 +215,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         bubble, pipe = 0.0, parts["forward"] + parts["backward"]
         last_b = t["B"][0]
     else:
-        sched = build(cfg.schedule, pp, m, chunks)
+        sched = layout.pipeline_schedule
 
         def cost(r, a):
             c, s = times[(r, a.chunk)][a.op]
