@@ -34,7 +34,7 @@ from mpirt.checkpoint_sharded import save_sharded
 from mpirt.config import ConfigError, parse_args, parse_duration
 from mpirt.data import MetaError, TokenDataset, TokenIdError, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.distributed import init_distributed, input_fingerprint
-from mpirt.grid import Grid, check_layout, resolve_dp
+from mpirt.grid import Grid
 from mpirt.memory import (check_budget, decode_over_budget, format_size, over_budget_flag, parse_size, predict,
                           recompute_pays)
 from mpirt.recompute import parse_layers
@@ -42,45 +42,20 @@ from mpirt.monitor import Metrics, Progress, RunMonitor, format_seconds, monitor
 from mpirt.stepstats import owned_bytes
 from mpirt.optim import cosine_lr
 from mpirt.precision import LossScaler, is_half
-from mpirt.parallel import tensor as TP
-from mpirt.parallel.engine import Engine, zero_refusal
-from mpirt.parallel.layout import Layout
+from mpirt.parallel.engine import Engine
+from mpirt.parallel.layout import Layout, LayoutError
 from mpirt.plan import format_lines as prediction_lines, self_check
-from mpirt.parallel.schedules import check_shape
 from mpirt.modeling import apply_overrides, attention_core, config_from_dict, flops_per_token, load_model_config, \
     missing_model_file, num_parameters, open_hf
 
 
 def plan_layout(cfg, world_size: int) -> Layout:
     """The run's :class:`~mpirt.parallel.layout.Layout` (pure: no communication), refusing
-    impossible layouts."""
+    impossible layouts (ConfigError naming the key)."""
     try:
-        dp = resolve_dp(world_size, cfg.dp, cfg.pp, cfg.tp)
-        check_layout(dp, cfg.pp, cfg.tp, world_size)
-    except ValueError as err:
-        raise ConfigError(f"dp/pp/tp: {err}") from None
-    why = zero_refusal(cfg.zero, cfg.tp, cfg.pp)
-    if why:
-        raise ConfigError(f"zero: {why}")
-    layout = Layout.of(cfg, {"dp": dp, "pp": cfg.pp, "tp": cfg.tp})
-    if cfg.pp > 1:
-        if cfg.grad_accum > 1:
-            raise ConfigError(f"grad_accum: with pp={cfg.pp} the pipeline's micro-batches replace gradient "
-                              f"accumulation; use --microbatches instead of --grad-accum={cfg.grad_accum}")
-        m = layout.microbatches
-        if (cfg.batch_size // dp) % m:
-            raise ConfigError(f"microbatches: the {cfg.batch_size // dp} rows per data-parallel replica "
-                              f"(batch_size {cfg.batch_size} / dp {dp}) do not split into {m} micro-batches")
-        try:
-            check_shape(cfg.schedule, cfg.pp, m, layout.chunks)
-        except ValueError as err:
-            raise ConfigError(f"schedule: {err}") from None
-    if cfg.sequence_parallel and cfg.tp == 1:
-        raise ConfigError("sequence_parallel: needs tp > 1")
-    if cfg.batch_size % (dp * cfg.grad_accum):
-        raise ConfigError(f"batch_size: the global batch {cfg.batch_size} does not divide into dp={dp} x "
-                          f"grad_accum={cfg.grad_accum} = {dp * cfg.grad_accum} equal micro-batches")
-    return layout
+        return Layout.resolve(cfg, world_size)
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
 
 
 # --model.* keys that must equal the loaded model's: they set tensor shapes, or (initializer_range)
@@ -140,16 +115,13 @@ def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> list[str]:
     if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"data: vocabulary {data.vocab_size} of {data.directory} exceeds the model's "
                           f"vocab_size {model_cfg.vocab_size}")
-    stages = Layout.of(cfg, layout).stages
-    if layout["pp"] > 1 and model_cfg.n_layer < stages:
-        raise ConfigError(f"pp: n_layer={model_cfg.n_layer} cannot fill pp x chunks = {stages} pipeline stages")
+    try:
+        Layout.of(cfg, layout).check_model(cfg, model_cfg)
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
     if num_eval_batches(data.val, cfg.batch_size, cfg.seq_len) < 1:
         raise ConfigError(f"data: the validation split of {data.directory} holds no batch of {cfg.batch_size} x "
                           f"{cfg.seq_len} tokens to evaluate on")
-    try:
-        TP.check_model_tp(model_cfg, layout["tp"], seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
-    except ValueError as err:
-        raise ConfigError(f"tp: {err}") from None
     if cfg.recompute == "selective" and not attention_core(model_cfg):
         raise ConfigError(f"recompute: model_type {model_cfg.model_type!r} names no attention core for selective "
                           "recomputation; use full")

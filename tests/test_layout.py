@@ -4,8 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from mpirt.config import TrainConfig
-from mpirt.parallel.layout import Layout
+from mpirt.config import ConfigError, TrainConfig
+from mpirt.modeling import load_model_config
+from mpirt.parallel.layout import Layout, LayoutError
 from mpirt.train import plan_layout
 
 BASE = replace(TrainConfig(), batch_size=16)
@@ -49,3 +50,37 @@ def test_plan_layout_resolves_dp_and_describes_itself():
     assert Layout.of(cfg, lay) is lay
     with pytest.raises(KeyError):
         lay["cp"]
+
+
+# (config changes, world size) -> the refusal's start (each names the key to change)
+REFUSALS = [
+    ({"tp": 3}, 4, "dp/pp/tp: "),
+    ({"dp": 3}, 4, "dp/pp/tp: "),
+    ({"zero": 3, "pp": 2}, 4, "zero: ZeRO-3 shards parameters per unit of the whole model"),
+    ({"pp": 2, "grad_accum": 2}, 2, "grad_accum: with pp=2 the pipeline's micro-batches replace gradient"),
+    ({"pp": 2, "microbatches": 3}, 2, "microbatches: the 16 rows per data-parallel replica (batch_size 16 / dp 1) "
+                                      "do not split into 3 micro-batches"),
+    ({"pp": 2, "schedule": "interleaved", "chunks": 1}, 2, "schedule: interleaved 1F1B needs chunks >= 2"),
+    ({"sequence_parallel": True}, 2, "sequence_parallel: needs tp > 1"),
+    ({"grad_accum": 3}, 2, "batch_size: the global batch 16 does not divide into dp=2 x grad_accum=3 = 6"),
+]
+
+
+@pytest.mark.parametrize("changes, world, message", REFUSALS, ids=str)
+def test_refusals(changes, world, message):
+    cfg = replace(BASE, **changes)
+    with pytest.raises(LayoutError) as err:
+        Layout.resolve(cfg, world)
+    assert str(err.value).startswith(message), str(err.value)
+    with pytest.raises(ConfigError, match="^" + message.split(":")[0] + ":"):  # the start-up's form: one line
+        plan_layout(cfg, world)
+
+
+def test_model_refusals():
+    tiny = load_model_config("tiny", {})                       # 4 layers, 4 heads, n_embd 128
+    lay = Layout.resolve(replace(BASE, pp=2, microbatches=4, schedule="interleaved", chunks=3), 2)
+    with pytest.raises(LayoutError, match="^pp: n_layer=4 cannot fill pp x chunks = 6 pipeline stages"):
+        lay.check_model(BASE, tiny)
+    with pytest.raises(LayoutError, match="^tp: tensor parallelism: tp=8 must divide n_head=4"):
+        Layout.resolve(replace(BASE, tp=8), 8).check_model(BASE, tiny)
+    Layout.resolve(replace(BASE, tp=2), 2).check_model(BASE, tiny)  # fits

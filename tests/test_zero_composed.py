@@ -128,7 +128,7 @@ def test_zero2_with_sequence_parallel_tp_matches_single_rank(group):
 
 
 def test_zero3_with_pp_is_refused_with_the_reason():
-    from mpirt.parallel.engine import zero_refusal
+    from mpirt.parallel.layout import zero_refusal
 
     assert zero_refusal(1, 2, 2) is None and zero_refusal(2, 2, 4) is None and zero_refusal(3, 2, 1) is None
     why = zero_refusal(3, 1, 2)

@@ -32,21 +32,11 @@ from mpirt.optim import AdamW
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.data import DataParallel
 from mpirt.parallel.flat import FlatParams, count_once
-from mpirt.parallel.layout import Layout
+from mpirt.parallel.layout import Layout, zero_refusal
 from mpirt.parallel.pipeline import PipelineStage
 from mpirt.parallel.state import load_shards, save_shards
 from mpirt.parallel.zero import ZeroOptimizer
 from mpirt.tensor import no_grad
-
-
-def zero_refusal(zero: int, tp: int, pp: int) -> str | None:
-    """Why a ZeRO stage cannot run on this layout, or None. ZeRO-1/2 (the distributed optimizer)
-    compose with any tp x pp; ZeRO-3 gathers parameters per unit of a whole model (embed, each
-    block, head), which a pipeline stage is not."""
-    if zero == 3 and pp > 1:
-        return (f"ZeRO-3 shards parameters per unit of the whole model (embed, blocks, head) and does not run "
-                f"inside a pipeline stage (pp={pp}); use --zero 1 or 2 with pp, or ZeRO-3 with dp x tp")
-    return None
 
 
 def seeded_init(seed: int, axis_sizes: dict, axis_ranks: dict):

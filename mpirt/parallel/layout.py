@@ -8,9 +8,12 @@ schedule's chunks, the pipeline's stages, whether the backward is split, each ra
 coordinates. A ``Layout`` is also a read-only mapping of the axis sizes (``layout["pp"]``), the
 form the predictor and the summaries took before it existed.
 
-The layout's refusals still live beside the code they protect (``train.plan_layout``,
-``config``, ``grid``, ``parallel.tensor.layout``, ``schedules``, ``partition``,
-``engine.zero_refusal``); gathering them here is the next step.
+:meth:`Layout.resolve` holds the rules of a layout, in one table of checks, each refusal a
+:class:`LayoutError` whose message starts with the key to change (``train.plan_layout`` reports
+it as a ConfigError); :meth:`Layout.check_model` the rules that need the model (stages to fill,
+tensor-parallel sizes). Still beside the code they protect: the field checks of ``config``, the
+grid's own (``grid.check_layout``, called from here), the schedule shapes
+(``schedules.check_shape``, called from here) and the partition's.
 """
 from __future__ import annotations
 
@@ -19,6 +22,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 AXES = ("dp", "pp", "tp")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run; the message starts with the config key to change."""
+
+
+def zero_refusal(zero: int, tp: int, pp: int) -> str | None:
+    """Why a ZeRO stage cannot run on this layout, or None. ZeRO-1/2 (the distributed optimizer)
+    compose with any tp x pp; ZeRO-3 gathers parameters per unit of a whole model (embed, each
+    block, head), which a pipeline stage is not."""
+    if zero == 3 and pp > 1:
+        return (f"ZeRO-3 shards parameters per unit of the whole model (embed, blocks, head) and does not run "
+                f"inside a pipeline stage (pp={pp}); use --zero 1 or 2 with pp, or ZeRO-3 with dp x tp")
+    return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -56,6 +73,54 @@ class Layout(Mapping):
                    schedule=cfg.schedule, microbatches=m,
                    chunks=cfg.chunks if pp > 1 and cfg.schedule == "interleaved" else 1,
                    rows=cfg.batch_size // dp // m)
+
+    @classmethod
+    def resolve(cls, cfg, world_size: int) -> "Layout":
+        """The layout of ``cfg`` on ``world_size`` ranks (dp derived when not given), refusing
+        (:class:`LayoutError`) what cannot run. Pure: no communication."""
+        from mpirt.grid import check_layout, resolve_dp
+        from mpirt.parallel.schedules import check_shape
+
+        try:
+            dp = resolve_dp(world_size, cfg.dp, cfg.pp, cfg.tp)
+            check_layout(dp, cfg.pp, cfg.tp, world_size)
+        except ValueError as err:
+            raise LayoutError(f"dp/pp/tp: {err}") from None
+        layout = cls.of(cfg, {"dp": dp, "pp": cfg.pp, "tp": cfg.tp})
+        why = zero_refusal(cfg.zero, cfg.tp, cfg.pp)
+        if why:
+            raise LayoutError(f"zero: {why}")
+        if cfg.pp > 1:
+            if cfg.grad_accum > 1:
+                raise LayoutError(f"grad_accum: with pp={cfg.pp} the pipeline's micro-batches replace gradient "
+                                  f"accumulation; use --microbatches instead of --grad-accum={cfg.grad_accum}")
+            m = layout.microbatches
+            if (cfg.batch_size // dp) % m:
+                raise LayoutError(f"microbatches: the {cfg.batch_size // dp} rows per data-parallel replica "
+                                  f"(batch_size {cfg.batch_size} / dp {dp}) do not split into {m} micro-batches")
+            try:
+                check_shape(cfg.schedule, cfg.pp, m, layout.chunks)
+            except ValueError as err:
+                raise LayoutError(f"schedule: {err}") from None
+        if cfg.sequence_parallel and cfg.tp == 1:
+            raise LayoutError("sequence_parallel: needs tp > 1")
+        if cfg.batch_size % (dp * cfg.grad_accum):
+            raise LayoutError(f"batch_size: the global batch {cfg.batch_size} does not divide into dp={dp} x "
+                              f"grad_accum={cfg.grad_accum} = {dp * cfg.grad_accum} equal micro-batches")
+        return layout
+
+    def check_model(self, cfg, model_cfg) -> None:
+        """Refuse (:class:`LayoutError`) a model this layout cannot hold: fewer blocks than
+        pipeline stages, sizes tp does not divide (:func:`mpirt.parallel.tensor.check_model_tp`)."""
+        from mpirt.parallel.tensor.layout import check_model_tp
+
+        if self.pp > 1 and model_cfg.n_layer < self.stages:
+            raise LayoutError(f"pp: n_layer={model_cfg.n_layer} cannot fill pp x chunks = {self.stages} pipeline "
+                              "stages")
+        try:
+            check_model_tp(model_cfg, self.tp, seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
+        except ValueError as err:
+            raise LayoutError(f"tp: {err}") from None
 
     # --- the axis sizes, as a mapping ---------------------------------------------------------
     def __getitem__(self, axis: str) -> int:
