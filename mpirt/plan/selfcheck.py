@@ -45,7 +45,8 @@ def _err(pred: float, meas) -> dict:
 
 def self_check(cfg, model_cfg, layout: dict, measured: dict, data_bytes: int = 0, cluster=None) -> dict:
     """Predicted vs measured step time, its parts, the bubble and the peak memory for the run's
-    layout (``layout``: ``{"dp", "pp", "tp"}`` as :func:`mpirt.train.plan_layout` returns). Errors
+    layout (``layout``: the sizes ``{"dp", "pp", "tp"}``, or the :class:`~mpirt.parallel.layout.Layout`
+    :func:`mpirt.train.plan_layout` returns). Errors
     are ``100 (predicted - measured) / measured``. Never raises: a failure is reported in ``error``."""
     from mpirt.plan.model import estimate
 
