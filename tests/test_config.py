@@ -5,7 +5,8 @@ import json
 import pytest
 
 from mpirt.models.config import GPTConfig
-from mpirt.models.presets import gpt_param_count, load_model_config, preset_names
+from mpirt.models.gpt import num_parameters
+from mpirt.models.presets import load_model_config, preset_names
 from mpirt.config import ConfigError, TrainConfig, config_hash, diff_configs, help_text, parse_args
 
 
@@ -200,19 +201,18 @@ def test_gpt2_presets_sizes(name, layers, heads, embd, params):
     cfg = load_model_config(name)
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd) == (layers, heads, embd)
     assert (cfg.n_positions, cfg.vocab_size, cfg.model_type) == (1024, 50257, "gpt2")
-    assert gpt_param_count(cfg) == params
+    assert num_parameters(cfg) == params
 
 
 def test_param_count_formula():
+    """The model's count against the closed form: a block of 12 C^2 + 13 C with n_inner = 4C."""
     c = 768
-    assert gpt_param_count(load_model_config("gpt2")) == \
+    assert num_parameters(load_model_config("gpt2")) == \
         12 * (12 * c**2 + 13 * c) + 50257 * c + 1024 * c + 2 * c
     # n_inner changes only the two MLP matrices and the first MLP bias.
     wide = GPTConfig(n_layer=1, n_head=1, n_embd=4, n_positions=2, vocab_size=3, n_inner=10)
     block = 2 * 4 + (3 * 16 + 12) + (16 + 4) + 2 * 4 + (40 + 10) + (40 + 4)
-    assert gpt_param_count(wide) == block + 3 * 4 + 2 * 4 + 2 * 4
-    with pytest.raises(ValueError):
-        gpt_param_count(load_model_config("mlp"))
+    assert num_parameters(wide) == block + 3 * 4 + 2 * 4 + 2 * 4
 
 
 def test_tiny_and_mlp_presets():
@@ -267,7 +267,7 @@ def test_hf_config_dir_maps_fields(tmp_path):
     assert cfg == GPTConfig(n_layer=12, n_head=12, n_embd=768, n_positions=1024,
                             vocab_size=50257, n_inner=None, embd_pdrop=0.1, attn_pdrop=0.1,
                             resid_pdrop=0.0, model_type="gpt2")
-    assert gpt_param_count(cfg) == 124_439_808
+    assert num_parameters(cfg) == 124_439_808
     assert load_model_config(hf_dir(tmp_path, n_inner=1024)).hidden == 1024
     assert load_model_config(hf_dir(tmp_path, activation_function="gelu_pytorch_tanh")).n_layer == 12
 

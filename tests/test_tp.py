@@ -26,7 +26,6 @@ from mpirt.parallel.data import DataParallel
 from mpirt.parallel.flat import FlatParams, count_once
 from mpirt.tensor import Tensor
 from mpirt.models import GPT, GPTConfig, Llama, LlamaConfig
-from mpirt.models.gpt import GPTMLP, CausalSelfAttention
 
 from conftest import agree
 
@@ -265,6 +264,8 @@ def _module_parity(comm, ref, par, x, dy, sp):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sp", [False, True])
 def test_parallel_mlp_and_attention(tp, sp, group):
+    """GPT's MLP and attention made tensor parallel by the model's own tp_plan (the production
+    path): output, input gradient and every weight-gradient slice equal the unsharded modules'."""
     if MPI.COMM_WORLD.size < tp:
         pytest.skip(f"needs {tp} ranks")
     comm = group(tp, "tp")
@@ -273,15 +274,13 @@ def test_parallel_mlp_and_attention(tp, sp, group):
         cfg = GPTConfig(n_layer=2, n_head=4, n_embd=16, n_positions=8, vocab_size=37)
         rng = np.random.default_rng(3)
         x, dy = rng.standard_normal((2, 8, 16)), rng.standard_normal((2, 8, 16))
-        mlp = GPTMLP(cfg, dtype="float64")
-        attn = CausalSelfAttention(cfg, dtype="float64")
-        for m in (mlp, attn):  # random weights and biases (biases are zero-initialised otherwise)
-            for n, p in m.named_parameters():
-                p.data = rng.standard_normal(p.shape) * 0.3  # (built lazy: no array yet)
-        pmlp = TP.ParallelMLP(16, 64, comm, sequence_parallel=sp, dtype="float64")
-        pattn = TP.ParallelSelfAttention(16, 4, comm, sequence_parallel=sp, dtype="float64")
-        errs = {"mlp": _module_parity(comm, mlp, pmlp, x, dy, sp),
-                "attn": _module_parity(comm, attn, pattn, x, dy, sp)}
+        ref = GPT(cfg, dtype="float64")
+        for n, p in ref.named_parameters():  # random weights and biases (biases are zero-initialised otherwise)
+            p.data = rng.standard_normal(p.shape) * 0.3  # (built lazy: no array yet)
+        par = GPT(cfg, dtype="float64")
+        TP.parallelize(par, comm, sequence_parallel=sp)
+        errs = {"mlp": _module_parity(comm, ref.h[0].mlp, par.h[0].mlp, x, dy, sp),
+                "attn": _module_parity(comm, ref.h[0].attn, par.h[0].attn, x, dy, sp)}
         worst = max(v for e in errs.values() for v in e.values())
         ok, detail = worst <= LAYER_TOL, f"worst {worst:.2e}: {errs}"
     agree(ok, detail)

@@ -116,14 +116,3 @@ def _read_hf(path: Path) -> dict:
               for k, v in data.items() if k in _FIELDS}
     check_model_values(values, where=where)
     return values
-
-
-def gpt_param_count(cfg: GPTConfig) -> int:
-    """Parameters of the GPT-2 model: per block LN, QKV, attention proj, LN, MLP (all with
-    biases), then token and position embeddings and the final LN; the LM head is tied to wte.
-    With n_inner = 4*n_embd a block has 12*C^2 + 13*C parameters."""
-    if cfg.model_type != "gpt2":
-        raise ValueError(f"gpt_param_count: model_type must be 'gpt2', got {cfg.model_type!r}")
-    c, h = cfg.n_embd, cfg.hidden
-    block = 2 * c + (3 * c * c + 3 * c) + (c * c + c) + 2 * c + (c * h + h) + (h * c + c)
-    return cfg.n_layer * block + cfg.vocab_size * c + cfg.n_positions * c + 2 * c

@@ -53,8 +53,8 @@ from __future__ import annotations
 
 from .comm import (CopyToTP, GatherFromSeq, GatherLastDim, ReduceFromTP, ReduceScatterToSeq, ScatterToSeq,
                    copy_to_tp, gather_last_dim, gather_seq, reduce_from_tp, reduce_scatter_seq, scatter_seq)
-from .layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
-                     SeqParallelLinear, SequenceParallelEmbedding, VocabEmbedding, VocabParallelEmbedding)
+from .layers import (ColumnParallelLinear, RowParallelLinear, SeqParallelLinear, SequenceParallelEmbedding,
+                     VocabEmbedding, VocabParallelEmbedding)
 from .layout import AXIS, PaddedParameter, check_model_tp, check_tp_layout, pad_rows, pad_vocab
 from .loss import VocabParallelCrossEntropy, VocabParallelHead, VocabParallelLoss, vocab_parallel_cross_entropy
 from .plan import KINDS, parallelize, reseed_dropouts
@@ -70,7 +70,7 @@ __all__ = [
     "copy_to_tp", "reduce_from_tp", "gather_seq", "reduce_scatter_seq", "scatter_seq", "gather_last_dim",
     # layers
     "SeqParallelLinear", "VocabEmbedding", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "SequenceParallelEmbedding", "ParallelMLP", "ParallelSelfAttention",
+    "SequenceParallelEmbedding",
     # loss
     "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "VocabParallelHead", "VocabParallelLoss",
     # plan
@@ -78,5 +78,4 @@ __all__ = [
     # state
     "shard_param", "gather_param", "shard_state_dict", "full_state_dict", "sync_sequence_parallel_grads",
     "gather_logits",
-    # memory
 ]

@@ -1,10 +1,11 @@
 """Tensor-parallel modules (column/row-parallel linear, vocabulary-split and sequence-split
-embeddings, MLP, self-attention) and the fused Functions with weights they run on."""
+embeddings) and the fused Functions with weights they run on. A model's MLP and attention become
+tensor parallel through its plan (:func:`mpirt.parallel.tensor.parallelize`), which swaps these in."""
 from __future__ import annotations
 
 import mpirt.backend as B
 from mpirt import ops
-from mpirt.nn import Dropout, Module, ShardSpec
+from mpirt.nn import Module, ShardSpec
 from mpirt.tensor import Function, Tensor
 from mpirt.threads import matmul
 
@@ -16,7 +17,7 @@ from mpirt.ops.nn import scatter_add_rows
 
 from .comm import (_gather_dim, _reduce_scatter_dim, _split_dim, copy_to_tp, gather_last_dim, reduce_from_tp,
                    reduce_scatter_seq)
-from .layout import AXIS, PaddedParameter, _local_param, check_tp_layout, pad_vocab
+from .layout import AXIS, PaddedParameter, _local_param, pad_vocab
 
 
 # =============================================================================================
@@ -186,47 +187,3 @@ class SequenceParallelEmbedding(Module):
     def forward(self, ids):
         ids = ids.data if isinstance(ids, Tensor) else B.xp.asarray(ids)
         return ops.embedding(_split_dim(ids, self.comm, ids.ndim - 1), self.weight)
-
-
-class ParallelMLP(Module):
-    """``c_proj(gelu(c_fc(x)))``, column then row parallel: one allreduce forward and one backward
-    (or, sequence parallel, allgather + reduce-scatter). Names as GPT-2's MLP."""
-
-    def __init__(self, n_embd: int, hidden: int, comm, *, sequence_parallel=False, std=0.02, proj_std=0.02,
-                 dropout: float = 0.0, dtype="float32"):
-        super().__init__()
-        self.c_fc = ColumnParallelLinear(n_embd, hidden, comm, sequence_parallel=sequence_parallel, std=std,
-                                         dtype=dtype)
-        self.c_proj = RowParallelLinear(hidden, n_embd, comm, sequence_parallel=sequence_parallel, std=proj_std,
-                                        dtype=dtype)
-        self.dropout = Dropout(dropout)
-
-    def forward(self, x):
-        return self.dropout(self.c_proj(ops.gelu(self.c_fc(x))))
-
-
-class ParallelSelfAttention(Module):
-    """Causal self-attention with the heads split over tp: the fused qkv projection is column
-    parallel with 3 blocks (each rank holds whole heads of q, k and v), attention runs on the
-    local ``n_head/t`` heads, the output projection is row parallel. Names as GPT-2's."""
-
-    def __init__(self, n_embd: int, n_head: int, comm, *, sequence_parallel=False, std=0.02, proj_std=0.02,
-                 attn_dropout: float = 0.0, resid_dropout: float = 0.0, dtype="float32"):
-        super().__init__()
-        check_tp_layout(comm.size, n_head=n_head, n_embd=n_embd, hidden=n_embd)
-        self.n_head = n_head // comm.size
-        self.c_attn = ColumnParallelLinear(n_embd, 3 * n_embd, comm, sequence_parallel=sequence_parallel, blocks=3,
-                                           std=std, dtype=dtype)
-        self.c_proj = RowParallelLinear(n_embd, n_embd, comm, sequence_parallel=sequence_parallel, std=proj_std,
-                                        dtype=dtype)
-        self.attn_dropout, self.resid_dropout = Dropout(attn_dropout), Dropout(resid_dropout)
-        self.attn_dropout.tp_split = True  # its input is the local heads: (B, H/t, T, T)
-
-    def forward(self, x):
-        qkv = self.c_attn(x)                                               # (B, T, 3C/t): q_r | k_r | v_r
-        d = self.attn_dropout
-        if self.training and d.p > 0.0:
-            y = ops.causal_self_attention(qkv, self.n_head, dropout_p=d.p, seed=d.next_source())
-        else:
-            y = ops.causal_self_attention(qkv, self.n_head)                # (B, T, C/t)
-        return self.resid_dropout(self.c_proj(y))
