@@ -1,6 +1,12 @@
 """Shared test helpers: a tiny prepared dataset, the command line to run mpirt's entry points, and
 for the multi-rank tests the verdict every rank agrees on (:func:`agree`) and this rank's group of
-consecutive world ranks (the :func:`group` fixture, freed after the test)."""
+consecutive world ranks (the :func:`group` fixture, freed after the test).
+
+The ``launch`` marker goes on every test that starts processes (it runs an entry point through
+:func:`run_module`, calls ``subprocess``, or trains on the :func:`tiny_data` set), so that
+``pytest -m "not launch and not mpi" tests`` runs the single-process unit tests alone, in a few
+minutes."""
+import inspect
 import os
 import subprocess
 import sys
@@ -11,6 +17,23 @@ import pytest
 from mpirt.data import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
+LAUNCHES = ("run_module(", "subprocess.", "Popen(", "mpiexec")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "launch: starts processes (an entry point, mpiexec, a subprocess); "
+                                       "-m 'not launch and not mpi' runs the unit tests alone")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fn = getattr(item, "function", None)
+        try:
+            source = inspect.getsource(fn) if fn is not None else ""
+        except (OSError, TypeError):
+            source = ""
+        if "tiny_data" in getattr(item, "fixturenames", ()) or any(word in source for word in LAUNCHES):
+            item.add_marker(pytest.mark.launch)
 
 
 @pytest.fixture(scope="session")
