@@ -16,8 +16,9 @@ from conftest import ROOT
 
 README = ROOT / "README.md"
 # lines that are not mpirt commands, or that cannot run here (installs, a cluster, minutes of timing)
-NOT_RUN = ("python3 -m venv", "pip install", "MPICC=", "bash tests/run.sh", "python bench/", "bash bench/",
-           "module load", "sbatch gpt2m.sbatch", "grep ", "mpirt: ", "python -c ", "python -m mpirt.plan --calibrate")
+NOT_RUN = ("python3 -m venv", "pip install", "MPICC=", "bash tests/run.sh", "python -m pytest", "python bench/",
+           "bash bench/", "module load", "sbatch gpt2m.sbatch", "grep ", "mpirt: ", "python -c ",
+           "python -m mpirt.plan --calibrate")
 SYNOPSIS = "python -m mpirt.train [CONFIG.toml]"            # the usage line, not a command
 
 
