@@ -382,6 +382,31 @@ def test_rejects_bad_arguments():
         ZeroOptimizer(model, comm, stage=1)
 
 
+def test_stage2_streaming_under_an_interleaved_order_loses_no_gradient():
+    """Buckets cut across parameters (5 elements, parameters of 4), backward in an interleaved
+    pipeline's order (the store's second half, chunk 1, runs micro-batches before the first half
+    does): a parameter whose first bucket was reduced gets the next micro-batch's gradient while
+    its bucket that straddles the chunks still waits; nothing of either is lost or counted twice."""
+    from mpirt.comm import Comm
+    from mpirt.nn import Parameter
+    from mpirt.parallel.zero import ZeroOptimizer
+
+    ps = [Parameter((4,), dtype="float64") for _ in range(4)]
+    for i, p in enumerate(ps):
+        p.data, p.name = np.ones(4), f"p{i}"
+    opt = ZeroOptimizer(ps, Comm(MPI.COMM_SELF), stage=2, stream_grads=True, bucket_bytes=5 * 8, lr=0.0,
+                        weight_decay=0.0)
+    chunk = {0: ps[:2], 1: ps[2:]}
+    order = [(1, 0), (1, 1), (0, 0), (1, 2), (0, 1), (1, 3), (0, 2), (0, 3)]  # (chunk, micro-batch)
+    for _ in range(2):
+        opt.zero_grad()
+        for c, _mb in order:
+            sum((p * 1.0).sum() for p in chunk[c]).backward()
+        opt.reduce_gradients()
+        np.testing.assert_array_equal(opt.grad_shard, [4.0] * 16)
+        assert all(p.grad is None for p in ps)
+
+
 def test_stage2_streaming_keeps_every_micro_batch_with_an_unused_parameter():
     """ZeRO-2 reducing during backward: a bucket whose parameter never gets a gradient waits, and
     the buckets before it wait through the next micro-batch; the step's shard holds the sum of

@@ -451,8 +451,9 @@ class _GradStream:
     finishes the gradients) at element granularity, so a large parameter spans several buckets
     and no bucket is larger than the staging buffer. They are reduced in index order (every rank
     issues the same collectives in the same order) once every parameter they touch reported its
-    gradient final; a parameter's ``p.grad`` is freed with its last bucket (the parts taken
-    before are zeroed). A bucket whose parameters finish before its predecessors' waits for them,
+    gradient final; a parameter's ``p.grad`` is freed once every bucket it touches took its part
+    (the parts taken before are zeroed, so a micro-batch that adds to it before then, as an
+    interleaved pipeline's order does, is owed to all of them again). A bucket whose parameters finish before its predecessors' waits for them,
     and :meth:`finish` reduces whatever is left (unused parameters never fire their hook: their
     bucket, and those after it, wait until then, also through the next micro-batches). Every
     micro-batch's backward (gradient accumulation, a pipeline's micro-batches) reduces its
@@ -484,7 +485,7 @@ class _GradStream:
         for k, bucket in enumerate(self.buckets):
             for p, *_ in bucket[2]:
                 self._buckets_of.setdefault(id(p), []).append(k)
-        self._last = {key: ks[-1] for key, ks in self._buckets_of.items()}  # frees the parameter's gradient
+        self._held = held
         self.staging = B.xp.empty(min(step, store.numel), dtype=store.dtype)
         for p in store.params:
             if id(p) not in held:
@@ -493,9 +494,13 @@ class _GradStream:
 
     def reset(self) -> None:
         self.final = [set() for _ in self.buckets]  # parameters final since the bucket's last reduction
+        # per parameter, the buckets its p.grad still owes data: freed when none is left (a
+        # gradient made again before all were reduced owes all of them again)
+        self.owed = {key: set(ks) for key, ks in self._buckets_of.items() if key in self._held}
         self.next, self.pending = 0, False  # the bucket to reduce next; whether a pass is under way
 
     def _ready(self, p) -> None:
+        self.owed[id(p)] = set(self._buckets_of[id(p)])
         for k in self._buckets_of[id(p)]:
             self.final[k].add(id(p))
         self.pending = True
@@ -510,8 +515,8 @@ class _GradStream:
 
     def _reduce_bucket(self, k: int) -> None:
         """Pack bucket ``k``, reduce-scatter it into the shard. What it took of a gradient is gone
-        from ``p.grad`` afterwards (freed with the last bucket, zeroed before: a later micro-batch
-        adds only its own part)."""
+        from ``p.grad`` afterwards (freed once no bucket is owed any of it, zeroed before: a later
+        micro-batch adds only its own part)."""
         lo, hi, members, counts, at = self.buckets[k]
         opt = self.opt
         for p, a, b, pos in members:
@@ -523,10 +528,12 @@ class _GradStream:
                 p.grad = B.xp.ascontiguousarray(p.grad)
             flat = p.grad.reshape(-1)
             part[...] = flat[a:b]
-            if self._last[id(p)] == k:
-                p.grad = None
-            else:
+            owed = self.owed.get(id(p), set())
+            owed.discard(k)
+            if owed:
                 flat[a:b] = 0
+            else:
+                p.grad = None
         self.final[k].clear()
         B.synchronize()
         mine = opt.comm.reduce_scatter(self.staging[:hi - lo], op="avg", counts=counts)
