@@ -47,7 +47,7 @@ def test_plan_layout_resolves_dp_and_describes_itself():
     lay = plan_layout(cfg, 8)
     assert isinstance(lay, Layout) and (lay.dp, lay.pp, lay.tp, lay.rows) == (2, 2, 2, 2)
     assert lay.describe() == "dp 2 x pp 2 x tp 2, ZeRO-1, zb-h1 schedule, 4 micro-batches, sequence parallel"
-    assert Layout.of(cfg, lay) is lay
+    assert Layout.of(cfg, lay) == lay and Layout.of(replace(cfg, microbatches=8), lay).rows == 1
     with pytest.raises(KeyError):
         lay["cp"]
 

@@ -64,9 +64,8 @@ class Layout(Mapping):
 
     @classmethod
     def of(cls, cfg, sizes) -> "Layout":
-        """The layout of training config ``cfg`` on ``sizes`` (a mapping with dp, pp and tp)."""
-        if isinstance(sizes, Layout):
-            return sizes
+        """The layout of training config ``cfg`` on ``sizes`` (a mapping with dp, pp and tp, a
+        ``Layout`` too: derived again from ``cfg``, which may differ from the one it came from)."""
         dp, pp, tp = (int(sizes[k]) for k in AXES)
         m = (cfg.microbatches or pp) if pp > 1 else cfg.grad_accum
         return cls(dp=dp, pp=pp, tp=tp, zero=cfg.zero, sequence_parallel=bool(cfg.sequence_parallel and tp > 1),
