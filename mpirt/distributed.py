@@ -12,12 +12,12 @@ strings that ride along with the config through :func:`check_same_config`.
 BLAS threads. NumPy's OpenBLAS starts one thread per core in *every* rank, so k ranks on a node
 oversubscribe its cores k times. The thread variables cannot be set before NumPy loads here (it is
 already imported), so :func:`mpirt.threads.set_num_threads`, the one owner of the thread counts,
-gives mpirt's pool the count and sets the OpenBLAS mapped into the process to one thread per
-pool thread (it splits the GEMMs itself; without OpenBLAS the GEMM library keeps its own count);
-``Context`` holds both counts read back. The count is ``threads`` when given; otherwise left alone when the
-user set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS; otherwise the CPUs this process
-may use (its affinity mask) divided by the ranks on the node, at least 1. A failure is recorded in
-``Context.blas_note`` and start-up carries on.
+gives mpirt's pool the count and sets the OpenBLAS mapped into the process to one thread (the
+pool splits the GEMMs itself; without OpenBLAS the GEMM library keeps its own count);
+``Context`` holds both counts read back. The count is ``threads`` when given; otherwise left
+alone when the user set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS; otherwise the
+CPUs this process may use (its affinity mask) divided by the ranks on the node, at least 1. An
+OpenBLAS not found is recorded in ``Context.blas_note`` and start-up carries on.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def init_distributed(seed: int, backend: str = "auto", threads: int | None = Non
     device = B.bind_device(info.local_rank)
     count, note = plan_blas_threads(threads, info.local_size)
     if count is not None:
-        T.set_num_threads(count)  # mpirt's pool; OpenBLAS one thread per pool thread where it splits
+        T.set_num_threads(count)  # mpirt's pool; OpenBLAS one thread where it is found
     if T.blas_threads() is None and count is not None:
         note += "; OpenBLAS not found: the GEMM library keeps its own thread count"
     if name == "numpy":

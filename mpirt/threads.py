@@ -89,9 +89,9 @@ def num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Use ``n`` threads (the calling thread included) for mpirt's GEMMs and passes; 1 turns the
-    pool off. The one owner of the process's CPU thread counts: NumPy's OpenBLAS runs one thread
-    per pool thread where the pool splits the GEMMs (OpenBLAS found), else ``n`` itself (see the
-    module docstring); :func:`blas_threads` reads back the count in force."""
+    pool off. The one owner of the process's CPU thread counts: NumPy's OpenBLAS, where it is
+    found, runs one thread (the pool splits the GEMMs; see the module docstring);
+    :func:`blas_threads` reads back the count in force."""
     global _num_threads, _pool, _split_gemms
     if n < 1:
         raise ValueError(f"set_num_threads: need n >= 1, got {n}")
@@ -101,7 +101,7 @@ def set_num_threads(n: int) -> None:
     _num_threads = int(n)
     _split_gemms = _openblas() is not None and n > 1
     if _openblas() is not None:
-        set_blas_threads(1 if _split_gemms else n)
+        set_blas_threads(1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -280,7 +280,7 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
     lines = [
         f"mpirt: world_size {ctx.size} ({launch['name']}, PMI {launch['pmi']}), layout {lay}",
         f"mpirt: backend {ctx.backend}, comm engine {engine_name}, threads/rank {ctx.threads} "
-        f"(OpenBLAS {ctx.blas_threads if ctx.blas_threads is not None else 'not found'} each; {ctx.blas_note}), "
+        f"(OpenBLAS {ctx.blas_threads if ctx.blas_threads is not None else 'not found'}; {ctx.blas_note}), "
         f"comm timeout " + (f"{comm_timeout(cfg, model_cfg):.0f} s" if comm_timeout(cfg, model_cfg) else "off"),
         *([f"mpirt: GEMM {blas.describe()}; kernels {kernels.describe()}"] if ctx.backend == "numpy" else []),
         f"mpirt: model {cfg.model} ({num_parameters(model_cfg) / 1e6:.2f}M parameters, {model_cfg.n_layer} layers, "
@@ -292,7 +292,7 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
         f"batch {cfg.batch_size} x {cfg.seq_len}",
         f"mpirt: memory: recompute {cfg.recompute}" + (f" (blocks {cfg.recompute_layers})" if cfg.recompute_layers
                                                          and cfg.recompute != "none" else "")
-        + _recompute_skipped(cfg, model_cfg, layout, ctx.size)
+        + _recompute_skipped(cfg, model_cfg, layout)
         + f", predicted peak {format_size(max(predict(cfg, model_cfg, layout, r, rank0_on_top=True)['peak'] for r in range(ctx.size)))}"
         + f" (largest rank), budget {cfg.memory_budget or 'none'}",
         f"mpirt: out {out} ({where}; steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
@@ -302,13 +302,12 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
     return "\n".join(lines)
 
 
-def _recompute_skipped(cfg, model_cfg, layout: dict, world_size: int) -> str:
+def _recompute_skipped(cfg, model_cfg, layout) -> str:
     """The banner's note on the pipeline stages where recomputation would not lower the peak and
     so does not run (:func:`mpirt.memory.recompute_pays`)."""
     if cfg.recompute == "none" or cfg.zero == 3:
         return ""
-    stages = sorted({Layout.of(cfg, layout).position(r)["pp"] for r in range(world_size)
-                     if not recompute_pays(cfg, model_cfg, layout, r)})
+    stages = [s for s in range(layout["pp"]) if not recompute_pays(cfg, model_cfg, layout, s * layout["tp"])]
     if not stages:
         return ""
     if len(stages) == layout["pp"]:

@@ -74,7 +74,9 @@ class Engine:
                 chunks=layout.chunks, dtype=cfg.dtype, seed=cfg.seed,
                 seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
             self.model, blocks, tied_copy = self.stage.model, self.stage.blocks, self.stage.tied_copy
-            tied_names = self.stage.tied_names if self.stage.has_embed or self.stage.has_head else []
+            # the tied embedding's copies, summed over the pipeline ends after the schedule
+            held = [p for name, p in self.model.named_parameters() if name in self.stage.tied_names] \
+                if self.stage.has_embed or self.stage.has_head else []
             roots = (self.model, self.stage.shell)  # the embedding dropout stays in the ends' shell
             init = None  # the stage initialises its own layers
         else:
@@ -86,7 +88,7 @@ class Engine:
             if tp > 1:
                 TP.parallelize(self.model, self.tp_comm, sequence_parallel=cfg.sequence_parallel)
             init = seeded_init(cfg.seed, {"tp": tp}, {"tp": grid.coords["tp"]})
-            blocks, tied_copy, roots = dict(enumerate(self.model.h)), (), (self.model,)
+            blocks, tied_copy, roots, held = dict(enumerate(self.model.h)), (), (self.model,), []
         if local is None:
             for part in filter(None, roots):
                 TP.reseed_dropouts(part, dropout_seed, grid.coords["tp"], tp, cfg.sequence_parallel)
@@ -106,7 +108,6 @@ class Engine:
             params = self.stage.parameters() if self.stage else self.model.parameters()
             self.store = FlatParams(params, counted, init=init, grads=cfg.zero != 2)  # ZeRO-2: a shard only
             if cfg.zero:  # ZeRO-2 reduces buckets during backward; a pipeline's tied copies wait for the step
-                held = [p for name, p in self.model.named_parameters() if name in tied_names] if self.stage else []
                 self.optimizer = ZeroOptimizer(self.store, self.dp_comm, stage=cfg.zero, norm_comms=norm_comms,
                                                stream_grads=True, held=held, **hyper)
             else:

@@ -18,7 +18,7 @@ the shard that belong to decayed parameters, exactly as AdamW applies it per par
   store, cut in the order backward finishes the gradients, across parameter boundaries) has all
   its gradients final it is packed into one staging buffer, reduced straight into the owners'
   chunks (an uneven reduce-scatter: each rank gets the part of the range it owns, maybe none)
-  and added to the gradient shard; a ``p.grad`` is freed with its last bucket. Every
+  and added to the gradient shard; a ``p.grad`` is freed once every bucket took its part. Every
   micro-batch's backward does so (gradient accumulation, a pipeline's micro-batches: the shard
   sums them, at the price of one reduction per micro-batch); a pipeline's tied copies are
   ``held`` for the step (summed over the pipeline ends first). Peak gradient memory: the
@@ -453,8 +453,8 @@ class _GradStream:
     issues the same collectives in the same order) once every parameter they touch reported its
     gradient final; a parameter's ``p.grad`` is freed once every bucket it touches took its part
     (the parts taken before are zeroed, so a micro-batch that adds to it before then, as an
-    interleaved pipeline's order does, is owed to all of them again). A bucket whose parameters finish before its predecessors' waits for them,
-    and :meth:`finish` reduces whatever is left (unused parameters never fire their hook: their
+    interleaved pipeline's order does, is owed to all of them again). A bucket whose parameters
+    finish before its predecessors' waits for them, and :meth:`finish` reduces whatever is left (unused parameters never fire their hook: their
     bucket, and those after it, wait until then, also through the next micro-batches). Every
     micro-batch's backward (gradient accumulation, a pipeline's micro-batches) reduces its
     buckets and the shard sums them. The parameters in ``held`` (a pipeline's tied copies, summed
@@ -485,7 +485,7 @@ class _GradStream:
         for k, bucket in enumerate(self.buckets):
             for p, *_ in bucket[2]:
                 self._buckets_of.setdefault(id(p), []).append(k)
-        self._held = held
+        self._held_ids = held
         self.staging = B.xp.empty(min(step, store.numel), dtype=store.dtype)
         for p in store.params:
             if id(p) not in held:
@@ -496,7 +496,7 @@ class _GradStream:
         self.final = [set() for _ in self.buckets]  # parameters final since the bucket's last reduction
         # per parameter, the buckets its p.grad still owes data: freed when none is left (a
         # gradient made again before all were reduced owes all of them again)
-        self.owed = {key: set(ks) for key, ks in self._buckets_of.items() if key in self._held}
+        self.owed = {key: set(ks) for key, ks in self._buckets_of.items() if key in self._held_ids}
         self.next, self.pending = 0, False  # the bucket to reduce next; whether a pass is under way
 
     def _ready(self, p) -> None:
