@@ -92,14 +92,31 @@ def kept_bytes(root) -> int:
 # =============================================================================================
 # The process: Python, NumPy, mpi4py and MPI's shared-memory segments, mpirt's modules, BLAS set-up
 # and the monitor's start-up probes, as memory the rank owns (stepstats.owned_bytes: the file-backed
-# pages of the libraries' code, about 41 MiB here, are not counted). Measured as the peak of
-# `mpirt.train` runs whose model is a few kilobytes on a 1.7 MB dataset (1, 2 and 4 ranks, float32
-# and float64: 41.6-42.7 MiB per rank, rank 0 up to 50.7 MiB: it also writes the checkpoint,
-# metrics and summary), rounded up.
-PROCESS_BYTES = 43 * 2**20
-RANK0_EXTRA_BYTES = 10 * 2**20
+# pages of the libraries' code, about 41 MiB here, are not counted). A run measures its own
+# (measured_baseline). What it adds after its pre-flight checks besides what predict models
+# (communicators and their segments, the watchdog thread, modules imported later, the monitor's
+# probes, the graph's Python objects) is LATE_BYTES: measured peak less predicted with the measured
+# baseline over the 14 layouts of tests/test_memory.py (24 ranks; GPT and Llama, pp 1-4, ZeRO 2/3,
+# recompute, half), 5.8 to 13.3 MiB, median 8.2, the same in the development install and a
+# minimal `.[mpich]` one within 1 MiB per layout (their start-up baselines differ).
+LATE_BYTES = int(8.2 * 2**20)
+# The planner has no process to measure: a start-up baseline here (35.8 MiB on ranks without
+# TensorBoard's writer) plus LATE_BYTES, rounded up.
+PROCESS_BYTES = 44 * 2**20
 CATEGORIES = ("baseline", "data", "parameters", "gradients", "optimizer_state", "activations", "communication",
               "workspace")
+
+
+def measured_baseline() -> int:
+    """This rank's process baseline for :func:`predict`, measured: the memory it owns now
+    (:func:`mpirt.stepstats.owned_bytes`, before anything of the model is built; the heap's free
+    pages handed back first, so what start-up freed is not counted) plus :data:`LATE_BYTES`. It
+    follows the environment (which libraries the install loads, the MPI library's segments), which
+    a constant calibrated in one install cannot."""
+    from mpirt.hostalloc import release_freed_memory
+    from mpirt.stepstats import owned_bytes
+    release_freed_memory()
+    return owned_bytes() + LATE_BYTES
 
 
 def peak_in_flight(schedule, rank: int, chunk_bytes: list, weight_bytes: list | None = None) -> int:
@@ -146,7 +163,7 @@ def recompute_pays(cfg, model_cfg, layout: dict, rank: int) -> bool:
 
 
 def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
-            rank0_on_top: bool = False, checkpoint_gather: bool = False) -> dict:
+            checkpoint_gather: bool = False) -> dict:
     """Predicted peak bytes of world rank ``rank`` by category (:data:`CATEGORIES`) plus ``"peak"``,
     their sum, from the run's config alone (pure: nothing is built or communicated).
 
@@ -157,30 +174,29 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     layers (the tied table on both end stages), ZeRO's sharding over dp (stage 2: the shard, the
     buckets being reduced, the gradients in flight and a pipeline's tied embedding gradient); ``activations``: one micro-batch's kept bytes (the model's
     ``activation_bytes_of`` under the recomputation setting; ZeRO-3 keeps only unit inputs) times the
-    pipeline schedule's peak in flight; ``communication``: pipeline receive buffers, ZeRO-3's
+    pipeline schedule's peak in flight (a pipeline stash also holds the stage's received input and
+    its output); ``communication``: pipeline receive buffers, ZeRO-3's
     gathered unit (parameters and gradient); ``workspace``: the larger transient of the backward's
     gradient of the logits (plus one recomputed block, whole again) and, less the activations
     (freed by then), what saving a checkpoint holds: every rank streams the boxes it owns (format 3),
-    one at a time, so at most the largest local tensor once and its finiteness mask, and rank 0's writing
-    (:data:`RANK0_EXTRA_BYTES`). Split
-    (zero-bubble) schedules hold a micro-batch's weight-pass bytes from its B to its W.
+    one at a time, so at most the largest local tensor once and its finiteness mask. Split
+    (zero-bubble) schedules hold a micro-batch's weight-pass bytes from its B to its W. Rank 0's
+    writing (metrics, summary, TensorBoard) is in its baseline: its writer's modules are loaded
+    before a run measures it.
 
-    The planner's options (defaults give the figures above): ``process_bytes`` replaces
-    :data:`PROCESS_BYTES` (a calibrated baseline of this machine's environment); ``rank0_on_top``
-    counts rank 0's writing on top of the larger transient instead of inside the end of the run's
-    (freed activations stay resident: the allocator keeps them for reuse, so the writer's buffers
-    come on top; measured ~10 MiB above the other ranks on runs whose activations outweigh the
-    gathered state); ``checkpoint_gather=True`` models the older whole-state checkpoints instead (the
+    The options (defaults give the figures above): ``process_bytes`` replaces
+    :data:`PROCESS_BYTES` (a run's :func:`measured_baseline`, or the planner's calibrated baseline of
+    a machine's environment); ``checkpoint_gather=True`` models the older whole-state checkpoints instead (the
     full state gathered on every rank without pp, on pp rank 0 with it).
     """
     if cfg.recompute != "none" and cfg.zero < 3 and not recompute_pays(cfg, model_cfg, layout, rank):
         cfg = dataclasses.replace(cfg, recompute="none")  # what the engine runs on this stage
     return _predict(cfg, model_cfg, layout, rank, data_bytes, process_bytes=process_bytes,
-                    rank0_on_top=rank0_on_top, checkpoint_gather=checkpoint_gather)[0]
+                    checkpoint_gather=checkpoint_gather)[0]
 
 
 def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
-             rank0_on_top: bool = False, checkpoint_gather: bool = False) -> dict:
+             checkpoint_gather: bool = False) -> dict:
     """:func:`predict`'s categories with ``cfg.recompute`` applied as it is, and the step's
     activation peak (kept activations plus the backward's transient)."""
     from mpirt import recompute
@@ -202,6 +218,9 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
 
     def stage_bytes(lo: int, hi: int, first: bool, last: bool, how: str = mode) -> int:
         kept = sum(_kept(acts, how, i in picked) for i in range(lo, hi))
+        if pp > 1:  # a stash keeps the received input (unless a fully recomputed first block keeps
+            # it anyway) and the output it sent: a block input's bytes each
+            kept += acts["input"] * ((not first and not (how == "full" and lo in picked)) + (not last))
         if cfg.zero == 3:  # embed and head are units too: the embedding output, the logits and loss
             return kept + (acts["input"] if first else 0) + (acts["head"] - acts["input"] if last else 0)
         return kept + (acts["embed"] if first else 0) + (acts["head"] if last else 0)
@@ -259,10 +278,8 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     if not checkpoint_gather:  # format 3: boxes stream from the arrays, one at a time copied when not
         # contiguous, after a finiteness mask (1 byte per element); the token table is the largest
         checkpoint = max(costs[0].params, max(c.params for c in costs[1:-1]) / 4) / tp * (state_e + 1)
-    if rank == 0 and not rank0_on_top:  # writing the checkpoint, metrics and summary
-        checkpoint += RANK0_EXTRA_BYTES
     # the step's transient comes on top of the activations, the end of the run's after they are freed
-    workspace = max(backward, checkpoint - activations) + (RANK0_EXTRA_BYTES if rank == 0 and rank0_on_top else 0)
+    workspace = max(backward, checkpoint - activations)
     out = {"baseline": PROCESS_BYTES if process_bytes is None else process_bytes, "data": data_bytes, "parameters": params, "gradients": grads, "optimizer_state": optimizer,
            "activations": activations, "communication": comm, "workspace": workspace}
     out = {k: int(v) for k, v in out.items()}
@@ -277,10 +294,14 @@ def describe_rank(layout, rank: int) -> str:
     return f"rank {rank}" + (f" ({where})" if where else "")
 
 
-def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int = 0) -> list[dict]:
-    """Every rank's :func:`predict`; with ``cfg.memory_budget``, ValueError for the rank whose peak
-    exceeds it by the most, naming its largest term, the numbers and what would shrink it."""
-    preds = [predict(cfg, model_cfg, layout, r, data_bytes, rank0_on_top=True) for r in range(world_size)]
+def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int = 0,
+                 process_bytes: int | None = None) -> list[dict]:
+    """Every rank's :func:`predict` (``process_bytes``: the baseline, e.g. this rank's
+    :func:`measured_baseline`; the ranks' processes differ by a fraction of a MiB); with
+    ``cfg.memory_budget``, ValueError for the rank whose peak exceeds it by the most, naming its
+    largest term, the numbers and what would shrink it."""
+    preds = [predict(cfg, model_cfg, layout, r, data_bytes, process_bytes=process_bytes)
+             for r in range(world_size)]
     budget = parse_size(cfg.memory_budget)
     if budget is None:
         return preds

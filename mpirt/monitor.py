@@ -125,17 +125,27 @@ class Metrics:
             self.file = None
 
 
+def tensorboard_writer_class():
+    """``tensorboard.summary.Writer``, or None without the ``tensorboard`` extra. Rank 0 imports
+    it before its memory baseline is measured (:func:`mpirt.memory.measured_baseline`): the
+    package's modules are ~9 MiB of the process, resident from then on."""
+    try:
+        from tensorboard.summary import Writer
+    except ImportError:
+        return None
+    return Writer
+
+
 class _TensorBoard:
     """Scalars to ``directory`` through ``tensorboard.summary.Writer`` (the ``tensorboard``
     extra); :attr:`note` says why there are none when it is not installed."""
 
     def __init__(self, directory: Path):
-        try:
-            from tensorboard.summary import Writer
-        except ImportError:
+        writer = tensorboard_writer_class()
+        if writer is None:
             self.writer, self.note = None, "off (pip install mpirt[tensorboard])"
             return
-        self.writer, self.note = Writer(str(directory)), str(directory)
+        self.writer, self.note = writer(str(directory)), str(directory)
 
     def add(self, step: int, scalars: dict) -> None:
         if self.writer is not None:

@@ -35,10 +35,10 @@ from mpirt.config import ConfigError, parse_args, parse_duration
 from mpirt.data import MetaError, TokenDataset, TokenIdError, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.distributed import init_distributed, input_fingerprint
 from mpirt.grid import Grid
-from mpirt.memory import (check_budget, decode_over_budget, format_size, over_budget_flag, parse_size, predict,
-                          recompute_pays)
+from mpirt.memory import (check_budget, decode_over_budget, format_size, measured_baseline, over_budget_flag,
+                          parse_size, predict, recompute_pays)
 from mpirt.recompute import parse_layers
-from mpirt.monitor import Metrics, Progress, RunMonitor, format_seconds, monitor_lines
+from mpirt.monitor import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, tensorboard_writer_class
 from mpirt.stepstats import owned_bytes
 from mpirt.optim import cosine_lr
 from mpirt.precision import LossScaler, is_half
@@ -267,7 +267,7 @@ def check_resumed_model(cfg, resumed, data: TokenDataset) -> None:
 
 
 def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, end_step: int,
-           engine_name: str) -> str:
+           engine_name: str, predicted_peak: int) -> str:
     """The start-up lines on rank 0: enough to see a wrong launch before a long run starts."""
     launch = jobctl.launcher_info()
     lay = Layout.of(cfg, layout).describe()
@@ -293,7 +293,7 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
         f"mpirt: memory: recompute {cfg.recompute}" + (f" (blocks {cfg.recompute_layers})" if cfg.recompute_layers
                                                          and cfg.recompute != "none" else "")
         + _recompute_skipped(cfg, model_cfg, layout)
-        + f", predicted peak {format_size(max(predict(cfg, model_cfg, layout, r, rank0_on_top=True)['peak'] for r in range(ctx.size)))}"
+        + f", predicted peak {format_size(predicted_peak)}"
         + f" (largest rank), budget {cfg.memory_budget or 'none'}",
         f"mpirt: out {out} ({where}; steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
         f"{', '.join(stops) or 'at the end'}, keep {cfg.keep_checkpoints}"
@@ -345,7 +345,11 @@ def main(argv=None) -> dict:
             if world.rank == 0:
                 print(line, file=sys.stderr, flush=True)
         check_resources(cfg, data)
-        check_budget(cfg, model_cfg, layout, world.size)  # every rank's predicted peak against --memory-budget
+        # the process as it stands before the model is built: the baseline of the predictions
+        if world.rank == 0 and cfg.monitor:
+            tensorboard_writer_class()  # rank 0's writer: imported now, it is counted in the baseline
+        baseline = measured_baseline()
+        check_budget(cfg, model_cfg, layout, world.size, process_bytes=baseline)  # every rank's against --memory-budget
         resumed_meta = read_checkpoint_meta(cfg.init_from) if resume else None
         # what built the model in the first place (kept across resumes): --model, or weights it started from
         model_source = ((resumed_meta.get("extra") or {}).get("model_source") if resume
@@ -368,7 +372,8 @@ def main(argv=None) -> dict:
             print(f"error: {message}" if rank == 0 else f"error on rank {rank}: {message}", file=sys.stderr)
         sys.exit(jobctl.EXIT_REFUSED)
     try:
-        return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started, model_source)
+        return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started, model_source,
+                     baseline)
     except TokenIdError as err:  # an id out of the vocabulary in a split checked as it is read
         sys.stderr.write(f"error: rank {world.rank}: {err}; {last_checkpoint(out)}\n")
         sys.stderr.flush()
@@ -395,10 +400,12 @@ def last_checkpoint(out: Path) -> str:
 
 
 def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path, started: float,
-          model_source: str | None = None) -> dict:
+          model_source: str | None = None, baseline: int | None = None) -> dict:
     """Everything after the pre-flight checks (begun at ``started``, epoch seconds): set up, train,
     checkpoint, summarise. ``model_source`` (``--model``, or ``init_from PATH``: what built the
-    model first) is recorded in the checkpoints, so a later resume knows what to compare."""
+    model first) is recorded in the checkpoints, so a later resume knows what to compare;
+    ``baseline``: this rank's process before the model was built (:func:`measured_baseline`), the
+    baseline of its memory prediction."""
     try:  # all ranks: the same config, and the same contents behind its paths
         ctx = init_distributed(cfg.seed, cfg.backend,
                                config={**cfg.to_dict(), "inputs": input_fingerprint(cfg, data.directory)})
@@ -412,6 +419,11 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     dp = grid.sizes["dp"]
     is_main = ctx.rank == 0
     world_comm = ctx.comm
+    baselines = world_comm.allgather_object(baseline)
+
+    def predicted_peaks() -> list[int]:  # every rank's, as the end block's model check counts them
+        return [predict(cfg, model_cfg, layout, r, process_bytes=baselines[r])["peak"]
+                for r in range(ctx.size)]
 
     B.limit_pool(parse_size(cfg.memory_budget))  # on a GPU the pool itself holds the budget
     # one dropout seed for every rank: the masks depend on each element's place in the global batch
@@ -509,7 +521,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     metrics = Metrics(out / "metrics" / f"rank{ctx.rank}.jsonl", resume_step=start_step if resume else None)
     if is_main:
         print(banner(ctx, cfg, layout, model_cfg, data, out, start_step, end_step,
-                     comm.describe_engines(B.xp.empty(1))), file=sys.stderr, flush=True)
+                     comm.describe_engines(B.xp.empty(1)), max(predicted_peaks())), file=sys.stderr, flush=True)
         print(monitor.describe(), file=sys.stderr, flush=True)
     progress = Progress(cfg.steps, start_step, enabled=is_main and cfg.progress, end=end_step)
     val_loss = math.nan
@@ -627,8 +639,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     grid.free()
 
     peaks = world_comm.allgather_object(owned_bytes(peak=True))
-    # as the end block's model check counts it (rank 0's writing on top): one predicted peak per run
-    predicted = [predict(cfg, model_cfg, layout, r, rank0_on_top=True)["peak"] for r in range(ctx.size)]
+    predicted = predicted_peaks()
     summary = {
         "steps": step,
         "total_steps": cfg.steps,
@@ -657,6 +668,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "last_checkpoint_step": last_save["step"],
         "predicted_peak_bytes": max(predicted),
         "predicted_peak_bytes_per_rank": predicted,
+        "process_baseline_bytes_per_rank": baselines,
         "memory_budget_bytes": budget,
         **monitored,
     }

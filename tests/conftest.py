@@ -45,13 +45,14 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 def run_module(module: str, *args, ranks: int = 0, timeout: float = 240, check: bool = True, cwd=ROOT,
-               expect: int = 0):
-    """Run ``python -m module args`` (under ``mpiexec -n ranks`` when ranks > 0) in ``cwd``; returns the
-    result. With ``check``, an exit code other than ``expect`` raises (75: a run stopped with work left)."""
+               expect: int = 0, env: dict | None = None):
+    """Run ``python -m module args`` (under ``mpiexec -n ranks`` when ranks > 0) in ``cwd``, with
+    ``env`` added to the environment; returns the result. With ``check``, an exit code other than
+    ``expect`` raises (75: a run stopped with work left)."""
     cmd = [sys.executable, "-m", module, *map(str, args)]
     if ranks:
         cmd = ["mpiexec", "-n", str(ranks), *cmd]
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", **(env or {}))
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     if check and result.returncode != expect:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")

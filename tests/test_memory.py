@@ -15,8 +15,8 @@ import pytest
 
 from conftest import run_module
 from mpirt.config import TrainConfig
-from mpirt.memory import CATEGORIES, decode_over_budget, format_size, over_budget_flag, parse_size, peak_in_flight, \
-    predict
+from mpirt.memory import CATEGORIES, LATE_BYTES, decode_over_budget, format_size, over_budget_flag, parse_size, \
+    peak_in_flight, predict
 from mpirt.modeling import load_model_config
 from mpirt.parallel.schedule_check import simulate
 from mpirt.parallel.schedules import build
@@ -123,6 +123,22 @@ def test_run_that_fits_is_predicted(tiny_data, tmp_path, ranks, layout):
                *layout, ranks=ranks)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["memory_budget_bytes"] == 2**30 and s["peak_memory_bytes"] <= 2**30
+    for measured, predicted in zip(s["peak_memory_bytes_per_rank"], s["predicted_peak_bytes_per_rank"]):
+        assert predicted == pytest.approx(measured, rel=0.05), (measured / 2**20, predicted / 2**20)
+
+
+def test_prediction_starts_from_the_process_as_measured(tiny_data, tmp_path):
+    """The baseline is the process as it stands before the model is built, not a constant of one
+    install: a process holding 48 MiB more from start-up (a module keeping an array, as a larger
+    install's libraries would) is predicted with them, within 5% on every rank."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import numpy\nBALLAST = numpy.ones(6 * 2**20)  # 48 MiB, touched\n")
+    path = os.pathsep.join([str(site)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    run_module("mpirt.train", *ARGS, f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}", "--dp=2", ranks=2,
+               env={"PYTHONPATH": path})
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert all(b >= LATE_BYTES + 48 * 2**20 + 20 * 2**20 for b in s["process_baseline_bytes_per_rank"]), s
     for measured, predicted in zip(s["peak_memory_bytes_per_rank"], s["predicted_peak_bytes_per_rank"]):
         assert predicted == pytest.approx(measured, rel=0.05), (measured / 2**20, predicted / 2**20)
 

@@ -100,7 +100,7 @@ def test_memory_is_memory_predict_and_parts_add_up():
 
     est = estimate(cfg(dp=2, zero=2), TINY, cpu(), memory_ranks="all")
     p = memory.predict(cfg(dp=2, zero=2), TINY, {"dp": 2, "pp": 1, "tp": 1}, 0, process_bytes=None,
-                       rank0_on_top=True, checkpoint_gather=False)
+                       checkpoint_gather=False)
     assert est.memory["per_rank"][0] == p["peak"]
     parts = est.parts
     assert est.step_s == pytest.approx(parts["forward"] + parts["backward"] + parts["grad_sync"] + parts["optimizer"]

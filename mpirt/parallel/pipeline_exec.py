@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 import mpirt.backend as B
-from mpirt.nn import Parameter
+from mpirt.memory import kept_bytes
 from mpirt.parallel.schedules import F, W, Action, Schedule
 from mpirt.tensor import Tensor
 
@@ -37,41 +37,10 @@ class WaitLabel(NamedTuple):
         return f"pp rank {self.rank}: {verb} {a.kind} mb={a.mb} chunk {a.chunk} {prep} pp rank {a.peer}"
 
 
-def _array_bytes(out: Tensor, skip=()) -> int:
-    """Bytes of the arrays that the graph behind ``out`` keeps alive (saved by its Functions, its
-    non-parameter leaves and ``out`` itself), each underlying buffer counted once."""
-    bases, seen, stack = {}, set(), [out._ctx]
-
-    def add(a):
-        if hasattr(a, "nbytes") and hasattr(a, "shape"):
-            base = a.base if getattr(a, "base", None) is not None else a
-            bases[id(base)] = base.nbytes
-        elif isinstance(a, (tuple, list)):
-            for b in a:
-                add(b)
-
-    add(out.data)
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        for k, val in vars(fn).items():
-            if k != "inputs":
-                add(val)
-        for x in fn.inputs:
-            if isinstance(x, Tensor) and not isinstance(x, Parameter):
-                if x._ctx is None:
-                    add(x.data)
-                else:
-                    stack.append(x._ctx)
-    return int(sum(v for k, v in bases.items() if k not in skip))
-
-
 class PipelineExecutor:
     """Schedule execution and p2p for a pipeline stage (mixed into
     :class:`mpirt.parallel.pipeline.PipelineStage`, which provides ``comm``, ``grid``, ``rank``,
-    ``pp``, ``S``, ``m``, ``dtype``, ``act_shape``, ``_pool``, ``_stash_bytes``, ``_params``,
+    ``pp``, ``S``, ``m``, ``dtype``, ``act_shape``, ``_pool``, ``_stash_bytes``,
     ``model``, ``tied_names``, ``has_embed``, ``has_head``, ``trace``, ``wait_mode``, ``poll_s``
     and ``_forward``)."""
 
@@ -161,7 +130,7 @@ class PipelineExecutor:
                     if training:
                         stash[key] = [inp, out, buf, None]
                         if a.chunk not in self._stash_bytes:
-                            self._stash_bytes[a.chunk] = _array_bytes(out, skip={id(p.data) for p in self._params})
+                            self._stash_bytes[a.chunk] = kept_bytes(out)
                         live += 1
                         live_bytes += self._stash_bytes[a.chunk]
                         peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)

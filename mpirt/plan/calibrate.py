@@ -240,7 +240,7 @@ def measure_process_bytes(launcher: str = "mpiexec") -> dict:
     (its model, activations and checkpoint are a few MiB); the baseline is
     :data:`mpirt.memory.PROCESS_BYTES` plus the median over the ranks of the measured peak memory
     owned (:func:`mpirt.stepstats.owned_bytes`) less
-    :func:`mpirt.memory.predict` (rank 0's writing counted on top)."""
+    :func:`mpirt.memory.predict`."""
     import dataclasses
     import tempfile
     from pathlib import Path
@@ -262,7 +262,7 @@ def measure_process_bytes(launcher: str = "mpiexec") -> dict:
     cfg = dataclasses.replace(TrainConfig(), batch_size=4, seq_len=64)
     model_cfg = load_model_config("tiny", over)
     layout = {"dp": 2, "pp": 1, "tp": 1}
-    resid = [m - memory.predict(cfg, model_cfg, layout, r, rank0_on_top=True)["peak"]
+    resid = [m - memory.predict(cfg, model_cfg, layout, r)["peak"]
              for r, m in enumerate(summary["peak_memory_bytes_per_rank"])]
     return {"process_bytes": memory.PROCESS_BYTES + statistics.median(resid), "residual_per_rank": resid}
 
