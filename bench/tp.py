@@ -48,6 +48,7 @@ from mpirt.memory import kept_bytes  # noqa: E402
 from mpirt.modeling import activation_bytes  # noqa: E402
 from mpirt.optim import AdamW  # noqa: E402
 from mpirt.parallel import tensor as TP  # noqa: E402
+from mpirt.parallel.flat import FlatParams  # noqa: E402
 from mpirt.tensor import Function  # noqa: E402
 from mpirt.models import GPT, GPTConfig  # noqa: E402
 
@@ -113,6 +114,7 @@ class Config:
             model = GPT(cfg, dtype="float32")
             self.model = TP.parallelize(model, self.comm, sequence_parallel=sp, seed=1) if tp > 1 \
                 else model.initialize(1)
+            self.store = FlatParams(list(self.model.parameters()))  # the engine's store: SP grads summed there
             self.opt = AdamW(self.model.parameters(), lr=1e-4)
             mark_blocks(self.model, self.log)
 
@@ -127,7 +129,7 @@ class Config:
             self.act = kept_bytes(loss)
         loss.backward()
         if self.tp > 1:
-            TP.sync_sequence_parallel_grads(self.model, self.comm)
+            self.store.sync_partial_grads(self.comm)
         self.opt.step()
         self.opt.zero_grad()
         self.records = list(C.stats.records)

@@ -56,22 +56,17 @@ def kept_bytes(root) -> int:
     buffer once; parameters are left out.
     Call before backward: this is what a pipeline stash or a step's forward holds per micro-batch."""
     from mpirt.nn import Parameter
-    from mpirt.tensor import Tensor
+    from mpirt.tensor import Tensor, graph_functions
 
     found: dict[int, int] = {}
     params: set[int] = set()
-    seen, stack = set(), [root._ctx] if root._ctx is not None else []
 
     def add(a):
         base = array_base(a)
         found[id(base)] = int(base.nbytes)
 
     add(root.data)
-    while stack:
-        fn = stack.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
+    for fn in graph_functions(root):
         for key, value in vars(fn).items():
             if key not in ("inputs", "needs_input_grad"):
                 for a in arrays_in(value):
@@ -79,11 +74,8 @@ def kept_bytes(root) -> int:
         for x in fn.inputs:
             if isinstance(x, Parameter):
                 params.add(id(array_base(x.data)))
-            elif isinstance(x, Tensor):
-                if x._ctx is None:
-                    add(x.data)
-                else:
-                    stack.append(x._ctx)
+            elif isinstance(x, Tensor) and x._ctx is None:
+                add(x.data)
     return sum(n for k, n in found.items() if k not in params)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import mpirt.backend as B
 from mpirt import ops
 from mpirt.ops.dropout import MaskSource
-from mpirt.tensor import Tensor
+from mpirt.tensor import Tensor, graph_functions
 from mpirt.threads import fill_zero
 
 
@@ -292,23 +292,26 @@ def stand_ins(params):
             p._data = None
 
 
+def zero_grads(params, allocate: bool = True) -> None:
+    """Zero each parameter's ``.grad`` in place (never rebinds: views into a parameter store stay
+    views); one without a gradient gets a zero buffer, or with ``allocate=False`` stays without
+    (ZeRO-2 streaming: backward makes each and frees it once reduced)."""
+    for p in params:
+        if p.grad is not None:
+            fill_zero(p.grad)
+        elif allocate:
+            p.grad = B.xp.zeros_like(p.data)
+
+
 def graph_parameters(root: Tensor) -> list:
     """The Parameters that ``root`` was computed from (the Parameter leaves of its autograd graph),
-    each once, in the order a depth-first walk from ``root`` first meets them. Linear in the size
-    of the graph. Empty for a leaf or for a Tensor computed without a graph (``no_grad``)."""
+    each once, in the order of :func:`mpirt.tensor.graph_functions`. Linear in the size of the
+    graph. Empty for a leaf or for a Tensor computed without a graph (``no_grad``)."""
     found: dict[int, Parameter] = {}
-    seen: set[int] = set()
-    stack = [root._ctx] if root._ctx is not None else []
-    while stack:
-        fn = stack.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        for x in getattr(fn, "inputs", ()):
+    for fn in graph_functions(root):
+        for x in fn.inputs:
             if isinstance(x, Parameter):
                 found.setdefault(id(x), x)
-            elif isinstance(x, Tensor) and x._ctx is not None:
-                stack.append(x._ctx)
     return list(found.values())
 
 
@@ -368,11 +371,7 @@ class Module:
 
     def zero_grad(self) -> None:
         """Zero every gradient buffer in place (allocating it on first use)."""
-        for p in self.parameters():
-            if p.grad is None:
-                p.grad = B.xp.zeros_like(p.data)
-            else:
-                fill_zero(p.grad)
+        zero_grads(self.parameters())
 
     def train(self, mode: bool = True) -> "Module":
         for _, m in self.named_modules():

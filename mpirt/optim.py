@@ -21,8 +21,9 @@ import math
 import mpirt.backend as B
 from mpirt import kernels
 from mpirt.kernels import cuda
+from mpirt.nn import zero_grads
 from mpirt.precision import compute_dtype, is_half, upcast
-from mpirt.threads import c_blocks, fill_zero, for_blocks, one_run
+from mpirt.threads import c_blocks, for_blocks, one_run
 
 
 def sgd_update(param, grad, momentum_buffer, *, lr, momentum=0.0, weight_decay=0.0, nesterov=False,
@@ -149,11 +150,7 @@ class Optimizer:
 
     def zero_grad(self) -> None:
         """Zero every gradient in place; allocate a zero buffer where ``grad`` is None (never rebinds)."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = B.xp.zeros_like(p.data)
-            else:
-                fill_zero(p.grad)
+        zero_grads(self.params)
 
     def step(self) -> None:
         """Apply one update from each parameter's ``.grad`` (parameters without one are skipped);

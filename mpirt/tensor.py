@@ -256,12 +256,34 @@ class Edge(Tensor):
         self.data, self.requires_grad, self.grad, self._ctx, self._hooks = None, True, None, ctx, []
 
 
+def graph_functions(root: Tensor) -> list[Function]:
+    """The Functions of the autograd graph behind ``root``, each once, each after every Function
+    feeding it (backward runs them in reverse). Empty for a leaf or a Tensor computed without a
+    graph (``no_grad``). The one walker of the graph: what a graph keeps alive
+    (:func:`mpirt.memory.kept_bytes`) and which Parameters it reads (:func:`mpirt.nn.graph_parameters`)
+    are read from its list."""
+    order, seen, stack = [], set(), [(root._ctx, False)] if root._ctx is not None else []
+    while stack:
+        fn, expanded = stack.pop()
+        if expanded:
+            order.append(fn)
+            continue
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        stack.append((fn, True))
+        for x in fn.inputs:
+            if isinstance(x, Tensor) and x._ctx is not None and id(x._ctx) not in seen:
+                stack.append((x._ctx, False))
+    return order
+
+
 class _Backward:
     """One reverse pass over the graph rooted at a tensor."""
 
     def __init__(self, root: Tensor, retain_graph: bool, leaf_grads: dict | None = None):
         self.root, self.retain_graph, self.leaf_grads = root, retain_graph, leaf_grads
-        self.order = self._topological_order(root)
+        self.order = graph_functions(root)
         # Leaf -> number of graph edges into it that have not delivered their gradient yet.
         self.leaf_pending: dict[int, int] = {}
         for fn in self.order:
@@ -269,24 +291,6 @@ class _Backward:
                 if isinstance(x, Tensor) and x._ctx is None and fn.needs_input_grad[i]:
                     self.leaf_pending[id(x)] = self.leaf_pending.get(id(x), 0) + 1
         self.deferred: list[tuple[Function, object]] = []
-
-    @staticmethod
-    def _topological_order(root: Tensor) -> list[Function]:
-        """Functions ordered so that each comes after every Function feeding it."""
-        order, seen, stack = [], set(), [(root._ctx, False)] if root._ctx is not None else []
-        while stack:
-            fn, expanded = stack.pop()
-            if expanded:
-                order.append(fn)
-                continue
-            if id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            stack.append((fn, True))
-            for x in fn.inputs:
-                if isinstance(x, Tensor) and x._ctx is not None and id(x._ctx) not in seen:
-                    stack.append((x._ctx, False))
-        return order
 
     def run(self, grad, defer_weight_grad: bool) -> None:
         if self.root._ctx is None:  # backward on a leaf: its gradient is the seed itself

@@ -354,10 +354,10 @@ def test_hf_init_at_tp1_reads_into_place_and_matches_the_full_load(tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hf_reader_gives_the_state_the_full_tensor_path_gave(tmp_path, dtype):
     """Same parameters and float32 masters as loading load_hf_gpt2's full tensors (converted to the
-    model dtype) through scatter_state: under bfloat16 the masters hold the rounded values."""
+    model dtype) into the masters: under bfloat16 the masters hold the rounded values."""
     from mpirt.modeling import build_model, load_hf, open_hf
     from mpirt.optim import AdamW
-    from mpirt.parallel.state import load_shards, scatter_state
+    from mpirt.parallel.state import load_shards
     d = hf_dir(tmp_path / "hf")
     runs = []
     for way in ("reader", "full"):
@@ -367,7 +367,8 @@ def test_hf_reader_gives_the_state_the_full_tensor_path_gave(tmp_path, dtype):
         if way == "reader":
             load_shards(reader, model, opt, None, with_optimizer=False)
         else:
-            scatter_state(model, opt, load_hf(d, dtype=dtype)[1], None)
+            with opt.full_parameters():
+                model.load_state_dict(load_hf(d, dtype=dtype)[1])
         with opt.full_parameters():
             masters = {n: np.array(p.data) for n, p in model.named_parameters()}
         runs.append(({n: np.array(p.data) for n, p in model.named_parameters()}, masters))

@@ -14,12 +14,13 @@ from mpi4py import MPI
 
 from mpirt import comm as C
 from mpirt import Tensor, enable_grad, is_grad_enabled
-from mpirt.checkpoint import load_checkpoint, load_state, save_checkpoint, save_state
+from mpirt.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
+from mpirt.checkpoint_sharded import save_sharded
 from mpirt.comm import Comm, chunk_bounds
 from mpirt.data import split_microbatches
 from mpirt.optim import AdamW
 from mpirt.parallel.data import DataParallel
-from mpirt.parallel.state import gather_state, scatter_state
+from mpirt.parallel.state import load_shards, save_shards
 from mpirt.parallel.zero import ZeroOptimizer
 from mpirt.tensor import no_grad
 from mpirt.models import GPTConfig
@@ -213,20 +214,15 @@ def shared_dir():
 
 
 def save_zero(root, opt, model, step):
-    """Save a ZeRO run's checkpoint: gather the full weights and optimizer state on every rank
-    (collective), write them on rank 0."""
-    weights, state = gather_state(model, opt)
-    if MPI.COMM_WORLD.rank == 0:
-        save_state(root, weights, state, step=step, config={},
-                   specs={n: p.spec.dims for n, p in model.named_parameters()})
-    MPI.COMM_WORLD.Barrier()
+    """Save a ZeRO run's checkpoint as training does: every rank writes its own segments (collective)."""
+    save_sharded(root, Comm(MPI.COMM_WORLD, "world"), lambda writer: save_shards(writer, model, opt), step=step,
+                 config={}, extra=None, optimizer={"type": "AdamW", "scalars": opt.scalars()})
 
 
 def load_zero(root):
-    """``zero_run`` setup: read the full checkpoint on every rank and load this rank's shards."""
+    """``zero_run`` setup: read this rank's boxes of the checkpoint (weights and optimizer state)."""
     def setup(opt, model):
-        _, weights, state = load_state(root)
-        scatter_state(model, opt, weights, state)
+        load_shards(CheckpointReader(root), model, opt)
     return setup
 
 

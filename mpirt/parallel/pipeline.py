@@ -37,7 +37,7 @@ import numpy as np
 
 import mpirt.backend as B
 from mpirt.modeling import block_class, build_model, check_config, lm_loss, model_class, seed_dropouts
-from mpirt.nn import Module, dropout_modules, graph_parameters, place_dropouts, stand_ins
+from mpirt.nn import Module, dropout_modules, graph_parameters, place_dropouts, stand_ins, zero_grads
 from mpirt.parallel.partition import layer_costs, partition
 from mpirt.parallel.pipeline_exec import PipelineExecutor
 from mpirt.parallel.schedule_check import check
@@ -182,11 +182,8 @@ class PipelineStage(PipelineExecutor):
         return list(self.model.named_parameters())
 
     def zero_grad(self) -> None:
-        """Zero the gradients in place (views into a parameter store stay views); a parameter
-        without one (ZeRO-2 streaming: backward makes each and frees it once reduced) gets none."""
-        for p in self._params:
-            if p.grad is not None:
-                p.grad.fill(0)
+        """Zero the gradients in place; a parameter without one gets none (:func:`zero_grads`)."""
+        zero_grads(self._params, allocate=False)
 
     def describe_partition(self) -> str:
         """``stage s (rank r, chunk c): h.lo-h.hi [+ embed] [+ head]`` per virtual stage."""

@@ -38,23 +38,15 @@ class Work:
 
 
 @functools.lru_cache(maxsize=64)
-def _count(model_type: str, frozen: tuple) -> int:
+def _count(model_type: str, frozen: tuple) -> tuple[int, int]:
     from mpirt import modeling
-    from mpirt.tensor import Tensor
+    from mpirt.tensor import Tensor, graph_functions
 
     cfg = modeling.config_from_dict(dict(frozen))
     block = modeling.block_class(cfg)(cfg, "float32").initialize(0)
     x = Tensor(np.ones((2, 4, cfg.n_embd), dtype=np.float32), requires_grad=True)
     out = block(x)
-    n_params = len(list(block.parameters()))
-    seen, stack = set(), [out._ctx]
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        stack += [getattr(i, "_ctx", None) for i in fn.inputs]
-    return len(seen), n_params
+    return len(graph_functions(out)), len(list(block.parameters()))
 
 
 def ops_per_block(model_cfg) -> int:

@@ -27,8 +27,8 @@ sequence-split region) and ``f`` an allgather (out of it), at the same communica
 
 Parameters outside the sharded matmuls (LayerNorm, the row-parallel bias, the position table)
 are replicated; under sequence parallelism each rank sees 1/t of the tokens, so their gradients
-are partial sums: :func:`sync_sequence_parallel_grads` allreduces them (one flat allreduce) after
-backward.
+are partial sums: the parameter store sums them over tp (one allreduce of their runs,
+:meth:`mpirt.parallel.flat.FlatParams.sync_partial_grads`) after backward.
 
 **Vocabulary parallelism**: the embedding/output table (V, C) is split by rows, rank r holding
 ``[r V'/t, (r+1) V'/t)`` of the vocabulary padded to ``V' = t * ceil(V / t)`` (padding rows are
@@ -45,8 +45,7 @@ A model opts in with a *plan* (``model.tp_plan``; see :data:`KINDS` and ``mpirt.
 The package, one module per concern: :mod:`.layout` (the tp axis, divisibility, vocabulary
 padding), :mod:`.comm` (``f``/``g`` and the sequence Functions), :mod:`.layers` (parallel modules
 and their fused Functions), :mod:`.loss` (vocabulary-parallel head and cross-entropy),
-:mod:`.plan` (:func:`parallelize`, :func:`reseed_dropouts`), :mod:`.state` (shards, state dicts,
-gradient sync, gathered logits). Activation bytes: the model's formula
+:mod:`.plan` (:func:`parallelize`, :func:`reseed_dropouts`), :mod:`.state` (shards and state dicts). Activation bytes: the model's formula
 (:func:`mpirt.modeling.activation_bytes`) and :func:`mpirt.memory.kept_bytes`.
 """
 from __future__ import annotations
@@ -58,8 +57,7 @@ from .layers import (ColumnParallelLinear, RowParallelLinear, SeqParallelLinear,
 from .layout import AXIS, PaddedParameter, check_model_tp, check_tp_layout, pad_rows, pad_vocab
 from .loss import VocabParallelCrossEntropy, VocabParallelHead, VocabParallelLoss, vocab_parallel_cross_entropy
 from .plan import KINDS, parallelize, reseed_dropouts
-from .state import (full_state_dict, gather_logits, gather_param, shard_param,
-                    shard_state_dict, sync_sequence_parallel_grads)
+from .state import gather_param, shard_param, shard_state_dict
 
 __all__ = [
     "AXIS", "KINDS",
@@ -76,6 +74,5 @@ __all__ = [
     # plan
     "parallelize", "reseed_dropouts",
     # state
-    "shard_param", "gather_param", "shard_state_dict", "full_state_dict", "sync_sequence_parallel_grads",
-    "gather_logits",
+    "shard_param", "gather_param", "shard_state_dict",
 ]

@@ -176,7 +176,7 @@ class VocabParallelEmbedding(Module):
 class SequenceParallelEmbedding(Module):
     """A replicated table looked up only for this rank's chunk of the sequence (the last axis of
     ``ids``): position embeddings under sequence parallelism. No communication forward; its
-    gradient is partial (see :func:`sync_sequence_parallel_grads`)."""
+    gradient is partial (summed over tp by :meth:`mpirt.parallel.flat.FlatParams.sync_partial_grads`)."""
 
     def __init__(self, num_embeddings: int, dim: int, comm, std: float = 0.02, dtype="float32"):
         super().__init__()

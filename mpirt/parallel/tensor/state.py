@@ -1,20 +1,18 @@
-"""Tensor-parallel state: sharding and gathering parameters and state dicts, the gradient sum of
-sequence-parallel replicated parameters of a model outside a parameter store, gathered logits.
-(Global norms and clipping over tp are the store's: :mod:`mpirt.parallel.flat`.)"""
+"""Tensor-parallel state: sharding parameters and state dicts, and gathering a parameter back.
+(The gradient sum of sequence-parallel replicated parameters, global norms and clipping over tp
+are the parameter store's: :mod:`mpirt.parallel.flat`.)"""
 from __future__ import annotations
 
 import numpy as np
 
 import mpirt.backend as B
 from mpirt.nn import Module, Parameter
-from mpirt.tensor import Tensor
 
-from .comm import GatherLastDim
 from .layout import AXIS, PaddedParameter, pad_rows
 
 
 # =============================================================================================
-# state dicts, gradients, norms
+# parameters and state dicts
 # =============================================================================================
 def shard_param(p: Parameter, full, tp: int, rank: int):
     """This tp rank's slice of ``full``, a full (unpadded or padded) array shaped like ``p``."""
@@ -50,39 +48,3 @@ def shard_state_dict(model: Module, full_state: dict, axis_sizes: dict, axis_ran
             raise KeyError(f"shard_state_dict: {name} missing from the full state dict")
         out[name] = shard_param(p, full_state[name], axis_sizes.get(AXIS, 1), axis_ranks.get(AXIS, 0))
     return out
-
-
-def full_state_dict(model: Module, comm) -> dict:
-    """The full, unpadded parameters (NumPy) on every rank, allgathered over the tp ``comm``:
-    the inverse of :func:`shard_state_dict` (for export, e.g. ``save_hf_gpt2``, and tests)."""
-    return {name: gather_param(p, p.data, comm) for name, p in model.named_parameters()}
-
-
-def sync_sequence_parallel_grads(model: Module, comm) -> None:
-    """Sum over tp the gradients of replicated parameters that saw only this rank's sequence
-    chunk (``p.tp_partial_grad``, set by :func:`parallelize` under sequence parallelism): one flat
-    allreduce, results written into ``p.grad`` in place (views such as DataParallel buckets stay
-    valid). Call once per optimizer step after the last backward, before clipping. No-op without
-    sequence parallelism."""
-    params = [p for p in model.parameters() if getattr(p, "tp_partial_grad", False) and p.grad is not None]
-    if not params or comm.size == 1:
-        return
-    xp = B.xp
-    by_dtype: dict = {}
-    for p in params:
-        by_dtype.setdefault(str(p.grad.dtype), []).append(p)
-    for group in by_dtype.values():
-        flat = xp.concatenate([p.grad.reshape(-1) for p in group])
-        comm.allreduce(flat, out=flat)
-        offset = 0
-        for p in group:
-            p.grad[...] = flat[offset:offset + p.grad.size].reshape(p.grad.shape)
-            offset += p.grad.size
-
-
-def gather_logits(logits, comm, vocab_size: int):
-    """Full (B, T, V) logits (an array, no graph) from vocabulary-split ones, padding removed: for
-    sampling and evaluation, never for the loss."""
-    data = logits.data if isinstance(logits, Tensor) else logits
-    full = GatherLastDim().forward(data, comm=comm, blocks=1)
-    return full[..., :vocab_size]
