@@ -152,8 +152,12 @@ def main() -> None:
     memory = summary["monitor"]["memory_per_rank"]
     rows = []
     for r in range(a.ranks):
-        m, p = memory[r], predicted[r]
-        rows.append({"rank": r, "predicted_peak": p["peak"], "measured_peak": summary["peak_memory_bytes_per_rank"][r],
+        # the run's own prediction (summary.json's): from the baseline each rank measured, no dataset
+        # bytes (the run reads its token files window by window); the pre-run one assumes PROCESS_BYTES
+        m = memory[r]
+        p = predict(cfg, model_cfg, layout, r, process_bytes=summary["process_baseline_bytes_per_rank"][r])
+        rows.append({"rank": r, "predicted_peak": p["peak"],
+                     "measured_peak": summary["peak_memory_bytes_per_rank"][r],
                      "budget": budget, "params": m["params"], "grads": m["grads"], "optimizer": m["optimizer"],
                      "activations_peak": m["activations_peak"],
                      "predicted": {k: p[k] for k in CATEGORIES}})

@@ -93,8 +93,10 @@ def kept_bytes(root) -> int:
 # minimal `.[mpich]` one within 1 MiB per layout (their start-up baselines differ).
 LATE_BYTES = int(8.2 * 2**20)
 # The planner has no process to measure: a start-up baseline here (35.8 MiB on ranks without
-# TensorBoard's writer) plus LATE_BYTES, rounded up.
+# TensorBoard's writer) plus LATE_BYTES, rounded up; rank 0 holds its writer on top (WRITER_BYTES:
+# its measured baseline less the other ranks', 9.0 MiB in the development install).
 PROCESS_BYTES = 44 * 2**20
+WRITER_BYTES = 9 * 2**20
 CATEGORIES = ("baseline", "data", "parameters", "gradients", "optimizer_state", "activations", "communication",
               "workspace")
 
@@ -104,11 +106,22 @@ def measured_baseline() -> int:
     (:func:`mpirt.stepstats.owned_bytes`, before anything of the model is built; the heap's free
     pages handed back first, so what start-up freed is not counted) plus :data:`LATE_BYTES`. It
     follows the environment (which libraries the install loads, the MPI library's segments), which
-    a constant calibrated in one install cannot."""
+    a constant calibrated in one install cannot. Where the process cannot be read (no
+    ``/proc/self/status``): :data:`PROCESS_BYTES`."""
     from mpirt.hostalloc import release_freed_memory
     from mpirt.stepstats import owned_bytes
     release_freed_memory()
-    return owned_bytes() + LATE_BYTES
+    owned = owned_bytes()
+    return owned + LATE_BYTES if owned else PROCESS_BYTES  # 0: no /proc/self/status to read
+
+
+def planned_baseline(rank: int, process_bytes: int | None = None) -> int:
+    """The baseline the planner gives world rank ``rank`` (no process to measure):
+    ``process_bytes`` (a calibrated one) or :data:`PROCESS_BYTES`, plus on rank 0
+    :data:`WRITER_BYTES` when the ``tensorboard`` package is installed (rank 0 writes its scalars)."""
+    import importlib.util
+    writer = rank == 0 and importlib.util.find_spec("tensorboard") is not None
+    return (process_bytes or PROCESS_BYTES) + (WRITER_BYTES if writer else 0)
 
 
 def peak_in_flight(schedule, rank: int, chunk_bytes: list, weight_bytes: list | None = None) -> int:
@@ -230,9 +243,11 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         ends = [(c == 0 and pos["pp"] == 0, c == chunks - 1 and pos["pp"] == pp - 1) for c in range(chunks)]
         per_chunk = [stage_bytes(lo, hi, *ends[c]) for c, (lo, hi) in enumerate(mine)]
         # between B and W a chunk holds its weight passes' inputs and output gradients (recomputed
-        # or not: the rerun's B leaves the same)
+        # or not: the rerun's B leaves the same) and the buffers it received them in
         per_chunk_w = [(hi - lo) * acts["weight_pass"] + ends[c][0] * acts["embed_weight_pass"]
-                       + ends[c][1] * acts["head_weight_pass"] for c, (lo, hi) in enumerate(mine)]
+                       + ends[c][1] * acts["head_weight_pass"]
+                       + acts["input"] * ((not ends[c][0]) + (not ends[c][1]))  # the received input and gradient
+                       for c, (lo, hi) in enumerate(mine)]
         activations = peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w)
         held = [i for lo, hi in mine for i in range(lo, hi)]
     per_param = bytes_per_parameter(cfg.dtype, dp, cfg.zero)  # masters and moments in float32 for half
@@ -287,12 +302,11 @@ def describe_rank(layout, rank: int) -> str:
 
 
 def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int = 0,
-                 process_bytes: int | None = None) -> list[dict]:
-    """Every rank's :func:`predict` (``process_bytes``: the baseline, e.g. this rank's
-    :func:`measured_baseline`; the ranks' processes differ by a fraction of a MiB); with
-    ``cfg.memory_budget``, ValueError for the rank whose peak exceeds it by the most, naming its
-    largest term, the numbers and what would shrink it."""
-    preds = [predict(cfg, model_cfg, layout, r, data_bytes, process_bytes=process_bytes)
+                 baselines: list[int] | None = None) -> list[dict]:
+    """Every rank's :func:`predict` (``baselines``: each rank's :func:`measured_baseline`, else
+    :data:`PROCESS_BYTES`); with ``cfg.memory_budget``, ValueError for the rank whose peak exceeds
+    it by the most, naming its largest term, the numbers and what would shrink it."""
+    preds = [predict(cfg, model_cfg, layout, r, data_bytes, process_bytes=baselines[r] if baselines else None)
              for r in range(world_size)]
     budget = parse_size(cfg.memory_budget)
     if budget is None:

@@ -131,7 +131,7 @@ def tensorboard_writer_class():
     package's modules are ~9 MiB of the process, resident from then on."""
     try:
         from tensorboard.summary import Writer
-    except ImportError:
+    except Exception:  # not installed, or an install that fails to import: no scalars, the run goes on
         return None
     return Writer
 

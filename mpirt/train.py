@@ -345,11 +345,6 @@ def main(argv=None) -> dict:
             if world.rank == 0:
                 print(line, file=sys.stderr, flush=True)
         check_resources(cfg, data)
-        # the process as it stands before the model is built: the baseline of the predictions
-        if world.rank == 0 and cfg.monitor:
-            tensorboard_writer_class()  # rank 0's writer: imported now, it is counted in the baseline
-        baseline = measured_baseline()
-        check_budget(cfg, model_cfg, layout, world.size, process_bytes=baseline)  # every rank's against --memory-budget
         resumed_meta = read_checkpoint_meta(cfg.init_from) if resume else None
         # what built the model in the first place (kept across resumes): --model, or weights it started from
         model_source = ((resumed_meta.get("extra") or {}).get("model_source") if resume
@@ -364,6 +359,15 @@ def main(argv=None) -> dict:
     except (ConfigError, FileNotFoundError, ValueError, jobctl.DirectoryLocked) as err:
         error = str(err)
     failed = comm.first_error(error)  # every rank stops if any rank found a problem
+    if failed is None:
+        # each rank's process as it stands before the model is built: the baselines of the predictions
+        if world.rank == 0 and cfg.monitor:
+            tensorboard_writer_class()  # rank 0's writer: imported now, it is counted in its baseline
+        baselines = comm.world_comm().allgather_object(measured_baseline())
+        try:
+            check_budget(cfg, model_cfg, layout, world.size, baselines=baselines)  # every rank's against --memory-budget
+        except ValueError as err:  # the same on every rank: they all hold the same baselines
+            failed = (0, str(err))
     if failed is not None:
         rank, message = failed
         if world.rank == 0:
@@ -373,7 +377,7 @@ def main(argv=None) -> dict:
         sys.exit(jobctl.EXIT_REFUSED)
     try:
         return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started, model_source,
-                     baseline)
+                     baselines)
     except TokenIdError as err:  # an id out of the vocabulary in a split checked as it is read
         sys.stderr.write(f"error: rank {world.rank}: {err}; {last_checkpoint(out)}\n")
         sys.stderr.flush()
@@ -400,12 +404,12 @@ def last_checkpoint(out: Path) -> str:
 
 
 def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path, started: float,
-          model_source: str | None = None, baseline: int | None = None) -> dict:
+          model_source: str | None = None, baselines: list[int] | None = None) -> dict:
     """Everything after the pre-flight checks (begun at ``started``, epoch seconds): set up, train,
     checkpoint, summarise. ``model_source`` (``--model``, or ``init_from PATH``: what built the
     model first) is recorded in the checkpoints, so a later resume knows what to compare;
-    ``baseline``: this rank's process before the model was built (:func:`measured_baseline`), the
-    baseline of its memory prediction."""
+    ``baselines``: every rank's process before the model was built (:func:`measured_baseline`),
+    the baselines of the memory predictions (None: :data:`mpirt.memory.PROCESS_BYTES`)."""
     try:  # all ranks: the same config, and the same contents behind its paths
         ctx = init_distributed(cfg.seed, cfg.backend,
                                config={**cfg.to_dict(), "inputs": input_fingerprint(cfg, data.directory)})
@@ -419,7 +423,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     dp = grid.sizes["dp"]
     is_main = ctx.rank == 0
     world_comm = ctx.comm
-    baselines = world_comm.allgather_object(baseline)
+    baselines = baselines or [None] * ctx.size
 
     def predicted_peaks() -> list[int]:  # every rank's, as the end block's model check counts them
         return [predict(cfg, model_cfg, layout, r, process_bytes=baselines[r])["peak"]

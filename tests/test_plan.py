@@ -99,9 +99,11 @@ def test_memory_is_memory_predict_and_parts_add_up():
     from mpirt import memory
 
     est = estimate(cfg(dp=2, zero=2), TINY, cpu(), memory_ranks="all")
-    p = memory.predict(cfg(dp=2, zero=2), TINY, {"dp": 2, "pp": 1, "tp": 1}, 0, process_bytes=None,
-                       checkpoint_gather=False)
-    assert est.memory["per_rank"][0] == p["peak"]
+    for rank in (0, 1):  # rank 0 also holds its TensorBoard writer (where tensorboard is installed)
+        p = memory.predict(cfg(dp=2, zero=2), TINY, {"dp": 2, "pp": 1, "tp": 1}, rank,
+                           process_bytes=memory.planned_baseline(rank), checkpoint_gather=False)
+        assert est.memory["per_rank"][rank] == p["peak"]
+    assert memory.planned_baseline(1) == memory.PROCESS_BYTES
     parts = est.parts
     assert est.step_s == pytest.approx(parts["forward"] + parts["backward"] + parts["grad_sync"] + parts["optimizer"]
                                        + parts["other"])

@@ -238,9 +238,9 @@ def measure_mpi(ranks: list[int], launcher: str = "mpiexec") -> dict:
 def measure_process_bytes(launcher: str = "mpiexec") -> dict:
     """The process baseline: a 2-rank data-parallel run of a one-block, 32-wide GPT for 3 steps
     (its model, activations and checkpoint are a few MiB); the baseline is
-    :data:`mpirt.memory.PROCESS_BYTES` plus the median over the ranks of the measured peak memory
-    owned (:func:`mpirt.stepstats.owned_bytes`) less
-    :func:`mpirt.memory.predict`."""
+    :data:`mpirt.memory.PROCESS_BYTES` plus rank 1's measured peak memory owned
+    (:func:`mpirt.stepstats.owned_bytes`) less :func:`mpirt.memory.predict` (rank 0's writer is
+    :data:`mpirt.memory.WRITER_BYTES`, added by :func:`mpirt.memory.planned_baseline`)."""
     import dataclasses
     import tempfile
     from pathlib import Path
@@ -264,7 +264,8 @@ def measure_process_bytes(launcher: str = "mpiexec") -> dict:
     layout = {"dp": 2, "pp": 1, "tp": 1}
     resid = [m - memory.predict(cfg, model_cfg, layout, r)["peak"]
              for r, m in enumerate(summary["peak_memory_bytes_per_rank"])]
-    return {"process_bytes": memory.PROCESS_BYTES + statistics.median(resid), "residual_per_rank": resid}
+    # rank 1's: rank 0 also holds its TensorBoard writer, which planned_baseline adds on its own
+    return {"process_bytes": memory.PROCESS_BYTES + resid[1], "residual_per_rank": resid}
 
 
 def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):

@@ -24,7 +24,7 @@
 - A calibrated CPU preset holds, per rank count N, how much slower a block runs on each of N
   concurrent ranks than on one alone (``compute_by_ranks``): that replaces ``cores / N`` at that N.
 - **Memory**: :func:`mpirt.memory.predict` for rank 0 and the last stage's first rank (or all),
-  with the cluster's calibrated process baseline.
+  with the cluster's calibrated process baseline (:func:`mpirt.memory.planned_baseline`).
 """
 from __future__ import annotations
 
@@ -272,8 +272,9 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     # (the first stage stashes the most micro-batches, the last holds the logits, rank 0 writes)
     ranks = range(world) if memory_ranks == "all" else sorted({0, (pp - 1) * tp})
     mcfg = dataclasses.replace(cfg, dp=dp, microbatches=m if pp > 1 else cfg.microbatches)
-    per_rank = {r: memory.predict(mcfg, model_cfg, layout, r, data_bytes, process_bytes=int(cluster.process_bytes) or None,
-                                  checkpoint_gather=cluster.checkpoint_gather) for r in ranks}
+    per_rank = {r: memory.predict(mcfg, model_cfg, layout, r, data_bytes, checkpoint_gather=cluster.checkpoint_gather,
+                                  process_bytes=memory.planned_baseline(r, int(cluster.process_bytes)))
+                for r in ranks}
     big = max(per_rank, key=lambda r: per_rank[r]["peak"])
     mem = {**per_rank[big], "rank": big, "per_rank": {r: v["peak"] for r, v in per_rank.items()}}
 
