@@ -230,9 +230,8 @@ class RunMonitor:
         """Step ``step`` (counted from 1) starts."""
         if self.stepmon:
             self.stepmon.begin(step)
-            stage = getattr(self.engine, "stage", None)
-            if stage is not None and self.trace is not None:  # a pipeline lists its actions while traced
-                stage.trace = self.trace.recording
+            if self.trace is not None:  # the local part lists its actions while traced
+                self.engine.local.trace = self.trace.recording
 
     def mark(self, part: str) -> None:
         """The time since the previous mark went to ``part`` (see :mod:`mpirt.stepstats`)."""

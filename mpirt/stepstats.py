@@ -88,13 +88,13 @@ class StepMonitor:
         self.marks.append((part, time.perf_counter()))
 
     def end(self, engine_stats: dict) -> dict:
-        """The step's figures; ``engine_stats``: the engine's ``stats`` after its ``train_step``
-        (spans of the sharded engine, or a pipeline stage's timers). The last mark ends the step."""
+        """The step's figures; ``engine_stats``: the engine's ``stats`` after its ``train_step`` (the
+        local part's timers, :mod:`mpirt.parallel.whole`). The last mark ends the step."""
         marks, t_end = self.marks, self.marks[-1][1]
         step_s = t_end - marks[0][1]
         out = dict.fromkeys((p + "_s" for p in PARTS), 0.0)
         spans = []  # (name, t0, t1) on the compute row of the trace
-        window = None  # a pipeline schedule's (start, end)
+        window = None  # the local part's (start, end): a pipeline's waits inside it are its bubble
         for (_, t0), (part, t1) in zip(marks, marks[1:]):
             if part == "train_step":
                 inner, window = self._engine_parts(engine_stats, t0, t1, spans)
@@ -130,20 +130,16 @@ class StepMonitor:
         return out
 
     def _engine_parts(self, st: dict, t0: float, t1: float, spans: list) -> tuple[dict, tuple | None]:
-        """(seconds per part inside ``train_step``, the pipeline schedule's (start, end) or None)."""
-        if "op_s" not in st:  # the sharded engine: its own spans
-            parts: dict = {}
-            for name, a, b in st.get("spans", ()):
-                parts[name] = parts.get(name, 0.0) + (b - a)
-                spans.append((name, a, b))
-            return parts, None
+        """(seconds per part inside ``train_step``, the local part's (start, end)); ``st``: the
+        engine's stats (one format for a pipeline stage and the whole model, :mod:`mpirt.parallel.whole`)."""
         op, start = st["op_s"], st["t0"]
         self.peak_stash_bytes = max(self.peak_stash_bytes, st.get("peak_stash_bytes", 0))
         parts = {"forward": op.get("F", 0.0), "backward": op.get("B", 0.0), "weight_grad": op.get("W", 0.0),
                  "bubble": st["idle_s"], "grad_sync": st.get("sync_s", 0.0)}
         names = {"F": "forward", "B": "backward", "W": "weight_grad", "wait": "bubble"}
         for a, b, kind, mb, chunk in st.get("trace", ()):
-            spans.append((f"{names.get(kind, kind)} mb{mb}" + (f" c{chunk}" if chunk else ""), start + a, start + b))
+            label = names.get(kind, kind) + (f" mb{mb}" if mb is not None else "") + (f" c{chunk}" if chunk else "")
+            spans.append((label, start + a, start + b))
         if "sync_t0" in st:
             spans.append(("grad_sync", st["sync_t0"], st["sync_t0"] + st["sync_s"]))
         return parts, (start, start + st["step_s"])

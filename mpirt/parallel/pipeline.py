@@ -31,6 +31,7 @@ activations and their estimated bytes are in :attr:`PipelineStage.stats` after e
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -173,7 +174,22 @@ class PipelineStage(PipelineExecutor):
                     object.__setattr__(self.shell, fn, getattr(model, fn))
             self.lm_loss = getattr(model, "loss_fn", self.lm_loss)
 
-    # -- the public surface ----------------------------------------------------------------
+    # -- the public surface (a local part: mpirt.parallel.whole) ---------------------------------
+    init = None  # the stage initialises its own layers
+
+    @property
+    def held_tied(self) -> list:
+        """This rank's copies of the tied embedding (pipeline ends): their gradients are summed over
+        the ends after the schedule, so a ZeRO-2 stream holds them for the step."""
+        if not (self.has_embed or self.has_head):
+            return []
+        return [p for name, p in self.model.named_parameters() if name in self.tied_names]
+
+    @property
+    def dropout_roots(self) -> tuple:
+        """The modules whose dropouts this stage runs (the embedding's stays in the ends' shell)."""
+        return tuple(m for m in (self.model, self.shell) if m is not None)
+
     def parameters(self) -> list:
         """This rank's parameters (each once; with pp > 1 the tied ``wte`` is on two ranks)."""
         return list(self._params)
@@ -193,19 +209,22 @@ class PipelineStage(PipelineExecutor):
             out.append(f"stage {s} (rank {s % self.pp}, chunk {s // self.pp}): h.{lo}..h.{hi - 1}{extra}")
         return "\n".join(out)
 
-    def train_step(self, x, y, loss_scale: float = 1.0, place: tuple | None = None) -> float:
+    def train_step(self, x, y, loss_scale: float = 1.0, place: tuple | None = None,
+                   no_sync=contextlib.nullcontext) -> float:
         """Forward and backward of the batch ``(x, y)`` (this dp replica's rows, split into
         ``microbatches``), then the tied-weight gradient sum over the pipeline ends. The last stage
         seeds backward with ``loss_scale`` (the gradients are then that many times the loss's).
         Returns the mean loss of these rows on every pp rank. Averaging over dp, the sequence-
         parallel gradient sum and clipping are the engine's (:class:`mpirt.parallel.engine.Engine`).
         ``place``: (step, global batch row of x's first row): each micro-batch's dropout masks are
-        then the single rank's for its rows (None: the modules' call counts stand in)."""
+        then the single rank's for its rows (None: the modules' call counts stand in). The
+        schedule runs inside ``no_sync()`` (the dp sync waits for the whole step)."""
         self.loss_scale, self.place = float(loss_scale), place
         x, y = self._prepare(x, y)
         self.zero_grad()
-        loss = self._run(self.schedule, x, y, training=True)
-        self._sync_tied()
+        with no_sync():
+            loss = self._run(self.schedule, x, y, training=True)
+            self._sync_tied()
         return self._share_loss(loss)
 
     def evaluate(self, x, y) -> float:
