@@ -12,112 +12,13 @@ from mpi4py import MPI
 
 from mpirt import comm as C
 from mpirt.comm import Comm
-from mpirt.data import get_batch, split_microbatches
+from mpirt.data import split_microbatches
 from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel.data import DataParallel
-from mpirt.models import GPT, GPTConfig
 
 from conftest import agree
-
-CFG = GPTConfig(n_layer=2, n_head=2, n_embd=16, n_positions=8, vocab_size=37)
-TOKENS = np.random.default_rng(0).integers(0, 37, 4096).astype(np.uint16)
-SEQ, STEPS, LR, WD = 8, 5, 1e-3, 0.1
-TOL = {"float64": 1e-10, "float32": 1e-5}
-# Weights after AdamW steps: AdamW divides each gradient element by its own running RMS, so float32
-# noise in near-zero gradient elements moves those elements by ~lr (see max_rel_err). With
-# numpy 2.4.6's OpenBLAS (0.3.31) the DP and ZeRO runs measured 1.4e-5 to 1.65e-5 against one rank
-# (gradients 4e-7), MKL and BLIS under 1e-5; float64 holds the algorithm itself to 1e-10.
-WEIGHTS_TOL = {"float64": 1e-10, "float32": 5e-5}
-
-
-def within(errs: dict, dtype: str) -> bool:
-    """Every error under its tolerance: ``"weights"`` under :data:`WEIGHTS_TOL`, the rest under :data:`TOL`."""
-    return all(e <= (WEIGHTS_TOL if k == "weights" else TOL)[dtype] for k, e in errs.items())
-
-
-# --- helpers shared with test_zero.py --------------------------------------------------------
-def dp_comm() -> Comm:
-    return Comm(MPI.COMM_WORLD, "dp")
-
-
-def global_batch(size: int, accum: int = 1) -> int:
-    """The smallest multiple of ``size * accum`` (every rank gets ``accum`` equal micro-batches) that
-    holds at least 8 sequences: 8 at 1, 2, 4 or 8 ranks without accumulation."""
-    m = size * accum
-    return m * -(-8 // m)
-
-
-def batch(step: int, rank: int = 0, size: int = 1, world: int | None = None, accum: int = 1):
-    """Rank ``rank``'s share (of ``size``) of global batch ``step``; the global batch size is set by
-    ``world`` (default ``size``) and ``accum``, so the single-rank reference sees the same batch."""
-    return get_batch(TOKENS, step, batch_size=global_batch(world or size, accum), seq_len=SEQ, seed=0,
-                     dp_rank=rank, dp_size=size)
-
-
-def make_model(dtype, cfg=CFG, seed=1):
-    return GPT(cfg, dtype=dtype, seed=seed)
-
-
-def reference_run(dtype, world: int, steps=STEPS, clip=None, cfg=CFG, lr=LR, wd=WD, accum=1):
-    """The single-rank run on the whole global batch: (losses, first-step grads, final weights,
-    grad norms)."""
-    model = make_model(dtype, cfg)
-    opt = AdamW(model.parameters(), lr=lr, weight_decay=wd)
-    losses, norms, grads = [], [], None
-    for step in range(steps):
-        opt.zero_grad()
-        x, y = batch(step, world=world, accum=accum)
-        _, loss = model(x, y)
-        loss.backward()
-        if grads is None:
-            grads = {p.name: p.grad.copy() for p in model.parameters()}
-        if clip is not None:
-            norms.append(clip_grad_norm(model.parameters(), clip))
-        losses.append(loss.item())
-        opt.step()
-    return np.array(losses), grads, {p.name: p.data.copy() for p in model.parameters()}, norms
-
-
-def comparable(name, a):
-    """``a`` without the part whose gradient is identically zero: the key bias of attention
-    (q.(k + b) shifts a whole row of scores, which softmax ignores). Its gradient is rounding
-    noise, which AdamW normalises into steps of size lr, so its values are noise in any run."""
-    if name.endswith("attn.c_attn.bias"):
-        c = a.shape[0] // 3
-        return np.concatenate([a[:c], a[2 * c:]])
-    return a
-
-
-def max_rel_err(got: dict, ref: dict, norm=2) -> float:
-    """Max over tensors of ||got - ref|| / ||ref|| (L2 norms; ``norm=inf``: largest elements), the
-    tensors compared as :func:`comparable`.
-
-    The L2 form is the parity criterion: AdamW divides each gradient element by its own running
-    RMS, so an element whose gradient is ~1e-8 (a cancellation, far below the typical 1e-3) moves
-    by ~lr whatever its rounding noise; in float32 the noise of a different summation order moves
-    such isolated elements by ~1e-5 of the largest weight after a few steps, while the tensors as a
-    whole agree to ~1e-7. The max-element form is reported by bench-style diagnostics."""
-    errs = [0.0]
-    for name, r in ref.items():
-        g, r = comparable(name, np.asarray(got[name], np.float64)), comparable(name, np.asarray(r, np.float64))
-        d, r = (g - r).reshape(-1), r.reshape(-1)
-        errs.append(float(np.linalg.norm(d, norm) / max(np.linalg.norm(r, norm), 1e-300)))
-    return max(errs)
-
-
-def rel_err(a, b) -> float:
-    """max|a - b| / max|b| (for short series: losses, norms)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
-
-
-def worst(value: float) -> float:
-    """The largest ``value`` over the ranks."""
-    return MPI.COMM_WORLD.allreduce(float(value), op=MPI.MAX)
-
-
-def global_loss(comm, loss: float) -> float:
-    return comm.allreduce_scalar(loss) / comm.size
+from parity import (LR, STEPS, WD, batch, dp_comm, global_loss, make_model, max_rel_err, reference_run, rel_err,
+                    within, worst)
 
 
 # --- data-parallel runs ----------------------------------------------------------------------
@@ -164,11 +65,11 @@ def test_close_stops_the_thread_and_frees_its_communicator():
 @pytest.mark.parametrize("mode", ["overlap-test", "overlap-thread", "no-overlap"])
 def test_dp_matches_single_rank(dtype, mode):
     size = MPI.COMM_WORLD.size
-    ref_losses, ref_grads, ref_w, _ = reference_run(dtype, size)
+    ref = reference_run(dtype, world=size)
     losses, grads, w, _, dp, opt = dp_run(dtype, overlap=mode != "no-overlap",
                                           progress="thread" if mode == "overlap-thread" else "test")
-    errs = {"loss": worst(rel_err(losses, ref_losses)), "grad": worst(max_rel_err(grads, ref_grads)),
-            "weights": worst(max_rel_err(w, ref_w))}
+    errs = {"loss": worst(rel_err(losses, ref.losses)), "grad": worst(max_rel_err(grads, ref.grads)),
+            "weights": worst(max_rel_err(w, ref.weights))}
     agree(within(errs, dtype), f"{dtype} {mode}: {errs}")
     # dtypes are kept everywhere (NumPy 2 promotion would silently turn float32 into float64)
     kinds = {str(a.dtype) for p in dp.params for a in (p.data, p.grad)}
@@ -181,9 +82,9 @@ def test_dp_matches_single_rank(dtype, mode):
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_grad_accumulation_equals_one_large_batch(dtype):
     size = MPI.COMM_WORLD.size
-    ref_losses, _, ref_w, _ = reference_run(dtype, size, accum=2)
+    ref = reference_run(dtype, world=size, accum=2)
     losses, _, w, _, _, _ = dp_run(dtype, accum=2)
-    errs = {"loss": worst(rel_err(losses, ref_losses)), "weights": worst(max_rel_err(w, ref_w))}
+    errs = {"loss": worst(rel_err(losses, ref.losses)), "weights": worst(max_rel_err(w, ref.weights))}
     agree(within(errs, dtype), f"errors {errs}")
 
 
@@ -214,11 +115,11 @@ def test_no_communication_under_no_sync():
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_clipping_matches_unsharded(dtype):
     size = MPI.COMM_WORLD.size
-    ref_losses, _, ref_w, ref_norms = reference_run(dtype, size, clip=0.05)
+    ref = reference_run(dtype, world=size, clip=0.05)
     losses, _, w, norms, _, _ = dp_run(dtype, clip=0.05)
-    errs = {"loss": worst(rel_err(losses, ref_losses)), "weights": worst(max_rel_err(w, ref_w)),
-            "norm": worst(rel_err(norms, ref_norms))}
-    agree(min(ref_norms) > 0.05 and within(errs, dtype), f"norms {ref_norms}, errors {errs}")
+    errs = {"loss": worst(rel_err(losses, ref.losses)), "weights": worst(max_rel_err(w, ref.weights)),
+            "norm": worst(rel_err(norms, ref.norms))}
+    agree(min(ref.norms) > 0.05 and within(errs, dtype), f"norms {ref.norms}, errors {errs}")
 
 
 @pytest.mark.mpi(min_size=2)

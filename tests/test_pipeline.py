@@ -13,26 +13,22 @@ from mpi4py import MPI
 
 from mpirt.comm import Comm
 from mpirt.config import TrainConfig
-from mpirt.data import get_batch
 from mpirt.grid import Grid
-from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel.engine import Engine
 from mpirt.parallel.partition import layer_costs, partition
 from mpirt.parallel.pipeline import PipelineStage
 from mpirt.parallel.schedule_check import simulate
 from mpirt.parallel.schedules import ScheduleError, build
-from mpirt.tensor import no_grad
-from mpirt.models import GPT, GPTConfig
+from mpirt.models import GPTConfig
 
 from conftest import agree
+from parity import CFG, LR, SEQ, STEPS, TOL, WD, batch, max_rel_err, reference_run, rel_err
 
-TOKENS = np.random.default_rng(0).integers(0, 37, 4096).astype(np.uint16)
-SEQ, BATCH, STEPS, LR, WD = 8, 8, 5, 1e-3, 0.1
-TOL = {"float64": 1e-10, "float32": 1e-5}
+BATCH = 8
 
 
 def config(n_layer: int) -> GPTConfig:
-    return GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, n_positions=SEQ, vocab_size=37)
+    return replace(CFG, n_layer=n_layer)
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -52,51 +48,6 @@ def grid(group):
     yield make
     for g in grids:
         g.free()
-
-
-def batch(step, dp_rank=0, dp_size=1, rows=BATCH):
-    return get_batch(TOKENS, step, batch_size=rows, seq_len=SEQ, seed=0, dp_rank=dp_rank, dp_size=dp_size)
-
-
-def comparable(name, a):
-    """Leave out the key part of attention's qkv bias: its gradient is identically zero (softmax
-    ignores a shift of a whole row of scores), so its values are rounding noise that AdamW
-    normalises into steps of size lr, in any run (as in test_dp)."""
-    a = np.asarray(a, np.float64)
-    if name.endswith("attn.c_attn.bias"):
-        c = a.shape[0] // 3
-        return np.concatenate([a[:c], a[2 * c:]])
-    return a
-
-
-def rel_err(got: dict, ref: dict) -> float:
-    """Max over this rank's tensors of ||got - ref|| / ||ref||."""
-    errs = [0.0]
-    for name, g in got.items():
-        g, r = comparable(name, g), comparable(name, ref[name])
-        errs.append(float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-300)))
-    return max(errs)
-
-
-def reference(cfg, dtype, steps=STEPS, clip=None, rows=BATCH):
-    """Single-rank run on the global batch: losses, first-step grads, final weights, norms, eval loss."""
-    model = GPT(cfg, dtype=dtype, seed=1)
-    opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    losses, norms, grads = [], [], None
-    for step in range(steps):
-        opt.zero_grad()
-        x, y = batch(step, rows=rows)
-        _, loss = model(x, y)
-        loss.backward()
-        grads = grads or {n: p.grad.copy() for n, p in model.named_parameters()}
-        if clip is not None:
-            norms.append(clip_grad_norm(model.parameters(), clip))
-        losses.append(loss.item())
-        opt.step()
-    with no_grad():
-        x, y = batch(100, rows=rows)
-        eval_loss = model(x, y)[1].item()
-    return np.array(losses), grads, {n: p.data.copy() for n, p in model.named_parameters()}, norms, eval_loss
 
 
 def pipeline_run(g, cfg, dtype, schedule, m, chunks=1, steps=STEPS, clip=None, rows=BATCH, zero=0, **kw):
@@ -136,20 +87,20 @@ def parity(g, cfg, dtype, schedule, m, chunks=1, steps=STEPS, clip=None, rows=BA
     """Run the pipeline and the reference; return (ok, detail, stage, stats)."""
     if g is None:
         return True, "idle rank", None, None
-    ref_losses, ref_grads, ref_w, ref_norms, ref_eval = reference(cfg, dtype, steps, clip, rows)
+    ref = reference_run(dtype, cfg=cfg, steps=steps, clip=clip, rows=rows, eval_step=100)
     stage, opt, losses, grads, norms, stats, eval_loss = pipeline_run(g, cfg, dtype, schedule, m, chunks, steps,
                                                                       clip, rows, **kw)
     weights = {n: p.data for n, p in stage.named_parameters()}
+    ref_w, ref_grads = ({n: r[n] for n in weights} for r in (ref.weights, ref.grads))  # this stage's
     if g.tp > 1:  # compare this rank's slices
         from mpirt.parallel.tensor import shard_state_dict
         sizes, ranks = {"tp": g.tp}, {"tp": g.coords["tp"]}
-        ref_w = shard_state_dict(stage.model, {n: ref_w[n] for n in weights}, sizes, ranks)
-        ref_grads = shard_state_dict(stage.model, {n: ref_grads[n] for n in weights}, sizes, ranks)
-    errs = {"loss": float(np.abs(losses - ref_losses).max() / np.abs(ref_losses).max()),
-            "grad": rel_err(grads, ref_grads), "weights": rel_err(weights, ref_w),
-            "eval": abs(eval_loss - ref_eval) / abs(ref_eval)}
+        ref_w = shard_state_dict(stage.model, ref_w, sizes, ranks)
+        ref_grads = shard_state_dict(stage.model, ref_grads, sizes, ranks)
+    errs = {"loss": rel_err(losses, ref.losses), "grad": max_rel_err(grads, ref_grads),
+            "weights": max_rel_err(weights, ref_w), "eval": rel_err(eval_loss, ref.eval_loss)}
     if clip is not None:
-        errs["norm"] = float(np.abs(np.array(norms) - ref_norms).max() / np.abs(ref_norms).max())
+        errs["norm"] = rel_err(norms, ref.norms)
     tol = TOL[dtype]
     kinds = {str(a.dtype) for p in stage.parameters() for a in (p.data, p.grad) if a is not None}
     kinds |= {str(a.dtype) for st in getattr(opt, "state", []) for a in st.values()}

@@ -306,7 +306,7 @@ def test_zero_bf16_shards_float32_masters_by_the_formula(stage):
     from conftest import agree
     from mpirt.models import GPTConfig
     from mpirt.parallel.zero import ZeroOptimizer
-    from test_dp import batch, dp_comm, make_model
+    from parity import batch, dp_comm, make_model
 
     c = dp_comm()
     model = make_model("bfloat16", GPTConfig(n_layer=2, n_head=2, n_embd=64, n_positions=64, vocab_size=256))

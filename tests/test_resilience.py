@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ROOT, run_module
 from mpirt.comm import library_version
-from test_train import TINY, read_metrics
+from runs import TINY, read_metrics
 
 EXIT_NONFINITE, EXIT_STOPPED = 3, 75
 F64 = [*TINY, "--dtype=float64"]

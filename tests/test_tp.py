@@ -8,6 +8,8 @@ so a failure on one rank fails every rank instead of hanging them.
 """
 import os
 import tempfile
+from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from mpirt.grid import Grid
 from mpirt.memory import kept_bytes
 from mpirt.modeling import activation_bytes
 from mpirt.nn import ShardSpec
-from mpirt.optim import AdamW, clip_grad_norm
+from mpirt.optim import AdamW
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.data import DataParallel
 from mpirt.parallel.flat import FlatParams, count_once
@@ -28,22 +30,17 @@ from mpirt.tensor import Tensor
 from mpirt.models import GPT, GPTConfig, Llama, LlamaConfig
 
 from conftest import agree
+import parity
+from parity import SEQ, STEPS, TOKENS, TOL, WD, max_rel_err, reference_run, rel_err
 
-CFG = GPTConfig(n_layer=2, n_head=4, n_embd=16, n_positions=8, vocab_size=37)  # 37: padded at tp 2, 4
-TOKENS = np.random.default_rng(0).integers(0, 37, 4096).astype(np.uint16)
-SEQ, BATCH, STEPS, LR, WD, CLIP = 8, 8, 5, 3e-3, 0.1, 0.5
-TOL = {"float64": 1e-10, "float32": 1e-5}
+CFG = replace(parity.CFG, n_head=4)  # vocabulary 37: padded at tp 2, 4
+BATCH, LR, CLIP = 8, 3e-3, 0.5
 LAYER_TOL = 1e-12  # float64 single layers
+rel = partial(rel_err, norm=2)  # ||a - b|| / ||b|| (L2)
+batch = partial(parity.batch, rows=BATCH, ignore=2)  # ignored targets take part
 
 
 # --- helpers -----------------------------------------------------------------------------------
-def rel(a, b) -> float:
-    """||a - b|| / ||b|| (L2), 0 for two zero arrays."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    nb = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / nb) if nb > 0 else float(np.linalg.norm(a))
-
-
 def shard(full, spec, comm):
     return spec.shard(np.asarray(full), {"tp": comm.size}, {"tp": comm.rank})
 
@@ -393,37 +390,6 @@ def test_vocab_parallel_cross_entropy(tp, vocab, group):
 
 
 # --- the GPT model ------------------------------------------------------------------------------
-def batch(step, dp_rank=0, dp_size=1):
-    x, y = get_batch(TOKENS, step, batch_size=BATCH, seq_len=SEQ, seed=0, dp_rank=dp_rank, dp_size=dp_size)
-    y = y.copy()
-    y[:, :2] = -100                                                 # ignored targets take part
-    return x, y
-
-
-def reference_run(dtype, steps=STEPS):
-    """The single-rank run on the whole global batch: (losses, clip norms, final weights)."""
-    model = GPT(CFG, dtype=dtype, seed=1)
-    opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    losses, norms = [], []
-    for step in range(steps):
-        opt.zero_grad()
-        _, loss = model(*batch(step))
-        loss.backward()
-        norms.append(clip_grad_norm(model.parameters(), CLIP))
-        losses.append(loss.item())
-        opt.step()
-    return np.array(losses), np.array(norms), {n: p.data.copy() for n, p in model.named_parameters()}
-
-
-def comparable(name, a):
-    """``a`` without the attention key bias (its gradient is identically zero: rounding noise that
-    AdamW normalises into steps of size lr); on a tp shard the middle third is this rank's k part."""
-    if name.endswith("attn.c_attn.bias"):
-        c = a.shape[0] // 3
-        return np.concatenate([a[:c], a[2 * c:]])
-    return a
-
-
 def tp_run(grid, dtype, sp, steps=STEPS):
     tp, dp = grid.comm["tp"], grid.comm["dp"]
     model = TP.parallelize(GPT(CFG, dtype=dtype), tp, sequence_parallel=sp, seed=1)
@@ -457,13 +423,13 @@ def test_gpt_matches_single_rank(layout, sp, dtype, group):
     g = group(tp * dp)
     ok, detail = True, ""
     if g is not None:
-        ref_losses, ref_norms, ref_w = reference_run(dtype)
+        ref = reference_run(dtype, cfg=CFG, lr=LR, clip=CLIP, rows=BATCH, ignore=2)
         grid = Grid(dp, 1, tp, comm=g)
         model, losses, norms = tp_run(grid, dtype, sp)
         tpc = grid.comm["tp"]
-        want = TP.shard_state_dict(model, ref_w, {"tp": tpc.size}, {"tp": tpc.rank})
-        errs = {"loss": rel(losses, ref_losses), "norm": rel(norms, ref_norms),
-                "weights": max(rel(comparable(n, p.data), comparable(n, want[n])) for n, p in model.named_parameters())}
+        want = TP.shard_state_dict(model, ref.weights, {"tp": tpc.size}, {"tp": tpc.rank})
+        errs = {"loss": rel(losses, ref.losses), "norm": rel(norms, ref.norms),
+                "weights": max_rel_err({n: p.data for n, p in model.named_parameters()}, want)}
         kinds = {str(a.dtype) for p in model.parameters() for a in (p.data, p.grad)}
         ok = max(errs.values()) <= TOL[dtype] and kinds == {dtype}
         detail = f"{errs} dtypes {kinds}"

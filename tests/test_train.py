@@ -5,14 +5,7 @@ import math
 import pytest
 
 from conftest import run_module
-
-TINY = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.n_positions=32",
-        "--seq-len=16", "--batch-size=4", "--eval-batches=2", "--eval-interval=0", "--progress=false",
-        "--warmup-steps=2"]
-
-
-def read_metrics(out):
-    return [json.loads(line) for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
+from runs import TINY, read_metrics
 
 
 def test_train_writes_summary_checkpoint_and_samples(tiny_data, tmp_path):

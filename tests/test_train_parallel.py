@@ -13,6 +13,7 @@ import pytest
 
 from conftest import run_module
 from mpirt.checkpoint import load_state
+from runs import read_metrics
 
 TINY = ["--model.n_layer=4", "--model.n_embd=32", "--model.n_head=4", "--model.n_positions=32",
         "--seq-len=16", "--batch-size=8", "--eval-batches=2", "--eval-interval=0", "--progress=false",
@@ -21,7 +22,7 @@ TINY = ["--model.n_layer=4", "--model.n_embd=32", "--model.n_head=4", "--model.n
 
 def run(tiny_data, out, *layout, ranks=0):
     run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={out}", *layout, ranks=ranks)
-    losses = [json.loads(line)["loss"] for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in read_metrics(out)]
     summary = json.loads((out / "summary.json").read_text())
     return losses, summary, load_state(out / "ckpt")[1]
 

@@ -18,7 +18,7 @@ from mpirt.comm import EXIT_TIMEOUT, flight
 from mpirt.comm.watchdog import REPLY_S
 from mpirt.parallel.pipeline_exec import WaitLabel
 from mpirt.parallel.schedules import RECV_GRAD, SEND_ACT, Action
-from test_train import TINY
+from runs import TINY
 
 JOB_TIMEOUT = 180  # seconds any one job may take before the test kills it: a hang is a failure
 

@@ -25,8 +25,8 @@ from mpirt.parallel.zero import ZeroOptimizer
 from mpirt.tensor import no_grad
 from mpirt.models import GPTConfig
 from conftest import agree
-from test_dp import (LR, STEPS, TOL, WD, batch, dp_comm, global_loss, make_model, max_rel_err, reference_run,
-                     rel_err, within, worst)
+from parity import (LR, STEPS, TOL, WD, batch, dp_comm, global_loss, make_model, max_rel_err, reference_run, rel_err,
+                    within, worst)
 
 STAGES = [1, 2, 3]
 
@@ -74,15 +74,15 @@ def segment_err(segments, ref_grads) -> float:
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_matches_single_rank(stage, dtype):
     size = MPI.COMM_WORLD.size
-    ref_losses, ref_grads, ref_w, _ = reference_run(dtype, size)
+    ref = reference_run(dtype, world=size)
     losses, grads, w, _, opt, model = zero_run(dtype, stage)
-    errs = {"loss": worst(rel_err(losses, ref_losses)), "grad": worst(segment_err(grads, ref_grads)),
-            "weights": worst(max_rel_err(w, ref_w))}
+    errs = {"loss": worst(rel_err(losses, ref.losses)), "grad": worst(segment_err(grads, ref.grads)),
+            "weights": worst(max_rel_err(w, ref.weights))}
     # every element of every parameter is owned by exactly one rank
     owned = MPI.COMM_WORLD.allreduce(sum(b - a for _, a, b, _ in opt.owned_segments()))
     # inference after training (stage 3: parameters gathered per unit under no_grad too)
     ref_model = make_model(dtype)
-    ref_model.load_state_dict(ref_w)
+    ref_model.load_state_dict(ref.weights)
     x, y = batch(0, 0, 1, world=size)
     with no_grad():
         logits_err = worst(rel_err(model(x).data, ref_model(x).data))
@@ -97,9 +97,9 @@ def test_zero_matches_single_rank(stage, dtype):
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_grad_accumulation_equals_one_large_batch(stage, dtype):
     size = MPI.COMM_WORLD.size
-    ref_losses, _, ref_w, _ = reference_run(dtype, size, steps=3, accum=2)
+    ref = reference_run(dtype, world=size, steps=3, accum=2)
     losses, _, w, _, _, _ = zero_run(dtype, stage, accum=2, steps=3)
-    errs = {"loss": worst(rel_err(losses, ref_losses)), "weights": worst(max_rel_err(w, ref_w))}
+    errs = {"loss": worst(rel_err(losses, ref.losses)), "weights": worst(max_rel_err(w, ref.weights))}
     agree(within(errs, dtype), f"stage {stage}: errors {errs}")
 
 
@@ -107,10 +107,10 @@ def test_zero_grad_accumulation_equals_one_large_batch(stage, dtype):
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_clipping_matches_unsharded(stage):
     size = MPI.COMM_WORLD.size
-    ref_losses, _, ref_w, ref_norms = reference_run("float64", size, steps=3, clip=0.05)
+    ref = reference_run("float64", world=size, steps=3, clip=0.05)
     losses, _, w, norms, _, _ = zero_run("float64", stage, clip=0.05, steps=3)
-    errs = (worst(rel_err(losses, ref_losses)), worst(max_rel_err(w, ref_w)), worst(rel_err(norms, ref_norms)))
-    agree(min(ref_norms) > 0.05 and max(errs) <= TOL["float64"], f"norms {ref_norms}, errors {errs}")
+    errs = (worst(rel_err(losses, ref.losses)), worst(max_rel_err(w, ref.weights)), worst(rel_err(norms, ref.norms)))
+    agree(min(ref.norms) > 0.05 and max(errs) <= TOL["float64"], f"norms {ref.norms}, errors {errs}")
 
 
 @pytest.mark.mpi(min_size=2)

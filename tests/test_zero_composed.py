@@ -7,25 +7,23 @@ slices of the weights, the losses and the global norms equal the single-rank run
 1e-10). Each test splits the world into groups of the size it needs; leftover ranks only vote.
 """
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
 
 from mpirt.config import TrainConfig
-from mpirt.data import get_batch
 from mpirt.grid import Grid
-from mpirt.models import GPT, GPTConfig
-from mpirt.optim import AdamW, clip_grad_norm
 from mpirt.parallel.engine import Engine
-from mpirt.parallel.state import load_shards, save_shards
 from mpirt.parallel.tensor import shard_state_dict
 from mpirt.parallel.zero import ZeroOptimizer
 
 from conftest import agree
+from parity import CFG as MODEL, SEQ, STEPS, Reference, max_rel_err, reference_run, rel_err
+from parity import batch as parity_batch  # this module's parity() is the check below
 
-TOKENS = np.random.default_rng(3).integers(0, 37, 4096).astype(np.uint16)
-SEQ, ROWS, STEPS, CLIP = 8, 8, 5, 0.05
-MODEL = GPTConfig(n_layer=2, n_head=2, n_embd=16, n_positions=SEQ, vocab_size=37)
+ROWS, CLIP = 8, 0.05
+batch = partial(parity_batch, rows=ROWS, token_seed=3)
 
 
 def train_config(dp, pp, tp, zero, **kw) -> TrainConfig:
@@ -34,24 +32,10 @@ def train_config(dp, pp, tp, zero, **kw) -> TrainConfig:
                    schedule="1f1b", **kw)
 
 
-def batch(step, dp_rank=0, dp_size=1):
-    return get_batch(TOKENS, step, batch_size=ROWS, seq_len=SEQ, seed=0, dp_rank=dp_rank, dp_size=dp_size)
-
-
-def reference(cfg: TrainConfig):
-    """Losses, norms and final weights of the single-rank run."""
-    model = GPT(MODEL, dtype="float64", seed=cfg.seed)
-    opt = AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-    losses, norms = [], []
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = batch(step)
-        _, loss = model(x, y)
-        loss.backward()
-        losses.append(loss.item())
-        norms.append(clip_grad_norm(model.parameters(), CLIP))
-        opt.step()
-    return np.array(losses), np.array(norms), {n: p.data.copy() for n, p in model.named_parameters()}
+def reference(cfg: TrainConfig) -> Reference:
+    """The single-rank run with ``cfg``'s seed and AdamW settings."""
+    return reference_run("float64", cfg=MODEL, seed=cfg.seed, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                         weight_decay=cfg.weight_decay, clip=CLIP, rows=ROWS, token_seed=3)
 
 
 def local_weights(engine) -> dict:
@@ -74,10 +58,6 @@ def run(engine, grid, steps=STEPS):
     return np.array(losses), np.array(norms)
 
 
-def rel(a, b) -> float:
-    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(np.abs(np.asarray(b)).max(), 1e-30))
-
-
 def parity(group, dp, pp, tp, zero, **kw):
     comm = group(dp * pp * tp)
     if comm is None:
@@ -88,13 +68,14 @@ def parity(group, dp, pp, tp, zero, **kw):
     engine = Engine(cfg, MODEL, grid, dropout_seed=0)
     losses, norms = run(engine, grid)
     weights = local_weights(engine)
-    ref_losses, ref_norms, ref_w = reference(cfg)
-    ref_w = shard_state_dict(engine.model, {n: ref_w[n] for n in weights}, {"tp": tp}, {"tp": grid.coords["tp"]})
-    errs = {"loss": rel(losses, ref_losses), "norm": rel(norms, ref_norms),
-            "weights": max(rel(weights[n], ref_w[n]) for n in weights)}
+    ref = reference(cfg)
+    ref_w = {n: ref.weights[n] for n in weights}
+    ref_w = shard_state_dict(engine.model, ref_w, {"tp": tp}, {"tp": grid.coords["tp"]})
+    errs = {"loss": rel_err(losses, ref.losses), "norm": rel_err(norms, ref.norms),
+            "weights": max_rel_err(weights, ref_w, np.inf, whole=True)}
     engine.close()
     grid.free()
-    agree(min(ref_norms) > CLIP and max(errs.values()) <= 1e-10,
+    agree(min(ref.norms) > CLIP and max(errs.values()) <= 1e-10,
           f"zero={zero} dp{dp} pp{pp} tp{tp} {kw}: errors {errs}")
 
 
@@ -164,8 +145,8 @@ def test_sharded_checkpoint_moves_between_zero_pp_and_plain_tp(group):
         losses.append(second.train_step(x, y))
         second.clip(CLIP)
         second.optimizer.step()
-    ref_losses, _, _ = reference(train_config(1, 1, 1, 0))
-    err = rel(losses, ref_losses[3:])
+    ref_losses = reference(train_config(1, 1, 1, 0)).losses
+    err = rel_err(losses, ref_losses[3:])
     second.close()
     g2.free()
     agree(err <= 1e-10, f"resumed losses {losses} vs {ref_losses[3:]}: {err}")
