@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpirt.sysinfo import cpu_model
+from mpirt.cpu.sysinfo import cpu_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OTHERS_MAX = 0.10     # share of the machine's CPU time other processes may take during a run

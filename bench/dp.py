@@ -33,8 +33,8 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from mpirt.comm import Comm  # noqa: E402
-from mpirt.optim import AdamW  # noqa: E402
-from mpirt.parallel.data import DataParallel  # noqa: E402
+from mpirt.core.optim import AdamW  # noqa: E402
+from mpirt.parallel.ddp import DataParallel  # noqa: E402
 from mpirt.models import GPT, GPTConfig  # noqa: E402
 
 

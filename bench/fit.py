@@ -5,7 +5,7 @@
 
 What it does, each step a real `mpiexec -n RANKS python -m mpirt.train` (or mpirt.checkpoint) run:
 
-1. predicts, from the config alone (:func:`mpirt.memory.predict`), the single-rank training
+1. predicts, from the config alone (:func:`mpirt.plan.memory.predict`), the single-rank training
    memory (weights, gradients, AdamW state, one micro-batch's activations, the process) and each
    rank's peak under the layout; refuses to go on when the single rank needs < 4x the budget;
 2. trains ``--steps`` steps under ``--memory-budget`` (the run itself refuses a layout predicted not
@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import LoadMonitor, write_results  # noqa: E402
 
-from mpirt.config import parse_args  # noqa: E402
-from mpirt.memory import CATEGORIES, format_size, parse_size, predict  # noqa: E402
-from mpirt.modeling import load_model_config, num_parameters  # noqa: E402
-from mpirt.train import open_dataset, plan_layout, vocab_from_data  # noqa: E402
+from mpirt.run.config import parse_args  # noqa: E402
+from mpirt.plan.memory import CATEGORIES, format_size, parse_size, predict  # noqa: E402
+from mpirt.core.modeling import load_model_config, num_parameters  # noqa: E402
+from mpirt.run.train import open_dataset, plan_layout, vocab_from_data  # noqa: E402
 
 
 def train_args(a, layout: str, out: Path, steps: int, extra=()) -> list[str]:
@@ -104,7 +104,7 @@ def main() -> None:
     if not a.data:
         a.data = str(out / "data")
         if not (Path(a.data) / "meta.json").exists():
-            from mpirt.data import prepare
+            from mpirt.data.tokens import prepare
             prepare(ROOT / "mpirt", Path(a.data), pattern="*.py", val_fraction=0.2)
     budget = parse_size(a.budget)
     load = LoadMonitor().start()

@@ -3,7 +3,7 @@
 For each case and each linear layer of its GPT step (``qkv``, ``proj``, ``fc``, ``fc2`` and the
 tied ``head``), the three products a step runs: forward ``x w``, input gradient ``g w^T`` and
 weight gradient ``x^T g`` (the head: ``h wte^T``, ``g wte``, ``g^T h``), float32, through
-``mpirt.threads.matmul`` with the thread count training uses, so each product is split over
+``mpirt.cpu.threads.matmul`` with the thread count training uses, so each product is split over
 mpirt's pool exactly as in a step. Candidates alternate product by product (order rotating), and
 each cell is the median [min-max] ms over the repeats. The last rows give the step's whole GEMM
 time per candidate (every product times its count in a step): the GEMM floor of bench/step.py.
@@ -56,7 +56,7 @@ def step_products(cfg, batch: int, seq_len: int, dtype=np.float32) -> list[dict]
 
 def run_product(a, b) -> None:
     """One product as mpirt's layers run it (split over the pool)."""
-    from mpirt.threads import matmul
+    from mpirt.cpu.threads import matmul
     matmul(a, b)
 
 
@@ -79,7 +79,8 @@ def main() -> None:
     parser.add_argument("--name", default="gemm", help="results file name under bench/results")
     args = parser.parse_args()
 
-    from mpirt import blas, threads
+    from mpirt.cpu import blas
+    from mpirt.cpu import threads
     threads.set_num_threads(args.threads or threads.default_num_threads())
     found, missing = blas.available()
     names = args.candidates.split(",") if args.candidates else list(found)

@@ -12,7 +12,7 @@ and ``gpt`` (:mod:`gpu_check_correct`: every exported op forward and backward, A
 step on CuPy float64/float32/bfloat16 against NumPy float64), ``matmul``, ``allreduce``,
 ``train-350m-mpirt``, ``train-350m-torch``, ``train-1.3b-mpirt``, ``train-1.3b-torch``, ``attention``
 (the CUDA flash attention against torch's SDPA) and ``profile`` (the 1.3B step's time per op)
-(:mod:`gpu_check_perf`), and ``nvml``, the NVML sampler (:mod:`mpirt.gpumon`) that runs beside the
+(:mod:`gpu_check_perf`), and ``nvml``, the NVML sampler (:mod:`mpirt.monitor.gpu`) that runs beside the
 others until ``WORK/nvml.stop`` appears; the report gives its means over each part's timed window.
 
 ``--cpu`` (the dry run): the same code paths on NumPy with tiny shapes (CuPy replaced by NumPy
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-H200_BF16_PEAK = 989e12   # dense bf16 FLOP/s of an H200 SXM (data sheet; mpirt.flops.GPU_PEAKS)
+H200_BF16_PEAK = 989e12   # dense bf16 FLOP/s of an H200 SXM (data sheet; mpirt.monitor.flops.GPU_PEAKS)
 SECTIONS = ("env", "ops", "optim", "gpt-step", "matmul", "attention", "allreduce", "train", "profile", "nvml",
             "parts")
 SECTION_OF = {"env": "env", "ops": "ops", "optim": "optim", "gpt": "gpt-step", "matmul": "matmul",
@@ -73,18 +73,18 @@ def ensure_models() -> None:
 
 def select(cpu: bool) -> str:
     """The backend the checks run on: CuPy (the GPU run) or NumPy (``--cpu``)."""
-    import mpirt.backend as B
+    import mpirt.core.backend as B
     return B.select("numpy" if cpu else "cupy")
 
 
 def device_name(cpu: bool) -> str:
-    import mpirt.backend as B
+    import mpirt.core.backend as B
     info = B.device_info()
     return info["name"] if info else ("CPU (dry run)" if cpu else "?")
 
 
 def sync() -> None:
-    import mpirt.backend as B
+    import mpirt.core.backend as B
     B.synchronize()
 
 
@@ -218,13 +218,13 @@ def part_env(args) -> None:
 
 # --- nvml ---------------------------------------------------------------------------------------------
 def part_nvml(args) -> None:
-    """Sample the GPU through :mod:`mpirt.gpumon` every ``--interval`` s until ``WORK/nvml.stop``
+    """Sample the GPU through :mod:`mpirt.monitor.gpu` every ``--interval`` s until ``WORK/nvml.stop``
     appears (or ``--max-seconds`` pass); write the samples with wall-clock times."""
     t0 = time.time()
     note = ""
     try:
         select(args.cpu)
-        from mpirt import gpumon
+        from mpirt.monitor import gpu as gpumon
         sampler, note = gpumon.start(args.interval)
     except Exception as err:  # noqa: BLE001 - the sampler must never fail the run
         sampler, note = None, f"NVML sampler not started: {short_error(err)}"
@@ -245,7 +245,7 @@ def part_nvml(args) -> None:
 def nvml_rows(samples: list, note: str, windows: dict) -> list:
     """Per part's timed window: mean utilisation, memory-bandwidth utilisation, power, SM clock and
     the most memory used."""
-    from mpirt.gpumon import mean
+    from mpirt.monitor.gpu import mean
     if not samples:
         return [["nvml", "samples", f"none: {note}", "n/a"]]
     rows = [["nvml", "samples", f"{len(samples)} over the run ({note})", "ok"]]
@@ -328,7 +328,7 @@ def part_report(args) -> None:
         if args.cpu else f"GPU: {env.get('cupy', '?')}",
         "Errors: ||x - ref|| / ||ref|| against NumPy float64 run from the same inputs rounded to the checked dtype "
         "(bf16 inputs' own rounding is not counted); NaN/inf never pass.",
-        "MFU: mpirt.modeling.flops_per_token (6N + 12LCT) x tokens/s over the bf16 dense peak "
+        "MFU: mpirt.core.modeling.flops_per_token (6N + 12LCT) x tokens/s over the bf16 dense peak "
         f"({H200_BF16_PEAK / 1e12:.0f} TFLOP/s, H200 data sheet).",
         f"{len(failed)} row(s) FAIL" + (": " + "; ".join(f"{r[0]}/{r[1]}" for r in failed[:12]) if failed else "."),
     ]

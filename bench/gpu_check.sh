@@ -5,12 +5,12 @@
 #
 #   env        CuPy version and GPU, bf16 on CuPy, NCCL, torch, mpi4py and whether an MPI library
 #              loads, mpiexec, CUDA-aware MPI, nvidia-smi, nvidia-ml-py
-#   ops        every op in mpirt.ops.__all__ forward and backward on CuPy float64/float32/bfloat16
+#   ops        every op in mpirt.core.ops.__all__ forward and backward on CuPy float64/float32/bfloat16
 #              against NumPy float64 (+ finite differences on the GPU in float64)
 #   optim      AdamW (float64/32, bf16 and fp16 with float32 masters) and the global norm vs float64
 #   gpt        a full GPT step (forward, backward, clip, AdamW) on CuPy vs NumPy float64
 #   matmul     bf16 and fp16 8192^3 and 8192x2048x8192 products: mpirt vs torch.matmul, TFLOP/s
-#   attention  the CUDA flash attention (mpirt/kernels/cuda_kernels.cu) forward + backward at the
+#   attention  the CUDA flash attention (mpirt/cpu/kernels/cuda_kernels.cu) forward + backward at the
 #              training shapes and at odd lengths, against torch's scaled_dot_product_attention and
 #              mpirt's float32 xp form: errors, then times
 #   allreduce  mpirt.comm at 1 rank through each engine (nccl, staged, cuda-aware if the MPI has
@@ -21,7 +21,7 @@
 #              of the same shape (autocast bf16, F.scaled_dot_product_attention, fused AdamW)
 #   profile    where the 1.3B mpirt step's time goes: each Function's passes, AdamW, the clip and
 #              the GEMM calls, each between two drained queues
-#   nvml       mpirt.gpumon samples the GPU all along (background); the report gives its means
+#   nvml       mpirt.monitor.gpu samples the GPU all along (background); the report gives its means
 #              over each part's timed window
 # The table goes to bench/results/gpu-<date>.md (+ .json); with $OUT set (the device tool), the
 # table, the JSON, every part's log and the CuPy kernel cache are copied to $OUT.

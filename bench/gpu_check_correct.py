@@ -5,7 +5,7 @@ run from the same inputs rounded to the checked dtype.
 The op table mirrors tests/test_ops.py's CASES (same ops, shapes and argument kinds) with its
 constants made on the active backend at call time, plus a few GPU-sized cases; dropout masks (one
 backend's generator each) are recorded on the device and replayed in the reference. Float64 also
-runs the finite-difference gradient check of :mod:`mpirt.testing` on the device.
+runs the finite-difference gradient check of :mod:`mpirt.core.testing` on the device.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
-import mpirt.backend as B
+import mpirt.core.backend as B
 from gpu_check import fmt_err, rel_err, save, select, short_error, verdict
-from mpirt.testing import normal, op_cases
+from mpirt.core.testing import normal, op_cases
 
 DTYPES = ("float64", "float32", "bfloat16")
 TOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
@@ -25,8 +25,8 @@ TOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 
 def all_cases(big: bool) -> dict:
     """name -> (op name in ops.__all__, function of Tensors, input arrays, finite-difference check)."""
-    from mpirt import ops
-    from mpirt.ops.attention import rotary_tables
+    from mpirt.core import ops
+    from mpirt.core.ops.attention import rotary_tables
 
     def rot(qkv, t, d):
         return ops.rotary_embedding(qkv, *rotary_tables(t, d, 10.0, B.xp.dtype(qkv.dtype)))
@@ -66,8 +66,8 @@ class MaskTape:
 
     def __init__(self):
         import importlib
-        attention = importlib.import_module("mpirt.ops.attention")
-        dropout = importlib.import_module("mpirt.ops.dropout")   # (mpirt.ops.dropout the name is the function)
+        attention = importlib.import_module("mpirt.core.ops.attention")
+        dropout = importlib.import_module("mpirt.core.ops.dropout")   # (mpirt.core.ops.dropout the name is the function)
         self.modules, self.original, self.masks = (attention, dropout), dropout.dropout_mask, []
 
     @contextmanager
@@ -101,15 +101,15 @@ def host(a) -> np.ndarray:
 
 
 def is_float(a) -> bool:
-    from mpirt.precision import is_half
+    from mpirt.core.precision import is_half
     return a.dtype.kind == "f" or is_half(a.dtype)
 
 
 def run_case(fn, arrays, seed_grad_of):
     """``(output, input gradients)`` as host arrays, on the active backend; ``seed_grad_of(out)``
     gives the backward's seed (a host array)."""
-    from mpirt import ops
-    from mpirt.tensor import Tensor
+    from mpirt.core import ops
+    from mpirt.core.tensor import Tensor
     tensors = [Tensor(B.asarray(a), requires_grad=is_float(a)) for a in arrays]
     out = fn(*tensors)
     if isinstance(out, list):
@@ -135,8 +135,8 @@ def check_case(fn, inputs, dtype, cpu, tape, seed):
 
 
 def part_ops(args) -> None:
-    from mpirt import ops
-    from mpirt.testing import gradcheck
+    from mpirt.core import ops
+    from mpirt.core.testing import gradcheck
     t0, cases, tape = time.time(), all_cases(not args.cpu), MaskTape()
     per_op, data = {}, {}
     for name, (op, fn, inputs, small) in cases.items():
@@ -184,13 +184,13 @@ def part_ops(args) -> None:
 
 
 def _concat(out):
-    from mpirt import ops
+    from mpirt.core import ops
     return ops.concat([p.reshape(-1) for p in out], axis=0) if isinstance(out, list) else out
 
 
 # --- AdamW ---------------------------------------------------------------------------------------------
 def adamw_reference(p, g, m, v, step, lr, b1, b2, eps, wd):
-    """torch.optim.AdamW's update in float64, written out (independent of mpirt.optim)."""
+    """torch.optim.AdamW's update in float64, written out (independent of mpirt.core.optim)."""
     p = p * (1.0 - lr * wd)
     m[...] = b1 * m + (1 - b1) * g
     v[...] = b2 * v + (1 - b2) * g * g
@@ -198,9 +198,9 @@ def adamw_reference(p, g, m, v, step, lr, b1, b2, eps, wd):
 
 
 def part_optim(args) -> None:
-    from mpirt.nn import Parameter
-    from mpirt.optim import AdamW, global_grad_norm
-    from mpirt.precision import is_half
+    from mpirt.core.nn import Parameter
+    from mpirt.core.optim import AdamW, global_grad_norm
+    from mpirt.core.precision import is_half
     t0, rows, data = time.time(), [], {}
     shapes = [(1024, 1536), (1536,), (4096, 256)] if not args.cpu else [(48, 80), (80,), (128, 24)]
     hyper = dict(lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, wd=0.1)
@@ -256,8 +256,8 @@ def part_optim(args) -> None:
 def gpt_step(cfg, dtype, x, y, init=None):
     """Build a GPT (weights ``init`` by name if given), run forward, backward, clip at 1.0 and one
     AdamW step on the active backend; return host copies of what the check compares."""
-    from mpirt.modeling import build_model
-    from mpirt.optim import AdamW, clip_grad_norm
+    from mpirt.core.modeling import build_model
+    from mpirt.core.optim import AdamW, clip_grad_norm
     model = build_model(cfg, dtype=dtype, seed=0)
     named = dict(model.named_parameters())
     if init is not None:
@@ -277,7 +277,7 @@ def gpt_step(cfg, dtype, x, y, init=None):
 
 
 def part_gpt(args) -> None:
-    from mpirt.models.config import GPTConfig
+    from mpirt.models.model_config import GPTConfig
     t0, rows, data = time.time(), [], {}
     if args.cpu:
         cfg, batch, seq = GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=96), 2, 16

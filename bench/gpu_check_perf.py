@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-import mpirt.backend as B
+import mpirt.core.backend as B
 from gpu_check import (H200_BF16_PEAK, ROOT, device_name, fmt_err, gib, rel_err, save, select, short_error, sync,
                        verdict)
 from torch_gpt import torch_gpt
@@ -43,7 +43,7 @@ def timed(fn, sync_fn, warmup: int, rounds: int, per_round: int = 1) -> list[flo
 def part_matmul(args) -> None:
     import torch
 
-    from mpirt import threads
+    from mpirt.cpu import threads
     t0, rows, data = time.time(), [], {}
     select(args.cpu)
     torch.backends.cuda.matmul.allow_tf32 = False   # the float32 references are float32
@@ -216,8 +216,8 @@ TRAIN_TIMED_S = 40.0   # at most this long in timed steps (at least 3)
 def train_setup(model: str, cpu: bool):
     """(GPTConfig, batch, seq_len, warm-up steps, timed steps). GPU: GPT-2 medium (355M) and a
     GPT-3 XL shape (24 x 2048, 1.3B), 8 x 1024 tokens a step (the 1.3B in bf16 with float32
-    masters: about 49 GiB by mpirt.memory.predict, well inside 141 GB)."""
-    from mpirt.models.config import GPTConfig
+    masters: about 49 GiB by mpirt.plan.memory.predict, well inside 141 GB)."""
+    from mpirt.models.model_config import GPTConfig
     if cpu:
         width = 32 if model == "350m" else 48
         return GPTConfig(n_layer=2, n_head=2, n_embd=width, n_positions=32, vocab_size=128), 2, 32, 1, 3
@@ -227,8 +227,8 @@ def train_setup(model: str, cpu: bool):
 
 
 def mpirt_trainer(cfg, x, y):
-    from mpirt.modeling import build_model
-    from mpirt.optim import AdamW, clip_grad_norm
+    from mpirt.core.modeling import build_model
+    from mpirt.core.optim import AdamW, clip_grad_norm
     model = build_model(cfg, dtype="bfloat16", seed=0)
     params = model.parameters()
     opt = AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -270,10 +270,10 @@ def torch_trainer(cfg, x, y, cpu: bool):
 
 
 def part_train(args) -> None:
-    from mpirt import modeling
-    from mpirt.config import TrainConfig
-    from mpirt.flops import gpu_peak
-    from mpirt.memory import format_size, predict
+    from mpirt.core import modeling
+    from mpirt.run.config import TrainConfig
+    from mpirt.monitor.flops import gpu_peak
+    from mpirt.plan.memory import format_size, predict
     _, model_name, framework = args.part.split("-")
     t0 = time.time()
     cfg, batch, seq, warmup, steps = train_setup(model_name, args.cpu)
@@ -314,7 +314,7 @@ def part_train(args) -> None:
     predicted = predict(TrainConfig(dtype="bfloat16", batch_size=batch, seq_len=seq), cfg,
                         {"dp": 1, "pp": 1, "tp": 1}, 0)["peak"]
     learned = bool(np.isfinite(losses).all() and losses[-1] < losses[0])
-    mem_text = (f"pool held {gib(mem)} (mpirt.memory predicts {format_size(predicted)})" if framework == "mpirt"
+    mem_text = (f"pool held {gib(mem)} (mpirt.plan.memory predicts {format_size(predicted)})" if framework == "mpirt"
                 else f"max allocated {gib(mem)}")
     first_s = times[0]
     data = {"params": n_params, "batch": batch, "seq": seq, "warmup": warmup, "steps": steps, "step_s": timed_s,
@@ -330,13 +330,13 @@ def part_train(args) -> None:
 
 # --- attention -------------------------------------------------------------------------------------------
 def part_attention(args) -> None:
-    """The CUDA flash attention (mpirt.kernels.cuda) at the training shapes, forward and backward,
+    """The CUDA flash attention (mpirt.cpu.kernels.cuda) at the training shapes, forward and backward,
     against PyTorch's ``scaled_dot_product_attention`` (is_causal) on the same bf16/fp16 inputs and
     against mpirt's own xp form in float32 (the fallback it replaces); then the times of each."""
     import torch
 
-    from mpirt.ops.attention import CausalSelfAttention
-    from mpirt.tensor import Tensor
+    from mpirt.core.ops.attention import CausalSelfAttentionOp
+    from mpirt.core.tensor import Tensor
     t0, rows, data = time.time(), [], {}
     select(args.cpu)
     xp = B.xp
@@ -356,7 +356,7 @@ def part_attention(args) -> None:
 
             def run_mpirt(a=qkv, g=gout):
                 x = Tensor(a, requires_grad=True)
-                y = CausalSelfAttention.apply(x, n_head=h)
+                y = CausalSelfAttentionOp.apply(x, n_head=h)
                 y.backward(g)
                 return y.data, x.grad
 
@@ -398,8 +398,8 @@ def part_attention(args) -> None:
 
 # --- profile ---------------------------------------------------------------------------------------------
 def _function_classes():
-    """Every :class:`mpirt.tensor.Function` subclass defined so far."""
-    from mpirt.tensor import Function
+    """Every :class:`mpirt.core.tensor.Function` subclass defined so far."""
+    from mpirt.core.tensor import Function
     seen, todo = [], [Function]
     while todo:
         for sub in todo.pop().__subclasses__():
@@ -413,7 +413,7 @@ def part_profile(args) -> None:
     """Where the 1.3B mpirt bf16 step spends its time: every Function's forward and backward passes,
     the gradient clip and AdamW, each timed between two drained queues (so launch overhead and host
     work count; the sum is above an uninstrumented step's time by the synchronisations)."""
-    from mpirt import optim
+    from mpirt.core import optim
     t0 = time.time()
     cfg, batch, seq, warmup, _ = train_setup("1.3b", args.cpu)
     select(args.cpu)
@@ -442,7 +442,7 @@ def part_profile(args) -> None:
                 wrap(cls, m, f"{cls.__name__}.{m}")
     wrap(optim, "clip_grad_norm", "clip_grad_norm")
     wrap(optim.AdamW, "step", "AdamW.step")
-    from mpirt import threads
+    from mpirt.cpu import threads
     wrap(threads, "_gemm", "(inside) threads._gemm: the GEMM library's calls")
     wrap(threads, "sum_rows", "(inside) threads.sum_rows: bias gradients")
     rng = np.random.default_rng(0)

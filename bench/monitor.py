@@ -2,7 +2,7 @@
 
 One engine (the default run's model and batch, or whatever ``--key=value`` training options say)
 runs the training loop's step twice over, as contenders that take turns step by step
-(:func:`common.alternate`): ``on`` brackets the step with :class:`mpirt.monitor.RunMonitor` at
+(:func:`common.alternate`): ``on`` brackets the step with :class:`mpirt.monitor.live.RunMonitor` at
 default settings (parts, comm window, memory, trace of its first steps, the stragglers' allgather
 every ``log_interval`` steps, TensorBoard) and writes the full metrics record; ``off`` is
 ``--monitor false`` (loss, time and MFU only). Overhead = per-round ratio on/off - 1 (median
@@ -30,15 +30,15 @@ def main() -> None:
     parser.add_argument("--quiet-wait", type=float, default=0.0, help="wait up to N s for a quiet machine")
     args, train_args = parser.parse_known_args()
 
-    import mpirt.backend as B
-    from mpirt.config import parse_args
-    from mpirt.data import get_batch
-    from mpirt.distributed import init_distributed
-    from mpirt.grid import Grid
-    from mpirt.modeling import flops_per_token, load_model_config
-    from mpirt.monitor import Metrics, RunMonitor
+    import mpirt.core.backend as B
+    from mpirt.run.config import parse_args
+    from mpirt.data.tokens import get_batch
+    from mpirt.run.distributed import init_distributed
+    from mpirt.parallel.grid import Grid
+    from mpirt.core.modeling import flops_per_token, load_model_config
+    from mpirt.monitor.live import Metrics, RunMonitor
     from mpirt.parallel.engine import Engine
-    from mpirt.train import open_dataset, plan_layout, vocab_from_data
+    from mpirt.run.train import open_dataset, plan_layout, vocab_from_data
 
     cfg = parse_args(train_args)
     ctx = init_distributed(cfg.seed, cfg.backend)

@@ -16,7 +16,7 @@ started together on the pipeline ranks (a barrier before it, not timed); the sch
 - ``theory``: ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v m+p-1)`` interleaved, and for
   ZB-H1 ``(p-1)(F+B-W)`` over ``m(F+B+W) + (p-1)(F+B-W)`` with this run's measured F, B and W;
 - ``model``: the bubble that the schedule simulator predicts from this run's measured per-rank
-  op times (the performance model of :mod:`mpirt.parallel.schedule_check`);
+  op times (the performance model of :mod:`mpirt.parallel.pipeline.check`);
 - ``peak stash``: activations (micro-batch x chunk) stashed at once, most loaded rank, and their
   bytes (estimated from the arrays the autograd graph keeps alive);
 - step time (the executor's), tokens/s, and ZB-H1's step time over 1F1B's.
@@ -45,11 +45,11 @@ import common as BC  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mpirt.comm import Comm, world_comm  # noqa: E402
-from mpirt.grid import Grid  # noqa: E402
-from mpirt.optim import AdamW  # noqa: E402
-from mpirt.parallel.pipeline import PipelineStage  # noqa: E402
-from mpirt.parallel.schedule_check import simulate, theoretical_bubble  # noqa: E402
-from mpirt.parallel.schedules import F, W, build  # noqa: E402
+from mpirt.parallel.grid import Grid  # noqa: E402
+from mpirt.core.optim import AdamW  # noqa: E402
+from mpirt.parallel.pipeline.stage import PipelineStage  # noqa: E402
+from mpirt.parallel.pipeline.check import simulate, theoretical_bubble  # noqa: E402
+from mpirt.parallel.pipeline.schedules import F, W, build  # noqa: E402
 from mpirt.models import GPTConfig  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")

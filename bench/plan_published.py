@@ -28,7 +28,7 @@ def main() -> None:
           f"`python bench/plan_published.py` ({time.strftime('%Y-%m-%d')}); pure model, no measurement.", ""]
 
     md += ["## ZeRO: model-state memory per device, 7.5B parameters on 64 GPUs (Rajbhandari et al., SC20, Fig. 1)", "",
-           "| stage | paper GB | mpirt.memory.predict GB (7.47B GPT) | err | bytes_per_parameter at 7.5B | err | "
+           "| stage | paper GB | mpirt.plan.memory.predict GB (7.47B GPT) | err | bytes_per_parameter at 7.5B | err | "
            "mpirt's ZeRO-2 backward transient GB |", "|---|---|---|---|---|---|---|"]
     for r in P.zero_table():
         md.append(f"| {r['stage']} | {r['paper_gb']} | {r['model_gb']:.2f} | {r['model_err_pct']:+.2f}% | "

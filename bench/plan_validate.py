@@ -9,7 +9,7 @@ layouts take turns round by round (``--rounds``), so load drifting during the ru
 Measured: the median step time of each run (the first step dropped) and the summary's per-rank
 peak RSS; the median over rounds is reported with its min-max. Predicted:
 :func:`mpirt.plan.self_check` with the calibrated ``local`` preset (time, parts) and
-:func:`mpirt.memory.predict` (memory, every rank; the largest compared). Then the planner's
+:func:`mpirt.plan.memory.predict` (memory, every rank; the largest compared). Then the planner's
 ranking at 4 ranks against the measured times of the 4-rank layouts. Each layout's least
 disturbed round (the lowest CPU share other processes took around it) is compared too: on a
 shared machine the median mixes loaded and quiet rounds. Machine load is recorded
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as BC  # noqa: E402
 
-from mpirt.config import TrainConfig  # noqa: E402
-from mpirt.modeling import load_model_config  # noqa: E402
+from mpirt.run.config import TrainConfig  # noqa: E402
+from mpirt.core.modeling import load_model_config  # noqa: E402
 from mpirt.plan import estimate, hardware, self_check  # noqa: E402
 from mpirt.plan.search import describe, plan  # noqa: E402
 

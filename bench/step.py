@@ -6,7 +6,7 @@ Same shapes, float32, same thread count, same global batch; PyTorch uses
 product of the step (qkv, proj, fc, fc2, the tied head; forward and both backward products) on
 the GEMM library mpirt chose, split over its pool as in the step (:mod:`bench.gemm`); the
 attention's batched products are not in it. A fourth contender is mpirt's step with its C kernels
-off (the NumPy forms, :func:`mpirt.kernels.numpy_forms`). The contenders alternate step by step
+off (the NumPy forms, :func:`mpirt.cpu.kernels.numpy_forms`). The contenders alternate step by step
 (bench/common.py); the table gives median [min-max] ms and the per-step ratios' median
 [min-max], and warns when the machine was too loaded for the figures to mean anything.
 
@@ -41,19 +41,19 @@ from gemm import CASES, case_config, step_gemms, step_products  # noqa: E402
 
 def set_threads(n: int) -> None:
     """Give PyTorch and mpirt the same number of threads. mpirt's pool runs its GEMMs too, with
-    NumPy's OpenBLAS set to one thread per pool thread (see ``mpirt.threads``)."""
+    NumPy's OpenBLAS set to one thread per pool thread (see ``mpirt.cpu.threads``)."""
     import torch
-    import mpirt.threads
+    import mpirt.cpu.threads
     torch.set_num_threads(n)
-    mpirt.threads.set_num_threads(n)
+    mpirt.cpu.threads.set_num_threads(n)
 
 
 def mpirt_step(cfg, batch, seq_len, x, y, fused: bool = True):
     """mpirt's step; ``fused=False`` runs every op's NumPy form instead of the C kernels."""
     import contextlib
-    from mpirt import kernels
-    from mpirt.optim import AdamW
-    from mpirt.modeling import build_model
+    from mpirt.cpu import kernels
+    from mpirt.core.optim import AdamW
+    from mpirt.core.modeling import build_model
     model = build_model(cfg, seed=0)
     opt = AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     model.zero_grad()
@@ -95,10 +95,10 @@ INNER = 3  # --bound: calls of a part back to back per round; per-call time = ro
 
 def bound_rows(cfg, batch, seq_len, repeats: int, pause: float) -> tuple[list, dict]:
     """One table row of ``--bound`` (see the module docstring) and its figures in seconds."""
-    from mpirt.modeling import build_model
-    from mpirt.ops.attention import CausalSelfAttention
-    from mpirt.ops.nn import Gelu
-    from mpirt.optim import AdamW
+    from mpirt.core.modeling import build_model
+    from mpirt.core.ops.attention import CausalSelfAttentionOp
+    from mpirt.core.ops.fused import Gelu
+    from mpirt.core.optim import AdamW
 
     rng = np.random.default_rng(0)
     c, heads, tokens = cfg.n_embd, cfg.n_head, batch * seq_len
@@ -126,7 +126,7 @@ def bound_rows(cfg, batch, seq_len, repeats: int, pause: float) -> tuple[list, d
             for _ in range(INNER):
                 fn()
         return run
-    contenders = {"floor": lambda: step_gemms(products), "attention": layers(CausalSelfAttention, qkv, g_att, n_head=heads),
+    contenders = {"floor": lambda: step_gemms(products), "attention": layers(CausalSelfAttentionOp, qkv, g_att, n_head=heads),
                   "gelu": layers(Gelu, hidden, g_hidden), "adamw": opt.step}
     times = BC.alternate({k: warm(fn) for k, fn in contenders.items()}, repeats, before=lambda: time.sleep(pause))
     times = {k: [t / INNER for t in v] for k, v in times.items()}
@@ -149,9 +149,9 @@ def op_profile(cfg, batch, seq_len, x, y, repeats: int, pause: float) -> list[li
     over ``repeats`` steps. A Function's backward counts once, with the passes it runs inside."""
     import collections
     import statistics
-    from mpirt.optim import AdamW
-    from mpirt.modeling import build_model
-    from mpirt.tensor import Function
+    from mpirt.core.optim import AdamW
+    from mpirt.core.modeling import build_model
+    from mpirt.core.tensor import Function
 
     model = build_model(cfg, seed=0)
     opt = AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -235,12 +235,12 @@ def main() -> None:
     parser.add_argument("--bound", action="store_true",
                         help="the step's non-GEMM work that no fusion removes, against the floor (results NAME_bound)")
     args = parser.parse_args()
-    import mpirt.threads
-    from mpirt import blas
-    threads = args.threads or mpirt.threads.default_num_threads()
+    import mpirt.cpu.threads
+    from mpirt.cpu import blas
+    threads = args.threads or mpirt.cpu.threads.default_num_threads()
     set_threads(threads)
     gemm_library = blas.describe()
-    from mpirt import kernels
+    from mpirt.cpu import kernels
     kernels_note = kernels.describe()
 
     BC.wait_for_quiet(args.quiet_wait)

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 
-import mpirt.backend as B
-from mpirt import ops
-from mpirt.modeling import LayerCost, as_index_array, register
-from mpirt.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList
-from mpirt.models.config import GPTConfig
+import mpirt.core.backend as B
+from mpirt.core import ops
+from mpirt.core.modeling import LayerCost, as_index_array, register
+from mpirt.core.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList
+from mpirt.models.model_config import GPTConfig
 from mpirt.models.lm import (ATTENTION_PLAN, COLUMN, ROW, VOCAB_HEAD_PLAN, VOCAB_TABLE, CausalSelfAttention,
                              PreNormBlock, TiedLM, activation_bytes, check_seq_len, stack_costs)
 

@@ -29,12 +29,12 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from mpirt.models.config import GPTConfig
+from mpirt.models.model_config import GPTConfig
 from mpirt.models.gpt import param_shapes
 from mpirt.models.presets import _read_hf
-from mpirt.checkpoint import BoxReader, CheckpointError
-from mpirt.config import ConfigError
-from mpirt.tensorfile import SafetensorsFile, TensorFileError
+from mpirt.checkpoint.store import BoxReader, CheckpointError
+from mpirt.run.config import ConfigError
+from mpirt.checkpoint.tensorfile import SafetensorsFile, TensorFileError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -94,7 +94,7 @@ def _open(path: Path) -> SafetensorsFile:
 
 class HFReader(BoxReader):
     """A Hugging Face GPT-2 directory as a reader of boxes, by mpirt parameter names: the interface
-    of :class:`mpirt.checkpoint.CheckpointReader` that :func:`mpirt.parallel.state.load_shards`
+    of :class:`mpirt.checkpoint.store.CheckpointReader` that :func:`mpirt.parallel.shards.load_shards`
     uses (``meta``, ``entry``, ``read``), so ``engine.load_sharded(HFReader(d), with_optimizer=False)``
     has each rank read only its own boxes (tp slices, its pipeline stage), never a full tensor.
 
@@ -309,7 +309,7 @@ def save_hf_tokenizer(dataset_dir, directory, max_length: int) -> str:
     text as training did: the dataset's byte tokenizer (id = byte value, as a byte-level BPE
     without merges) or the ``tokenizers`` JSON it was prepared with. Returns what was written,
     in words; ValueError when the dataset says nothing of its tokenizer."""
-    from mpirt.data import BYTE_EOS, read_meta
+    from mpirt.data.tokens import BYTE_EOS, read_meta
     dataset_dir, directory = Path(dataset_dir), Path(directory)
     meta = read_meta(dataset_dir / "meta.json") if (dataset_dir / "meta.json").exists() else {}
     kind = meta.get("tokenizer")

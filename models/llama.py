@@ -21,16 +21,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mpirt import ops
-from mpirt.modeling import LayerCost, register
-from mpirt.nn import Dropout, Embedding, Linear, Module, ModuleList, RMSNorm
+from mpirt.core import ops
+from mpirt.core.modeling import LayerCost, register
+from mpirt.core.nn import Dropout, Embedding, Linear, Module, ModuleList, RMSNorm
 from mpirt.models.lm import (ATTENTION_PLAN, COLUMN, ROW, VOCAB_HEAD_PLAN, VOCAB_TABLE, CausalSelfAttention,
                              PreNormBlock, TiedLM, activation_bytes, kv_heads, stack_costs)
 
 
 @dataclass
 class LlamaConfig:
-    """Architecture of a Llama-style decoder (fields named as :class:`~mpirt.models.config.GPTConfig`
+    """Architecture of a Llama-style decoder (fields named as :class:`~mpirt.models.model_config.GPTConfig`
     where they mean the same)."""
 
     n_layer: int = 4

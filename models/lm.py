@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import mpirt.backend as B
-from mpirt import ops
-from mpirt.modeling import CausalLM, LayerCost, as_index_array, seed_dropouts
-from mpirt.nn import Dropout, Linear, Module, ShardSpec
-from mpirt.ops.attention import rotary_tables
+import mpirt.core.backend as B
+from mpirt.core import ops
+from mpirt.core.modeling import CausalLM, LayerCost, as_index_array, seed_dropouts
+from mpirt.core.nn import Dropout, Linear, Module, ShardSpec
+from mpirt.core.ops.attention import rotary_tables
 
 
 def kv_heads(cfg) -> int:
@@ -51,7 +51,7 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     """Bytes one micro-batch keeps alive for backward, per rank, in a model built from this module's
     pre-norm block (see ``CausalLM.activation_bytes_of``; docs/memory.md has the table beside
     Korthikanti et al. 2022). The autograd keeps what each op saved and nothing else (an op's
-    output is held only as its producer, :class:`mpirt.tensor.Edge`).
+    output is held only as its producer, :class:`mpirt.core.tensor.Edge`).
 
     With ``u = b s h``, ``p = t`` under sequence parallelism (else 1), ``f`` the MLP width, ``a``
     the heads, ``e`` the itemsize and ``e'`` that of per-row statistics (float32 in half
@@ -84,7 +84,7 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     logits' gradient ``e b s V'/t`` above all.
 
     ``widened``: in half precision the largest float32 transient of the backward
-    (:func:`mpirt.precision.float32_compute`), the MLP activation's: the incoming gradient and the
+    (:func:`mpirt.core.precision.float32_compute`), the MLP activation's: the incoming gradient and the
     ``mlp_saved`` hidden arrays its op saved widened to float32, a float32 gradient per saved
     array and its rounding.
     ``rerun``: what a selective rerun of the core makes again while its backward runs: the core
@@ -119,7 +119,7 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
 
 
 class TiedLM(CausalLM):
-    """A :class:`~mpirt.modeling.CausalLM` whose head is the final norm ``ln_f`` and the output
+    """A :class:`~mpirt.core.modeling.CausalLM` whose head is the final norm ``ln_f`` and the output
     projection tied to the token table ``wte``. Subclasses build ``wte``, ``h`` and ``ln_f``, then
     call :meth:`_finish`; ``embed`` defaults to the token lookup alone (no positions)."""
 

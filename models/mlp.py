@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 
-from mpirt import ops
-from mpirt.modeling import LayerCost, register
-from mpirt.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList
-from mpirt.models.config import GPTConfig
+from mpirt.core import ops
+from mpirt.core.modeling import LayerCost, register
+from mpirt.core.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleList
+from mpirt.models.model_config import GPTConfig
 from mpirt.models.lm import TiedLM, activation_bytes, stack_costs
 
 

@@ -1,5 +1,5 @@
 """mpirt: a model-parallel training runtime on plain MPI, NumPy and CuPy."""
-from mpirt.tensor import Tensor, Function, no_grad, enable_grad, is_grad_enabled
+from mpirt.core.tensor import Tensor, Function, no_grad, enable_grad, is_grad_enabled
 
 from mpirt.version import __version__
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirt.data import prepare
+from mpirt.data.tokens import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = ("run_module(", "subprocess.", "Popen(", "mpiexec")

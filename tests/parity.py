@@ -11,10 +11,10 @@ import numpy as np
 from mpi4py import MPI
 
 from mpirt.comm import Comm
-from mpirt.data import get_batch
+from mpirt.data.tokens import get_batch
 from mpirt.models import GPT, GPTConfig
-from mpirt.optim import AdamW, clip_grad_norm
-from mpirt.tensor import no_grad
+from mpirt.core.optim import AdamW, clip_grad_norm
+from mpirt.core.tensor import no_grad
 
 SEQ, STEPS, LR, WD = 8, 5, 1e-3, 0.1
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=16, n_positions=SEQ, vocab_size=37)

@@ -1,4 +1,4 @@
-"""mpirt.blas: every GEMM library gives numpy.matmul's numbers on any layout, and the choice
+"""mpirt.cpu.blas: every GEMM library gives numpy.matmul's numbers on any layout, and the choice
 (override, calibration, cache, degradation) is what the banner says."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import platform
 import numpy as np
 import pytest
 
-import mpirt.threads as threads
-from mpirt import blas
+import mpirt.cpu.threads as threads
+from mpirt.cpu import blas
 
 FOUND, MISSING = blas.available()
 

@@ -11,9 +11,9 @@ import zlib
 import numpy as np
 import pytest
 
-import mpirt.nn as nn
-from mpirt.nn import NotMaterializedError, Parameter, ShardSpec
-from mpirt.parallel.tensor.layout import PaddedParameter
+import mpirt.core.nn as nn
+from mpirt.core.nn import NotMaterializedError, Parameter, ShardSpec
+from mpirt.parallel.tensor.axis import PaddedParameter
 
 SPECS = [((12, 6), None), ((12, 6), ShardSpec(("tp", None))), ((12, 6), ShardSpec((None, "tp"))),
          ((4, 12), ShardSpec((None, "tp"), blocks=(1, 3))), ((12, 5), ShardSpec(("tp", None), blocks=(3, 1))),
@@ -124,7 +124,7 @@ def check_build(params, peak: int, held: int) -> tuple[bool, str]:
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_building_a_seeded_model_holds_its_weights_plus_one_parameter(dtype):
-    from mpirt.modeling import build_model
+    from mpirt.core.modeling import build_model
     build_model(gpt_cfg(), dtype=dtype, seed=1)  # imports and caches outside the measurement
     model, peak, held = traced(lambda: build_model(gpt_cfg(), dtype=dtype, seed=1))
     ok, detail = check_build(model.parameters(), peak, held)
@@ -134,7 +134,7 @@ def test_building_a_seeded_model_holds_its_weights_plus_one_parameter(dtype):
 def test_with_small_chunks_the_build_never_holds_a_full_parameter(monkeypatch):
     """INIT_CHUNK caps what initialisation generates at a time: with 4096 draws (32 KiB) the
     peak stays within the model plus a few chunks, well under one full parameter (512 KiB)."""
-    from mpirt.modeling import build_model
+    from mpirt.core.modeling import build_model
     monkeypatch.setattr(nn, "INIT_CHUNK", 4096)
     model, peak, _ = traced(lambda: build_model(gpt_cfg(), dtype="float64", seed=1))
     own = own_bytes(model.parameters())
@@ -145,7 +145,7 @@ def test_with_small_chunks_the_build_never_holds_a_full_parameter(monkeypatch):
 
 
 def test_the_lazy_build_allocates_no_parameter():
-    from mpirt.modeling import build_model
+    from mpirt.core.modeling import build_model
     model, peak, held = traced(lambda: build_model(gpt_cfg(), dtype="float64"))
     assert not any(p.materialized for p in model.parameters())
     assert peak <= SLACK, peak
@@ -153,7 +153,7 @@ def test_the_lazy_build_allocates_no_parameter():
 
 # --- multi-rank: tp and pipeline builds, sharded and Hugging Face loads ---------------------------
 def _tp_model(comm, dtype="float64", seed=1):
-    from mpirt.modeling import build_model
+    from mpirt.core.modeling import build_model
     from mpirt.parallel import tensor as TP
     return TP.parallelize(build_model(gpt_cfg(), dtype=dtype), comm, seed=seed)
 
@@ -177,8 +177,8 @@ def test_pipeline_stage_build_holds_its_layers_plus_one_parameter(group, pp, tp)
     from conftest import agree
     from mpi4py import MPI
 
-    from mpirt.grid import Grid
-    from mpirt.parallel.pipeline import PipelineStage
+    from mpirt.parallel.grid import Grid
+    from mpirt.parallel.pipeline.stage import PipelineStage
     if MPI.COMM_WORLD.size < pp * tp:
         pytest.skip(f"needs {pp * tp} ranks")
     comm = group(pp * tp)
@@ -207,8 +207,8 @@ def test_engine_build_holds_its_shard_plus_one_parameter(group, zero, tp, monkey
     from conftest import agree
     from mpi4py import MPI
 
-    from mpirt.config import TrainConfig
-    from mpirt.grid import Grid
+    from mpirt.run.config import TrainConfig
+    from mpirt.parallel.grid import Grid
     from mpirt.parallel.engine import Engine
     if MPI.COMM_WORLD.size < 2 * tp:
         pytest.skip(f"needs {2 * tp} ranks")
@@ -237,9 +237,9 @@ def test_engine_build_holds_its_shard_plus_one_parameter(group, zero, tp, monkey
 
 def _save(comm, model, root):
     """A sharded checkpoint of ``model`` (tp over ``comm`` when it is split) with AdamW state."""
-    from mpirt.checkpoint_sharded import save_sharded
-    from mpirt.optim import AdamW
-    from mpirt.parallel.state import save_shards
+    from mpirt.checkpoint.sharded import save_sharded
+    from mpirt.core.optim import AdamW
+    from mpirt.parallel.shards import save_shards
     opt = AdamW(model.parameters(), lr=1e-3)
     tp = comm if getattr(model, "tp_info", None) else None
     return save_sharded(root, comm, lambda w: save_shards(w, model, opt, tp, replica=tp is not None or comm.rank == 0),
@@ -253,10 +253,10 @@ def test_loading_a_sharded_checkpoint_holds_no_box_twice(group, written, loaded)
     loading allocates nothing that scales with a tensor (the bound is the slack alone)."""
     from conftest import agree
 
-    from mpirt.checkpoint import CheckpointReader
-    from mpirt.modeling import build_model
-    from mpirt.optim import AdamW
-    from mpirt.parallel.state import load_shards
+    from mpirt.checkpoint.store import CheckpointReader
+    from mpirt.core.modeling import build_model
+    from mpirt.core.optim import AdamW
+    from mpirt.parallel.shards import load_shards
     comm = group(2, "tp")
     ok, detail = True, ""
     if comm is not None:
@@ -286,7 +286,7 @@ META_SLACK, BOX_SLACK = 320 << 10, 32 << 10
 
 
 def _load(reader, model, opt, tp):
-    from mpirt.parallel.state import load_shards
+    from mpirt.parallel.shards import load_shards
     load_shards(reader, model, opt, tp)
     return reader
 
@@ -294,7 +294,7 @@ def _load(reader, model, opt, tp):
 def _same_as_single_rank(named, tp_rank: int, tp: int, seed: int = 1) -> bool:
     """Whether every parameter is, bit for bit, its slice of the single-rank model built with
     ``seed`` (the vocabulary table padded with zero rows)."""
-    from mpirt.modeling import build_model
+    from mpirt.core.modeling import build_model
     ref = dict(build_model(gpt_cfg(), dtype="float64", seed=seed).named_parameters())
     for name, p in named:
         full = ref[name].data
@@ -310,7 +310,7 @@ def _same_as_single_rank(named, tp_rank: int, tp: int, seed: int = 1) -> bool:
 def hf_dir(path, seed: int = 11, **kw):
     """A GPT-2 Hugging Face directory (float32 safetensors, ``transformer.`` names, tied head not
     stored) written from a seeded single-rank mpirt model with spread-out weights."""
-    from mpirt.modeling import build_model
+    from mpirt.core.modeling import build_model
     from mpirt.models.hf import save_hf_gpt2
     model = build_model(gpt_cfg(**kw), dtype="float64", seed=seed)
     rng = np.random.default_rng(seed)
@@ -325,7 +325,7 @@ BATCH = np.random.default_rng(2).integers(0, 511, (4, 16))
 
 def _hf_reference(directory):
     """The single-rank model loaded whole (float64) and its loss on BATCH."""
-    from mpirt.modeling import build_model
+    from mpirt.core.modeling import build_model
     from mpirt.models.hf import load_hf_gpt2
     cfg, full = load_hf_gpt2(directory, dtype="float64")
     model = build_model(cfg, dtype="float64")
@@ -335,9 +335,9 @@ def _hf_reference(directory):
 
 
 def test_hf_init_at_tp1_reads_into_place_and_matches_the_full_load(tmp_path):
-    from mpirt.modeling import build_model, open_hf
-    from mpirt.optim import AdamW
-    from mpirt.parallel.state import load_shards
+    from mpirt.core.modeling import build_model, open_hf
+    from mpirt.core.optim import AdamW
+    from mpirt.parallel.shards import load_shards
     d = hf_dir(tmp_path / "hf")
     full, ref_loss = _hf_reference(d)
     cfg, reader = open_hf(d, dtype="float64")
@@ -355,9 +355,9 @@ def test_hf_init_at_tp1_reads_into_place_and_matches_the_full_load(tmp_path):
 def test_hf_reader_gives_the_state_the_full_tensor_path_gave(tmp_path, dtype):
     """Same parameters and float32 masters as loading load_hf_gpt2's full tensors (converted to the
     model dtype) into the masters: under bfloat16 the masters hold the rounded values."""
-    from mpirt.modeling import build_model, load_hf, open_hf
-    from mpirt.optim import AdamW
-    from mpirt.parallel.state import load_shards
+    from mpirt.core.modeling import build_model, load_hf, open_hf
+    from mpirt.core.optim import AdamW
+    from mpirt.parallel.shards import load_shards
     d = hf_dir(tmp_path / "hf")
     runs = []
     for way in ("reader", "full"):
@@ -377,7 +377,7 @@ def test_hf_reader_gives_the_state_the_full_tensor_path_gave(tmp_path, dtype):
 
 
 def test_a_model_without_open_hf_is_served_from_its_full_tensors(tmp_path, monkeypatch):
-    from mpirt import modeling
+    from mpirt.core import modeling
     from mpirt.models import GPT
     d = hf_dir(tmp_path / "hf")
     monkeypatch.delattr(GPT, "open_hf")
@@ -431,11 +431,11 @@ def test_hf_init_reads_only_this_ranks_boxes_and_gives_the_single_rank_loss(grou
     from conftest import agree
     from mpi4py import MPI
 
-    from mpirt.grid import Grid
-    from mpirt.modeling import open_hf
-    from mpirt.optim import AdamW
-    from mpirt.parallel.pipeline import PipelineStage
-    from mpirt.parallel.state import load_shards
+    from mpirt.parallel.grid import Grid
+    from mpirt.core.modeling import open_hf
+    from mpirt.core.optim import AdamW
+    from mpirt.parallel.pipeline.stage import PipelineStage
+    from mpirt.parallel.shards import load_shards
     if MPI.COMM_WORLD.size < pp * tp:
         pytest.skip(f"needs {pp * tp} ranks")
     comm = group(pp * tp)
@@ -487,8 +487,8 @@ def test_train_init_from_hf_gives_the_hf_models_loss_on_every_layout(tiny_data, 
     import json
 
     from conftest import run_module
-    from mpirt.data import TokenDataset, get_eval_batch
-    from mpirt.modeling import build_model
+    from mpirt.data.tokens import TokenDataset, get_eval_batch
+    from mpirt.core.modeling import build_model
     from mpirt.models import GPTConfig
     from mpirt.models.hf import load_hf_gpt2
     d = hf_dir(tmp_path / "hf", **HF_MODEL)

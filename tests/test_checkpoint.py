@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-import mpirt.checkpoint as ckpt
-from mpirt import nn
-from mpirt.checkpoint import (CheckpointError, is_checkpoint, load_checkpoint, looks_like_checkpoint,
+import mpirt.checkpoint.store as ckpt
+from mpirt.core import nn
+from mpirt.checkpoint.store import (CheckpointError, is_checkpoint, load_checkpoint, looks_like_checkpoint,
                               read_checkpoint_meta, save_checkpoint, verify_checkpoint)
-from mpirt.optim import AdamW, SGD, clip_grad_norm, cosine_lr
-from mpirt.tensor import Tensor
+from mpirt.core.optim import AdamW, SGD, clip_grad_norm, cosine_lr
+from mpirt.core.tensor import Tensor
 
 CONFIG = {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "steps": 5, "model": {"d": 4, "hidden": 8}}
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import agree, run_module
-from mpirt.checkpoint import CheckpointError, CheckpointReader, load_state, verify_checkpoint
-from mpirt.parallel.state import _flat_boxes
+from mpirt.checkpoint.store import CheckpointError, CheckpointReader, load_state, verify_checkpoint
+from mpirt.parallel.shards import _flat_boxes
 
 TINY = ["--model.n_layer=2", "--model.n_embd=32", "--model.n_head=4", "--model.n_positions=32", "--seq-len=16",
         "--batch-size=8", "--eval-batches=2", "--eval-interval=0", "--progress=false", "--steps=2"]
@@ -86,8 +86,8 @@ def test_an_export_loads_with_transformers_tokenizer_included_and_generates(tp2_
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mpirt.modeling import build_model, config_from_dict
-    from mpirt.tensor import no_grad
+    from mpirt.core.modeling import build_model, config_from_dict
+    from mpirt.core.tensor import no_grad
     run_module("mpirt.checkpoint", "export", tp2_ckpt, tmp_path / "hf")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = "def main():\n    return 0"
@@ -113,8 +113,8 @@ def test_a_llama_checkpoint_exports_to_llama_for_causal_lm(tiny_data, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mpirt.modeling import build_model, config_from_dict
-    from mpirt.tensor import no_grad
+    from mpirt.core.modeling import build_model, config_from_dict
+    from mpirt.core.tensor import no_grad
     run_module("mpirt.train", "--model=llama-tiny", "--model.n_layer=2", "--model.n_embd=64", "--model.n_head=4",
                "--model.n_kv_head=2", "--model.n_positions=32", "--seq-len=16", "--batch-size=8", "--eval-batches=2", "--eval-interval=0",
                "--progress=false", "--steps=3", "--tp=2", f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}", ranks=2)
@@ -165,9 +165,9 @@ SLACK = 192 << 10  # meta.json (parsed on every rank), the gathered shard lists,
 
 
 def _engine(layout: dict, comm):
-    from mpirt.config import parse_args
-    from mpirt.grid import Grid
-    from mpirt.modeling import load_model_config
+    from mpirt.run.config import parse_args
+    from mpirt.parallel.grid import Grid
+    from mpirt.core.modeling import load_model_config
     from mpirt.parallel.engine import Engine
 
     cfg = parse_args([f"--{k}={v}" for k, v in layout.items()] + ["--dtype=float64", "--seed=3"])
@@ -179,7 +179,7 @@ def _engine(layout: dict, comm):
 @pytest.mark.mpi
 @pytest.mark.parametrize("first, then", LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_save_and_load_memory_stays_within_own_shard_plus_one_tensor(group, first, then):
-    from mpirt.checkpoint_sharded import ShardWriter, save_sharded
+    from mpirt.checkpoint.sharded import ShardWriter, save_sharded
 
     comm = group(2)
     ok, detail = True, ""

@@ -1,4 +1,4 @@
-"""mpirt.comm (Comm collectives and point-to-point, engines, registry) and mpirt.distributed.
+"""mpirt.comm (Comm collectives and point-to-point, engines, registry) and mpirt.run.distributed.
 
 Multi-rank tests are valid at any world size. Each collects its failures on every rank and the
 ranks agree on the verdict (``conftest.agree``), so one rank failing never leaves the others waiting.
@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import mpirt.backend as B
+import mpirt.core.backend as B
 from mpirt import comm
-from mpirt import distributed as D, threads as T
+from mpirt.run import distributed as D
+from mpirt.cpu import threads as T
 from mpirt.comm import PROC_NULL, Comm, CommError, chunk_bounds
-from mpirt.config import ConfigError, TrainConfig
+from mpirt.run.config import ConfigError, TrainConfig
 
 from conftest import agree
 
@@ -137,7 +138,7 @@ def test_derive_seed_is_reproducible_and_distinct():
 
 def test_plan_blas_threads_takes_a_launcher_binding_as_this_ranks_share():
     """Under ``srun --cpu-bind`` the affinity mask is already this rank's cores: not divided again."""
-    code = "from mpirt.distributed import plan_blas_threads as p; print(p(None, 2, env={}))"
+    code = "from mpirt.run.distributed import plan_blas_threads as p; print(p(None, 2, env={}))"
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.strip() == "(1, '1 cpus bound to this rank')"
@@ -187,7 +188,7 @@ def test_set_blas_threads_limits_the_threads_that_run_a_matmul():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_mapped_libraries_by_substring_or_predicate():
-    from mpirt.sysinfo import mapped_libraries
+    from mpirt.cpu.sysinfo import mapped_libraries
     blas = mapped_libraries("OpenBLAS")  # case-insensitive: NumPy's libscipy_openblas...so
     assert blas and all(os.path.exists(p) and "openblas" in os.path.basename(p).lower() for p in blas)
     assert len(set(blas)) == len(blas)
@@ -595,7 +596,7 @@ def test_init_distributed_context_and_rank_seeds():
 
 @pytest.mark.mpi(min_size=2)
 def test_the_thread_counts_reported_are_the_counts_in_force():
-    """One owner (mpirt.threads): the context reports mpirt's pool and OpenBLAS's own count as
+    """One owner (mpirt.cpu.threads): the context reports mpirt's pool and OpenBLAS's own count as
     read back after start-up; with the pool splitting the GEMMs OpenBLAS runs one thread each."""
     saved = T.num_threads()
     try:

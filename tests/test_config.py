@@ -1,13 +1,13 @@
-"""Run config (mpirt.config) and model presets (models.presets): parsing, precedence, errors."""
+"""Run config (mpirt.run.config) and model presets (models.presets): parsing, precedence, errors."""
 import dataclasses
 import json
 
 import pytest
 
-from mpirt.models.config import GPTConfig
+from mpirt.models.model_config import GPTConfig
 from mpirt.models.gpt import num_parameters
 from mpirt.models.presets import load_model_config, preset_names
-from mpirt.config import ConfigError, TrainConfig, config_hash, diff_configs, help_text, parse_args
+from mpirt.run.config import ConfigError, TrainConfig, config_hash, diff_configs, help_text, parse_args
 
 
 def write(tmp_path, name, text):

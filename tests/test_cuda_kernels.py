@@ -1,4 +1,4 @@
-"""The CUDA kernels' CPU-side parts (mpirt/kernels/cuda.py, cuda_kernels.cu): the source compiles for
+"""The CUDA kernels' CPU-side parts (mpirt/cpu/kernels/cuda.py, cuda_kernels.cu): the source compiles for
 every element type and head dimension through NVRTC, as CuPy compiles it on a GPU (the NVRTC wheel
 of the dev extra; no GPU is needed to compile), with no register spills in the attention; the
 launch shapes, the selection logic and the fallbacks. The kernels' numbers are checked on a GPU by
@@ -12,11 +12,11 @@ import re
 import numpy as np
 import pytest
 
-import mpirt.backend as B
-from mpirt import ops
-from mpirt.kernels import cuda
-from mpirt.precision import float32_compute
-from mpirt.tensor import Function, Tensor
+import mpirt.core.backend as B
+from mpirt.core import ops
+from mpirt.cpu.kernels import cuda
+from mpirt.core.precision import float32_compute
+from mpirt.core.tensor import Function, Tensor
 
 KERNELS = {"gelu_fwd", "gelu_bwd", "norm_fwd", "norm_bwd_dx", "norm_bwd_dw", "ce_fwd", "ce_bwd", "adamw", "sumsq"}
 ATTENTION = {"attn_fwd", "attn_bwd", "attn_bwd_delta", "attn_dq"}

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpirt import data
-from mpirt.data import (TokenDataset, default_dataset_dir, get_batch, get_eval_batch,
+from mpirt.data import tokens as data
+from mpirt.data.tokens import (TokenDataset, default_dataset_dir, get_batch, get_eval_batch,
                         num_eval_batches, prepare, split_microbatches)
 
 DOCS = {

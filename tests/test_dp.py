@@ -1,4 +1,4 @@
-"""Data parallelism (mpirt.parallel.data) against the single-rank run on the same global batch.
+"""Data parallelism (mpirt.parallel.ddp) against the single-rank run on the same global batch.
 
 Every rank runs the single-rank reference itself on the whole global batch (no communication),
 then the data-parallel run on its dp share of that batch; the verdict is reduced over the ranks
@@ -12,9 +12,9 @@ from mpi4py import MPI
 
 from mpirt import comm as C
 from mpirt.comm import Comm
-from mpirt.data import split_microbatches
-from mpirt.optim import AdamW, clip_grad_norm
-from mpirt.parallel.data import DataParallel
+from mpirt.data.tokens import split_microbatches
+from mpirt.core.optim import AdamW, clip_grad_norm
+from mpirt.parallel.ddp import DataParallel
 
 from conftest import agree
 from parity import (LR, STEPS, WD, batch, dp_comm, global_loss, make_model, max_rel_err, reference_run, rel_err,

@@ -36,7 +36,7 @@ def test_model_four_times_the_budget_trains_on_8_ranks_within_it(tmp_path, tiny_
     grid = {k: report["summary"]["layout"][k] for k in ("dp", "pp", "tp")}
     assert grid == {"dp": 2, "pp": 1, "tp": 4} and report["summary"]["world_size"] == 8
 
-    from mpirt.checkpoint import CheckpointReader
+    from mpirt.checkpoint.store import CheckpointReader
     from mpirt.models.hf import HFReader
 
     ckpt, hf = CheckpointReader(out / "then" / "ckpt"), HFReader(out / "hf")

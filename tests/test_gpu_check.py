@@ -31,7 +31,7 @@ def test_dry_run_writes_every_section(tmp_path):
     assert "DRY RUN" in table
     status = {r[1]: r[3] for r in cells if r[0] == "parts"}
     assert status == {p: "ok" for p in PARTS}, output   # each part ran to its end
-    from mpirt import ops
+    from mpirt.core import ops
     checked = {r[1] for r in cells if r[0] == "ops" and r[3] == "ok"}
     assert set(ops.__all__) <= checked, table          # every exported op passed on NumPy bf16/f32/f64
     assert all(r[3] == "ok" for r in cells if r[0] in ("optim", "gpt-step", "matmul", "train", "profile")), table

@@ -4,8 +4,10 @@ backward with the final value, deferred weight passes, half dtypes, both thread 
 import numpy as np
 import pytest
 
-from mpirt import blas, ops, threads
-from mpirt.tensor import Tensor
+from mpirt.cpu import blas
+from mpirt.core import ops
+from mpirt.cpu import threads
+from mpirt.core.tensor import Tensor
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])

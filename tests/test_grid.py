@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, agree
-from mpirt.grid import AXES, Grid, axis_groups, check_layout, grid_coords, grid_rank, resolve_dp
+from mpirt.parallel.grid import AXES, Grid, axis_groups, check_layout, grid_coords, grid_rank, resolve_dp
 
 
 def factorisations(n: int):
@@ -69,7 +69,7 @@ def test_validation_names_the_failing_product():
 
 
 def _cli(*args):
-    code = ("import sys; from mpirt.grid import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from mpirt.parallel.grid import main; rc = main(sys.argv[1:]); "
             "assert 'mpi4py' not in sys.modules, 'the CLI imported mpi4py'; sys.exit(rc)")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
 

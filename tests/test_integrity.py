@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_module
-from mpirt.modeling import build_model
+from mpirt.core.modeling import build_model
 from mpirt.models import GPTConfig
 from mpirt.models.hf import save_hf_gpt2
-from mpirt.config import ConfigError, parse_args
-from mpirt.distributed import input_fingerprint
-from mpirt.train import resolve_model
+from mpirt.run.config import ConfigError, parse_args
+from mpirt.run.distributed import input_fingerprint
+from mpirt.run.train import resolve_model
 
 TINY = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.n_positions=32",
         "--seq-len=16", "--batch-size=4", "--eval-batches=2", "--eval-interval=0", "--progress=false",

@@ -1,4 +1,4 @@
-"""Unit tests of mpirt.jobctl: the wall-time rule, the launcher seen, the output-directory lock."""
+"""Unit tests of mpirt.run.jobctl: the wall-time rule, the launcher seen, the output-directory lock."""
 import json
 import os
 import signal
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from mpirt import jobctl
-from mpirt.config import parse_duration
+from mpirt.run import jobctl
+from mpirt.run.config import parse_duration
 
 
 def test_deadline_keeps_room_for_two_steps_a_save_and_a_reserve():

@@ -1,4 +1,4 @@
-"""The fused C kernels (mpirt.kernels) against the NumPy forms they replace, and how they are built.
+"""The fused C kernels (mpirt.cpu.kernels) against the NumPy forms they replace, and how they are built.
 
 Every op that has a C kernel runs twice on the same inputs, once with the kernels and once with
 them switched off, for float32 and float64: outputs and every gradient must agree (float64 to
@@ -15,8 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from mpirt import kernels, ops
-from mpirt.tensor import Tensor
+from mpirt.cpu import kernels
+from mpirt.core import ops
+from mpirt.core.tensor import Tensor
 
 
 def test_the_kernels_load():
@@ -143,7 +144,7 @@ def test_c_attention_bits_do_not_depend_on_the_split():
     """Each (batch, head) pair is computed alone, the same way wherever it sits: a batch row run
     alone (data parallel), a pair of heads run alone (tensor parallel), and 1, 2 or 3 threads give
     the same bits as the whole run."""
-    from mpirt import threads
+    from mpirt.cpu import threads
     b, t, h, d = 3, 100, 4, 16
     qkv, g = rng_arrays(np.float32, (b, t, 3 * h * d), (b, t, h * d), seed=2)
     saved = threads.num_threads()
@@ -197,7 +198,7 @@ def test_ranks_agree_on_the_kernels():
     """One rank without the C kernels: every rank runs the NumPy forms (replicated parameters must
     get the same bits everywhere)."""
     from mpirt import comm
-    from mpirt.distributed import agree_on_kernels
+    from mpirt.run.distributed import agree_on_kernels
     world = comm.world_comm()
     saved = kernels._loaded
     try:
@@ -218,7 +219,7 @@ def test_ranks_agree_on_the_kernels():
 def test_adamw_is_bit_equal_to_the_numpy_form(dtype, weight_decay, numpy_forms, monkeypatch):
     """Same operations in the same order, no contraction (-std=c11): the same bits, so switching
     kernels on or off never changes a run's parameters."""
-    from mpirt.optim import adamw_update
+    from mpirt.core.optim import adamw_update
     rng = np.random.default_rng(3)
     start = [rng.standard_normal(70_001).astype(dtype) for _ in range(4)]
     start[3] = np.abs(start[3])
@@ -256,7 +257,7 @@ def test_results_do_not_depend_on_where_the_arrays_sit(dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gelu_without_grad_gives_the_same_bits(dtype):
     """The forward with and without the derivative (no_grad, recomputation) must agree exactly."""
-    from mpirt.tensor import no_grad
+    from mpirt.core.tensor import no_grad
     x = rng_arrays(dtype, (N, C))[0] * 4
     with_grad = ops.gelu(Tensor(x, requires_grad=True)).data
     with no_grad():
@@ -298,7 +299,7 @@ def test_gelu_is_accurate_over_the_float32_range():
 # building and loading, in fresh processes
 # ---------------------------------------------------------------------------------------------
 def describe_in(cache, **env):
-    code = "from mpirt import kernels; print(kernels.describe())"
+    code = "from mpirt.cpu import kernels; print(kernels.describe())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
                             env={**os.environ, "MPIRT_CACHE": str(cache), **env})
     assert result.returncode == 0, result.stderr
@@ -313,7 +314,7 @@ def test_built_once_then_loaded_from_the_cache(tmp_path):
 
 
 def test_processes_building_at_once_all_load_one_library(tmp_path):
-    code = "from mpirt import kernels; assert kernels.library() is not None, kernels.describe()"
+    code = "from mpirt.cpu import kernels; assert kernels.library() is not None, kernels.describe()"
     procs = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "MPIRT_CACHE": str(tmp_path)},
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
     for p in procs:

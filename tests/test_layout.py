@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from mpirt.config import ConfigError, TrainConfig
-from mpirt.modeling import load_model_config
+from mpirt.run.config import ConfigError, TrainConfig
+from mpirt.core.modeling import load_model_config
 from mpirt.parallel.layout import Layout, LayoutError
-from mpirt.train import plan_layout
+from mpirt.run.train import plan_layout
 
 BASE = replace(TrainConfig(), batch_size=16)
 

@@ -14,12 +14,12 @@ from dataclasses import replace
 import pytest
 
 from conftest import run_module
-from mpirt.config import TrainConfig
-from mpirt.memory import CATEGORIES, LATE_BYTES, decode_over_budget, format_size, over_budget_flag, parse_size, \
+from mpirt.run.config import TrainConfig
+from mpirt.plan.memory import CATEGORIES, LATE_BYTES, decode_over_budget, format_size, over_budget_flag, parse_size, \
     peak_in_flight, predict
-from mpirt.modeling import load_model_config
-from mpirt.parallel.schedule_check import simulate
-from mpirt.parallel.schedules import build
+from mpirt.core.modeling import load_model_config
+from mpirt.parallel.pipeline.check import simulate
+from mpirt.parallel.pipeline.schedules import build
 
 
 def test_sizes():
@@ -148,7 +148,7 @@ def test_prediction_starts_from_the_process_as_measured(tiny_data, tmp_path):
     (2, ["--dtype=bfloat16", "--pp=2", "--microbatches=4"]),
 ], ids=str)
 def test_half_precision_peak_is_predicted_within_5_percent(tiny_data, tmp_path, ranks, layout):
-    """Half runs keep half activations (mpirt.precision.float32_compute) and the prediction counts
+    """Half runs keep half activations (mpirt.core.precision.float32_compute) and the prediction counts
     the float32 transients of their backward: measured within 5% on every rank."""
     run_module("mpirt.train", *ARGS, f"--data={tiny_data}", f"--out-dir={tmp_path}", *layout, ranks=ranks)
     s = json.loads((tmp_path / "summary.json").read_text())
@@ -222,7 +222,7 @@ def test_budget_caps_the_cupy_pool(monkeypatch):
     import sys
     import types
 
-    import mpirt.backend as B
+    import mpirt.core.backend as B
 
     limits = []
     pool = types.SimpleNamespace(set_limit=lambda size: limits.append(size))

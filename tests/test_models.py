@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from mpirt import modeling
-from mpirt.modeling import build_model, seed_dropouts
-from mpirt.nn import NotMaterializedError
+from mpirt.core import modeling
+from mpirt.core.modeling import build_model, seed_dropouts
+from mpirt.core.nn import NotMaterializedError
 from mpirt.models import GPT, MLP, GPTConfig, Llama, LlamaConfig
 from mpirt.models.gpt import flops_per_token, param_shapes
 from mpirt.models.hf import load_hf_gpt2, load_into, save_hf_gpt2
 from mpirt.models.mlp import num_parameters as mlp_num_parameters
-from mpirt.checkpoint import CheckpointError
-from mpirt.config import ConfigError
-from mpirt.tensor import Tensor
+from mpirt.checkpoint.store import CheckpointError
+from mpirt.run.config import ConfigError
+from mpirt.core.tensor import Tensor
 
 SMALL = dict(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=101)
 
@@ -109,9 +109,9 @@ def test_build_model_registry():
 
 
 def test_registry_dispatches_counts_and_blocks_by_model_type():
-    """mpirt.modeling.num_parameters / flops_per_token / block_class go through MODELS; an unknown
+    """mpirt.core.modeling.num_parameters / flops_per_token / block_class go through MODELS; an unknown
     model_type is one ValueError naming it, whichever entry point meets it."""
-    from mpirt.modeling import block_class, flops_per_token as model_flops, num_parameters as model_params
+    from mpirt.core.modeling import block_class, flops_per_token as model_flops, num_parameters as model_params
     from mpirt.models.gpt import Block
     from mpirt.models.mlp import MLPBlock
     gpt_cfg = GPTConfig(**SMALL)
@@ -129,8 +129,8 @@ def test_registry_dispatches_counts_and_blocks_by_model_type():
 
 def test_graph_parameters_finds_the_leaves_once():
     """The Parameters a Tensor was computed from, each once (wte is used by embed and head)."""
-    from mpirt.nn import graph_parameters
-    from mpirt.tensor import no_grad
+    from mpirt.core.nn import graph_parameters
+    from mpirt.core.tensor import no_grad
     model = GPT(GPTConfig(**SMALL), dtype="float64", seed=0)
     x = np.zeros((1, 2), dtype=np.int64)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -290,8 +290,8 @@ def test_dropout_masks_depend_on_the_global_place_not_the_shard():
     dimension 1 split over tp (heads, or tokens under sequence parallelism). P(keep) = 1 - p,
     neighbours and steps independent; a module placed in the batch draws the shard's mask, and
     its saved state draws it again (recomputation)."""
-    from mpirt.nn import Dropout
-    from mpirt.ops.dropout import MaskSource, dropout_mask
+    from mpirt.core.nn import Dropout
+    from mpirt.core.ops.dropout import MaskSource, dropout_mask
 
     whole = dropout_mask((8, 4, 16, 16), 0.25, MaskSource((3, 7)))
     for row0, rank in ((0, 0), (2, 1), (6, 3)):

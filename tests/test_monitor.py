@@ -3,6 +3,7 @@ comm registry window. End-to-end cases are real ``python -m mpirt.train`` runs (
 2 ranks); the registry window is checked in the multi-rank tier."""
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -170,7 +171,7 @@ def test_report_writes_drawn_pngs_for_a_pipeline_run(tiny_data, tmp_path, layout
 
 def test_report_of_one_rank_draws_no_communication_and_no_budget_it_was_not_given(tiny_data, tmp_path):
     pytest.importorskip("matplotlib")
-    from mpirt import report
+    from mpirt.monitor import report
     out = tmp_path / "run"
     run_module("mpirt.train", *TINY, "--steps=3", f"--data={tiny_data}", f"--out-dir={out}")
     run = report.load_run(out)
@@ -193,8 +194,8 @@ def test_report_refuses_a_directory_without_a_run(tmp_path):
 
 
 def test_nvml_degrades_without_a_gpu_and_samples_with_one(monkeypatch):
-    import mpirt.backend as B
-    from mpirt import gpumon
+    import mpirt.core.backend as B
+    from mpirt.monitor import gpu as gpumon
 
     sampler, note = gpumon.start()
     assert sampler is None and "no GPU" in note
@@ -228,7 +229,7 @@ def test_nvml_degrades_without_a_gpu_and_samples_with_one(monkeypatch):
 
 
 def test_peak_table_and_cpu_flops_per_cycle():
-    from mpirt import flops
+    from mpirt.monitor import flops
 
     assert flops.gpu_peak("NVIDIA H200", "bfloat16") == 989e12
     assert flops.gpu_peak("NVIDIA H100 PCIe", "bfloat16") == 756e12
@@ -273,25 +274,37 @@ def test_no_layout_reports_mfu_above_100_percent_and_runs_share_one_peak(tiny_da
     assert one["mfu"] * one["step_time_s"] == pytest.approx(again["mfu"] * again["step_time_s"], rel=1e-9)
 
 
+def wait_spinning(procs, timeout: float = 30) -> None:
+    """Until every busy process has said it is in its loop (from then on it only spins)."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"busy process {p.pid} not in its loop within {timeout} s (exit code {p.poll()})"
+        assert p.stdout.readline() == "spinning\n", f"busy process {p.pid} ended (exit code {p.wait()})"
+
+
 def test_the_fma_ceiling_is_the_same_under_load_and_no_gemm_beats_it(tmp_path, monkeypatch):
     """The FMA loop measured from an empty cache on a quiet machine and again from another empty
     cache while twice as many busy processes as CPUs run: each CPU within 10 %. One thread's
     float32 GEMMs stay under one core's ceiling; float64 has about half float32's lanes."""
-    from mpirt import flops, threads
+    from mpirt.monitor import flops
+    from mpirt.cpu import threads
 
     cpus = sorted(os.sched_getaffinity(0))
     monkeypatch.setenv("MPIRT_CACHE", str(tmp_path / "quiet"))
     quiet, how = flops.fma_rates(cpus, 32)
     assert set(quiet) == set(cpus) and "FMA loop" in how, how
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * len(cpus))]
+    busy = [subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
+                             stdout=subprocess.PIPE, text=True) for _ in range(2 * len(cpus))]
     try:
-        time.sleep(0.5)
+        wait_spinning(busy)
         monkeypatch.setenv("MPIRT_CACHE", str(tmp_path / "loaded"))
         loaded, _ = flops.fma_rates(cpus, 32)
     finally:
         for p in busy:
             p.kill()
             p.wait()
+            p.stdout.close()
     assert all(abs(loaded[c] / quiet[c] - 1) < 0.1 for c in cpus), (quiet, loaded)
     f64, _ = flops.fma_rates(cpus, 64)
     assert all(0.4 < f64[c] / quiet[c] < 0.6 for c in cpus), (quiet, f64)
@@ -307,7 +320,7 @@ def test_the_fma_ceiling_is_the_same_under_load_and_no_gemm_beats_it(tmp_path, m
 def test_a_damaged_fma_cache_entry_is_measured_again(tmp_path, monkeypatch):
     """A cache entry that is not {cpu: rate} (a damaged or hand-edited file), or holds a rate that
     is not a positive number, does not drop the ceiling: those CPUs are measured again."""
-    from mpirt import flops
+    from mpirt.monitor import flops
 
     cpus = sorted(os.sched_getaffinity(0))
     monkeypatch.setenv("MPIRT_CACHE", str(tmp_path))
@@ -324,7 +337,7 @@ def test_a_damaged_fma_cache_entry_is_measured_again(tmp_path, monkeypatch):
 
 
 class _Ranks:
-    """:func:`mpirt.flops.cpu_ceiling`'s two exchanges as seen from ``rank`` of ranks whose (host,
+    """:func:`mpirt.monitor.flops.cpu_ceiling`'s two exchanges as seen from ``rank`` of ranks whose (host,
     CPUs) are ``places``: the places, then the measurements, where another rank measured
     ``theirs``."""
 
@@ -340,7 +353,7 @@ def test_each_rank_gets_its_share_of_the_node(monkeypatch):
     """Ranks that may all use a node's cores share each core; ranks bound to their own cores get
     those; hyperthreads of a core count once; a rank's threads cap its cores; bfloat16 has the
     float32 peak. The first rank of each host measures (the others take its figures)."""
-    from mpirt import flops
+    from mpirt.monitor import flops
 
     rate = {32: 100e9, 64: 50e9}
     measured = []
@@ -374,7 +387,7 @@ def test_a_start_under_load_keeps_the_best_gemm_rate_seen(tmp_path, monkeypatch)
     """The calibrated peak is the best GEMM rate this machine gave for these products: a rate
     measured under load (lower) does not replace it; a higher one does; another node sharing or
     other shapes have their own entry."""
-    from mpirt import flops
+    from mpirt.monitor import flops
     monkeypatch.setenv("MPIRT_CACHE", str(tmp_path))
     products = flops.layer_products(32, 128, 64, "float32")
     assert flops.remembered_gemm_rate(products, 5e10) == 5e10            # first start: recorded
@@ -386,7 +399,7 @@ def test_a_start_under_load_keeps_the_best_gemm_rate_seen(tmp_path, monkeypatch)
 
 
 def test_slow_fault_parses_and_needs_seconds():
-    from mpirt import faults
+    from mpirt.run import faults
 
     assert faults.parse("slow=0.5@1:3") == [faults.Fault("slow", 1, 3, 0.5)]
     with pytest.raises(ValueError, match="slow=SECONDS"):
@@ -396,7 +409,7 @@ def test_slow_fault_parses_and_needs_seconds():
 @pytest.mark.mpi
 def test_step_window_bytes_per_axis_equal_the_registry(group):
     from mpirt.comm import stats
-    from mpirt.stepstats import StepMonitor
+    from mpirt.monitor.steps import StepMonitor
 
     dp, pp = group(2, "dp"), group(2, "pp")
     if dp is None:

@@ -1,4 +1,4 @@
-"""mpirt's native thread pool (mpirt/kernels/kernels_pool.h, :func:`mpirt.kernels.run_calls`): every
+"""mpirt's native thread pool (mpirt/cpu/kernels/kernels_pool.h, :func:`mpirt.cpu.kernels.run_calls`): every
 call of a run is done once, with the bits of a plain call; back-to-back runs, two Python threads
 calling at once, a changed thread count and a forked child all work; idle workers go to sleep; a
 signal still reaches Python's handler while the workers exist. The processes that could hang run
@@ -14,7 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from mpirt import blas, kernels, threads
+from mpirt.cpu import blas
+from mpirt.cpu import kernels
+from mpirt.cpu import threads
 
 
 @pytest.fixture
@@ -111,7 +113,7 @@ def run_child(code: str, timeout: float = 60) -> str:
 
 POOL_STARTED = """
     import numpy as np
-    from mpirt import kernels
+    from mpirt.cpu import kernels
     x = np.random.default_rng(0).standard_normal(50_000).astype(np.float32)
     y = np.empty_like(x)
     calls = [("gelu", np.float32, x[:25_000], y[:25_000], None, 25_000),
@@ -137,11 +139,24 @@ def test_a_forked_child_runs_its_own_pool():
 def test_idle_workers_sleep():
     """After a run the workers spin for a few milliseconds, then sleep: an idle process takes
     (almost) no CPU time."""
-    out = run_child(POOL_STARTED + """
+    out = run_child("""
+    import os
+    import numpy as np
+    from mpirt.cpu import kernels
+    before = set(os.listdir("/proc/self/task"))
+    """ + POOL_STARTED + """
     import time
-    time.sleep(0.2)
+
+    def asleep(tid):  # blocked (state S): a spinning worker only yields, so it shows R
+        return open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()[0] == "S"
+    workers = set(os.listdir("/proc/self/task")) - before   # the threads the run started
+    deadline = time.monotonic() + 30
+    while not all(asleep(tid) for tid in workers):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the pool's threads {sorted(workers)} were not all asleep within 30 s of the run")
+        time.sleep(0.001)
     t0, c0 = time.monotonic(), time.process_time()
-    time.sleep(1.0)
+    time.sleep(1.0)   # the measured idle time
     print((time.process_time() - c0) / (time.monotonic() - t0))
     """)
     assert float(out) < 0.05, f"an idle process used {float(out):.0%} of a core"
@@ -155,7 +170,9 @@ def test_a_signal_reaches_the_python_handler_while_the_workers_exist():
     for _ in range(50):                     # workers spinning, then asleep
         os.kill(os.getpid(), signal.SIGUSR1)
         kernels.run_calls(calls, workers=1)
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10         # until the last signal's handler ran (or 10 s)
+    while len(got) < 50 and time.monotonic() < deadline:
+        time.sleep(0.001)
     print(len(got))
     """)
     assert out.strip() == "50"
@@ -164,8 +181,8 @@ def test_a_signal_reaches_the_python_handler_while_the_workers_exist():
 def test_adamw_updates_every_parameter_in_one_run(two_threads, monkeypatch):
     """AdamW.step collects the C updates of all parameters (large ones in blocks) into one run of
     the pool: the same bits as the NumPy forms, one run per step."""
-    from mpirt.optim import AdamW
-    from mpirt.nn import Parameter
+    from mpirt.core.optim import AdamW
+    from mpirt.core.nn import Parameter
     rng = np.random.default_rng(4)
     shapes = [(3,), (70, 5), (600_001,), (128, 512), (1,), (300_000,)]
     start = [rng.standard_normal(s).astype(np.float32) for s in shapes]
@@ -232,8 +249,8 @@ def test_two_threads_starting_the_pool_at_once_start_it_once():
 def test_norm_gradients_do_not_depend_on_the_thread_count(norm):
     """Weight and bias gradients are sums of per-block partial sums: the blocks are the same at
     any thread count, so are the bits."""
-    from mpirt import ops
-    from mpirt.tensor import Tensor
+    from mpirt.core import ops
+    from mpirt.core.tensor import Tensor
     rng = np.random.default_rng(6)
     x, g = (rng.standard_normal((1024, 768)).astype(np.float32) for _ in range(2))
     w, b = rng.standard_normal(768).astype(np.float32), rng.standard_normal(768).astype(np.float32)

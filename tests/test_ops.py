@@ -1,4 +1,4 @@
-"""Single-process tests of every op in mpirt.ops: finite differences, PyTorch parity, dtypes,
+"""Single-process tests of every op in mpirt.core.ops: finite differences, PyTorch parity, dtypes,
 deferred weight gradients, hooks and graph recording."""
 import numpy as np
 import pytest
@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 
 import mpirt
-from mpirt import kernels, ops
-from mpirt.ops.attention import rotary_tables
-from mpirt.ops.nn import scatter_add_rows
-from mpirt.tensor import Tensor, no_grad
-from mpirt.testing import gradcheck, normal, op_cases
+from mpirt.cpu import kernels
+from mpirt.core import ops
+from mpirt.core.ops.attention import rotary_tables
+from mpirt.core.ops.fused import scatter_add_rows
+from mpirt.core.tensor import Tensor, no_grad
+from mpirt.core.testing import gradcheck, normal, op_cases
 
 
 # ------------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def test_cross_entropy_matches_torch_value_and_gradient():
 
 def test_cross_entropy_chunked_forward_matches_torch(monkeypatch):
     """The forward runs a few rows at a time; force uneven blocks of 2 rows at this tiny size."""
-    import mpirt.threads as threads
+    import mpirt.cpu.threads as threads
     monkeypatch.setattr(threads, "BLOCK", 2 * 9)
     logits, targets = 4 * normal(7, 9), np.random.default_rng(2).integers(0, 9, 7)
     targets[3] = -100

@@ -1,12 +1,12 @@
-"""Tests of mpirt.optim against torch.optim: SGD, AdamW, cosine_lr, gradient clipping, state."""
+"""Tests of mpirt.core.optim against torch.optim: SGD, AdamW, cosine_lr, gradient clipping, state."""
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from mpirt.nn import Parameter
-from mpirt.optim import SGD, AdamW, adamw_update, clip_grad_norm, cosine_lr, global_grad_norm
+from mpirt.core.nn import Parameter
+from mpirt.core.optim import SGD, AdamW, adamw_update, clip_grad_norm, cosine_lr, global_grad_norm
 
 SHAPES = {"w1": (5, 4), "b1": (4,), "w2": (3, 2, 2), "g": (7,)}
 STEPS = 6

@@ -58,9 +58,9 @@ def test_wheel_holds_mpirt_models_and_presets_and_no_top_level_models(tmp_path):
     names = zipfile.ZipFile(build_wheel(tmp_path)).namelist()
     presets = {Path(n).name for n in names if n.startswith("mpirt/models/presets/") and n.endswith(".toml")}
     assert {"tiny.toml", "gpt2.toml", "mlp.toml", "llama-tiny.toml"} <= presets
-    assert {"mpirt/models/__init__.py", "mpirt/models/gpt.py", "mpirt/models/llama.py", "mpirt/modeling.py",
-            "mpirt/kernels/kernels.c", "mpirt/kernels/kernels_body.h",  # the C and CUDA kernels' sources,
-            "mpirt/kernels/cuda_kernels.cu", "mpirt/kernels/fma_peak.c"} <= set(names)  # the FMA loop's
+    assert {"mpirt/models/__init__.py", "mpirt/models/gpt.py", "mpirt/models/llama.py", "mpirt/core/modeling.py",
+            "mpirt/cpu/kernels/kernels.c", "mpirt/cpu/kernels/kernels_body.h",  # the C and CUDA kernels' sources,
+            "mpirt/cpu/kernels/cuda_kernels.cu", "mpirt/cpu/kernels/fma_peak.c"} <= set(names)  # the FMA loop's
     assert not [n for n in names if n.split("/")[0] in ("models", "models.py")]
 
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (mpirt.parallel.pipeline) against the single-rank run on the same global batch.
+"""Pipeline parallelism (mpirt.parallel.pipeline.stage) against the single-rank run on the same global batch.
 
 Multi-rank tests split MPI_COMM_WORLD into groups of the size they need (pp, or dp x pp); every
 complete group runs the same test, leftover ranks only join the verdict, so the tests are valid
@@ -12,13 +12,13 @@ import pytest
 from mpi4py import MPI
 
 from mpirt.comm import Comm
-from mpirt.config import TrainConfig
-from mpirt.grid import Grid
+from mpirt.run.config import TrainConfig
+from mpirt.parallel.grid import Grid
 from mpirt.parallel.engine import Engine
-from mpirt.parallel.partition import layer_costs, partition
-from mpirt.parallel.pipeline import PipelineStage
-from mpirt.parallel.schedule_check import simulate
-from mpirt.parallel.schedules import ScheduleError, build
+from mpirt.parallel.pipeline.partition import layer_costs, partition
+from mpirt.parallel.pipeline.stage import PipelineStage
+from mpirt.parallel.pipeline.check import simulate
+from mpirt.parallel.pipeline.schedules import ScheduleError, build
 from mpirt.models import GPTConfig
 
 from conftest import agree

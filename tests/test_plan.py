@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from mpirt.config import TrainConfig
-from mpirt.modeling import load_model_config
-from mpirt.parallel.schedule_check import simulate, theoretical_bubble
-from mpirt.parallel.schedules import build
+from mpirt.run.config import TrainConfig
+from mpirt.core.modeling import load_model_config
+from mpirt.parallel.pipeline.check import simulate, theoretical_bubble
+from mpirt.parallel.pipeline.schedules import build
 from mpirt.plan import Cluster, coll_time, estimate, hardware, plan, self_check
 from mpirt.plan.published import bubble_table, frontier_rows, megatron_flops, zero_table
 from mpirt.plan.work import ops_per_block
@@ -96,7 +96,7 @@ def test_oversubscription_slows_every_rank():
 
 
 def test_memory_is_memory_predict_and_parts_add_up():
-    from mpirt import memory
+    from mpirt.plan import memory
 
     est = estimate(cfg(dp=2, zero=2), TINY, cpu(), memory_ranks="all")
     for rank in (0, 1):  # rank 0 also holds its TensorBoard writer (where tensorboard is installed)
@@ -111,7 +111,7 @@ def test_memory_is_memory_predict_and_parts_add_up():
 
 
 def test_memory_predict_defaults_unchanged():
-    from mpirt import memory
+    from mpirt.plan import memory
 
     c, lay = cfg(dp=2), {"dp": 2, "pp": 1, "tp": 1}
     base = memory.predict(c, TINY, lay, 0)
@@ -220,7 +220,7 @@ def test_cli_refusals_are_one_line(tmp_path):
 
 
 def test_report_section_shows_prediction_against_measured():
-    from mpirt.report import prediction_section
+    from mpirt.monitor.report import prediction_section
 
     measured = {"step_time_s": 0.2, "tokens_per_s": 5000.0, "peak_memory_bytes": 150 * 2**20,
                 "monitor": {"breakdown": {"forward_s": 0.05, "backward_s": 0.1, "bubble_s": 0.04}}}

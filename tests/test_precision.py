@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 from conftest import run_module
-from mpirt import comm, ops
-from mpirt.checkpoint import load_state
-from mpirt.modeling import build_model, load_model_config
-from mpirt.optim import AdamW
-from mpirt.precision import LossScaler, bytes_per_parameter, compute_dtype, is_half, upcast
-from mpirt.tensor import Tensor
+from mpirt import comm
+from mpirt.core import ops
+from mpirt.checkpoint.store import load_state
+from mpirt.core.modeling import build_model, load_model_config
+from mpirt.core.optim import AdamW
+from mpirt.core.precision import LossScaler, bytes_per_parameter, compute_dtype, is_half, upcast
+from mpirt.core.tensor import Tensor
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 U = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
@@ -70,7 +71,7 @@ def test_matmul_and_fused_ops_compute_in_float32_and_round_once(dtype):
 
 # --- optimizer ------------------------------------------------------------------------------------
 def _params(dtype, seed=0):
-    from mpirt.nn import Parameter
+    from mpirt.core.nn import Parameter
     ps = []
     for i, shape in enumerate([(6, 4), (4,)]):
         p = Parameter(shape, dtype=dtype)
@@ -85,7 +86,7 @@ def test_half_ops_keep_half_activations_and_float32_row_statistics(rows):
     """A half layer norm keeps its normalised input in half and 1/std per row in float32, also
     when the rows number the weight's elements; GELU keeps its derivative in half; a forward
     without a graph rounds nothing it will not need."""
-    from mpirt.tensor import no_grad
+    from mpirt.core.tensor import no_grad
 
     x = Tensor(np.random.default_rng(0).standard_normal((2, rows, 8)).astype("float16"), requires_grad=True)
     w = Tensor(np.ones(8, "float16"), requires_grad=True)
@@ -336,7 +337,7 @@ def test_zero_bf16_shards_float32_masters_by_the_formula(stage):
 def test_half_sums_accumulate_in_float32():
     """A column sum of 1024 bf16 rows (ops.sum, and the bias gradient's sum_rows) adds in float32
     and rounds once: its error is one bf16 rounding, not one per addition."""
-    from mpirt.threads import sum_rows
+    from mpirt.cpu.threads import sum_rows
     a = np.random.default_rng(0).standard_normal((1024, 64)).astype(np.dtype("bfloat16"))
     exact = a.astype(np.float64).sum(axis=0)
     for got in (ops.sum(Tensor(a), axis=0).data, sum_rows(a)):

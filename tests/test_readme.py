@@ -41,7 +41,7 @@ def commands() -> list[str]:
 def train_args(cmd: str) -> tuple[int, list[str]] | None:
     """(world size, mpirt.train arguments) of a training launch: ``[mpiexec -n N] python -m
     mpirt.train ARGS`` or ``sbatch [--nodes K] slurm/T.sbatch RUN_DIR ARGS``; None otherwise."""
-    from mpirt.slurm import TEMPLATES
+    from mpirt.run.slurm import TEMPLATES
     words = shlex.split(cmd)
     if words[:1] == ["mpiexec"] and words[3:6] == ["python", "-m", "mpirt.train"]:
         return int(words[2]), words[6:]
@@ -58,10 +58,10 @@ def train_args(cmd: str) -> tuple[int, list[str]] | None:
 def check_training(world: int, args: list[str]) -> None:
     """What the run's pre-flight checks before anything starts: keys and values, the layout for
     ``world`` ranks, the model's tp, the sequence length."""
-    from mpirt.config import parse_args
-    from mpirt.modeling import load_model_config
-    from mpirt.parallel.tensor.layout import check_model_tp
-    from mpirt.train import plan_layout
+    from mpirt.run.config import parse_args
+    from mpirt.core.modeling import load_model_config
+    from mpirt.parallel.tensor.axis import check_model_tp
+    from mpirt.run.train import plan_layout
     cfg = parse_args(args)
     layout = plan_layout(cfg, world)
     model = load_model_config(cfg.model, cfg.model_overrides)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import run_module
-from mpirt import recompute
-from mpirt.memory import kept_bytes
-from mpirt.modeling import activation_bytes, attention_core, build_model, load_model_config
-from mpirt.tensor import Tensor
+from mpirt.core import recompute
+from mpirt.plan.memory import kept_bytes
+from mpirt.core.modeling import activation_bytes, attention_core, build_model, load_model_config
+from mpirt.core.tensor import Tensor
 
 DROPOUT = {"attn_pdrop": 0.1, "resid_pdrop": 0.1}
 

@@ -3,6 +3,7 @@ each exercised on real ``python -m mpirt.train`` processes (under mpiexec where 
 import json
 import math
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -41,6 +42,34 @@ def wait_for_steps(out, steps: int, proc, timeout: float = 120) -> None:
         assert proc.poll() is None, open(f"{out}.log").read()
         time.sleep(0.1)
     raise AssertionError(f"no {steps} steps within {timeout} s")
+
+
+# the syscall time.sleep blocks in (the first field of /proc/PID/task/TID/syscall)
+CLOCK_NANOSLEEP = {"x86_64": "230", "aarch64": "115"}.get(platform.machine(), "unknown")
+
+
+def main_thread(pid: int) -> tuple[str, int]:
+    """The syscall ``pid``'s main thread is blocked in (``running`` when in none) and its count of
+    voluntary context switches (each block in a syscall adds one)."""
+    task = Path(f"/proc/{pid}/task/{pid}")
+    try:
+        call = (task / "syscall").read_text().split()[0]
+        status = (task / "status").read_text()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return "gone", -1
+    switches = next(line for line in status.splitlines() if line.startswith("voluntary_ctxt_switches:"))
+    return call, int(switches.split()[1])
+
+
+def wait_until(what: str, proc, out, ready, timeout: float = 60):
+    """Poll ``ready()`` until it returns something true (returned); fail naming ``what`` when the run
+    ends first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not (got := ready()):
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}:\n" + open(f"{out}.log").read()
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}:\n" + open(f"{out}.log").read()
+        time.sleep(0.01)
+    return got
 
 
 def descendants(pid: int) -> list[int]:
@@ -166,9 +195,17 @@ def test_a_second_signal_exits_at_once(tiny_data, tmp_path):
     # a rank stalled in its step cannot reach the step boundary: only the second signal ends it
     proc = start([*TINY, f"--data={tiny_data}", "--steps=100000"], out, ranks=0, env={"MPIRT_FAULT": "stall@0:3"})
     wait_for_steps(out, 2, proc)
-    time.sleep(0.5)
+    # past step 2's stop check and asleep in step 3's stall: a TERM before that would stop the run
+    # cleanly at step 2's boundary instead
+    asleep = f"rank 0 asleep in step 3's stall (syscall {CLOCK_NANOSLEEP} on {platform.machine()})"
+    stalled = wait_until(asleep, proc, out, lambda: (
+        "rank 0 step 3: injecting stall" in open(f"{out}.log").read()
+        and (thread := main_thread(proc.pid))[0] == CLOCK_NANOSLEEP and thread))
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    # the first TERM's Python handler has run once the thread is back in its sleep (PEP 475: an
+    # interrupted time.sleep runs the handlers, then sleeps on) with a context switch more
+    wait_until("the first SIGTERM handled and the stall resumed", proc, out, lambda: (
+        (thread := main_thread(proc.pid))[0] == CLOCK_NANOSLEEP and thread[1] > stalled[1]))
     assert proc.poll() is None
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
@@ -416,7 +453,7 @@ def test_a_40_gb_dataset_without_a_record_starts_at_once_with_flat_memory(tmp_pa
 def test_a_token_id_out_of_range_found_while_reading_ends_the_run_in_one_line(tmp_path):
     """A train split too large to scan at start-up (no record) whose ids are all out of range: the
     first batch read ends the run with one line naming the file and the token, no traceback."""
-    from mpirt.data import SCAN_TOKENS
+    from mpirt.data.tokens import SCAN_TOKENS
     data = tmp_path / "bad"
     data.mkdir()
     np.full(SCAN_TOKENS + 1000, 300, dtype=np.uint16).tofile(data / "train.bin")

@@ -1,13 +1,13 @@
-"""Pipeline schedules as data (mpirt.parallel.schedules, mpirt.parallel.schedule_check):
+"""Pipeline schedules as data (mpirt.parallel.pipeline.schedules, mpirt.parallel.pipeline.check):
 generators, the pre-flight deadlock proof, the performance model and the ``python -m
 mpirt.schedule`` command line. Pure: no MPI."""
 import dataclasses
 
 import pytest
 
-from mpirt import schedule as cli
-from mpirt.parallel.schedule_check import check, format_timeline, simulate, theoretical_bubble
-from mpirt.parallel.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action, Schedule,
+from mpirt.run import schedule as cli
+from mpirt.parallel.pipeline.check import check, format_timeline, simulate, theoretical_bubble
+from mpirt.parallel.pipeline.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action, Schedule,
                                       ScheduleError, build)
 
 GRID = [(name, p, m, v)
@@ -183,8 +183,8 @@ def test_schedule_names_agree_between_cli_and_train_config(capsys):
     """Every spelling ``python -m mpirt.schedule`` accepts, ``mpirt.train --schedule`` accepts too
     (and the other way round), both mapping it to the same canonical name; unknown names are
     refused by both."""
-    from mpirt.config import ConfigError, parse_args
-    from mpirt.parallel.schedules import ALIASES, SCHEDULES, canonical_name
+    from mpirt.run.config import ConfigError, parse_args
+    from mpirt.parallel.pipeline.schedules import ALIASES, SCHEDULES, canonical_name
 
     assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
     assert set(ALIASES.values()) <= set(SCHEDULES) and not set(ALIASES) & set(SCHEDULES)
@@ -211,5 +211,5 @@ def test_schedule_names_agree_between_cli_and_train_config(capsys):
         cli.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert ", ".join(SCHEDULES) in out
-    from mpirt.config import help_text
+    from mpirt.run.config import help_text
     assert "|".join(SCHEDULES) in help_text()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirt.slurm import TEMPLATES, JobSpec, SlurmScriptError, epilog, main, render, time_seconds
+from mpirt.run.slurm import TEMPLATES, JobSpec, SlurmScriptError, epilog, main, render, time_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 PWN = "PWNED"
@@ -270,12 +270,24 @@ def test_the_end_of_a_stopped_job_says_what_happens_next(job_env, preemptible, s
         assert "requeue failed" not in out and "submit the same command" not in out, out
 
 
-def wait_started(proc: subprocess.Popen, where: Path) -> None:
-    end = time.time() + 20
-    while stub_args(where, "srun") is None:
-        assert proc.poll() is None and time.time() < end, "the stub srun did not start"
-        time.sleep(0.05)
-    time.sleep(0.2)  # past `step=$!` and into the wait loop
+def blocked(pid: int) -> bool:
+    """Whether process ``pid`` sleeps (state S in /proc/PID/stat: blocked in a syscall)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S"
+    except FileNotFoundError:
+        return False
+
+
+def wait_started(proc: subprocess.Popen, where: Path, timeout: float = 20) -> None:
+    """Until the stub srun runs and the batch shell waits for it: the stub writes its arguments
+    after the shell forked it, and from that fork on the shell blocks nowhere but in the wait loop
+    (past `step=$!`)."""
+    end = time.monotonic() + timeout
+    while stub_args(where, "srun") is None or not blocked(proc.pid):
+        assert proc.poll() is None, f"the job script exited ({proc.returncode}) before it waited for srun"
+        assert time.monotonic() < end, (f"not within {timeout} s: " + ("the stub srun did not start"
+                                        if stub_args(where, "srun") is None else "the script never waited for srun"))
+        time.sleep(0.01)
 
 
 def test_term_to_the_batch_shell_is_not_forwarded(job_env):
@@ -308,7 +320,7 @@ def test_usr1_notice_asks_the_ranks_to_stop_then_requeues(job_env):
 def test_the_job_removes_only_unused_files_older_than_itself(tmp_path):
     """The job's cleanup gets its start time: an unused file made since (another job of the user
     starting beside it, not yet mapped) stays; an unused older one goes."""
-    from mpirt.slurm import CLEAN_SHM
+    from mpirt.run.slurm import CLEAN_SHM
     shm = tmp_path / "shm"
     shm.mkdir()
     start = int(time.time())

@@ -1,4 +1,4 @@
-"""Tests of mpirt.threads (blocked passes and split products on the thread pool) and of the ops
+"""Tests of mpirt.cpu.threads (blocked passes and split products on the thread pool) and of the ops
 that use it: every blocked or split path must give the numbers of the plain one.
 
 The arrays here are small, so the tests shrink the block sizes and thresholds (``blocked``
@@ -7,13 +7,13 @@ fixture) to push every op through its blocked, split and threaded code paths.
 import numpy as np
 import pytest
 
-import mpirt.ops.attention as attention
-import mpirt.threads as threads
+import mpirt.core.ops.attention as attention
+import mpirt.cpu.threads as threads
 from mpirt.models import GPT, GPTConfig
-from mpirt import ops
-from mpirt.hostalloc import keep_freed_memory
-from mpirt.optim import adamw_update
-from mpirt.tensor import Tensor
+from mpirt.core import ops
+from mpirt.cpu.hostalloc import keep_freed_memory
+from mpirt.core.optim import adamw_update
+from mpirt.core.tensor import Tensor
 
 
 @pytest.fixture

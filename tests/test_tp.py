@@ -16,17 +16,17 @@ import pytest
 from mpi4py import MPI
 
 from mpirt import comm as C
-from mpirt import ops
-from mpirt.data import get_batch
-from mpirt.grid import Grid
-from mpirt.memory import kept_bytes
-from mpirt.modeling import activation_bytes
-from mpirt.nn import ShardSpec
-from mpirt.optim import AdamW
+from mpirt.core import ops
+from mpirt.data.tokens import get_batch
+from mpirt.parallel.grid import Grid
+from mpirt.plan.memory import kept_bytes
+from mpirt.core.modeling import activation_bytes
+from mpirt.core.nn import ShardSpec
+from mpirt.core.optim import AdamW
 from mpirt.parallel import tensor as TP
-from mpirt.parallel.data import DataParallel
+from mpirt.parallel.ddp import DataParallel
 from mpirt.parallel.flat import FlatParams, count_once
-from mpirt.tensor import Tensor
+from mpirt.core.tensor import Tensor
 from mpirt.models import GPT, GPTConfig, Llama, LlamaConfig
 
 from conftest import agree

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import run_module
-from mpirt.checkpoint import load_state
+from mpirt.checkpoint.store import load_state
 from runs import read_metrics
 
 TINY = ["--model.n_layer=4", "--model.n_embd=32", "--model.n_head=4", "--model.n_positions=32",

@@ -16,8 +16,8 @@ import pytest
 from conftest import ROOT
 from mpirt.comm import EXIT_TIMEOUT, flight
 from mpirt.comm.watchdog import REPLY_S
-from mpirt.parallel.pipeline_exec import WaitLabel
-from mpirt.parallel.schedules import RECV_GRAD, SEND_ACT, Action
+from mpirt.parallel.pipeline.executor import WaitLabel
+from mpirt.parallel.pipeline.schedules import RECV_GRAD, SEND_ACT, Action
 from runs import TINY
 
 JOB_TIMEOUT = 180  # seconds any one job may take before the test kills it: a hang is a failure

@@ -14,15 +14,15 @@ from mpi4py import MPI
 
 from mpirt import comm as C
 from mpirt import Tensor, enable_grad, is_grad_enabled
-from mpirt.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
-from mpirt.checkpoint_sharded import save_sharded
+from mpirt.checkpoint.store import CheckpointReader, load_checkpoint, save_checkpoint
+from mpirt.checkpoint.sharded import save_sharded
 from mpirt.comm import Comm, chunk_bounds
-from mpirt.data import split_microbatches
-from mpirt.optim import AdamW
-from mpirt.parallel.data import DataParallel
-from mpirt.parallel.state import load_shards, save_shards
+from mpirt.data.tokens import split_microbatches
+from mpirt.core.optim import AdamW
+from mpirt.parallel.ddp import DataParallel
+from mpirt.parallel.shards import load_shards, save_shards
 from mpirt.parallel.zero import ZeroOptimizer
-from mpirt.tensor import no_grad
+from mpirt.core.tensor import no_grad
 from mpirt.models import GPTConfig
 from conftest import agree
 from parity import (LR, STEPS, TOL, WD, batch, dp_comm, global_loss, make_model, max_rel_err, reference_run, rel_err,
@@ -384,7 +384,7 @@ def test_stage2_streaming_under_an_interleaved_order_loses_no_gradient():
     does): a parameter whose first bucket was reduced gets the next micro-batch's gradient while
     its bucket that straddles the chunks still waits; nothing of either is lost or counted twice."""
     from mpirt.comm import Comm
-    from mpirt.nn import Parameter
+    from mpirt.core.nn import Parameter
     from mpirt.parallel.zero import ZeroOptimizer
 
     ps = [Parameter((4,), dtype="float64") for _ in range(4)]
@@ -408,7 +408,7 @@ def test_stage2_streaming_keeps_every_micro_batch_with_an_unused_parameter():
     the buckets before it wait through the next micro-batch; the step's shard holds the sum of
     both micro-batches everywhere (one bucket per parameter)."""
     from mpirt.comm import Comm
-    from mpirt.nn import Parameter
+    from mpirt.core.nn import Parameter
     from mpirt.parallel.zero import ZeroOptimizer
 
     ps = [Parameter((4,), dtype="float64") for _ in range(3)]

@@ -12,8 +12,8 @@ from functools import partial
 import numpy as np
 import pytest
 
-from mpirt.config import TrainConfig
-from mpirt.grid import Grid
+from mpirt.run.config import TrainConfig
+from mpirt.parallel.grid import Grid
 from mpirt.parallel.engine import Engine
 from mpirt.parallel.tensor import shard_state_dict
 from mpirt.parallel.zero import ZeroOptimizer
@@ -122,8 +122,8 @@ def test_sharded_checkpoint_moves_between_zero_pp_and_plain_tp(group):
     uninterrupted run's loss curve."""
     import tempfile
 
-    from mpirt.checkpoint import CheckpointReader
-    from mpirt.checkpoint_sharded import save_sharded
+    from mpirt.checkpoint.store import CheckpointReader
+    from mpirt.checkpoint.sharded import save_sharded
 
     comm = group(8)
     if comm is None:

@@ -15,10 +15,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from mpirt import modeling
-from mpirt.config import ConfigError, check_model_values, convert_value, field_types, \
+from mpirt.core import modeling
+from mpirt.run.config import ConfigError, check_model_values, convert_value, field_types, \
     unknown_key_error
-from mpirt.models.config import GPTConfig
+from mpirt.models.model_config import GPTConfig
 
 PRESET_DIR = Path(__file__).parent
 HF_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh-approximate GELU mpirt implements

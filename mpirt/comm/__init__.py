@@ -40,12 +40,12 @@ The package, by concern: :mod:`~mpirt.comm.job` (constants, :class:`World`, the 
 :mod:`~mpirt.comm.registry` (:class:`CommStats`, no mpi4py), :mod:`~mpirt.comm.buffers`
 (dtypes, contiguous copies, :func:`chunk_bounds`), :mod:`~mpirt.comm.engines` (engine
 selection, CUDA-aware detection, the NCCL engine), :mod:`~mpirt.comm.handles` (non-blocking
-handles), :mod:`~mpirt.comm.core` (:class:`Comm`, its collectives), :mod:`~mpirt.comm.p2p` (its
+handles), :mod:`~mpirt.comm.communicator` (:class:`Comm`, its collectives), :mod:`~mpirt.comm.p2p` (its
 point-to-point calls), :mod:`~mpirt.comm.flight` (in-flight slots and the ring of recent calls,
 no mpi4py) and :mod:`~mpirt.comm.watchdog` (the watchdog thread, leaving the job).
 """
 from mpirt.comm.buffers import chunk_bounds
-from mpirt.comm.core import Comm, world_comm
+from mpirt.comm.communicator import Comm, world_comm
 from mpirt.comm.engines import ENGINES, cuda_aware_mpi, describe_engines, nccl_available, select_engine
 from mpirt.comm.handles import Handle, test_all, wait_all
 from mpirt.comm.job import (ANY_SOURCE, ANY_TAG, PROC_NULL, CommError, World, first_error, install_abort_on_error,

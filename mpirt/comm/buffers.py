@@ -8,7 +8,7 @@ import functools
 import numpy as np
 from mpi4py import MPI
 
-import mpirt.backend as B
+import mpirt.core.backend as B
 
 
 def chunk_bounds(n: int, size: int) -> list[tuple[int, int]]:

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-import mpirt.backend as B
+import mpirt.core.backend as B
 from mpirt.comm.buffers import _contig, _divide, _mpi_op, chunk_bounds
-from mpirt.precision import compute_dtype
-from mpirt.sysinfo import mapped_libraries
+from mpirt.core.precision import compute_dtype
+from mpirt.cpu.sysinfo import mapped_libraries
 
 if TYPE_CHECKING:
-    from mpirt.comm.core import Comm
+    from mpirt.comm.communicator import Comm
 
 ENGINES = ("host", "nccl", "cuda-aware", "staged")
 

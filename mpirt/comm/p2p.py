@@ -1,10 +1,10 @@
 """Point-to-point calls of :class:`~mpirt.comm.Comm` (blocking and non-blocking), kept apart
-from the collectives in :mod:`mpirt.comm.core`."""
+from the collectives in :mod:`mpirt.comm.communicator`."""
 from __future__ import annotations
 
 from mpi4py import MPI
 
-import mpirt.backend as B
+import mpirt.core.backend as B
 from mpirt.comm.buffers import _contig, _sync
 from mpirt.comm.flight import new_call
 from mpirt.comm.handles import Handle, _done_handle, _finish_recv, _recv_buffer, _recv_error

@@ -39,7 +39,7 @@ import time
 
 from mpi4py import MPI
 
-from mpirt.comm.core import Comm
+from mpirt.comm.communicator import Comm
 from mpirt.comm.flight import CHAN, COUNT, PEER, channels, describe, dump, state, waiting
 from mpirt.comm.job import abort_job
 from mpirt.comm.registry import _clock

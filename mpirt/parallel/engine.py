@@ -10,12 +10,12 @@ The training script talks to one interface whatever the layout:
     engine.save_sharded(writer) / engine.load_sharded(reader)     # checkpoints: this rank's boxes
 
 :class:`Engine` is a *local part* and a *sync*. The local part is this rank's piece of the model:
-a :class:`~mpirt.parallel.pipeline.PipelineStage` when pp > 1 (its schedule runs the micro-batches),
+a :class:`~mpirt.parallel.pipeline.stage.PipelineStage` when pp > 1 (its schedule runs the micro-batches),
 else a :class:`~mpirt.parallel.whole.WholeModel` (the model made tensor parallel by its ``tp_plan``,
 a loop over ``grad_accum`` micro-batches); both present one interface (listed in
 :mod:`mpirt.parallel.whole`), so the engine never asks which it holds.
 Its parameters live in one :class:`~mpirt.parallel.flat.FlatParams` store, and the sync over dp
-is :class:`~mpirt.parallel.data.DataParallel` or :class:`~mpirt.parallel.zero.ZeroOptimizer` over
+is :class:`~mpirt.parallel.ddp.DataParallel` or :class:`~mpirt.parallel.zero.ZeroOptimizer` over
 that store (ZeRO-3 shards per unit instead, with tp but not with pp). Sequence parallelism's
 partial gradients are summed over tp once, and one global-norm clip counts every element once
 over dp (ZeRO shards), tp and pp (:func:`~mpirt.parallel.flat.clip_flat`).
@@ -25,16 +25,17 @@ from __future__ import annotations
 import contextlib
 import time
 
-from mpirt import memory, recompute
-from mpirt.modeling import attention_core
-from mpirt.nn import dropout_modules, place_dropouts
-from mpirt.optim import AdamW
+from mpirt.plan import memory
+from mpirt.core import recompute
+from mpirt.core.modeling import attention_core
+from mpirt.core.nn import dropout_modules, place_dropouts
+from mpirt.core.optim import AdamW
 from mpirt.parallel import tensor as TP
-from mpirt.parallel.data import DataParallel
+from mpirt.parallel.ddp import DataParallel
 from mpirt.parallel.flat import FlatParams, count_once
 from mpirt.parallel.layout import Layout, zero_refusal
-from mpirt.parallel.pipeline import PipelineStage
-from mpirt.parallel.state import load_shards, save_shards
+from mpirt.parallel.pipeline.stage import PipelineStage
+from mpirt.parallel.shards import load_shards, save_shards
 from mpirt.parallel.whole import WholeModel
 from mpirt.parallel.zero import ZeroOptimizer
 
@@ -42,7 +43,7 @@ from mpirt.parallel.zero import ZeroOptimizer
 class Engine:
     """This rank's part of the model on ``grid``, its parameter store, dp sync and optimizer.
 
-    ``cfg``: a :class:`mpirt.config.TrainConfig` (layout, schedule, ZeRO stage, recompute, dtype,
+    ``cfg``: a :class:`mpirt.run.config.TrainConfig` (layout, schedule, ZeRO stage, recompute, dtype,
     optimizer); ``model_cfg``: any registered model's config; ``dropout_seed``: this dp replica's
     mask seed. ``local``: a prebuilt :class:`PipelineStage` to use instead of building one (tests
     that pass their own partition or wait mode)."""
@@ -98,7 +99,7 @@ class Engine:
 
     def train_step(self, x, y, loss_scale: float = 1.0, step: int | None = None) -> float:
         """Forward and backward of this dp replica's rows (x, y), backward seeded with
-        ``loss_scale`` (:class:`mpirt.precision.LossScaler`); then the gradients are summed over
+        ``loss_scale`` (:class:`mpirt.core.precision.LossScaler`); then the gradients are summed over
         the tied copies, over tp for sequence-parallel partial sums and averaged over dp. Returns
         the (unscaled) mean loss of the global batch. ``step``: the optimizer step, which with the
         rows' place in the global batch (this replica holds rows ``[dp rank x len(x), ...)``)
@@ -139,13 +140,13 @@ class Engine:
     # --- state ------------------------------------------------------------------------------------
     def save_sharded(self, writer) -> None:
         """Add this rank's boxes of the weights and optimizer state to a
-        :class:`mpirt.checkpoint_sharded.ShardWriter` (dp rank 0 without ZeRO; the tied embedding
-        from the first stage only). Local (see :func:`mpirt.parallel.state.save_shards`)."""
+        :class:`mpirt.checkpoint.sharded.ShardWriter` (dp rank 0 without ZeRO; the tied embedding
+        from the first stage only). Local (see :func:`mpirt.parallel.shards.save_shards`)."""
         save_shards(writer, self.model, self.optimizer, self.tp_comm, replica=self.grid.coords["dp"] == 0,
                     skip=set(self.local.tied_copy))
 
     def load_sharded(self, reader, with_optimizer: bool = True) -> None:
-        """Read this rank's boxes from a :class:`mpirt.checkpoint.CheckpointReader` (both pipeline
+        """Read this rank's boxes from a :class:`mpirt.checkpoint.store.CheckpointReader` (both pipeline
         ends read the tied embedding). Collective over dp under ZeRO."""
         load_shards(reader, self.model, self.optimizer, self.tp_comm, with_optimizer=with_optimizer)
 

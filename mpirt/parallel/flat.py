@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import math
 
-import mpirt.backend as B
+import mpirt.core.backend as B
 from mpirt.comm import chunk_bounds
-from mpirt.hostalloc import release_freed_memory
-from mpirt.optim import clip_coefficient
-from mpirt.precision import upcast
+from mpirt.cpu.hostalloc import release_freed_memory
+from mpirt.core.optim import clip_coefficient
+from mpirt.core.precision import upcast
 
 
 _TRIM_EVERY = 8 << 20  # bytes moved into the store between two releases of the freed copies
@@ -99,7 +99,7 @@ class FlatParams(FlatLayout):
     (:func:`count_once`; default every parameter). Every ``p.data`` becomes a view into
     :attr:`data` (values kept) and every ``p.grad`` a view into :attr:`grad` (zeroed). A lazy
     parameter (no array yet) is materialised in its view by ``init(p, out=view)`` (e.g.
-    :meth:`mpirt.nn.Parameter.init_slice`), so its values are never held twice. ``grads=False``
+    :meth:`mpirt.core.nn.Parameter.init_slice`), so its values are never held twice. ``grads=False``
     leaves the gradient vector unallocated until :meth:`alloc_grads` (ZeRO-2 keeps only its shard:
     a full vector made and dropped at start-up would set the run's peak)."""
 
@@ -207,7 +207,7 @@ def clip_flat(local_sq: float, comms, max_norm: float | None, grads) -> float:
     """The one global-norm clip of every layout: ``local_sq`` (this rank's counted sum of squares)
     summed over ``comms`` (the axes over which ranks hold different gradient elements), and when the
     norm exceeds ``max_norm`` every array in ``grads`` scaled by ``max_norm / (norm + 1e-6)``
-    (:func:`mpirt.optim.clip_coefficient`; nothing for a non-finite norm). Returns the norm."""
+    (:func:`mpirt.core.optim.clip_coefficient`; nothing for a non-finite norm). Returns the norm."""
     for c in comms:
         if c is not None and c.size > 1:
             local_sq = c.allreduce_scalar(local_sq)

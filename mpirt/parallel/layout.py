@@ -40,7 +40,7 @@ def zero_refusal(zero: int, tp: int, pp: int) -> str | None:
 
 @functools.lru_cache(maxsize=64)
 def _schedule(name: str, pp: int, microbatches: int, chunks: int):
-    from mpirt.parallel.schedules import build
+    from mpirt.parallel.pipeline.schedules import build
     return build(name, pp, microbatches, chunks)
 
 
@@ -77,8 +77,8 @@ class Layout(Mapping):
     def resolve(cls, cfg, world_size: int) -> "Layout":
         """The layout of ``cfg`` on ``world_size`` ranks (dp derived when not given), refusing
         (:class:`LayoutError`) what cannot run. Pure: no communication."""
-        from mpirt.grid import check_layout, resolve_dp
-        from mpirt.parallel.schedules import check_shape
+        from mpirt.parallel.grid import check_layout, resolve_dp
+        from mpirt.parallel.pipeline.schedules import check_shape
 
         try:
             dp = resolve_dp(world_size, cfg.dp, cfg.pp, cfg.tp)
@@ -111,7 +111,7 @@ class Layout(Mapping):
     def check_model(self, cfg, model_cfg) -> None:
         """Refuse (:class:`LayoutError`) a model this layout cannot hold: fewer blocks than
         pipeline stages, sizes tp does not divide (:func:`mpirt.parallel.tensor.check_model_tp`)."""
-        from mpirt.parallel.tensor.layout import check_model_tp
+        from mpirt.parallel.tensor.axis import check_model_tp
 
         if self.pp > 1 and model_cfg.n_layer < self.stages:
             raise LayoutError(f"pp: n_layer={model_cfg.n_layer} cannot fill pp x chunks = {self.stages} pipeline "
@@ -145,7 +145,7 @@ class Layout(Mapping):
 
     @property
     def pipeline_schedule(self):
-        """The built pipeline schedule (:mod:`mpirt.parallel.schedules`), None without pp."""
+        """The built pipeline schedule (:mod:`mpirt.parallel.pipeline.schedules`), None without pp."""
         return _schedule(self.schedule, self.pp, self.microbatches, self.chunks) if self.pp > 1 else None
 
     @property
@@ -155,7 +155,7 @@ class Layout(Mapping):
 
     def position(self, rank: int) -> dict:
         """``{"dp", "pp", "tp"}`` coordinates of world rank ``rank`` (tp innermost, as
-        :class:`mpirt.grid.Grid`)."""
+        :class:`mpirt.parallel.grid.Grid`)."""
         return {"dp": rank // (self.pp * self.tp), "pp": rank // self.tp % self.pp, "tp": rank % self.tp}
 
     def stage_rank(self, rank: int) -> int:

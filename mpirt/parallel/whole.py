@@ -1,6 +1,6 @@
 """The local part without a pipeline: the whole model on this rank (tensor parallel by its plan).
 
-:class:`WholeModel` presents the interface :class:`mpirt.parallel.pipeline.PipelineStage`
+:class:`WholeModel` presents the interface :class:`mpirt.parallel.pipeline.stage.PipelineStage`
 presents, so the engine holds either without asking which (:class:`mpirt.parallel.engine.Engine`):
 
     local.model, local.blocks           # the Module and its blocks by layer index (recomputation)
@@ -22,17 +22,17 @@ from __future__ import annotations
 import contextlib
 import time
 
-import mpirt.backend as B
-from mpirt.data import split_microbatches
-from mpirt.modeling import build_model
-from mpirt.nn import dropout_modules, place_dropouts
+import mpirt.core.backend as B
+from mpirt.data.tokens import split_microbatches
+from mpirt.core.modeling import build_model
+from mpirt.core.nn import dropout_modules, place_dropouts
 from mpirt.parallel import tensor as TP
-from mpirt.tensor import no_grad
+from mpirt.core.tensor import no_grad
 
 
 def seeded_init(seed: int, axis_sizes: dict, axis_ranks: dict):
     """``init(p, out=None)``: parameter ``p``'s slice of its seeded initial tensor
-    (:meth:`mpirt.nn.Parameter.init_slice`), written into ``out`` when given (a device array
+    (:meth:`mpirt.core.nn.Parameter.init_slice`), written into ``out`` when given (a device array
     through one host slice)."""
     def init(p, out=None):
         if out is not None and B.is_device_array(out):

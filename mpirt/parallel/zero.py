@@ -4,8 +4,8 @@ The parameters are laid out as flat vectors ("groups", :class:`mpirt.parallel.fl
 each group is cut into ``dp`` contiguous chunks and dp rank ``r`` owns chunk ``r`` of every group. The
 owned chunks, concatenated, form this rank's *shard*: its AdamW state (``exp_avg``,
 ``exp_avg_sq``) and, from stage 2, its gradients, and at stage 3 its parameters, are flat arrays
-over the shard, and the update is one :func:`mpirt.optim.adamw_update` call over it (the same
-math as :class:`mpirt.optim.AdamW`; weight decay is applied first, element-wise, on the runs of
+over the shard, and the update is one :func:`mpirt.core.optim.adamw_update` call over it (the same
+math as :class:`mpirt.core.optim.AdamW`; weight decay is applied first, element-wise, on the runs of
 the shard that belong to decayed parameters, exactly as AdamW applies it per parameter).
 
 * Stage 1: one group, all parameters, kept in the parameter store
@@ -26,7 +26,7 @@ the shard that belong to decayed parameters, exactly as AdamW applies it per par
   staging buffer, the held gradients and the shard. Without it the full gradient lives between
   :meth:`zero_grad` and :meth:`step`. Persistent: 4N + (4 + 8)N/dp.
 * Stage 3: the parameters themselves are sharded. Groups follow the model's *units*: for a model
-  with the ``embed`` / ``h`` / ``head`` interface of :mod:`mpirt.modeling` the units are ``embed``, each
+  with the ``embed`` / ``h`` / ``head`` interface of :mod:`mpirt.core.modeling` the units are ``embed``, each
   block and ``head``, and a group is the set of parameters used by the same units (so GPT's tied
   ``wte`` is its own group, gathered by both ``embed`` and ``head``). Each unit's call gathers
   its groups, runs and frees them; its backward gathers them again, recomputes the unit (stage 3
@@ -34,7 +34,7 @@ the shard that belong to decayed parameters, exactly as AdamW applies it per par
   (:mod:`mpirt.parallel.zero3`).
   Outside a unit ``p.data`` is an empty placeholder. Persistent: 16N/dp.
 
-Mixed precision (:mod:`mpirt.precision`): with half parameters the shard also holds a float32
+Mixed precision (:mod:`mpirt.core.precision`): with half parameters the shard also holds a float32
 master (``master_shard``) and the moments are float32, so the optimizer state is 12 bytes per
 parameter over dp (bf16 ZeRO-1: 2 + 2 + 12/dp per parameter). The update runs on the master with
 the gradient shard converted to float32 (times ``grad_scale``), then the half shard is rounded
@@ -49,15 +49,15 @@ from __future__ import annotations
 
 import contextlib
 
-import mpirt.backend as B
-from mpirt.nn import Module, stand_ins
-from mpirt.optim import adamw_update
-from mpirt.precision import compute_dtype, is_half
-from mpirt.parallel.data import broadcast_parameters
+import mpirt.core.backend as B
+from mpirt.core.nn import Module, stand_ins
+from mpirt.core.optim import adamw_update
+from mpirt.core.precision import compute_dtype, is_half
+from mpirt.parallel.ddp import broadcast_parameters
 from mpirt.comm import chunk_bounds
 from mpirt.parallel.flat import FlatLayout, FlatParams, allreduce_runs, clip_flat, is_partial, sum_squares
 from mpirt.parallel.zero3 import plan_units
-from mpirt.tensor import Tensor
+from mpirt.core.tensor import Tensor
 
 
 PIECE_BYTES = 16 << 20  # the update and stage 1's allreduce run over pieces of the shard this large
@@ -85,7 +85,7 @@ class ZeroOptimizer:
     ``model_or_params``: a Module (required for stage 3), a list of Parameters, or (stages 1-2)
     the :class:`~mpirt.parallel.flat.FlatParams` store that holds them (a pipeline stage's).
     ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``decay`` (predicate: which parameters are
-    decayed; default ``ndim >= 2``) as :class:`mpirt.optim.AdamW`. ``units`` (stage 3 only): a
+    decayed; default ``ndim >= 2``) as :class:`mpirt.core.optim.AdamW`. ``units`` (stage 3 only): a
     list of ``(object, method_name)`` whose calls gather parameters; the default is the model's
     ``embed``, each of ``h`` and ``head``; ``probe_len``: the sequence length their one-time
     parameter discovery runs at (sequence parallelism needs a multiple of tp).
@@ -94,7 +94,7 @@ class ZeroOptimizer:
     ``norm_comms`` are the other axes over which ranks hold different parameters (tp, pp); the
     dp group is then the ranks of one (pp, tp) coordinate. Parameters are broadcast from dp rank
     0 at construction, except lazy ones (no array yet): ``init(p, out=None)`` gives their value
-    on every rank alike (e.g. :meth:`mpirt.nn.Parameter.init_slice`); at stage 3 one parameter is
+    on every rank alike (e.g. :meth:`mpirt.core.nn.Parameter.init_slice`); at stage 3 one parameter is
     generated at a time and the rank keeps its chunk, so the model is never held whole.
     ``stream_grads`` (stage 2): reduce the gradients bucket by bucket (``bucket_bytes``) while
     each micro-batch's backward runs, never holding them whole; ``held``: parameters whose
@@ -274,7 +274,7 @@ class ZeroOptimizer:
             self.store.release_grads()
 
     def clip_grad_norm(self, max_norm: float | None) -> float:
-        """Clip the (dp-averaged) gradient by its global L2 norm, as :func:`mpirt.optim.clip_grad_norm`:
+        """Clip the (dp-averaged) gradient by its global L2 norm, as :func:`mpirt.core.optim.clip_grad_norm`:
         scale by ``max_norm / (norm + 1e-6)`` when the norm exceeds ``max_norm`` (None: only the
         norm). The norm sums this rank's counted elements of its shard over dp and ``norm_comms``.
         Returns the norm before clipping."""
@@ -328,7 +328,7 @@ class ZeroOptimizer:
     _HYPER = ("beta1", "beta2", "eps", "weight_decay")
 
     def state_dict(self) -> dict:
-        """The state in :meth:`mpirt.optim.AdamW.state_dict`'s format, whatever the stage and dp size:
+        """The state in :meth:`mpirt.core.optim.AdamW.state_dict`'s format, whatever the stage and dp size:
         ``{"type": "AdamW", "step", "lr", "beta1", "beta2", "eps", "weight_decay",
         "<param name>.exp_avg", "<param name>.exp_avg_sq"}`` with full host arrays of each parameter's
         global shape, gathered from the shards. Collective over the dp comm: every rank must call
@@ -393,7 +393,7 @@ class ZeroOptimizer:
     def full_parameters(self):
         """Context: inside, every ``p.data`` is the full parameter (the full float32 master under
         mixed precision), so ``model.state_dict()``, ``model.load_state_dict()``,
-        :func:`mpirt.checkpoint.save_checkpoint` and :func:`~mpirt.checkpoint.load_checkpoint` work
+        :func:`mpirt.checkpoint.store.save_checkpoint` and :func:`~mpirt.checkpoint.store.load_checkpoint` work
         as without ZeRO. On exit the values in ``p.data`` (written in place, or rebound to an array
         of the same shape) become the parameters: stage 3 keeps this rank's chunk and releases the
         full arrays, stages 1-2 copy a rebound ``p.data`` back into the flat parameter vector, and

@@ -16,9 +16,9 @@ import contextlib
 
 import numpy as np
 
-import mpirt.backend as B
-from mpirt.nn import dropout_modules, dropout_states, graph_parameters, restore_dropout_states
-from mpirt.tensor import Function, Tensor, enable_grad, no_grad
+import mpirt.core.backend as B
+from mpirt.core.nn import dropout_modules, dropout_states, graph_parameters, restore_dropout_states
+from mpirt.core.tensor import Function, Tensor, enable_grad, no_grad
 
 
 def plan_units(opt, units, probe_len: int = 1):

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from mpirt.memory import format_size, parse_size
+from mpirt.plan.memory import format_size, parse_size
 from mpirt.plan import hardware
 from mpirt.plan.search import describe, plan, table, tp_options
 
@@ -56,7 +56,7 @@ def run(a) -> int:
               f"ew passes {cluster.ew_passes:.1f}, second thread +{100 * cluster.threads_per_core:.0f}%; "
               f"MPI at {sorted(cluster.collectives)} ranks; saved to {path}")
         return 0
-    from mpirt.modeling import load_model_config
+    from mpirt.core.modeling import load_model_config
 
     overrides = {}
     for item in a.model_override:

@@ -2,7 +2,7 @@
 
 Measured in this process (one BLAS thread, then the node's cores):
 
-- GEMM rate of :func:`mpirt.threads.matmul` on layer-shaped products (512 rows, ``d x 4d``:
+- GEMM rate of :func:`mpirt.cpu.threads.matmul` on layer-shaped products (512 rows, ``d x 4d``:
   forward, input and weight gradients) for ``d`` from 32 to 512 (``gemm_rates``, per core; the
   model interpolates in log d: small-matrix rates do not follow one curve, cache sizes show);
   a second thread's speed-up at ``d = 256`` (``threads_per_core``);
@@ -53,8 +53,8 @@ def _timeit(fn, seconds: float = 0.2, min_reps: int = 3, stat=min) -> float:
 
 
 def _set_threads(n: int) -> None:
-    from mpirt import threads
-    from mpirt.threads import set_blas_threads
+    from mpirt.cpu import threads
+    from mpirt.cpu.threads import set_blas_threads
 
     try:
         set_blas_threads(n)
@@ -64,8 +64,8 @@ def _set_threads(n: int) -> None:
 
 
 def _products_rate(d: int) -> float:
-    from mpirt import threads
-    from mpirt.flops import layer_products
+    from mpirt.cpu import threads
+    from mpirt.monitor.flops import layer_products
 
     prods = layer_products(d, 4 * d, 512, "float32")
     flops = sum(2.0 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in prods)
@@ -79,11 +79,11 @@ def measure_compute(calib_model: str = "tiny", dims=(32, 64, 128, 256, 512)) -> 
     (a block's forward + backward less its GEMMs and Functions, in kept bytes at that bandwidth)
     and AdamW's step (``opt_tensor_s`` per parameter tensor, ``opt_byte_s`` per parameter byte,
     from the calibration model at two widths)."""
-    from mpirt import modeling
-    from mpirt.modeling import activation_bytes, layer_costs
-    from mpirt.optim import AdamW
+    from mpirt.core import modeling
+    from mpirt.core.modeling import activation_bytes, layer_costs
+    from mpirt.core.optim import AdamW
     from mpirt.plan.work import ops_per_block
-    from mpirt.tensor import Tensor
+    from mpirt.core.tensor import Tensor
 
     rates = {float(d): _products_rate(d) for d in dims}
     a, b, c = (np.random.default_rng(0).random(4 * 2**20, dtype=np.float32) for _ in range(3))
@@ -127,8 +127,8 @@ def measure_compute(calib_model: str = "tiny", dims=(32, 64, 128, 256, 512)) -> 
 def measure_block(calib_model: str = "tiny") -> float:
     """Median seconds of one block's forward + backward at 4 x 128 tokens on this rank (under
     ``mpiexec -n N`` every rank at once: what sharing the cores costs each of them)."""
-    from mpirt import modeling
-    from mpirt.tensor import Tensor
+    from mpirt.core import modeling
+    from mpirt.core.tensor import Tensor
 
     cfg = modeling.load_model_config(calib_model)
     block = modeling.block_class(cfg)(cfg, "float32").initialize(0)
@@ -238,16 +238,16 @@ def measure_mpi(ranks: list[int], launcher: str = "mpiexec") -> dict:
 def measure_process_bytes(launcher: str = "mpiexec") -> dict:
     """The process baseline: a 2-rank data-parallel run of a one-block, 32-wide GPT for 3 steps
     (its model, activations and checkpoint are a few MiB); the baseline is
-    :data:`mpirt.memory.PROCESS_BYTES` plus rank 1's measured peak memory owned
-    (:func:`mpirt.stepstats.owned_bytes`) less :func:`mpirt.memory.predict` (rank 0's writer is
-    :data:`mpirt.memory.WRITER_BYTES`, added by :func:`mpirt.memory.planned_baseline`)."""
+    :data:`mpirt.plan.memory.PROCESS_BYTES` plus rank 1's measured peak memory owned
+    (:func:`mpirt.monitor.steps.owned_bytes`) less :func:`mpirt.plan.memory.predict` (rank 0's writer is
+    :data:`mpirt.plan.memory.WRITER_BYTES`, added by :func:`mpirt.plan.memory.planned_baseline`)."""
     import dataclasses
     import tempfile
     from pathlib import Path
 
-    from mpirt import memory
-    from mpirt.config import TrainConfig
-    from mpirt.modeling import load_model_config
+    from mpirt.plan import memory
+    from mpirt.run.config import TrainConfig
+    from mpirt.core.modeling import load_model_config
 
     over = {"n_layer": 1, "n_embd": 32, "n_head": 2}
     with tempfile.TemporaryDirectory(prefix="mpirt_calib_") as tmp:

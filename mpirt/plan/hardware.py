@@ -57,7 +57,7 @@ class Cluster:
     opt_tensor_s: float = 0.0           # calibrated AdamW step: per parameter tensor
     opt_byte_s: float = 0.0             # and per parameter byte (0: ~12 passes at the bandwidth)
     checkpoint_gather: bool = False     # memory: the end of a run gathers the full state (older checkpoints)
-    process_bytes: float = 0.0          # a rank's process baseline (0: mpirt.memory.PROCESS_BYTES); calibrated
+    process_bytes: float = 0.0          # a rank's process baseline (0: mpirt.plan.memory.PROCESS_BYTES); calibrated
     source: str = "data sheet"
     notes: str = ""
     runtime: str = ""                   # calibrated: the mpirt it measured (runtime_fingerprint)
@@ -88,7 +88,7 @@ class Cluster:
 
 
 GiB = 2**30
-# Data-sheet figures (SXM boards; dense bf16 peaks as in mpirt.flops.GPU_PEAKS). The links: NVLink per
+# Data-sheet figures (SXM boards; dense bf16 peaks as in mpirt.monitor.flops.GPU_PEAKS). The links: NVLink per
 # GPU one direction (A100 300 GB/s, H100/H200 450 GB/s), one InfiniBand NIC per GPU (A100: HDR 200 Gb/s,
 # H100/H200: NDR 400 Gb/s). Efficiencies are assumptions: large bf16 GEMMs reach ~75% of the A100's
 # peak and ~65% of the H100's (cuBLAS, published measurements), NCCL rings ~80% of link bandwidth.

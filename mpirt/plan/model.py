@@ -13,7 +13,7 @@
   group fits in a node, else the inter-node ones. A calibrated CPU preset uses the (alpha, beta)
   measured for that op at that world and group size instead.
 - **Pipeline**: the schedule's own action lists (``schedules.build``) run by
-  ``schedule_check.simulate`` with each action's predicted time and each message's p2p time: the
+  ``pipeline.check.simulate`` with each action's predicted time and each message's p2p time: the
   makespan and each rank's idle time (the bubble) come from the lists the executor runs.
 - **Data parallel**: the gradient allreduce (ZeRO-1: allreduce + parameter allgather; ZeRO-2:
   reduce-scatter + allgather; ZeRO-3: per unit an allgather forward and backward and a
@@ -23,8 +23,8 @@
   and per byte as calibrated (else ~12 array passes of 4 bytes).
 - A calibrated CPU preset holds, per rank count N, how much slower a block runs on each of N
   concurrent ranks than on one alone (``compute_by_ranks``): that replaces ``cores / N`` at that N.
-- **Memory**: :func:`mpirt.memory.predict` for rank 0 and the last stage's first rank (or all),
-  with the cluster's calibrated process baseline (:func:`mpirt.memory.planned_baseline`).
+- **Memory**: :func:`mpirt.plan.memory.predict` for rank 0 and the last stage's first rank (or all),
+  with the cluster's calibrated process baseline (:func:`mpirt.plan.memory.planned_baseline`).
 """
 from __future__ import annotations
 
@@ -133,14 +133,15 @@ def _spans_nodes(cluster: Cluster, axis: str, layout: dict) -> bool:
 
 
 def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks: str = "stages") -> Estimate:
-    """Predict one step of the layout ``cfg`` (a :class:`mpirt.config.TrainConfig`: dp, tp, pp,
+    """Predict one step of the layout ``cfg`` (a :class:`mpirt.run.config.TrainConfig`: dp, tp, pp,
     microbatches, schedule, chunks, zero, sequence_parallel, recompute, dtype, batch_size, seq_len,
     grad_accum) for ``model_cfg`` on ``cluster``. ``memory_ranks``: ``"stages"`` (rank 0 and the last
     stage's first rank: the most stashed micro-batches and the logits) or ``"all"``."""
-    from mpirt import memory, recompute
-    from mpirt.modeling import flops_per_token, layer_costs, num_parameters
-    from mpirt.parallel.partition import partition
-    from mpirt.parallel.schedule_check import simulate
+    from mpirt.plan import memory
+    from mpirt.core import recompute
+    from mpirt.core.modeling import flops_per_token, layer_costs, num_parameters
+    from mpirt.parallel.pipeline.partition import partition
+    from mpirt.parallel.pipeline.check import simulate
 
     layout = Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp})
     dp, pp, tp, world = layout.dp, layout.pp, layout.tp, layout.world_size

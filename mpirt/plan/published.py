@@ -57,7 +57,7 @@ FRONTIER = {
 
 
 def gpt_config(hidden: int, layers: int, heads: int, vocab: int = 51200, seq: int = 2048):
-    from mpirt.modeling import config_class
+    from mpirt.core.modeling import config_class
 
     return config_class("gpt2")(n_layer=layers, n_head=heads, n_embd=hidden, n_positions=seq, vocab_size=vocab)
 
@@ -68,15 +68,15 @@ def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int = 
 
 
 def zero_table(psi: float = 7.5e9, devices: int = 64) -> list[dict]:
-    """Per ZeRO stage: model states per device in GB (1e9) from :func:`mpirt.memory.predict` for
+    """Per ZeRO stage: model states per device in GB (1e9) from :func:`mpirt.plan.memory.predict` for
     the 7.5B GPT of :data:`MEGATRON` (bfloat16, AdamW) and from ``bytes_per_parameter`` at exactly
     ``psi`` parameters, against the paper. mpirt's ZeRO-2 also holds, while backward runs, its
     staging bucket and the gradients being filled (``transient_gb``), which the paper's
     steady-state figure leaves out."""
-    from mpirt import memory
-    from mpirt.modeling import num_parameters
+    from mpirt.plan import memory
+    from mpirt.core.modeling import num_parameters
     from mpirt.plan.search import base_config
-    from mpirt.precision import bytes_per_parameter
+    from mpirt.core.precision import bytes_per_parameter
 
     model_cfg = gpt_config(4096, 36, 32)
     n = num_parameters(model_cfg)
@@ -98,8 +98,8 @@ def bubble_table(p: int = 8, m: int = 32, chunks=(2, 4)) -> list[dict]:
     """Simulated bubble (idle over total, unit costs F = 1, B = 2, or F = B = W = 1 split) of the
     schedules' action lists against the textbook fractions, and against the papers' way of stating
     them (bubble over ideal time: ``(p-1)/m``, ``(p-1)/(v m)``; ZB-H1: a third of 1F1B's)."""
-    from mpirt.parallel.schedule_check import simulate, theoretical_bubble
-    from mpirt.parallel.schedules import build
+    from mpirt.parallel.pipeline.check import simulate, theoretical_bubble
+    from mpirt.parallel.pipeline.schedules import build
 
     rows = []
     for name, v in [("gpipe", 1), ("1f1b", 1)] + [("interleaved", c) for c in chunks] + [("zb-h1", 1)]:
@@ -159,8 +159,8 @@ def frontier_rows() -> list[dict]:
     pipeline stages, GPU process baseline left out), its categories, and one block's kept
     activation bytes in units of ``s b h`` beside Korthikanti et al.'s formula for tp + SP +
     selective recomputation, ``34 / t`` (GPT rows: their f = 4h, heads of q, k and v alike)."""
-    from mpirt import memory
-    from mpirt.modeling import activation_bytes, config_from_dict, num_parameters
+    from mpirt.plan import memory
+    from mpirt.core.modeling import activation_bytes, config_from_dict, num_parameters
     from mpirt.plan.search import base_config
 
     out = []

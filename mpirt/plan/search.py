@@ -21,7 +21,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def base_config(batch_size: int, seq_len: int, dtype: str):
-    from mpirt.config import TrainConfig
+    from mpirt.run.config import TrainConfig
 
     return dataclasses.replace(TrainConfig(), batch_size=batch_size, seq_len=seq_len, dtype=dtype)
 

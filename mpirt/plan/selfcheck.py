@@ -20,7 +20,7 @@ PARTS = ("forward", "backward", "weight_grad", "bubble", "grad_sync", "optimizer
 
 def this_machine(world: int) -> hardware.Cluster:
     """The cluster this process runs on, for ``world`` ranks on one node (see the module docstring)."""
-    import mpirt.backend as B
+    import mpirt.core.backend as B
 
     info = B.device_info() if B.name == "cupy" else None
     if info is not None:
@@ -46,7 +46,7 @@ def _err(pred: float, meas) -> dict:
 def self_check(cfg, model_cfg, layout: dict, measured: dict, data_bytes: int = 0, cluster=None) -> dict:
     """Predicted vs measured step time, its parts, the bubble and the peak memory for the run's
     layout (``layout``: the sizes ``{"dp", "pp", "tp"}``, or the :class:`~mpirt.parallel.layout.Layout`
-    :func:`mpirt.train.plan_layout` returns). Errors
+    :func:`mpirt.run.train.plan_layout` returns). Errors
     are ``100 (predicted - measured) / measured``. Never raises: a failure is reported in ``error``."""
     from mpirt.plan.model import estimate
 

@@ -39,8 +39,8 @@ class Work:
 
 @functools.lru_cache(maxsize=64)
 def _count(model_type: str, frozen: tuple) -> tuple[int, int]:
-    from mpirt import modeling
-    from mpirt.tensor import Tensor, graph_functions
+    from mpirt.core import modeling
+    from mpirt.core.tensor import Tensor, graph_functions
 
     cfg = modeling.config_from_dict(dict(frozen))
     block = modeling.block_class(cfg)(cfg, "float32").initialize(0)
@@ -89,7 +89,7 @@ def layer_work(model_cfg, costs: list, *, rows: int, seq_len: int, tp: int, sp: 
     allreduces of ``b s h`` forward and two backward (sequence parallel: allgather + reduce-scatter
     pairs), the embedding one allreduce forward, the head's input gradient one backward.
     """
-    from mpirt.modeling import activation_bytes
+    from mpirt.core.modeling import activation_bytes
 
     e = itemsize
     acts = activation_bytes(model_cfg, batch=rows, seq_len=seq_len, tp=tp, sequence_parallel=sp, itemsize=e)

@@ -31,7 +31,7 @@ def run(*cmd, timeout=60, check=True, **kw) -> str:
 
 @pytest.fixture(scope="session")
 def data() -> Path:
-    from mpirt.data import prepare
+    from mpirt.data.tokens import prepare
 
     out = WORK / "data"
     prepare(ROOT / "mpirt", out, pattern="*.py", val_fraction=0.2)

@@ -40,24 +40,24 @@ over ranks (one allreduce of a (2, N) array). The gradient ``softmax - onehot`` 
 
 A model opts in with a *plan* (``model.tp_plan``; see :data:`KINDS` and ``mpirt.models.gpt``), and
 :func:`parallelize` swaps its modules for the parallel ones and gives every parameter its
-:class:`~mpirt.nn.ShardSpec` and its slice. The tp Comm is always passed explicitly.
+:class:`~mpirt.core.nn.ShardSpec` and its slice. The tp Comm is always passed explicitly.
 
-The package, one module per concern: :mod:`.layout` (the tp axis, divisibility, vocabulary
-padding), :mod:`.comm` (``f``/``g`` and the sequence Functions), :mod:`.layers` (parallel modules
+The package, one module per concern: :mod:`.axis` (the tp axis, divisibility, vocabulary
+padding), :mod:`.mappings` (``f``/``g`` and the sequence Functions), :mod:`.layers` (parallel modules
 and their fused Functions), :mod:`.loss` (vocabulary-parallel head and cross-entropy),
-:mod:`.plan` (:func:`parallelize`, :func:`reseed_dropouts`), :mod:`.state` (shards and state dicts). Activation bytes: the model's formula
-(:func:`mpirt.modeling.activation_bytes`) and :func:`mpirt.memory.kept_bytes`.
+:mod:`.parallelize` (:func:`parallelize`, :func:`reseed_dropouts`), :mod:`.slices` (shards and state dicts). Activation bytes: the model's formula
+(:func:`mpirt.core.modeling.activation_bytes`) and :func:`mpirt.plan.memory.kept_bytes`.
 """
 from __future__ import annotations
 
-from .comm import (CopyToTP, GatherFromSeq, GatherLastDim, ReduceFromTP, ReduceScatterToSeq, ScatterToSeq,
+from .mappings import (CopyToTP, GatherFromSeq, GatherLastDim, ReduceFromTP, ReduceScatterToSeq, ScatterToSeq,
                    copy_to_tp, gather_last_dim, gather_seq, reduce_from_tp, reduce_scatter_seq, scatter_seq)
 from .layers import (ColumnParallelLinear, RowParallelLinear, SeqParallelLinear, SequenceParallelEmbedding,
                      VocabEmbedding, VocabParallelEmbedding)
-from .layout import AXIS, PaddedParameter, check_model_tp, check_tp_layout, pad_rows, pad_vocab
+from .axis import AXIS, PaddedParameter, check_model_tp, check_tp_layout, pad_rows, pad_vocab
 from .loss import VocabParallelCrossEntropy, VocabParallelHead, VocabParallelLoss, vocab_parallel_cross_entropy
-from .plan import KINDS, parallelize, reseed_dropouts
-from .state import gather_param, shard_param, shard_state_dict
+from .parallelize import KINDS, parallelize, reseed_dropouts
+from .slices import gather_param, shard_param, shard_state_dict
 
 __all__ = [
     "AXIS", "KINDS",

@@ -3,21 +3,21 @@ embeddings) and the fused Functions with weights they run on. A model's MLP and 
 tensor parallel through its plan (:func:`mpirt.parallel.tensor.parallelize`), which swaps these in."""
 from __future__ import annotations
 
-import mpirt.backend as B
-from mpirt import ops
-from mpirt.nn import Module, ShardSpec
-from mpirt.tensor import Function, Tensor
-from mpirt.threads import matmul
+import mpirt.core.backend as B
+from mpirt.core import ops
+from mpirt.core.nn import Module, ShardSpec
+from mpirt.core.tensor import Function, Tensor
+from mpirt.cpu.threads import matmul
 
 try:  # sparse row gradient (added to the table's grad in place) when the runtime has it
-    from mpirt.ops.nn import RowGrad as _RowGrad
+    from mpirt.core.ops.fused import RowGrad as _RowGrad
 except ImportError:  # pragma: no cover
     _RowGrad = None
-from mpirt.ops.nn import scatter_add_rows
+from mpirt.core.ops.fused import scatter_add_rows
 
-from .comm import (_gather_dim, _reduce_scatter_dim, _split_dim, copy_to_tp, gather_last_dim, reduce_from_tp,
+from .mappings import (_gather_dim, _reduce_scatter_dim, _split_dim, copy_to_tp, gather_last_dim, reduce_from_tp,
                    reduce_scatter_seq)
-from .layout import AXIS, PaddedParameter, _local_param, pad_vocab
+from .axis import AXIS, PaddedParameter, _local_param, pad_vocab
 
 
 # =============================================================================================

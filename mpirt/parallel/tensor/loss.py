@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 
-import mpirt.backend as B
-from mpirt import ops
-from mpirt.ops.nn import check_targets
-from mpirt.precision import float32_compute
-from mpirt.tensor import Function, Tensor
+import mpirt.core.backend as B
+from mpirt.core import ops
+from mpirt.core.ops.fused import check_targets
+from mpirt.core.precision import float32_compute
+from mpirt.core.tensor import Function, Tensor
 
-from .comm import copy_to_tp
+from .mappings import copy_to_tp
 from .layers import SeqParallelLinear
 
 

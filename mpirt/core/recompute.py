@@ -1,0 +1,152 @@
+"""Activation recomputation: keep a unit's inputs, drop its activations, rerun it in backward.
+
+:func:`checkpoint` runs a callable (a transformer block, or only its attention core) without
+recording a graph and keeps just its Tensor arguments. When the backward reaches it, the callable
+runs again with a graph, the gradient flows through that graph, and the gradients of the
+arguments and of the declared parameters go back to the enclosing backward (the inner pass sums
+leaf gradients into a dict, ``Tensor.backward(leaf_grads=...)``, so gradient hooks, e.g. data
+parallelism's bucket allreduces, fire once, from the enclosing pass, as without recomputation).
+
+What stays equal to the run without recomputation:
+
+- randomness: every mask mpirt draws is a pure function of a Dropout module's state (seed, its
+  place in the step and batch, or its call count: :meth:`mpirt.core.nn.Dropout.state`); the unit's
+  Dropout modules are set back to their forward state for the rerun and forward again after it,
+  so the rerun draws the forward's masks (also when other micro-batches ran in between);
+- deferred weight gradients (zero-bubble's B/W split): the checkpoint declares the parameters as
+  weight inputs; its input-gradient pass reruns the unit and back-propagates with the unit's own
+  weight passes deferred, its weight-gradient pass runs them;
+- collectives inside the unit (tensor/sequence parallelism) run again in the rerun, on every tp
+  rank at the same point of the backward.
+
+:func:`apply` installs it on a model's blocks: ``full`` checkpoints each chosen block (kept: the
+block's input), ``selective`` only the attention core the model names
+(:attr:`mpirt.core.modeling.CausalLM.attention_core`: scores, softmax, dropout on the probabilities
+and their product with v, rerun from the saved q/k/v), after Korthikanti et al. 2022.
+"""
+from __future__ import annotations
+
+from mpirt.core.nn import Module, dropout_modules, dropout_states, restore_dropout_states
+from mpirt.core.tensor import Function, Tensor, enable_grad, is_grad_enabled, no_grad
+
+MODES = ("none", "selective", "full")
+
+
+class _Checkpoint(Function):
+    """``call(*args)`` run without a graph; rerun with one in backward (see the module docstring)."""
+
+    def forward(self, *arrays, call, n_args, tensor_args, dropouts):
+        self.call, self.tensor_args = call, tensor_args
+        self.args = arrays[:n_args]  # the only activations kept: the rerun's inputs
+        self.weight_inputs = tuple(range(n_args, len(arrays)))
+        self.dropouts = dropout_states(dropouts)
+        with no_grad():
+            out = call(*[Tensor(a) if t else a for a, t in zip(self.args, tensor_args)])
+        if not isinstance(out, Tensor):
+            raise TypeError(f"recompute: the checkpointed unit must return one Tensor, got {type(out).__name__}")
+        return out.data
+
+    def backward(self, grad):
+        n = len(self.args)
+        return self.backward_input(grad)[:n] + self.backward_weight(grad)[n:]
+
+    def backward_input(self, grad):
+        n = len(self.args)
+        ins = [Tensor(a, requires_grad=need) if t else a
+               for a, t, need in zip(self.args, self.tensor_args, self.needs_input_grad)]
+        after = dropout_states(m for m, _ in self.dropouts)
+        restore_dropout_states(self.dropouts)  # replay the forward's masks
+        try:
+            with enable_grad():
+                out = self.call(*ins)
+        finally:
+            restore_dropout_states(after)
+        self.grads: dict = {}
+        self.weight_pass = out.backward(grad, defer_weight_grad=True, leaf_grads=self.grads)
+        self.ins = ins
+        return tuple(self.grads.pop(id(x), None) if isinstance(x, Tensor) else None for x in ins) + \
+            (None,) * (len(self.inputs) - n)
+
+    def backward_weight(self, grad):
+        self.weight_pass.run()
+        params = self.inputs[len(self.args):]
+        out = tuple(self.grads.pop(id(p), None) for p in params)
+        if self.grads:
+            raise RuntimeError(f"recompute: the unit {getattr(self.call, '__qualname__', self.call)} used "
+                               f"{len(self.grads)} trainable tensor(s) that are neither its arguments nor its "
+                               "declared parameters; their gradients would be lost")
+        return (None,) * len(self.args) + out
+
+
+def checkpoint(call, *args, params=(), dropouts=()):
+    """``call(*args)`` whose activations are recomputed in backward instead of kept.
+
+    ``args``: the unit's inputs (Tensors, or constants); ``params``: every trainable leaf the unit
+    uses that is not an argument (a block's parameters); ``dropouts``: the Dropout modules it may
+    call (their counters are replayed). Without a graph being recorded (``no_grad``), it is
+    ``call(*args)``.
+    """
+    if not is_grad_enabled():
+        return call(*args)
+    return _Checkpoint.apply(*args, *params, call=call, n_args=len(args),
+                             tensor_args=tuple(isinstance(a, Tensor) for a in args), dropouts=tuple(dropouts))
+
+
+def parse_layers(text: str) -> set[int] | None:
+    """``recompute_layers``: ``""`` -> None (every block), else comma-separated block indices and
+    inclusive ranges, ``"0-3,8"`` -> {0, 1, 2, 3, 8}. ValueError names a bad item."""
+    if not text.strip():
+        return None
+    out: set[int] = set()
+    for item in text.split(","):
+        lo, sep, hi = item.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"cannot read {item.strip()!r} as a block index or a range like 2-5") from None
+        if a < 0 or b < a:
+            raise ValueError(f"{item.strip()!r} is not an index >= 0 or a range lo-hi with lo <= hi")
+        out.update(range(a, b + 1))
+    return out
+
+
+def chosen(n_layer: int, mode: str, layers: str) -> list[int]:
+    """The global block indices that recompute under ``mode`` and ``layers`` (see :func:`parse_layers`)."""
+    if mode == "none":
+        return []
+    picked = parse_layers(layers)
+    return [i for i in range(n_layer) if picked is None or i in picked]
+
+
+def _wrap(owner: Module, name: str, params: list, dropouts: list) -> None:
+    original = getattr(owner, name)
+
+    def call(*args):
+        return checkpoint(original, *args, params=params, dropouts=dropouts)
+
+    object.__setattr__(owner, name, call)
+
+
+def apply(blocks: dict, mode: str, layers: str, attention_core: str = "") -> list[int]:
+    """Install recomputation on ``blocks`` (global index -> block Module; a pipeline stage passes
+    its own): ``full`` checkpoints each chosen block's ``forward``, ``selective`` the method at the
+    dotted path ``attention_core`` inside it (e.g. ``attn.core``). Returns the indices changed."""
+    if mode not in MODES:
+        raise ValueError(f"recompute: expected one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "selective" and not attention_core:
+        raise ValueError("recompute: selective needs the model to name its attention core")
+    picked = parse_layers(layers)
+    done = []
+    for i, block in sorted(blocks.items()):
+        if mode == "none" or picked is not None and i not in picked:
+            continue
+        if mode == "full":
+            _wrap(block, "forward", block.parameters(), list(dropout_modules(block).values()))
+        else:
+            path, _, name = attention_core.rpartition(".")
+            owner = block
+            for part in filter(None, path.split(".")):
+                owner = getattr(owner, part)
+            _wrap(owner, name, [], list(dropout_modules(owner).values()))
+        done.append(i)
+    return done

@@ -1,0 +1,1 @@
+"""Token datasets: preparing, reading window by window, batching (tokens); ``python -m mpirt.data``."""

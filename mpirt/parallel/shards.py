@@ -1,0 +1,156 @@
+"""Layout-independent model and optimizer state for any parallel layout.
+
+Sharded checkpoints (:func:`save_shards` / :func:`load_shards`): each rank describes what it holds
+as boxes of the global tensors, from each parameter's ShardSpec and its tp coordinate (a blocked
+dimension, e.g. the fused qkv, gives one box per block) and, under ZeRO, from its flat segments
+(a segment of a flattened tp slice is a few boxes); loading asks the reader for exactly those
+boxes, each read straight into its place, so any layout loads what any other wrote, and no rank
+holds more than its own state (plus one box on a GPU, staged through the host). The same path
+initialises from a Hugging Face directory (``mpirt.models.hf.HFReader``).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+import mpirt.core.backend as B
+from mpirt.checkpoint.store import CheckpointError
+from mpirt.parallel import tensor as TP
+from mpirt.parallel.zero import ZeroOptimizer
+
+
+# --- sharded checkpoints: each rank writes and reads only its own boxes ------------------------
+def _runs(p, tp: int, rank: int) -> list[list[tuple]]:
+    """Per dimension, the ``(local offset, global offset, length)`` runs in which the tp rank's
+    slice of ``p`` sits in the global tensor (a blocked dimension has one run per block), cut to
+    the unpadded tensor (vocabulary padding is never saved)."""
+    logical = getattr(p, "logical_shape", p.global_shape)
+    out = []
+    for d, n in enumerate(p.global_shape):
+        idx = p.spec.dim_index(d, n, {TP.AXIS: tp}, {TP.AXIS: rank})
+        if isinstance(idx, slice):
+            runs = [(0, idx.start or 0, (n if idx.stop is None else idx.stop) - (idx.start or 0))]
+        else:
+            cuts = [0, *(np.flatnonzero(np.diff(idx) != 1) + 1).tolist(), len(idx)]
+            runs = [(a, int(idx[a]), b - a) for a, b in zip(cuts, cuts[1:])]
+        out.append([(lo, g, min(m, logical[d] - g)) for lo, g, m in runs if g < logical[d]])
+    return out
+
+
+def _flat_boxes(shape, lo: int, hi: int) -> list[tuple]:
+    """Boxes ``(start, shape)`` that cover the elements ``[lo, hi)`` of a C-ordered array of
+    ``shape``, in order; each is one contiguous run of the flat array."""
+    if lo >= hi:
+        return []
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,))]
+    row = math.prod(shape[1:])
+    (i, j), (k, m) = divmod(lo, row), divmod(hi, row)
+    if i == k:
+        return [((i, *s), (1, *n)) for s, n in _flat_boxes(shape[1:], j, m)]
+    out = []
+    if j:
+        out += [((i, *s), (1, *n)) for s, n in _flat_boxes(shape[1:], j, row)]
+        i += 1
+    if k > i:
+        out.append(((i,) + (0,) * (len(shape) - 1), (k - i, *shape[1:])))
+    if m:
+        out += [((k, *s), (1, *n)) for s, n in _flat_boxes(shape[1:], 0, m)]
+    return out
+
+
+def _boxes(p, tp: int, rank: int, array, lo: int | None = None):
+    """``(global start, shape, view)`` for every box of the global tensor held by ``array``: this
+    tp rank's slice of ``p`` (``lo`` None), or elements ``[lo, lo + array.size)`` of that slice,
+    flattened (a ZeRO segment). Each view is a writable view into ``array``."""
+    runs = _runs(p, tp, rank)
+    local = p.spec.local_shape(p.global_shape, {TP.AXIS: tp})
+    if lo is None:
+        parts = [((0,) * len(local), local, array)]
+    else:
+        parts = []
+        for start, shape in _flat_boxes(local, lo, lo + array.size):
+            off = int(np.ravel_multi_index(start, local)) - lo
+            parts.append((start, shape, array[off:off + math.prod(shape)].reshape(shape)))
+    for start, shape, view in parts:
+        per_dim = [[(g + a - lo_, b - a, a - s) for lo_, g, m in dim_runs
+                    for a, b in [(max(s, lo_), min(s + n, lo_ + m))] if a < b]
+                   for s, n, dim_runs in zip(start, shape, runs)]
+        for combo in itertools.product(*per_dim):
+            yield (tuple(c[0] for c in combo), tuple(c[1] for c in combo),
+                   view[tuple(slice(c[2], c[2] + c[1]) for c in combo)])
+
+
+def _tp(tp_comm) -> tuple[int, int]:
+    return (tp_comm.size, tp_comm.rank) if tp_comm is not None else (1, 0)
+
+
+def _arrays(model, optimizer, skip) -> list[tuple]:
+    """``(kind, name, param, array, lo)`` for everything this rank holds of the checkpoint: the
+    weights (float32 masters under mixed precision) and the optimizer state; ``lo`` is the ZeRO
+    segment's offset in the parameter's flattened tp slice (None: the whole slice)."""
+    out = []
+    params = {id(p): p for _, p in model.named_parameters()}
+    if isinstance(optimizer, ZeroOptimizer):
+        weights = optimizer.param_shard if optimizer.master_shard is None else optimizer.master_shard
+        for p, a, b, s in optimizer.owned_segments():
+            if p.name in skip:
+                continue
+            out.append(("params", p.name, p, weights[s:s + b - a], a))
+            out += [("optimizer_state", f"{p.name}.{k}", p, getattr(optimizer, k)[s:s + b - a], a)
+                    for k in optimizer.STATE_NAMES]
+        return out
+    for i, p in enumerate(optimizer.params):
+        if p.name in skip or id(p) not in params:
+            continue
+        master = optimizer.master[i]
+        out.append(("params", p.name, p, p.data if master is None else master, None))
+        out += [("optimizer_state", f"{p.name}.{k}", p, a, None) for k, a in optimizer.state[i].items()]
+    return out
+
+
+def save_shards(writer, model, optimizer, tp_comm=None, *, replica: bool = True, skip=()) -> None:
+    """Add this rank's boxes to a :class:`mpirt.checkpoint.sharded.ShardWriter`: its tp slices
+    (a parameter replicated over tp from tp rank 0 only), its ZeRO segments, and without ZeRO only
+    on the dp replica that writes (``replica``: dp rank 0). ``skip``: names another rank writes
+    (the tied embedding on the last pipeline stage). Local: no communication."""
+    tp, rank = _tp(tp_comm)
+    zero = isinstance(optimizer, ZeroOptimizer)
+    if not (zero or replica):
+        return
+    for kind, name, p, array, lo in _arrays(model, optimizer, skip):
+        if rank and TP.AXIS not in p.spec.dims:
+            continue
+        shape = getattr(p, "logical_shape", p.global_shape)
+        for start, _, view in _boxes(p, tp, rank, array, lo):
+            writer.add(kind, name, shape, p.spec.dims, start, view)
+
+
+def load_shards(reader, model, optimizer, tp_comm=None, *, with_optimizer: bool = True) -> None:
+    """Fill this rank's weights (and optimizer state and scalars, ``with_optimizer``) from a
+    :class:`mpirt.checkpoint.store.CheckpointReader` (or anything with its ``meta``, ``entry`` and
+    ``read(kind, name, start, shape, out=)``, such as ``mpirt.models.hf.HFReader``), reading only
+    the boxes this rank holds, whatever layout wrote them, each straight into its place (on NumPy no
+    box is held twice). Collective over dp under ZeRO (the parameters are refreshed from shards)."""
+    tp, rank = _tp(tp_comm)
+    if with_optimizer and reader.meta["optimizer"] is None:
+        raise CheckpointError(f"{reader.path}: the checkpoint holds no optimizer state")
+    for kind, name, p, array, lo in _arrays(model, optimizer, ()):
+        if kind == "optimizer_state" and not with_optimizer:
+            continue
+        reader.entry(kind, name, getattr(p, "logical_shape", p.global_shape))
+        for start, shape, view in _boxes(p, tp, rank, array, lo):
+            if isinstance(view, np.ndarray):  # read straight into the parameter or state
+                reader.read(kind, name, start, shape, out=view)
+            else:  # a device array: one box on the host, then copied over
+                view[...] = B.asarray(reader.read(kind, name, start, shape), dtype=view.dtype)
+    if with_optimizer:
+        optimizer.load_scalars(reader.meta["optimizer"]["scalars"])
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.refresh_parameters()
+    else:
+        for p, master in zip(optimizer.params, optimizer.master):
+            if master is not None:
+                p.data[...] = master  # rounded to nearest even

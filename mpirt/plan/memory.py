@@ -1,0 +1,342 @@
+"""Per-rank memory: sizes, what a graph keeps alive, and the peak predicted from the config."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+import mpirt.core.backend as B
+from mpirt.parallel.layout import Layout
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int | None:
+    """Bytes in ``'1.5GiB'``, ``'800MB'``, ``'512 MiB'``, ``'2e9'`` (KB/MB/GB decimal, KiB/MiB/GiB
+    binary, case-insensitive); ``''`` -> None (no budget). ValueError names the text."""
+    t = text.strip()
+    if not t:
+        return None
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)", t.lower())
+    if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 1.5GiB, 800MB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def format_size(n: float) -> str:
+    """``1610612736`` -> ``1.50 GiB``; ``3e6`` -> ``2.9 MiB``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} GiB" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def array_base(a):
+    """The array that owns ``a``'s memory (a view's base, followed to the end)."""
+    while getattr(a, "base", None) is not None:
+        a = a.base
+    return a
+
+
+def arrays_in(value):
+    """The NumPy/CuPy arrays in ``value``: itself, or inside (nested) tuples and lists."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from arrays_in(v)
+    elif isinstance(value, np.ndarray) or B.is_device_array(value):
+        yield value
+
+
+def kept_bytes(root) -> int:
+    """Bytes of the activations the graph behind the Tensor ``root`` keeps alive until backward:
+    arrays its Functions saved, the data of leaf Tensors that are inputs of one of them (an op's
+    output is held only as its producer, :class:`mpirt.core.tensor.Edge`) and ``root``'s own, each
+    buffer once; parameters are left out.
+    Call before backward: this is what a pipeline stash or a step's forward holds per micro-batch."""
+    from mpirt.core.nn import Parameter
+    from mpirt.core.tensor import Tensor, graph_functions
+
+    found: dict[int, int] = {}
+    params: set[int] = set()
+
+    def add(a):
+        base = array_base(a)
+        found[id(base)] = int(base.nbytes)
+
+    add(root.data)
+    for fn in graph_functions(root):
+        for key, value in vars(fn).items():
+            if key not in ("inputs", "needs_input_grad"):
+                for a in arrays_in(value):
+                    add(a)
+        for x in fn.inputs:
+            if isinstance(x, Parameter):
+                params.add(id(array_base(x.data)))
+            elif isinstance(x, Tensor) and x._ctx is None:
+                add(x.data)
+    return sum(n for k, n in found.items() if k not in params)
+
+
+# =============================================================================================
+# the prediction: a rank's peak from the config and layout, before anything is built
+# =============================================================================================
+# The process: Python, NumPy, mpi4py and MPI's shared-memory segments, mpirt's modules, BLAS set-up
+# and the monitor's start-up probes, as memory the rank owns (monitor.steps.owned_bytes: the file-backed
+# pages of the libraries' code, about 41 MiB here, are not counted). A run measures its own
+# (measured_baseline). What it adds after its pre-flight checks besides what predict models
+# (communicators and their segments, the watchdog thread, modules imported later, the monitor's
+# probes, the graph's Python objects) is LATE_BYTES: measured peak less predicted with the measured
+# baseline over the 14 layouts of tests/test_memory.py (24 ranks; GPT and Llama, pp 1-4, ZeRO 2/3,
+# recompute, half), 5.8 to 13.3 MiB, median 8.2, the same in the development install and a
+# minimal `.[mpich]` one within 1 MiB per layout (their start-up baselines differ).
+LATE_BYTES = int(8.2 * 2**20)
+# The planner has no process to measure: a start-up baseline here (35.8 MiB on ranks without
+# TensorBoard's writer) plus LATE_BYTES, rounded up; rank 0 holds its writer on top (WRITER_BYTES:
+# its measured baseline less the other ranks', 9.0 MiB in the development install).
+PROCESS_BYTES = 44 * 2**20
+WRITER_BYTES = 9 * 2**20
+CATEGORIES = ("baseline", "data", "parameters", "gradients", "optimizer_state", "activations", "communication",
+              "workspace")
+
+
+def measured_baseline() -> int:
+    """This rank's process baseline for :func:`predict`, measured: the memory it owns now
+    (:func:`mpirt.monitor.steps.owned_bytes`, before anything of the model is built; the heap's free
+    pages handed back first, so what start-up freed is not counted) plus :data:`LATE_BYTES`. It
+    follows the environment (which libraries the install loads, the MPI library's segments), which
+    a constant calibrated in one install cannot. Where the process cannot be read (no
+    ``/proc/self/status``): :data:`PROCESS_BYTES`."""
+    from mpirt.cpu.hostalloc import release_freed_memory
+    from mpirt.monitor.steps import owned_bytes
+    release_freed_memory()
+    owned = owned_bytes()
+    return owned + LATE_BYTES if owned else PROCESS_BYTES  # 0: no /proc/self/status to read
+
+
+def planned_baseline(rank: int, process_bytes: int | None = None) -> int:
+    """The baseline the planner gives world rank ``rank`` (no process to measure):
+    ``process_bytes`` (a calibrated one) or :data:`PROCESS_BYTES`, plus on rank 0
+    :data:`WRITER_BYTES` when the ``tensorboard`` package is installed (rank 0 writes its scalars)."""
+    import importlib.util
+    writer = rank == 0 and importlib.util.find_spec("tensorboard") is not None
+    return (process_bytes or PROCESS_BYTES) + (WRITER_BYTES if writer else 0)
+
+
+def peak_in_flight(schedule, rank: int, chunk_bytes: list, weight_bytes: list | None = None) -> int:
+    """Peak bytes of the micro-batches a pipeline rank holds for backward under ``schedule`` (its
+    action list: an F stashes ``chunk_bytes[chunk]`` until its B), as
+    :class:`mpirt.parallel.pipeline.executor.PipelineExecutor` holds them. When the backward is split,
+    a B leaves ``weight_bytes[chunk]`` (the weight passes' inputs and output gradients) until its
+    W; without ``weight_bytes`` the stash itself stays until W."""
+    live = peak = 0
+    split = schedule.split_backward
+    weight_bytes = weight_bytes if split and weight_bytes is not None else chunk_bytes
+    for a in schedule.actions[rank]:
+        if a.op == "F":
+            live += chunk_bytes[a.chunk]
+        elif a.op == "B":
+            live += weight_bytes[a.chunk] - chunk_bytes[a.chunk] if split else -chunk_bytes[a.chunk]
+        elif a.op == "W":
+            live -= weight_bytes[a.chunk]
+        peak = max(peak, live)
+    return peak
+
+
+def _kept(acts: dict, mode: str, recomputed: bool) -> int:
+    """One block's kept bytes under ``mode`` (``recomputed``: the block is among the chosen)."""
+    if not recomputed or mode == "none":
+        return acts["block"]
+    return acts["block"] - acts["core"] if mode == "selective" else acts["input"]
+
+
+def recompute_pays(cfg, model_cfg, layout: dict, rank: int) -> bool:
+    """Whether ``cfg.recompute`` lowers the predicted peak of the training step (the activations
+    kept plus the backward's transient, the rerun's included) on world rank ``rank``'s pipeline
+    stage; the same answer on every rank of a stage. A stage whose micro-batches go from F to B
+    one at a time (a zero-bubble schedule's last stage) or whose blocks keep little beyond what a
+    rerun makes again (selective without attention dropout: the core keeps only its
+    log-sum-exp) would only add the rerun's transient: the engine recomputes only where this says
+    it pays. Blocks named in ``recompute_layers`` always recompute (the user's choice), and
+    ZeRO-3 always reruns its units."""
+    if cfg.recompute == "none" or cfg.zero == 3 or cfg.recompute_layers:
+        return cfg.zero == 3 or cfg.recompute != "none"
+    first = Layout.of(cfg, layout).stage_rank(rank)
+    without = dataclasses.replace(cfg, recompute="none")
+    return _predict(cfg, model_cfg, layout, first)[1] < _predict(without, model_cfg, layout, first)[1]
+
+
+def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
+            checkpoint_gather: bool = False) -> dict:
+    """Predicted peak bytes of world rank ``rank`` by category (:data:`CATEGORIES`) plus ``"peak"``,
+    their sum, from the run's config alone (pure: nothing is built or communicated).
+
+    ``baseline``: the process (:data:`PROCESS_BYTES`); ``data``: ``data_bytes``, dataset bytes a
+    caller holds in memory (none for ``mpirt.train``: its token files are read window by window,
+    never mapped, :class:`mpirt.data.tokens.TokenFile`); ``parameters``, ``gradients``,
+    ``optimizer_state`` (AdamW's two moments): this rank's share under tp, its pipeline stage's
+    layers (the tied table on both end stages), ZeRO's sharding over dp (stage 2: the shard, the
+    buckets being reduced, the gradients in flight and a pipeline's tied embedding gradient); ``activations``: one micro-batch's kept bytes (the model's
+    ``activation_bytes_of`` under the recomputation setting; ZeRO-3 keeps only unit inputs) times the
+    pipeline schedule's peak in flight (a pipeline stash also holds the stage's received input and
+    its output); ``communication``: pipeline receive buffers, ZeRO-3's
+    gathered unit (parameters and gradient); ``workspace``: the larger transient of the backward's
+    gradient of the logits (plus one recomputed block, whole again) and, less the activations
+    (freed by then), what saving a checkpoint holds: every rank streams the boxes it owns (format 3),
+    one at a time, so at most the largest local tensor once and its finiteness mask. Split
+    (zero-bubble) schedules hold a micro-batch's weight-pass bytes from its B to its W. Rank 0's
+    writing (metrics, summary, TensorBoard) is in its baseline: its writer's modules are loaded
+    before a run measures it.
+
+    The options (defaults give the figures above): ``process_bytes`` replaces
+    :data:`PROCESS_BYTES` (a run's :func:`measured_baseline`, or the planner's calibrated baseline of
+    a machine's environment); ``checkpoint_gather=True`` models the older whole-state checkpoints instead (the
+    full state gathered on every rank without pp, on pp rank 0 with it).
+    """
+    if cfg.recompute != "none" and cfg.zero < 3 and not recompute_pays(cfg, model_cfg, layout, rank):
+        cfg = dataclasses.replace(cfg, recompute="none")  # what the engine runs on this stage
+    return _predict(cfg, model_cfg, layout, rank, data_bytes, process_bytes=process_bytes,
+                    checkpoint_gather=checkpoint_gather)[0]
+
+
+def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
+             checkpoint_gather: bool = False) -> dict:
+    """:func:`predict`'s categories with ``cfg.recompute`` applied as it is, and the step's
+    activation peak (kept activations plus the backward's transient)."""
+    from mpirt.core import recompute
+    from mpirt.core.precision import bytes_per_parameter, compute_dtype
+    from mpirt.core.modeling import activation_bytes, layer_costs, num_parameters
+    from mpirt.parallel.pipeline.partition import partition
+
+    lay = Layout.of(cfg, layout)
+    pos = lay.position(rank)
+    dp, pp, tp, sp, chunks, rows = lay.dp, lay.pp, lay.tp, lay.sequence_parallel, lay.chunks, lay.rows
+    e = np.dtype(cfg.dtype).itemsize  # activations, buffers and gradients travel in the compute/storage dtype
+    state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
+    costs = layer_costs(model_cfg, cfg.seq_len)
+    n_full = num_parameters(model_cfg)
+    acts = activation_bytes(model_cfg, batch=rows, seq_len=cfg.seq_len, tp=tp, sequence_parallel=sp, itemsize=e)
+    mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
+    picked = set(range(model_cfg.n_layer)) if cfg.zero == 3 else \
+        set(recompute.chosen(model_cfg.n_layer, mode, cfg.recompute_layers))
+
+    def stage_bytes(lo: int, hi: int, first: bool, last: bool, how: str = mode) -> int:
+        kept = sum(_kept(acts, how, i in picked) for i in range(lo, hi))
+        if pp > 1:  # a stash keeps the received input (unless a fully recomputed first block keeps
+            # it anyway) and the output it sent: a block input's bytes each
+            kept += acts["input"] * ((not first and not (how == "full" and lo in picked)) + (not last))
+        if cfg.zero == 3:  # embed and head are units too: the embedding output, the logits and loss
+            return kept + (acts["input"] if first else 0) + (acts["head"] - acts["input"] if last else 0)
+        return kept + (acts["embed"] if first else 0) + (acts["head"] if last else 0)
+
+    if pp == 1:
+        n_local = n_full / tp
+        activations = stage_bytes(0, model_cfg.n_layer, True, True)
+        held = range(model_cfg.n_layer)
+    else:
+        bounds = partition(costs, pp * chunks, None, "flops")
+        mine = [bounds[c * pp + pos["pp"]] for c in range(chunks)]
+        n_local = sum(costs[0].params * (c == 0 and pos["pp"] == 0) + costs[-1].params * (
+            c == chunks - 1 and pos["pp"] == pp - 1) + sum(costs[1 + i].params for i in range(lo, hi))
+            for c, (lo, hi) in enumerate(mine)) / tp
+        ends = [(c == 0 and pos["pp"] == 0, c == chunks - 1 and pos["pp"] == pp - 1) for c in range(chunks)]
+        per_chunk = [stage_bytes(lo, hi, *ends[c]) for c, (lo, hi) in enumerate(mine)]
+        # between B and W a chunk holds its weight passes' inputs and output gradients (recomputed
+        # or not: the rerun's B leaves the same) and the buffers it received them in
+        per_chunk_w = [(hi - lo) * acts["weight_pass"] + ends[c][0] * acts["embed_weight_pass"]
+                       + ends[c][1] * acts["head_weight_pass"]
+                       + acts["input"] * ((not ends[c][0]) + (not ends[c][1]))  # the received input and gradient
+                       for c, (lo, hi) in enumerate(mine)]
+        activations = peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w)
+        held = [i for lo, hi in mine for i in range(lo, hi)]
+    per_param = bytes_per_parameter(cfg.dtype, dp, cfg.zero)  # masters and moments in float32 for half
+    params, grads, optimizer = (n_local * per_param[k] for k in ("params", "grads", "optimizer"))
+    comm = 0.0
+    if cfg.zero == 3:
+        unit = max(c.params for c in costs) / tp  # the largest unit (its tp slice), gathered with its gradient
+        comm += 2 * unit * e
+    elif cfg.zero == 2:  # buckets reduced during backward: the staging buffer and the reduction's own
+        # (the parts bound for the other ranks), and the gradients being filled: a bucket that spans
+        # two parameters holds the first until the second is final (two weight matrices, each a
+        # third of a block)
+        from mpirt.parallel.zero import BUCKET_BYTES
+        bucket = min(BUCKET_BYTES, n_local * e)
+        grads += bucket * (2 - 1 / dp) + 2 * min(max(c.params for c in costs[1:-1]) / 3 / tp * e, n_local * e)
+        if pp > 1 and pos["pp"] in (0, pp - 1):  # the tied embedding's gradient, held for the step
+            grads += costs[0].params / tp * e
+    if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
+        comm += 2 * rows * (cfg.seq_len // (tp if sp else 1)) * model_cfg.n_embd * e
+    vocab = -(-model_cfg.vocab_size // tp) * tp
+    has_head = pp == 1 or pos["pp"] == pp - 1
+    logits = 2 * rows * cfg.seq_len * vocab / tp * e  # the logits' gradient and a temporary
+    # the gradients alive inside a block's backward; without a split schedule the stage with the
+    # head reaches its blocks after freeing what the head kept
+    block = max(0, acts["backward"] - (acts["head"] if has_head and not lay.split_backward else 0)) if held else 0
+    if state_e > e:  # half: fused ops widen to float32 in backward (mpirt.core.precision.float32_compute):
+        # the loss's float32 gradient beside its rounding, or the MLP activation's backward
+        logits = rows * cfg.seq_len * vocab / tp * (state_e + e)
+        block = max(block, acts["widened"] if held else 0)
+    backward = max(logits if has_head else 0, block)
+    if any(i in picked for i in held) and mode != "none":  # one rerun, alive while its backward runs
+        backward += acts["block"] if mode == "full" else acts["rerun"]
+    gathers_state = pp == 1 or pos["pp"] == 0
+    checkpoint = 3 * n_full * state_e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * tp * state_e
+    if not checkpoint_gather:  # format 3: boxes stream from the arrays, one at a time copied when not
+        # contiguous, after a finiteness mask (1 byte per element); the token table is the largest
+        checkpoint = max(costs[0].params, max(c.params for c in costs[1:-1]) / 4) / tp * (state_e + 1)
+    # the step's transient comes on top of the activations, the end of the run's after they are freed
+    workspace = max(backward, checkpoint - activations)
+    out = {"baseline": PROCESS_BYTES if process_bytes is None else process_bytes, "data": data_bytes, "parameters": params, "gradients": grads, "optimizer_state": optimizer,
+           "activations": activations, "communication": comm, "workspace": workspace}
+    out = {k: int(v) for k, v in out.items()}
+    out["peak"] = sum(out.values())
+    return out, activations + backward
+
+
+def describe_rank(layout, rank: int) -> str:
+    """``rank 3 (pp stage 1)``, ``rank 2 (dp 1, tp 0)``: where a rank sits, for messages."""
+    pos = Layout(**{a: layout[a] for a in ("dp", "pp", "tp")}).position(rank)
+    where = ", ".join(f"{'pp stage' if a == 'pp' else a} {pos[a]}" for a in ("dp", "pp", "tp") if layout[a] > 1)
+    return f"rank {rank}" + (f" ({where})" if where else "")
+
+
+def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int = 0,
+                 baselines: list[int] | None = None) -> list[dict]:
+    """Every rank's :func:`predict` (``baselines``: each rank's :func:`measured_baseline`, else
+    :data:`PROCESS_BYTES`); with ``cfg.memory_budget``, ValueError for the rank whose peak exceeds
+    it by the most, naming its largest term, the numbers and what would shrink it."""
+    preds = [predict(cfg, model_cfg, layout, r, data_bytes, process_bytes=baselines[r] if baselines else None)
+             for r in range(world_size)]
+    budget = parse_size(cfg.memory_budget)
+    if budget is None:
+        return preds
+    worst = max(range(world_size), key=lambda r: preds[r]["peak"])
+    p = preds[worst]
+    if p["peak"] <= budget:
+        return preds
+    term = max(CATEGORIES, key=lambda k: p[k])
+    zero_hint = {k: f"--zero {z} or a larger pp or tp" if cfg.zero < z and not (z == 3 and layout["pp"] > 1)
+                 else "a larger pp or tp" for k, z in (("optimizer_state", 1), ("gradients", 2), ("parameters", 3))}
+    hints = {**zero_hint,
+             "activations": "--recompute selective/full, a smaller --batch-size or more --microbatches",
+             "communication": "a larger pp or tp (smaller stages and units)",
+             "workspace": "a larger tp or pp (smaller logits and tensors)",
+             "baseline": "a larger budget: the process alone needs it",
+             "data": "a larger budget: the dataset bytes held in memory"}
+    raise ValueError(f"memory_budget: {describe_rank(layout, worst)}: predicted peak {format_size(p['peak'])} > "
+                     f"budget {format_size(budget)}; largest term {term.replace('_', ' ')} {format_size(p[term])} "
+                     f"({', '.join(f'{k.replace(chr(95), chr(32))} {format_size(p[k])}' for k in CATEGORIES)}); "
+                     f"try {hints[term]}")
+
+
+def over_budget_flag(peak: int, budget: int | None, rank: int) -> int:
+    """This rank's entry in the training loop's per-step max-reduction: 0 within ``budget``, else
+    the peak (KiB) and the rank packed into one int64, so the maximum over ranks names the
+    largest peak over the budget and its rank (:func:`decode_over_budget`)."""
+    return 0 if budget is None or peak <= budget else (peak // 1024) << 20 | rank
+
+
+def decode_over_budget(flag: int) -> tuple[int, int]:
+    """``(rank, peak bytes)`` of a nonzero :func:`over_budget_flag`."""
+    return int(flag) & (2**20 - 1), (int(flag) >> 20) * 1024

@@ -1,0 +1,720 @@
+"""Train a model: ``[mpiexec -n N] python -m mpirt.train [CONFIG.toml] [--key=value ...]``.
+
+One linear script, nanoGPT style: configure, check the layout, load data and model, shard it over
+the dp x pp x tp grid, loop over optimizer steps (each ``grad_accum`` micro-batches of the global
+batch), evaluate, checkpoint, summarise. ``python -m mpirt.train --help`` lists every key.
+Everything that can be refused is refused before the first collective, naming the key.
+"""
+from __future__ import annotations
+
+# TERM/INT handlers the entry point installed before MPI started (mpirt/train.py), else None
+EARLY_STOPS = None
+
+import dataclasses
+import errno
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import mpirt.core.backend as B
+from mpirt import comm
+from mpirt.cpu import blas
+from mpirt.run import faults
+from mpirt.run import jobctl
+from mpirt.cpu import kernels
+from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, looks_like_checkpoint,
+                              read_checkpoint_meta, verify_checkpoint)
+from mpirt.checkpoint.sharded import save_sharded
+from mpirt.run.config import ConfigError, parse_args, parse_duration
+from mpirt.data.tokens import MetaError, TokenDataset, TokenIdError, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
+from mpirt.run.distributed import init_distributed, input_fingerprint
+from mpirt.parallel.grid import Grid
+from mpirt.plan.memory import (check_budget, decode_over_budget, format_size, measured_baseline, over_budget_flag,
+                          parse_size, predict, recompute_pays)
+from mpirt.core.recompute import parse_layers
+from mpirt.monitor.live import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, tensorboard_writer_class
+from mpirt.monitor.steps import owned_bytes
+from mpirt.core.optim import cosine_lr
+from mpirt.core.precision import LossScaler, is_half
+from mpirt.parallel.engine import Engine
+from mpirt.parallel.layout import Layout, LayoutError
+from mpirt.plan import format_lines as prediction_lines, self_check
+from mpirt.core.modeling import apply_overrides, attention_core, config_from_dict, flops_per_token, load_model_config, \
+    missing_model_file, num_parameters, open_hf
+
+
+def plan_layout(cfg, world_size: int) -> Layout:
+    """The run's :class:`~mpirt.parallel.layout.Layout` (pure: no communication), refusing
+    impossible layouts (ConfigError naming the key)."""
+    try:
+        return Layout.resolve(cfg, world_size)
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
+
+
+# --model.* keys that must equal the loaded model's: they set tensor shapes, or (initializer_range)
+# only the initial weights, which init_from replaces; the others (dropout rates,
+# layer_norm_epsilon) change no loaded tensor and apply on top of it
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)   # a write failed for want of space or quota
+FIXED_BY_WEIGHTS = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner", "model_type",
+                    "initializer_range")
+
+
+def resolve_model(cfg) -> tuple[object, object | None, bool]:
+    """Model config, a reader of the initial weights in a HF directory (or None), and whether
+    ``init_from`` is an mpirt checkpoint (weights, optimizer state and step are then loaded from it).
+
+    The HF reader (:func:`mpirt.core.modeling.open_hf`) has read the headers only (names and shapes
+    checked against config.json, a stored head compared with the table); the engine has each rank
+    read its own boxes from the files (``engine.load_sharded(reader, with_optimizer=False)``).
+
+    A checkpoint is verified end to end here (checksums included), before any collective, so a
+    damaged one is refused in one line naming the file. With ``init_from``, ``--model.*``
+    overrides of :data:`FIXED_BY_WEIGHTS` are refused unless equal to the loaded value; the rest
+    apply, and the returned config (what the checkpoints record) includes them.
+    """
+    source = cfg.init_from
+    if not source:
+        return load_model_config(cfg.model, cfg.model_overrides), None, False
+    path = Path(source)
+    if looks_like_checkpoint(path):
+        try:
+            meta = verify_checkpoint(path)
+        except (CheckpointError, FileNotFoundError) as err:
+            raise ConfigError(f"init_from: {err}") from None
+        try:
+            loaded, weights, resume = config_from_dict(meta["extra"]["model_config"]), None, True
+        except (KeyError, TypeError) as err:
+            raise ConfigError(f"init_from: {meta['path']}/meta.json holds no usable extra.model_config "
+                              f"({err!r})") from None
+    elif (path / "config.json").is_file():
+        (loaded, weights), resume = open_hf(path, dtype=cfg.dtype), False
+    else:
+        raise ConfigError(f"init_from: {source} is neither an mpirt checkpoint (no {path / 'latest'} or "
+                          f"{path / 'meta.json'}) nor a Hugging Face GPT-2 directory (no {path / 'config.json'})")
+    changed = apply_overrides(loaded, cfg.model_overrides)
+    for key in FIXED_BY_WEIGHTS:
+        before, after = getattr(loaded, key, None), getattr(changed, key, None)
+        if key in cfg.model_overrides and (loaded.hidden != changed.hidden if key == "n_inner" else before != after):
+            raise ConfigError(f"model.{key}: {source} holds {key}={before!r}, the override asks for {after!r}; "
+                              f"it cannot change with --init-from (drop the override or start from scratch)")
+    return changed, weights, resume
+
+
+def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> list[str]:
+    """Refuse a run whose data, sequence length or tp does not fit the model, naming the numbers;
+    returns notes for the start-up lines (a split whose ids are checked as it is read)."""
+    if cfg.seq_len > model_cfg.n_positions:
+        raise ConfigError(f"seq_len: {cfg.seq_len} exceeds the model's n_positions {model_cfg.n_positions}")
+    if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"data: vocabulary {data.vocab_size} of {data.directory} exceeds the model's "
+                          f"vocab_size {model_cfg.vocab_size}")
+    try:
+        Layout.of(cfg, layout).check_model(cfg, model_cfg)
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
+    if num_eval_batches(data.val, cfg.batch_size, cfg.seq_len) < 1:
+        raise ConfigError(f"data: the validation split of {data.directory} holds no batch of {cfg.batch_size} x "
+                          f"{cfg.seq_len} tokens to evaluate on")
+    if cfg.recompute == "selective" and not attention_core(model_cfg):
+        raise ConfigError(f"recompute: model_type {model_cfg.model_type!r} names no attention core for selective "
+                          "recomputation; use full")
+    beyond = sorted(i for i in parse_layers(cfg.recompute_layers) or () if i >= model_cfg.n_layer)
+    if beyond:
+        raise ConfigError(f"recompute_layers: block {beyond[0]} does not exist (n_layer={model_cfg.n_layer})")
+    return data.check_ids(model_cfg.vocab_size)  # last: it may read a small split without a record
+
+
+def open_dataset(directory: str) -> TokenDataset:
+    """The dataset of ``--data`` (the built-in corpus when empty); a folder that is not a
+    prepared dataset is refused naming the key and the command that prepares one."""
+    try:
+        return TokenDataset(directory or default_dataset_dir())
+    except MetaError as err:                   # a prepared dataset with a damaged meta.json
+        raise ConfigError(f"data: {err}") from None
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"data: {err} ({directory} is not a prepared dataset: make one from a folder of text "
+                          f"files with `python -m mpirt.data prepare SRC_DIR OUT_DIR`)") from None
+
+
+def fit_eval_batches(cfg, data: TokenDataset):
+    """``cfg`` with ``eval_batches`` lowered to what the validation split holds, and the warning
+    to print (None when it fits): a small dataset needs no flag lowered by hand."""
+    available = num_eval_batches(data.val, cfg.batch_size, cfg.seq_len)
+    if cfg.eval_batches <= available:
+        return cfg, None
+    return dataclasses.replace(cfg, eval_batches=available), (
+        f"mpirt: warning: eval_batches {cfg.eval_batches}: the validation split of {data.directory} holds "
+        f"{available} batches of {cfg.batch_size} x {cfg.seq_len} tokens; evaluating on {available}")
+
+
+def vocab_from_data(cfg, model_cfg, data: TokenDataset, tp: int):
+    """A model trained from scratch takes its vocabulary size from the dataset's meta.json unless
+    ``--model.vocab_size`` is given: the dataset's size rounded up to a multiple of 64 (fast
+    GEMM shapes, as nanoGPT pads GPT-2's 50257 to 50304) and of tp (whole vocabulary shards)."""
+    if "vocab_size" in cfg.model_overrides or not data.vocab_size:
+        return model_cfg
+    step = math.lcm(64, tp)
+    return dataclasses.replace(model_cfg, vocab_size=-(-data.vocab_size // step) * step)
+
+
+def comm_timeout(cfg, model_cfg=None) -> float:
+    """The watchdog's timeout: ``--comm-timeout``, or for -1 (auto) 300 s plus the time rank 0 may
+    spend writing a checkpoint (weights and both AdamW moments at 50 MB/s) while the others wait
+    for it in their next collective (300 s before the model is known: the pre-flight)."""
+    if cfg.comm_timeout >= 0:
+        return cfg.comm_timeout
+    save_s = 0.0 if model_cfg is None else 3 * num_parameters(model_cfg) * (8 if cfg.dtype == "float64" else 4) / 50e6
+    return 300.0 + save_s
+
+
+def check_resources(cfg, data: TokenDataset) -> None:
+    """Refuse, before any collective, a run the machine or the data cannot carry: a GPU backend
+    without a usable GPU, a training split too short for one sequence."""
+    if cfg.backend == "cupy" and not B.cupy_available():
+        raise ConfigError("backend: cupy was asked for, but CuPy is not installed or sees no usable GPU here "
+                          "(use --backend numpy, or auto to pick CuPy only when a GPU is there)")
+    if len(data.train) < cfg.seq_len + 1:
+        raise ConfigError(f"data: {data.directory / 'train.bin'} holds {len(data.train)} tokens, fewer than one "
+                          f"sequence of seq_len {cfg.seq_len} + 1")
+
+
+def evaluate(engine, tokens, grid, *, batches: int, batch_size: int, seq_len: int) -> float:
+    """Mean loss over the first ``batches`` x ``batch_size`` consecutive windows of ``tokens``,
+    each dp rank taking its rows of every batch; the same number on any layout."""
+    total = 0.0
+    for i in range(batches):
+        x, y = get_eval_batch(tokens, i, batch_size=batch_size, seq_len=seq_len,
+                              dp_rank=grid.coords["dp"], dp_size=grid.sizes["dp"])
+        total += engine.evaluate(x, y)
+    return total / batches
+
+
+def run_evidence(out: Path) -> str | None:
+    """What in ``out`` shows an earlier run (a checkpoint, a summary, metrics), or None."""
+    for name in ("ckpt", "summary.json", "metrics"):
+        if (out / name).exists():
+            return "a checkpoint" if name == "ckpt" and looks_like_checkpoint(out / name) else name
+    return None
+
+
+def plan_out_dir(cfg, out: Path):
+    """How this run uses ``out`` (pure, read-only): returns ``cfg``, with ``init_from`` pointing at
+    ``out/ckpt`` when ``--resume auto`` finds a checkpoint there (a damaged one too: it is then
+    refused by name, never replaced by a fresh run). Refuses to start a new run over an earlier
+    one unless ``--overwrite`` (or the run resumes its own checkpoint)."""
+    ckpt = out / "ckpt"
+    if cfg.resume == "auto":  # the one flag a requeued job needs: continue, or start afresh
+        return dataclasses.replace(cfg, init_from=str(ckpt)) if looks_like_checkpoint(ckpt) else cfg
+    found = run_evidence(out)
+    resumes_own = bool(cfg.init_from) and Path(cfg.init_from).resolve() in (ckpt.resolve(), out.resolve())
+    if found and not cfg.overwrite and not resumes_own:
+        raise ConfigError(f"out_dir: {out} holds an earlier run ({found}); pass --resume auto to continue it, "
+                          f"--overwrite to replace it, or another --out-dir")
+    return cfg
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse, before step 1, an ``--out-dir`` that cannot be created or written by this rank: its
+    checkpoints, metrics and summary all go there, and a run must not end at its first save. The
+    folder is made if missing; a probe file is written and removed."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"out_dir: cannot write to {out} ({err.strerror or err})") from None
+
+
+def check_resume(cfg, meta: dict, data_dir: Path) -> None:
+    """Refuse a ``--resume auto`` that would not continue the run it resumes: another model preset,
+    dtype or dataset than the checkpoint's (model shapes are checked by :func:`resolve_model`)."""
+    saved = meta.get("config") or {}
+    conflicts = {k: (saved[k], getattr(cfg, k)) for k in ("model", "dtype") if saved.get(k, getattr(cfg, k)) != getattr(cfg, k)}
+    saved_data = (meta.get("extra") or {}).get("data")
+    if saved_data is not None and Path(saved_data).resolve() != data_dir.resolve():
+        conflicts["data"] = (saved_data, str(data_dir))
+    if conflicts:
+        details = "; ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in conflicts.items())
+        raise ConfigError(f"resume: {meta['path']} was trained with another configuration ({details}); "
+                          f"use another --out-dir for a new run")
+
+
+def check_resumed_model(cfg, resumed, data: TokenDataset) -> None:
+    """Refuse a ``--resume auto`` whose model as ``--model`` and its overrides give it now differs
+    from the checkpoint's (an edited TOML would otherwise resume as the old model, silently),
+    naming each field. The vocabulary is not compared where the dataset sets it; a model file
+    that no longer exists leaves the checkpoint's model as it is. Only for a run whose model was
+    built from ``--model`` (the caller checks the checkpoint's ``model_source``)."""
+    if missing_model_file(cfg.model):
+        return
+    now = load_model_config(cfg.model, cfg.model_overrides)
+    mine, saved = dataclasses.asdict(now), dataclasses.asdict(resumed)
+    if data.vocab_size and "vocab_size" not in cfg.model_overrides:
+        mine.pop("vocab_size", None)
+    fields = sorted(k for k in mine.keys() | saved.keys() if mine.get(k, saved.get(k)) != saved.get(k, mine.get(k)))
+    if fields:
+        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, now {mine.get(k)!r}" for k in fields)
+        raise ConfigError(f"resume: model {cfg.model} is not the model of the checkpoint ({details}); use another "
+                          f"--out-dir for a new run, or --init-from to start the new model from these weights")
+
+
+def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, end_step: int,
+           engine_name: str, predicted_peak: int) -> str:
+    """The start-up lines on rank 0: enough to see a wrong launch before a long run starts."""
+    launch = jobctl.launcher_info()
+    lay = Layout.of(cfg, layout).describe()
+    where = f"resuming {cfg.init_from} at step {start_step}" if start_step else "fresh start"
+    stops = []
+    if cfg.ckpt_interval:
+        stops.append(f"every {cfg.ckpt_interval} steps")
+    if cfg.ckpt_minutes:
+        stops.append(f"every {cfg.ckpt_minutes:g} min")
+    lines = [
+        f"mpirt: world_size {ctx.size} ({launch['name']}, PMI {launch['pmi']}), layout {lay}",
+        f"mpirt: backend {ctx.backend}, comm engine {engine_name}, threads/rank {ctx.threads} "
+        f"(OpenBLAS {ctx.blas_threads if ctx.blas_threads is not None else 'not found'}; {ctx.blas_note}), "
+        f"comm timeout " + (f"{comm_timeout(cfg, model_cfg):.0f} s" if comm_timeout(cfg, model_cfg) else "off"),
+        *([f"mpirt: GEMM {blas.describe()}; kernels {kernels.describe()}"] if ctx.backend == "numpy" else []),
+        f"mpirt: model {cfg.model} ({num_parameters(model_cfg) / 1e6:.2f}M parameters, {model_cfg.n_layer} layers, "
+        f"n_embd {model_cfg.n_embd}, vocab {model_cfg.vocab_size}), {cfg.dtype}" + (
+            " (float32 master weights, moments and reductions" + (
+                f"; dynamic loss scale from {cfg.initial_loss_scale:g}, x2 after {cfg.loss_scale_window} clean steps"
+                if cfg.dtype == "float16" else "") + ")" if is_half(cfg.dtype) else ""),
+        f"mpirt: data {data.directory} (train {len(data.train):,} tokens, val {len(data.val):,}), "
+        f"batch {cfg.batch_size} x {cfg.seq_len}",
+        f"mpirt: memory: recompute {cfg.recompute}" + (f" (blocks {cfg.recompute_layers})" if cfg.recompute_layers
+                                                         and cfg.recompute != "none" else "")
+        + _recompute_skipped(cfg, model_cfg, layout)
+        + f", predicted peak {format_size(predicted_peak)}"
+        + f" (largest rank), budget {cfg.memory_budget or 'none'}",
+        f"mpirt: out {out} ({where}; steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
+        f"{', '.join(stops) or 'at the end'}, keep {cfg.keep_checkpoints}"
+        + (f"; time limit {cfg.time_limit}" if cfg.time_limit else "") + ")",
+    ]
+    return "\n".join(lines)
+
+
+def _recompute_skipped(cfg, model_cfg, layout) -> str:
+    """The banner's note on the pipeline stages where recomputation would not lower the peak and
+    so does not run (:func:`mpirt.plan.memory.recompute_pays`)."""
+    if cfg.recompute == "none" or cfg.zero == 3:
+        return ""
+    stages = [s for s in range(layout["pp"]) if not recompute_pays(cfg, model_cfg, layout, s * layout["tp"])]
+    if not stages:
+        return ""
+    if len(stages) == layout["pp"]:
+        return " (skipped: it would not lower the peak)"
+    return f" (not on pp stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}: it would not lower the peak there)"
+
+
+def main(argv=None) -> dict:
+    comm.install_abort_on_error()
+    world = comm.world()
+    started = time.time()
+    error, lock = None, None
+    try:
+        cfg = parse_args(argv)
+        # watched from here on: a rank stalled in the pre-flight (data, checksums, agreement) ends
+        # the job naming the call instead of leaving the others waiting (the timeout grows later)
+        comm.start_watchdog(comm_timeout(cfg))
+        mismatch = jobctl.launch_mismatch(world.size, library=comm.library_version())
+        if mismatch:  # each singleton would print it: only the launcher's first task speaks
+            if os.environ.get("SLURM_PROCID", "0") == "0":
+                print(f"error: {mismatch}", file=sys.stderr)
+            sys.exit(jobctl.EXIT_REFUSED)
+        layout = plan_layout(cfg, world.size)
+        out = Path(cfg.out_dir)
+        if not cfg.eval_only:
+            cfg = plan_out_dir(cfg, out)
+        check_out_dir(out)
+        data = open_dataset(cfg.data)
+        model_cfg, hf_weights, resume = resolve_model(cfg)
+        if not (resume or hf_weights is not None):
+            model_cfg = vocab_from_data(cfg, model_cfg, data, layout["tp"])
+        notes = [f"mpirt: data: {note}" for note in check_fit(cfg, model_cfg, data, layout)]
+        cfg, eval_warning = fit_eval_batches(cfg, data)
+        for line in notes + ([eval_warning] if eval_warning else []):
+            if world.rank == 0:
+                print(line, file=sys.stderr, flush=True)
+        check_resources(cfg, data)
+        resumed_meta = read_checkpoint_meta(cfg.init_from) if resume else None
+        # what built the model in the first place (kept across resumes): --model, or weights it started from
+        model_source = ((resumed_meta.get("extra") or {}).get("model_source") if resume
+                        else f"init_from {cfg.init_from}" if cfg.init_from else cfg.model)
+        if resume and cfg.resume == "auto":
+            check_resume(cfg, resumed_meta, data.directory)
+            if model_source == cfg.model:
+                check_resumed_model(cfg, model_cfg, data)
+        deadline = jobctl.Deadline.from_config(cfg.time_limit, started, parse_duration)
+        if world.rank == 0 and not cfg.eval_only:
+            lock = jobctl.acquire_lock(out)
+    except (ConfigError, FileNotFoundError, ValueError, jobctl.DirectoryLocked) as err:
+        error = str(err)
+    failed = comm.first_error(error)  # every rank stops if any rank found a problem
+    if failed is None:
+        # each rank's process as it stands before the model is built: the baselines of the predictions
+        if world.rank == 0 and cfg.monitor:
+            tensorboard_writer_class()  # rank 0's writer: imported now, it is counted in its baseline
+        baselines = comm.world_comm().allgather_object(measured_baseline())
+        try:
+            check_budget(cfg, model_cfg, layout, world.size, baselines=baselines)  # every rank's against --memory-budget
+        except ValueError as err:  # the same on every rank: they all hold the same baselines
+            failed = (0, str(err))
+    if failed is not None:
+        rank, message = failed
+        if world.rank == 0:
+            if lock is not None:
+                jobctl.release_lock(lock)
+            print(f"error: {message}" if rank == 0 else f"error on rank {rank}: {message}", file=sys.stderr)
+        sys.exit(jobctl.EXIT_REFUSED)
+    try:
+        return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started, model_source,
+                     baselines)
+    except TokenIdError as err:  # an id out of the vocabulary in a split checked as it is read
+        sys.stderr.write(f"error: rank {world.rank}: {err}; {last_checkpoint(out)}\n")
+        sys.stderr.flush()
+        sys.exit(jobctl.EXIT_REFUSED)
+    except OSError as err:
+        if err.errno not in DISK_FULL:
+            raise
+        # metrics, summary, trace: one line from the rank that hit it (the abort hook ends the job)
+        sys.stderr.write(f"error: rank {world.rank}: out of disk space writing {err.filename or 'a file'} "
+                         f"({err.strerror}); {last_checkpoint(out)}\n")
+        sys.stderr.flush()
+        sys.exit(1)
+    finally:
+        if lock is not None:
+            jobctl.release_lock(lock)
+
+
+def last_checkpoint(out: Path) -> str:
+    """What an error says of the run's newest complete checkpoint under ``out``."""
+    try:
+        return f"the last complete checkpoint is step {read_checkpoint_meta(out / 'ckpt')['step']}"
+    except (CheckpointError, OSError):
+        return "no checkpoint was written"
+
+
+def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path, started: float,
+          model_source: str | None = None, baselines: list[int] | None = None) -> dict:
+    """Everything after the pre-flight checks (begun at ``started``, epoch seconds): set up, train,
+    checkpoint, summarise. ``model_source`` (``--model``, or ``init_from PATH``: what built the
+    model first) is recorded in the checkpoints, so a later resume knows what to compare;
+    ``baselines``: every rank's process before the model was built (:func:`measured_baseline`),
+    the baselines of the memory predictions (None: :data:`mpirt.plan.memory.PROCESS_BYTES`)."""
+    try:  # all ranks: the same config, and the same contents behind its paths
+        ctx = init_distributed(cfg.seed, cfg.backend,
+                               config={**cfg.to_dict(), "inputs": input_fingerprint(cfg, data.directory)})
+    except ConfigError as err:  # raised alike on every rank: one line, as for the pre-flight errors
+        if comm.world().rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(jobctl.EXIT_REFUSED)
+    comm.start_watchdog(comm_timeout(cfg, model_cfg))  # a stuck call, or a rank exiting alone, ends the job
+    stops = EARLY_STOPS or jobctl.StopRequests().install()
+    grid = Grid(layout["dp"], layout["pp"], layout["tp"])
+    dp = grid.sizes["dp"]
+    is_main = ctx.rank == 0
+    world_comm = ctx.comm
+    baselines = baselines or [None] * ctx.size
+
+    def predicted_peaks() -> list[int]:  # every rank's, as the end block's model check counts them
+        return [predict(cfg, model_cfg, layout, r, process_bytes=baselines[r])["peak"]
+                for r in range(ctx.size)]
+
+    B.limit_pool(parse_size(cfg.memory_budget))  # on a GPU the pool itself holds the budget
+    # one dropout seed for every rank: the masks depend on each element's place in the global batch
+    engine = Engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed("dropout", rank=0))
+    optimizer = engine.optimizer
+    scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window) if cfg.dtype == "float16" else None
+    start_step = 0
+    if hf_weights is not None:
+        engine.load_sharded(hf_weights, with_optimizer=False)  # this rank's boxes of the HF files only
+    if resume:
+        reader = CheckpointReader(cfg.init_from, verify=False)  # checksums: verified in resolve_model
+        meta = reader.meta
+        engine.load_sharded(reader, with_optimizer=meta["optimizer"] is not None)  # only this rank's boxes
+        if scaler is not None:
+            scaler.load_state_dict((meta["optimizer"] or {}).get("scalars", {}))
+        start_step = meta["step"]
+    summary_layout = dict(grid.sizes)
+
+    eval_seconds = {"last": None}   # how long the last evaluation took (the deadline counts the next ones)
+
+    def eval_loss() -> float:
+        t0 = time.time()
+        loss = evaluate(engine, data.val, grid, batches=cfg.eval_batches, batch_size=cfg.batch_size,
+                        seq_len=cfg.seq_len)
+        eval_seconds["last"] = time.time() - t0
+        return loss
+
+    def evaluates(n: int) -> bool:
+        """Whether step ``n`` ends with an evaluation (the run's last step always does)."""
+        return n == end_step or bool(cfg.eval_interval) and n % cfg.eval_interval == 0
+
+    def evaluation_time(n: int, step_s: float) -> float:
+        """Seconds the evaluations after step ``n`` and after the next will take: the last one's
+        time, or before any, half a training step per batch (a forward pass over as many tokens)."""
+        each = eval_seconds["last"] if eval_seconds["last"] is not None else cfg.eval_batches * step_s / 2
+        return each * (evaluates(n) + evaluates(n + 1))
+
+    if cfg.eval_only:
+        val_loss = eval_loss()
+        result = {"val_loss": val_loss, "step": start_step, "eval_batches": cfg.eval_batches,
+                  "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "init_from": cfg.init_from}
+        if is_main:
+            print(json.dumps(result))
+            _write_json(out / "eval.json", result)
+        return result
+
+    end_step = min(cfg.stop_after or cfg.steps, start_step + cfg.steps_per_job if cfg.steps_per_job else cfg.steps)
+    if start_step >= end_step:
+        if is_main:
+            print(f"mpirt: nothing to do: {cfg.init_from} is at step {start_step} and this run ends at step "
+                  f"{end_step} (--steps {cfg.steps}); {out / 'summary.json'} is left as it is")
+        engine.close()
+        grid.free()
+        return {"steps": start_step, "nothing_to_do": True}
+    if is_main and not resume and (cfg.overwrite or cfg.resume == "auto"):  # leftovers of an earlier run
+        for name in ("ckpt", "metrics", "summary.json", "eval.json", "trace.json", "tensorboard", "report"):
+            path = out / name
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    world_comm.barrier()  # the old files are gone before any rank writes its metrics
+
+    last_save = {"time": time.time(), "seconds": None, "step": start_step if resume else None}
+
+    def save(step: int, loss: float) -> bool:
+        """Checkpoint ``step`` (collective: every rank writes its own boxes, rank 0 commits), noting
+        the step's training ``loss``; False when the state is not finite and nothing was written."""
+        t0 = time.time()
+        scalars = {**optimizer.scalars(), **(scaler.state_dict() if scaler is not None else {})}
+        try:
+            path = save_sharded(out / "ckpt", world_comm, engine.save_sharded, step=step, config=cfg.to_dict(),
+                                keep=cfg.keep_checkpoints, optimizer={"type": "AdamW", "scalars": scalars},
+                                extra={"model_config": dataclasses.asdict(model_cfg), "model_source": model_source,
+                                       "data": str(data.directory),
+                                       "layout": summary_layout,
+                                       "loss": loss if math.isfinite(loss) else None})
+        except OSError as err:  # disk full, quota, permissions on any rank: the previous version stays intact
+            if is_main:
+                kept = f"is step {last_save['step']}" if last_save["step"] is not None else "none: none was written"
+                print(f"error: step {step}: writing the checkpoint under {out / 'ckpt'} failed: {err}; the last "
+                      f"complete checkpoint {kept}", file=sys.stderr, flush=True)
+            sys.exit(1)  # every rank knows: the abort hook ends the job
+        if path is None and is_main:
+            print(f"mpirt: step {step}: the weights or optimizer state are not finite: no checkpoint written "
+                  f"(the last good one stays)", file=sys.stderr, flush=True)
+        elif path is not None:
+            if is_main:
+                print(f"mpirt: step {step}: checkpoint saved to {path} ({time.time() - t0:.1f} s)", file=sys.stderr,
+                      flush=True)
+            last_save["step"] = step
+        last_save.update(time=time.time(), seconds=time.time() - t0)
+        return path is not None
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    flops_per_step = flops_per_token(model_cfg, cfg.seq_len) * tokens_per_step
+    monitor = RunMonitor(cfg, ctx, grid, engine, model_cfg, out, start_step, flops_per_step)  # collective
+    metrics = Metrics(out / "metrics" / f"rank{ctx.rank}.jsonl", resume_step=start_step if resume else None)
+    if is_main:
+        print(banner(ctx, cfg, layout, model_cfg, data, out, start_step, end_step,
+                     comm.describe_engines(B.xp.empty(1)), max(predicted_peaks())), file=sys.stderr, flush=True)
+        print(monitor.describe(), file=sys.stderr, flush=True)
+    progress = Progress(cfg.steps, start_step, enabled=is_main and cfg.progress, end=end_step)
+    val_loss = math.nan
+    skipped_total, skipped_in_row, slowest_step = 0, 0, 0.0
+    updated = False   # an optimizer update since the last checkpoint (or the start): else nothing to save
+    extra_shown = {}
+    stopped, exit_code = None, 0
+    budget = parse_size(cfg.memory_budget)
+    step = start_step
+    while step < end_step:
+        faults.inject(ctx.rank, step + 1)
+        monitor.begin(step + 1)
+        t0 = time.perf_counter()
+        if faults.slowdown(ctx.rank, step + 1):
+            monitor.mark("injected")
+        optimizer.lr = cosine_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=min(cfg.warmup_steps, cfg.steps),
+                                 total_steps=cfg.steps)
+        x, y = get_batch(data.train, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+                         dp_rank=grid.coords["dp"], dp_size=dp)
+        monitor.mark("data")
+        scale = scaler.scale if scaler is not None else 1.0
+        loss_value = engine.train_step(x, y, loss_scale=scale * faults.loss_scale_factor(ctx.rank, step + 1),
+                                       step=step + 1)
+        monitor.mark("train_step")
+        # the norm is reduced over the grid (the loss over dp): every rank reaches the same verdict; the
+        # gradients are `scale` times the loss's, so the clipping threshold too
+        grad_norm = engine.clip((cfg.grad_clip if cfg.grad_clip > 0 else math.inf) * scale) / scale
+        # a float16 gradient overflow (finite loss) is the loss scaler's to handle, not a failure
+        overflow = scaler is not None and math.isfinite(loss_value) and not math.isfinite(grad_norm)
+        skipped = not overflow and not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+        if not (skipped or overflow):
+            optimizer.grad_scale = 1.0 / scale
+            optimizer.step()
+            updated = True
+        if scaler is not None:
+            scaler.update(overflow)
+        B.synchronize()
+        monitor.mark("optimizer")
+        dt = time.perf_counter() - t0
+        slowest_step = max(slowest_step, dt)
+        step += 1
+        skipped_total += skipped
+        skipped_in_row = skipped_in_row + 1 if skipped else 0
+        record = {"step": step, "loss": loss_value, "lr": optimizer.lr, "grad_norm": grad_norm, "skipped": skipped,
+                  "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, **monitor.end(step, dt, engine.stats)}
+        if scaler is not None:
+            record.update(loss_scale=scale, overflow=overflow)
+            if overflow and is_main:
+                print(f"mpirt: step {step}: float16 gradient overflow at loss scale {scale:g}: update skipped, "
+                      f"scale now {scaler.scale:g}", file=sys.stderr, flush=True)
+        last = step == end_step
+        # one small reduction per step: a stop request or a timed checkpoint on any rank acts on all
+        signal_stop = stops.requested is not None
+        time_stop = is_main and deadline.should_stop(slowest_step, last_save["seconds"],
+                                                     extra_s=evaluation_time(step, slowest_step))
+        ckpt_due = is_main and cfg.ckpt_minutes > 0 and time.time() - last_save["time"] > 60 * cfg.ckpt_minutes
+        over = over_budget_flag(owned_bytes(peak=True), budget, ctx.rank)
+        flags = world_comm.allreduce(np.array([signal_stop, time_stop, ckpt_due, over], dtype=np.int64), "max")
+        if flags[3] and not stopped:  # the same verdict on every rank; no checkpoint: gathering needs memory
+            over_rank, over_peak = decode_over_budget(flags[3])
+            stopped = (f"rank {over_rank}: measured peak memory {format_size(over_peak)} > memory budget "
+                       f"{format_size(budget)}")
+            exit_code = jobctl.EXIT_MEMORY
+            sys.stderr.write(f"error: {stopped}\n")  # one write: the ranks' lines must not interleave
+            sys.stderr.flush()
+        if skipped:
+            if is_main:
+                print(f"mpirt: step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}: update skipped "
+                      f"({skipped_in_row} in a row, {skipped_total} in all)", file=sys.stderr, flush=True)
+            if cfg.nan_policy == "stop" or skipped_in_row >= cfg.max_skips:
+                stopped = f"non-finite loss or gradient norm ({skipped_in_row} step(s) in a row)"
+                exit_code = jobctl.EXIT_NONFINITE
+        share_done = last and not stopped and end_step < cfg.steps   # this job's share (--steps-per-job, --stop-after)
+        if share_done:
+            stopped = f"this job's share of the run is done, {cfg.steps - step} steps left"
+            exit_code = jobctl.EXIT_STOPPED                # work left: a requeue chain continues on 75
+        if not last and not stopped and (flags[0] or flags[1]):
+            stopped = (f"{stops.requested or 'a stop request on another rank'}" if flags[0] else
+                       f"time limit {cfg.time_limit} near ({deadline.left():.0f} s left)")
+            exit_code = jobctl.EXIT_STOPPED
+        # save before evaluating: an evaluation that fails loses nothing; a non-finite stop saves nothing;
+        # with every step since the last save skipped there is nothing new, and a save would only
+        # rotate out the versions made by real updates (a skip streak would delete the good ones)
+        due = exit_code not in (jobctl.EXIT_NONFINITE, jobctl.EXIT_MEMORY) and (
+            last or stopped or flags[2] or cfg.ckpt_interval and step % cfg.ckpt_interval == 0)
+        if due and not updated:
+            if is_main and (last or stopped):
+                print(f"mpirt: step {step}: no update since " + (
+                    f"the checkpoint of step {last_save['step']}" if last_save["step"] is not None else "the start")
+                    + " (every step skipped): nothing new to save", file=sys.stderr, flush=True)
+        elif due:
+            if not save(step, loss_value):   # the state itself is not finite: no later step can recover it
+                stopped = f"the weights or optimizer state are not finite at step {step}"
+                exit_code = jobctl.EXIT_NONFINITE
+            updated = False
+        if (share_done or not stopped) and (last or cfg.eval_interval and step % cfg.eval_interval == 0):
+            val_loss = record["val_loss"] = eval_loss()
+        if step % cfg.log_interval == 0 or last or stopped:  # collective: the ranks' spread to rank 0
+            extra_shown = monitor.interval(record)
+        metrics.log(**record)
+        if step % cfg.log_interval == 0 or step == start_step + 1 or last or skipped or "val_loss" in record:
+            shown = {"loss": loss_value, "tok/s": round(record["tokens_per_s"]), "time": f"{dt * 1e3:.0f}ms",
+                     "mfu": f"{100 * record['mfu']:.1f}%"}
+            if skipped_total:
+                shown["skipped"] = skipped_total
+            if "val_loss" in record:
+                shown["val"] = val_loss
+            progress.update(step, **shown, **extra_shown)
+        if stopped:
+            break
+    progress.close()
+    metrics.close()
+    monitored = monitor.finish(metrics.records)  # collective: trace, memory, stragglers
+    engine.close()
+    grid.free()
+
+    peaks = world_comm.allgather_object(owned_bytes(peak=True))
+    predicted = predicted_peaks()
+    summary = {
+        "steps": step,
+        "total_steps": cfg.steps,
+        "first_loss": metrics.records[0]["loss"] if metrics.records else math.nan,
+        "last_loss": metrics.records[-1]["loss"] if metrics.records else math.nan,
+        "val_loss": val_loss,
+        "tokens_per_s": metrics.median("tokens_per_s"),
+        "step_time_s": metrics.median("step_time_s"),
+        "mfu": metrics.median("mfu"),
+        "peak_flops": monitor.peak_total,
+        "wall_time_s": time.time() - started,
+        "peak_memory_bytes": max(peaks),
+        "peak_memory_bytes_per_rank": peaks,
+        "world_size": ctx.size,
+        # the grid and every other layout setting (the checkpoint's extra keeps the grid alone)
+        "layout": {**summary_layout, "zero": cfg.zero, "sequence_parallel": cfg.sequence_parallel,
+                   "schedule": cfg.schedule if layout["pp"] > 1 else None,
+                   "microbatches": Layout.of(cfg, layout).microbatches if layout["pp"] > 1 else None,
+                   "recompute": cfg.recompute},
+        "num_parameters": num_parameters(model_cfg),
+        "skipped_steps": sum(1 for r in metrics.records if r.get("skipped")),
+        "overflow_steps": sum(1 for r in metrics.records if r.get("overflow")),
+        "loss_scale": scaler.scale if scaler is not None else None,
+        "stopped": stopped,
+        "exit_code": exit_code,
+        "last_checkpoint_step": last_save["step"],
+        "predicted_peak_bytes": max(predicted),
+        "predicted_peak_bytes_per_rank": predicted,
+        "process_baseline_bytes_per_rank": baselines,
+        "memory_budget_bytes": budget,
+        **monitored,
+    }
+    if is_main:  # the performance model's prediction for this layout beside what was measured
+        summary["prediction"] = self_check(cfg, model_cfg, layout, summary)
+        _write_json(out / "summary.json", summary)
+        print(end_block(summary, out, start_step), file=sys.stderr, flush=True)
+    if exit_code:
+        comm.exit_together(exit_code)
+    return summary
+
+
+def end_block(summary: dict, out: Path, start_step: int) -> str:
+    """The closing lines on rank 0: how the run went and where its files are."""
+    s = summary
+    lines = [f"mpirt: {'stopped' if s['stopped'] else 'done'} at step {s['steps']} of {s['total_steps']} "
+             f"({s['steps'] - start_step} this run) in {format_seconds(s['wall_time_s'])}, world {s['world_size']}"
+             + (f": {s['stopped']}" if s["stopped"] else ""),
+             f"mpirt:   loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, val "
+             + (f"{s['val_loss']:.4f}" if math.isfinite(s["val_loss"]) else "not measured")
+             + (f", {s['skipped_steps']} steps skipped (non-finite)" if s["skipped_steps"] else ""),
+             f"mpirt:   {s['tokens_per_s']:,.0f} tokens/s, step {1e3 * s['step_time_s']:.1f} ms (median), "
+             f"MFU {100 * s['mfu']:.1f}%, peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB (largest rank)",
+             f"mpirt:   checkpoint " + (f"{out / 'ckpt'} (step {s['last_checkpoint_step']})"
+                                       if s["last_checkpoint_step"] is not None else "none")
+             + f", summary {out / 'summary.json'}, metrics {out / 'metrics'}/"] + monitor_lines(s, out)
+    lines += [f"mpirt:   model: {line}" for line in prediction_lines(s.get("prediction"))]
+    if s["stopped"]:
+        lines.append("mpirt:   " + ("continue with the same command and --resume auto"
+                                     if s["exit_code"] == jobctl.EXIT_STOPPED else
+                                     "nothing was saved after the failure: " + (
+                                         f"the last good checkpoint is step {s['last_checkpoint_step']}"
+                                         if s["last_checkpoint_step"] is not None else "no checkpoint was written")
+                                     + "; fix the cause (e.g. a lower --lr) before resuming"))
+    return "\n".join(lines)
+
+
+def _write_json(path: Path, record: dict) -> None:
+    """Write ``record`` to ``path`` atomically (a reader never sees half a file); non-finite
+    numbers (a value never measured, a diverged loss) become null."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    tmp.write_text(json.dumps(clean, indent=2) + "\n")  # strict JSON: no NaN
+    tmp.replace(path)
