@@ -28,7 +28,6 @@ import time
 from mpirt.plan import memory
 from mpirt.core import recompute
 from mpirt.core.modeling import attention_core
-from mpirt.core.nn import dropout_modules, place_dropouts
 from mpirt.core.optim import AdamW
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.ddp import DataParallel
@@ -69,7 +68,6 @@ class Engine:
         if local is None:
             for part in self.local.dropout_roots:
                 TP.reseed_dropouts(part, dropout_seed, grid.coords["tp"], tp, cfg.sequence_parallel)
-        self._dropouts = list(dropout_modules(*self.local.dropout_roots).values())
         # ZeRO-3 already reruns every unit in backward (its units keep only their inputs); elsewhere
         # recompute only where it lowers this stage's predicted peak (memory.recompute_pays)
         if cfg.zero < 3 and (local is not None or memory.recompute_pays(cfg, model_cfg, layout, grid.rank)):
@@ -107,11 +105,8 @@ class Engine:
         call count stands in)."""
         self.optimizer.zero_grad()
         row0 = self.grid.coords["dp"] * len(x)
-        try:
-            loss = self.local.train_step(x, y, loss_scale, place=None if step is None else (step, row0),
-                                         no_sync=self._no_sync)
-        finally:  # a later forward without a step (by hand) counts calls again
-            place_dropouts(self._dropouts, None)
+        loss = self.local.train_step(x, y, loss_scale, place=None if step is None else (step, row0),
+                                     no_sync=self._no_sync)
         t0 = time.perf_counter()
         if self.ddp:
             self.ddp.finish()

@@ -79,21 +79,24 @@ class WholeModel:
         clock = time.perf_counter
         start = clock()
         op_s, trace = {"F": 0.0, "B": 0.0, "W": 0.0}, []
-        for i, (xm, ym) in enumerate(split_microbatches(x, y, k)):
-            if place is not None:
-                place_dropouts(self._dropouts, place[0], place[1] + i * len(xm))
-            with no_sync() if i < k - 1 else contextlib.nullcontext():
-                t0 = clock()
-                _, loss = self.model(B.asarray(xm), B.asarray(ym))
-                B.synchronize()  # the device's forward is timed as forward (no-op on NumPy)
-                t1 = clock()
-                (loss * (loss_scale / k)).backward()
-                t2 = clock()
-            loss_sum += loss.item()
-            op_s["F"] += t1 - t0
-            op_s["B"] += t2 - t1
-            mb = i if k > 1 else None  # one micro-batch: its spans are the step's forward and backward
-            trace += [(t0 - start, t1 - start, "F", mb, 0), (t1 - start, t2 - start, "B", mb, 0)]
+        try:
+            for i, (xm, ym) in enumerate(split_microbatches(x, y, k)):
+                if place is not None:
+                    place_dropouts(self._dropouts, place[0], place[1] + i * len(xm))
+                with no_sync() if i < k - 1 else contextlib.nullcontext():
+                    t0 = clock()
+                    _, loss = self.model(B.asarray(xm), B.asarray(ym))
+                    B.synchronize()  # the device's forward is timed as forward (no-op on NumPy)
+                    t1 = clock()
+                    (loss * (loss_scale / k)).backward()
+                    t2 = clock()
+                loss_sum += loss.item()
+                op_s["F"] += t1 - t0
+                op_s["B"] += t2 - t1
+                mb = i if k > 1 else None  # one micro-batch: its spans are the step's forward and backward
+                trace += [(t0 - start, t1 - start, "F", mb, 0), (t1 - start, t2 - start, "B", mb, 0)]
+        finally:  # a later forward without a step (by hand) counts calls again
+            place_dropouts(self._dropouts, None)
         total = clock() - start
         self.stats = {"t0": start, "step_s": total, "compute_s": op_s["F"] + op_s["B"], "idle_s": 0.0, "bubble": 0.0,
                       "op_s": op_s, "op_count": {"F": k, "B": k, "W": 0}, "peak_stash_bytes": 0}

@@ -222,9 +222,13 @@ class PipelineStage(PipelineExecutor):
         self.loss_scale, self.place = float(loss_scale), place
         x, y = self._prepare(x, y)
         self.zero_grad()
-        with no_sync():
-            loss = self._run(self.schedule, x, y, training=True)
-            self._sync_tied()
+        try:
+            with no_sync():
+                loss = self._run(self.schedule, x, y, training=True)
+                self._sync_tied()
+        finally:  # a later forward without a step (by hand) counts calls again
+            self.place = None
+            place_dropouts(self._dropouts, None)
         return self._share_loss(loss)
 
     def evaluate(self, x, y) -> float:
