@@ -79,8 +79,7 @@ def main() -> None:
     parser.add_argument("--name", default="gemm", help="results file name under bench/results")
     args = parser.parse_args()
 
-    from mpirt.cpu import blas
-    from mpirt.cpu import threads
+    from mpirt.cpu import blas, threads
     threads.set_num_threads(args.threads or threads.default_num_threads())
     found, missing = blas.available()
     names = args.candidates.split(",") if args.candidates else list(found)

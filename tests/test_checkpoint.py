@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 import mpirt.checkpoint.store as ckpt
 from mpirt.core import nn
 from mpirt.checkpoint.store import (CheckpointError, is_checkpoint, load_checkpoint, looks_like_checkpoint,
-                              read_checkpoint_meta, save_checkpoint, verify_checkpoint)
+                                    read_checkpoint_meta, save_checkpoint, verify_checkpoint)
 from mpirt.core.optim import AdamW, SGD, clip_grad_norm, cosine_lr
 from mpirt.core.tensor import Tensor
 

@@ -11,7 +11,7 @@ import pytest
 
 from mpirt.data import tokens as data
 from mpirt.data.tokens import (TokenDataset, default_dataset_dir, get_batch, get_eval_batch,
-                        num_eval_batches, prepare, split_microbatches)
+                               num_eval_batches, prepare, split_microbatches)
 
 DOCS = {
     "a.txt": "hello world\n" * 40,

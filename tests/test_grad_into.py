@@ -4,9 +4,8 @@ backward with the final value, deferred weight passes, half dtypes, both thread 
 import numpy as np
 import pytest
 
-from mpirt.cpu import blas
+from mpirt.cpu import blas, threads
 from mpirt.core import ops
-from mpirt.cpu import threads
 from mpirt.core.tensor import Tensor
 
 

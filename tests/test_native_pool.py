@@ -14,9 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from mpirt.cpu import blas
-from mpirt.cpu import kernels
-from mpirt.cpu import threads
+from mpirt.cpu import blas, kernels, threads
 
 
 @pytest.fixture

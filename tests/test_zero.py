@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpirt import comm as C
-from mpirt import Tensor, enable_grad, is_grad_enabled
+from mpirt import comm as C, Tensor, enable_grad, is_grad_enabled
 from mpirt.checkpoint.store import CheckpointReader, load_checkpoint, save_checkpoint
 from mpirt.checkpoint.sharded import save_sharded
 from mpirt.comm import Comm, chunk_bounds

@@ -155,8 +155,7 @@ def remembered_gemm_rate(products: list, measured: float, ranks_on_node: int = 1
     new best is recorded. A start under others' load measures a rate that later steps beat (an
     MFU above 100 %, a step "faster" than its GEMM floor); the best rate seen is the better
     bound. For the NumPy backend (a GPU's peak is its data sheet's)."""
-    from mpirt.cpu import blas
-    from mpirt.cpu import threads
+    from mpirt.cpu import blas, threads
     lib = blas.current().library
     text = json.dumps([cpu_model(), threads.num_threads(), ranks_on_node, lib.name, lib.version,
                        [(a.shape, b.shape, str(a.dtype)) for a, b in products]])

@@ -176,9 +176,7 @@ class RunMonitor:
     """
 
     def __init__(self, cfg, ctx, grid, engine, model_cfg, out: Path, start_step: int, flops_per_step: float):
-        from mpirt.monitor import flops
-        from mpirt.monitor import gpu as gpumon
-        from mpirt.monitor import steps as stepstats
+        from mpirt.monitor import flops, gpu as gpumon, steps as stepstats
         from mpirt.cpu import threads
         from mpirt.parallel.layout import Layout
         from mpirt.monitor.trace import TraceRecorder

@@ -24,19 +24,17 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt import comm
-from mpirt.cpu import blas
-from mpirt.run import faults
-from mpirt.run import jobctl
-from mpirt.cpu import kernels
+from mpirt.cpu import blas, kernels
+from mpirt.run import faults, jobctl
 from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, looks_like_checkpoint,
-                              read_checkpoint_meta, verify_checkpoint)
+                                    read_checkpoint_meta, verify_checkpoint)
 from mpirt.checkpoint.sharded import save_sharded
 from mpirt.run.config import ConfigError, parse_args, parse_duration
 from mpirt.data.tokens import MetaError, TokenDataset, TokenIdError, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.run.distributed import init_distributed, input_fingerprint
 from mpirt.parallel.grid import Grid
 from mpirt.plan.memory import (check_budget, decode_over_budget, format_size, measured_baseline, over_budget_flag,
-                          parse_size, predict, recompute_pays)
+                               parse_size, predict, recompute_pays)
 from mpirt.core.recompute import parse_layers
 from mpirt.monitor.live import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, tensorboard_writer_class
 from mpirt.monitor.steps import owned_bytes

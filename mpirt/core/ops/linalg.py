@@ -8,7 +8,7 @@ import mpirt.core.backend as B
 from mpirt.core.ops.basic import unbroadcast
 from mpirt.core.tensor import GRAD_ADDED, Function
 from mpirt.cpu.threads import (MAX_TASK_MACS, can_accumulate, gemms_side_by_side, matmul as _mm, run_gemms, run_tasks,
-                           sum_rows)
+                               sum_rows)
 
 
 def _macs(g, x) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mpirt.parallel.pipeline.schedules import (B, COMM, COMPUTE, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Schedule,
-                                      ScheduleError, canonical_name)
+                                               ScheduleError, canonical_name)
 
 
 def default_costs(split_backward: bool) -> dict:

@@ -51,7 +51,7 @@ and their fused Functions), :mod:`.loss` (vocabulary-parallel head and cross-ent
 from __future__ import annotations
 
 from .mappings import (CopyToTP, GatherFromSeq, GatherLastDim, ReduceFromTP, ReduceScatterToSeq, ScatterToSeq,
-                   copy_to_tp, gather_last_dim, gather_seq, reduce_from_tp, reduce_scatter_seq, scatter_seq)
+                       copy_to_tp, gather_last_dim, gather_seq, reduce_from_tp, reduce_scatter_seq, scatter_seq)
 from .layers import (ColumnParallelLinear, RowParallelLinear, SeqParallelLinear, SequenceParallelEmbedding,
                      VocabEmbedding, VocabParallelEmbedding)
 from .axis import AXIS, PaddedParameter, check_model_tp, check_tp_layout, pad_rows, pad_vocab

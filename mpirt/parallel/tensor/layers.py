@@ -16,7 +16,7 @@ except ImportError:  # pragma: no cover
 from mpirt.core.ops.fused import scatter_add_rows
 
 from .mappings import (_gather_dim, _reduce_scatter_dim, _split_dim, copy_to_tp, gather_last_dim, reduce_from_tp,
-                   reduce_scatter_seq)
+                       reduce_scatter_seq)
 from .axis import AXIS, PaddedParameter, _local_param, pad_vocab
 
 
