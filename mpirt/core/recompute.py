@@ -1,7 +1,7 @@
 """Activation recomputation: keep a unit's inputs, drop its activations, rerun it in backward.
 
-:func:`checkpoint` runs a callable (a transformer block, or only its attention core) without
-recording a graph and keeps just its Tensor arguments. When the backward reaches it, the callable
+:class:`Rerun` (one-off: :func:`checkpoint`) runs a callable (a transformer block, or only its
+attention core) without recording a graph and keeps just its Tensor arguments. When the backward reaches it, the callable
 runs again with a graph, the gradient flows through that graph, and the gradients of the
 arguments and of the declared parameters go back to the enclosing backward (the inner pass sums
 leaf gradients into a dict, ``Tensor.backward(leaf_grads=...)``, so gradient hooks, e.g. data
@@ -19,6 +19,9 @@ What stays equal to the run without recomputation:
 - collectives inside the unit (tensor/sequence parallelism) run again in the rerun, on every tp
   rank at the same point of the backward.
 
+ZeRO-3's units are the same mechanism with their weights gathered around the forward and the
+rerun and their gradients reduce-scattered after it (:class:`mpirt.parallel.zero3.ShardedUnit`).
+
 :func:`apply` installs it on a model's blocks: ``full`` checkpoints each chosen block (kept: the
 block's input), ``selective`` only the attention core the model names
 (:attr:`mpirt.core.modeling.CausalLM.attention_core`: scores, softmax, dropout on the probabilities
@@ -26,70 +29,112 @@ and their product with v, rerun from the saved q/k/v), after Korthikanti et al. 
 """
 from __future__ import annotations
 
+import contextlib
+
 from mpirt.core.nn import Module, dropout_modules, dropout_states, restore_dropout_states
 from mpirt.core.tensor import Function, Tensor, enable_grad, is_grad_enabled, no_grad
 
 MODES = ("none", "selective", "full")
 
 
-class _Checkpoint(Function):
-    """``call(*args)`` run without a graph; rerun with one in backward (see the module docstring)."""
+class Rerun:
+    """A unit whose activations are recomputed in backward: ``rerun(*args)`` runs ``call(*args)``
+    keeping only its Tensor arguments, and :class:`RerunOp`'s backward runs it again with a graph.
 
-    def forward(self, *arrays, call, n_args, tensor_args, dropouts):
-        self.call, self.tensor_args = call, tensor_args
+    ``params``: every trainable leaf the unit uses that is not an argument (the op's weight
+    inputs); ``dropouts``: the Dropout modules it may call (replayed in the rerun). The base class
+    leaves the weights where they are and sums the inner backward's leaf gradients into a dict
+    for the enclosing backward; ZeRO-3's unit (:class:`mpirt.parallel.zero3.ShardedUnit`) is the
+    other kind: its weights exist only while gathered, its ``params`` are the shards, its weight
+    gradients the reduce-scattered ones."""
+
+    sums_leaf_grads = True  # the inner backward's leaf gradients go to a dict, not to each leaf.grad
+
+    def __init__(self, call, params=(), dropouts=()):
+        self.call, self.params, self.dropouts = call, tuple(params), tuple(dropouts)
+
+    def __call__(self, *args):
+        if not is_grad_enabled():
+            with self.weights():
+                return self.call(*args)
+        return RerunOp.apply(*args, *self.params, unit=self, n_args=len(args),
+                             tensor_args=tuple(isinstance(a, Tensor) for a in args))
+
+    def weights(self):
+        """Context in which ``call`` can run (forward): here the weights are always in place."""
+        return contextlib.nullcontext()
+
+    def backward_weights(self):
+        """Context for one backward of the unit (rerun, input and weight passes); yields the
+        sink that :meth:`weight_grads` reads: the dict the inner backward sums leaf gradients into."""
+        return contextlib.nullcontext({})
+
+    def weight_grads(self, sink: dict) -> tuple:
+        """The gradients of ``params`` from the inner backward (called inside :meth:`backward_weights`)."""
+        out = tuple(sink.pop(id(p), None) for p in self.params)
+        if sink:
+            raise RuntimeError(f"recompute: the unit {getattr(self.call, '__qualname__', self.call)} used "
+                               f"{len(sink)} trainable tensor(s) that are neither its arguments nor its "
+                               "declared parameters; their gradients would be lost")
+        return out
+
+
+class RerunOp(Function):
+    """A :class:`Rerun` unit run without a graph; rerun with one in backward (see the module
+    docstring). The input-gradient pass reruns the unit and back-propagates with the unit's own
+    weight passes deferred; the weight-gradient pass runs them and hands the unit's weight
+    gradients back (one after the other, or apart under a zero-bubble schedule's B/W split)."""
+
+    def forward(self, *arrays, unit, n_args, tensor_args):
+        self.unit, self.tensor_args = unit, tensor_args
         self.args = arrays[:n_args]  # the only activations kept: the rerun's inputs
         self.weight_inputs = tuple(range(n_args, len(arrays)))
-        self.dropouts = dropout_states(dropouts)
-        with no_grad():
-            out = call(*[Tensor(a) if t else a for a, t in zip(self.args, tensor_args)])
+        self.dropouts = dropout_states(unit.dropouts)
+        with unit.weights(), no_grad():
+            out = unit.call(*[Tensor(a) if t else a for a, t in zip(self.args, tensor_args)])
         if not isinstance(out, Tensor):
-            raise TypeError(f"recompute: the checkpointed unit must return one Tensor, got {type(out).__name__}")
+            raise TypeError(f"recompute: the unit {getattr(unit.call, '__qualname__', unit.call)} must return "
+                            f"one Tensor, got {type(out).__name__}")
         return out.data
 
-    def backward(self, grad):
+    def backward(self, grad):  # also for a unit without weight inputs
         n = len(self.args)
         return self.backward_input(grad)[:n] + self.backward_weight(grad)[n:]
 
     def backward_input(self, grad):
-        n = len(self.args)
+        unit, n = self.unit, len(self.args)
         ins = [Tensor(a, requires_grad=need) if t else a
                for a, t, need in zip(self.args, self.tensor_args, self.needs_input_grad)]
-        after = dropout_states(m for m, _ in self.dropouts)
-        restore_dropout_states(self.dropouts)  # replay the forward's masks
+        self.open = contextlib.ExitStack()  # closed after the weight pass
         try:
-            with enable_grad():
-                out = self.call(*ins)
-        finally:
-            restore_dropout_states(after)
-        self.grads: dict = {}
-        self.weight_pass = out.backward(grad, defer_weight_grad=True, leaf_grads=self.grads)
-        self.ins = ins
-        return tuple(self.grads.pop(id(x), None) if isinstance(x, Tensor) else None for x in ins) + \
-            (None,) * (len(self.inputs) - n)
+            self.sink = self.open.enter_context(unit.backward_weights())
+            leaf_grads = self.sink if unit.sums_leaf_grads else None
+            after = dropout_states(m for m, _ in self.dropouts)
+            restore_dropout_states(self.dropouts)  # replay the forward's masks
+            try:
+                with enable_grad():
+                    out = unit.call(*ins)
+            finally:
+                restore_dropout_states(after)
+            self.weight_pass = out.backward(grad, defer_weight_grad=True, leaf_grads=leaf_grads)
+        except BaseException:
+            self.open.close()
+            raise
+        grads = (leaf_grads.pop(id(x), None) if leaf_grads is not None else x.grad for x in ins
+                 if isinstance(x, Tensor))
+        return tuple(next(grads) if isinstance(x, Tensor) else None for x in ins) + (None,) * (len(self.inputs) - n)
 
     def backward_weight(self, grad):
-        self.weight_pass.run()
-        params = self.inputs[len(self.args):]
-        out = tuple(self.grads.pop(id(p), None) for p in params)
-        if self.grads:
-            raise RuntimeError(f"recompute: the unit {getattr(self.call, '__qualname__', self.call)} used "
-                               f"{len(self.grads)} trainable tensor(s) that are neither its arguments nor its "
-                               "declared parameters; their gradients would be lost")
+        with self.open:
+            self.weight_pass.run()
+            out = self.unit.weight_grads(self.sink)
         return (None,) * len(self.args) + out
 
 
 def checkpoint(call, *args, params=(), dropouts=()):
-    """``call(*args)`` whose activations are recomputed in backward instead of kept.
-
-    ``args``: the unit's inputs (Tensors, or constants); ``params``: every trainable leaf the unit
-    uses that is not an argument (a block's parameters); ``dropouts``: the Dropout modules it may
-    call (their counters are replayed). Without a graph being recorded (``no_grad``), it is
-    ``call(*args)``.
-    """
-    if not is_grad_enabled():
-        return call(*args)
-    return _Checkpoint.apply(*args, *params, call=call, n_args=len(args),
-                             tensor_args=tuple(isinstance(a, Tensor) for a in args), dropouts=tuple(dropouts))
+    """``call(*args)`` whose activations are recomputed in backward instead of kept (a one-off
+    :class:`Rerun`). Without a graph being recorded (``no_grad``), it is ``call(*args)``."""
+    return Rerun(call, params, dropouts)(*args)
 
 
 def parse_layers(text: str) -> set[int] | None:
@@ -119,12 +164,7 @@ def chosen(n_layer: int, mode: str, layers: str) -> list[int]:
 
 
 def _wrap(owner: Module, name: str, params: list, dropouts: list) -> None:
-    original = getattr(owner, name)
-
-    def call(*args):
-        return checkpoint(original, *args, params=params, dropouts=dropouts)
-
-    object.__setattr__(owner, name, call)
+    object.__setattr__(owner, name, Rerun(getattr(owner, name), params, dropouts))
 
 
 def apply(blocks: dict, mode: str, layers: str, attention_core: str = "") -> list[int]:

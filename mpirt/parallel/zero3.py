@@ -3,12 +3,12 @@
 A *unit* is a method of the model (``embed``, each block's ``forward``, ``head``) whose call
 gathers the parameters it uses. :func:`plan_units` finds, by running the units once on one short row,
 which parameters each unit uses, and groups the parameters by the set of units that use them
-(GPT's tied ``wte``, used by ``embed`` and ``head``, is its own group). :class:`_Unit` replaces the
-method by a call through :class:`_ZeroUnit`, a Function whose forward all-gathers the unit's
-groups, runs the unit without a graph and frees them, and whose backward all-gathers them again,
-recomputes the unit with a graph (dropout replays the forward's masks), back-propagates,
-reduce-scatters (averages) the full gradients and returns the owned chunks as the gradients of
-the shard tensors.
+(GPT's tied ``wte``, used by ``embed`` and ``head``, is its own group). :class:`ShardedUnit`
+replaces the method by activation recomputation's :class:`~mpirt.core.recompute.Rerun` with the
+weights sharded: its forward all-gathers the unit's groups, runs the unit without a graph and
+frees them; its backward all-gathers them again, recomputes the unit with a graph (dropout
+replays the forward's masks), back-propagates, reduce-scatters (averages) the full gradients and
+returns the owned chunks as the gradients of the shard tensors.
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt.core.nn import dropout_modules, dropout_states, graph_parameters, restore_dropout_states
-from mpirt.core.tensor import Function, Tensor, enable_grad, no_grad
+from mpirt.core.recompute import Rerun
+from mpirt.core.tensor import Tensor, enable_grad
 
 
 def plan_units(opt, units, probe_len: int = 1):
-    """The :class:`_Unit` list of ``opt`` (a stage-3 ZeroOptimizer) and its parameter groups (lists
+    """The :class:`ShardedUnit` list of ``opt`` (a stage-3 ZeroOptimizer) and its parameter groups (lists
     of parameters, one per set of units that use the same parameters, in first-use order).
     ``units``: a list of ``(object, method_name)``, or None for the model's embed / h / head;
     ``probe_len``: tokens of the one-row batch the discovery runs (a multiple of tp under
@@ -51,7 +52,7 @@ def plan_units(opt, units, probe_len: int = 1):
     plan = []
     for k, (obj, name) in enumerate(units):
         member = [i for i, (sig, _) in enumerate(groups) if k in sig]
-        plan.append(_Unit(opt, obj, name, member))
+        plan.append(ShardedUnit(opt, obj, name, member))
     return plan, [ps for _, ps in groups]
 
 
@@ -97,46 +98,29 @@ def gathered(opt, group_ids, with_grads: bool = False):
                 p.data, p.grad = opt._placeholder, None
 
 
-class _Unit:
-    """One stage-3 unit: ``obj.<name>`` replaced by a call through :class:`_ZeroUnit`."""
+class ShardedUnit(Rerun):
+    """One stage-3 unit: ``obj.<name>`` replaced by a :class:`~mpirt.core.recompute.Rerun` whose
+    weights are the unit's parameter groups, gathered for the forward and again for the rerun,
+    and whose weight inputs are the groups' shards: the full gradients the rerun's backward
+    leaves in each ``p.grad`` are reduce-scattered (averaged) into the owned chunks."""
+
+    sums_leaf_grads = False  # the full gradients go to p.grad buffers, reduce-scattered per group
 
     def __init__(self, opt, obj, name: str, group_ids: list[int]):
+        super().__init__(getattr(obj, name), dropouts=dropout_modules(obj).values())
         self.opt, self.obj, self.name, self.group_ids = opt, obj, name, group_ids
-        self.original = getattr(obj, name)  # the bound method
 
     def install(self) -> None:
-        def call(*args, **kwargs):
-            shards = [self.opt.groups[i].shard for i in self.group_ids]
-            return _ZeroUnit.apply(*args, *shards, unit=self, n_args=len(args),
-                                   tensor_args=tuple(isinstance(a, Tensor) for a in args), kwargs=kwargs)
-        object.__setattr__(self.obj, self.name, call)
+        """Route ``obj.<name>`` through this unit, once the groups' shards exist."""
+        self.params = tuple(self.opt.groups[i].shard for i in self.group_ids)
+        object.__setattr__(self.obj, self.name, self)
 
+    def weights(self):
+        return gathered(self.opt, self.group_ids)
 
-class _ZeroUnit(Function):
-    """Gather a unit's parameters, run it, free them; in backward gather, recompute, reduce-scatter."""
+    def backward_weights(self):
+        return gathered(self.opt, self.group_ids, with_grads=True)
 
-    def forward(self, *arrays, unit, n_args, tensor_args, kwargs):
-        self.unit, self.kwargs, self.tensor_args = unit, kwargs, tensor_args
-        self.args = arrays[:n_args]
-        self.dropouts = dropout_states(dropout_modules(unit.opt.model).values())
-        with gathered(unit.opt, unit.group_ids), no_grad():
-            out = unit.original(*[Tensor(a) if t else a for a, t in zip(self.args, tensor_args)], **kwargs)
-        if not isinstance(out, Tensor):
-            raise TypeError(f"ZeRO-3 unit {unit.name}: must return one Tensor, got {type(out).__name__}")
-        return out.data
-
-    def backward(self, grad):
-        unit, opt = self.unit, self.unit.opt
-        after = dropout_states(dropout_modules(opt.model).values())
-        restore_dropout_states(self.dropouts)  # replay the forward's dropout masks
-        ins = [Tensor(a, requires_grad=need) if t else a
-               for a, t, need in zip(self.args, self.tensor_args, self.needs_input_grad)]
-        with gathered(opt, unit.group_ids, with_grads=True) as full_grads:
-            with enable_grad():
-                out = unit.original(*ins, **self.kwargs)
-            out.backward(grad)
-            B.synchronize()
-            shard_grads = [opt.comm.reduce_scatter(full_grads[i], op="avg") for i in unit.group_ids]
-        restore_dropout_states(after)
-        arg_grads = [x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in ins]
-        return (*arg_grads, *shard_grads)
+    def weight_grads(self, full_grads: dict) -> tuple:
+        B.synchronize()
+        return tuple(self.opt.comm.reduce_scatter(full_grads[i], op="avg") for i in self.group_ids)
