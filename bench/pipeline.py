@@ -49,7 +49,7 @@ from mpirt.parallel.grid import Grid  # noqa: E402
 from mpirt.core.optim import AdamW  # noqa: E402
 from mpirt.parallel.pipeline.stage import PipelineStage  # noqa: E402
 from mpirt.parallel.pipeline.check import simulate, theoretical_bubble  # noqa: E402
-from mpirt.parallel.pipeline.schedules import F, W, build  # noqa: E402
+from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT, build  # noqa: E402
 from mpirt.models import GPTConfig  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -174,7 +174,8 @@ def main() -> None:
     if world.rank == 0:
         table = [[r["pp"], r["microbatches"], r["schedule"], f"{100 * r['bubble']:.1f}%",
                   f"{100 * r['theory']:.1f}%", f"{100 * r['model']:.1f}%", BC.fmt_spread(r["step_spread_s"]),
-                  f"{r['tokens_per_s']:.0f}", "/".join(f"{1e3 * r['op_s'].get(k, 0):.1f}" for k in (F, "B", W)),
+                  f"{r['tokens_per_s']:.0f}", "/".join(f"{1e3 * r['op_s'].get(k, 0):.1f}"
+                                                            for k in (FORWARD, BACKWARD, WEIGHT)),
                   max(r["peak_stash"]), f"{max(r['peak_stash_bytes']) / 2**20:.1f}",
                   f"{r['vs_1f1b']:.2f}" if "vs_1f1b" in r else ""] for r in results]
         header = ["pp", "m", "schedule", "bubble", "theory", "model", "step ms", "tok/s", "F/B/W ms",

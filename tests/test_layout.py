@@ -84,3 +84,54 @@ def test_model_refusals():
     with pytest.raises(LayoutError, match="^tp: tensor parallelism: tp=8 must divide n_head=4"):
         Layout.resolve(replace(BASE, tp=8), 8).check_model(BASE, tiny)
     Layout.resolve(replace(BASE, tp=2), 2).check_model(BASE, tiny)  # fits
+    mlp = load_model_config("mlp", {})
+    for changes, model, message in [
+        ({"seq_len": tiny.n_positions + 1}, tiny, f"seq_len: {tiny.n_positions + 1} exceeds the model's n_positions"),
+        ({"recompute": "selective"}, mlp, "recompute: model_type 'mlp' names no attention core"),
+        ({"recompute": "full", "recompute_layers": "2,9"}, tiny, "recompute_layers: block 9 does not exist (n_layer=4)"),
+    ]:
+        cfg = replace(BASE, **changes)
+        with pytest.raises(LayoutError) as err:
+            Layout.resolve(cfg, 1).check_model(cfg, model)
+        assert str(err.value).startswith(message) and err.value.key == message.split(":")[0], str(err.value)
+
+
+# (config changes, sizes) -> (stage bounds, recomputed blocks) of the 4-block tiny model
+MODEL_CASES = [
+    ({}, (1, 1, 1), (((0, 4),), ())),
+    ({"recompute": "full"}, (2, 1, 1), (((0, 4),), (0, 1, 2, 3))),
+    ({"recompute": "selective", "recompute_layers": "1,3"}, (1, 1, 2), (((0, 4),), (1, 3))),
+    ({"zero": 3}, (2, 1, 1), (((0, 4),), (0, 1, 2, 3))),                    # ZeRO-3's units always rerun
+    ({"recompute": "full", "recompute_layers": "0-1"}, (1, 2, 1), (((0, 2), (2, 4)), (0, 1))),
+    ({"schedule": "interleaved", "microbatches": 4, "chunks": 2}, (1, 2, 1), (((0, 1), (1, 2), (2, 3), (3, 4)), ())),
+]
+
+
+@pytest.mark.parametrize("changes, sizes, want", MODEL_CASES, ids=str)
+def test_stage_bounds_and_recomputed_blocks(changes, sizes, want):
+    from mpirt.core.modeling import layer_costs
+    from mpirt.parallel.pipeline.partition import partition
+
+    tiny = load_model_config("tiny", {})
+    cfg = replace(BASE, **changes)
+    lay = Layout.of(cfg, dict(zip(("dp", "pp", "tp"), sizes)), tiny)
+    assert (lay.bounds, lay.recomputed) == want
+    if lay.pp > 1:  # the pipeline stage builds from the same partition
+        assert list(lay.bounds) == partition(layer_costs(tiny, cfg.seq_len), lay.stages)
+    assert Layout.of(cfg, lay).bounds == ()  # without the model: none
+
+
+def test_slurm_reads_layout_refusals_as_its_flags():
+    import dataclasses
+
+    from mpirt.run.slurm import JobSpec, SlurmScriptError, job_layout, render
+
+    spec = JobSpec(ntasks_per_node=4, tp=2, model="tiny")
+    assert job_layout(spec) == Layout.of(TrainConfig(), {"dp": 2, "pp": 1, "tp": 2})
+    assert "# Layout: dp 2 x pp 1 x tp 2." in render(spec)
+    for changes, message in [({"tp": 3}, "--dp/--tp/--pp: "), ({"tp": 4, "model": "mlp"}, "--tp: "),
+                             ({"train_args": ["--recompute-layers", "7", "--recompute", "full"]},
+                              "training arguments: recompute_layers: block 7 does not exist (n_layer=4)")]:
+        with pytest.raises(SlurmScriptError) as err:
+            job_layout(dataclasses.replace(spec, **changes))
+        assert str(err.value).startswith(message), str(err.value)

@@ -7,8 +7,8 @@ import pytest
 
 from mpirt.run import schedule as cli
 from mpirt.parallel.pipeline.check import check, format_timeline, simulate, theoretical_bubble
-from mpirt.parallel.pipeline.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action, Schedule,
-                                               ScheduleError, build)
+from mpirt.parallel.pipeline.schedules import (BACKWARD as B, FORWARD as F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
+                                              WEIGHT as W, Action, Schedule, ScheduleError, build)
 
 GRID = [(name, p, m, v)
         for name in ("gpipe", "1f1b", "zb-h1", "interleaved")

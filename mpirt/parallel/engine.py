@@ -45,21 +45,22 @@ class Engine:
     ``cfg``: a :class:`mpirt.run.config.TrainConfig` (layout, schedule, ZeRO stage, recompute, dtype,
     optimizer); ``model_cfg``: any registered model's config; ``dropout_seed``: this dp replica's
     mask seed. ``local``: a prebuilt :class:`PipelineStage` to use instead of building one (tests
-    that pass their own partition or wait mode)."""
+    that pass their own partition or wait mode); ``layout``: the run's resolved
+    :class:`~mpirt.parallel.layout.Layout` with the model (default: resolved here from ``cfg``)."""
 
-    def __init__(self, cfg, model_cfg, grid, dropout_seed: int, local=None):
+    def __init__(self, cfg, model_cfg, grid, dropout_seed: int, local=None, layout: Layout | None = None):
         self.grid, self.cfg = grid, cfg
         self.tp_comm, self.pp_comm, self.dp_comm = grid.comm["tp"], grid.comm["pp"], grid.comm["dp"]
         tp, pp = grid.sizes["tp"], grid.sizes["pp"]
         why = zero_refusal(cfg.zero, tp, pp)
         if why:
             raise ValueError(why)
-        layout = Layout.of(cfg, grid.sizes)
+        layout = layout or Layout.of(cfg, grid.sizes, model_cfg)
         sp = layout.sequence_parallel
         if pp > 1 or local is not None:
             self.local = local or PipelineStage(
                 model_cfg, grid, schedule=cfg.schedule, microbatches=layout.microbatches,
-                chunks=layout.chunks, dtype=cfg.dtype, seed=cfg.seed,
+                chunks=layout.chunks, dtype=cfg.dtype, seed=cfg.seed, split=[hi - lo for lo, hi in layout.bounds],
                 seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
         else:
             self.local = WholeModel(model_cfg, grid, dtype=cfg.dtype, seed=cfg.seed,
@@ -71,7 +72,8 @@ class Engine:
         # ZeRO-3 already reruns every unit in backward (its units keep only their inputs); elsewhere
         # recompute only where it lowers this stage's predicted peak (memory.recompute_pays)
         if cfg.zero < 3 and (local is not None or memory.recompute_pays(cfg, model_cfg, layout, grid.rank)):
-            recompute.apply(self.local.blocks, cfg.recompute, cfg.recompute_layers, attention_core(model_cfg))
+            picked = {i: b for i, b in self.local.blocks.items() if i in layout.recomputed}
+            recompute.apply(picked, cfg.recompute, "", attention_core(model_cfg))  # "": each block given
         counted = count_once(grid.coords["tp"] if tp > 1 else 0, self.local.tied_copy)
         norm_comms = (self.tp_comm, self.pp_comm)  # ranks along them hold different parameters
         hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)

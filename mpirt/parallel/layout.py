@@ -10,10 +10,11 @@ form the predictor and the summaries took before it existed.
 
 :meth:`Layout.resolve` holds the rules of a layout, in one table of checks, each refusal a
 :class:`LayoutError` whose message starts with the key to change (``train.plan_layout`` reports
-it as a ConfigError); :meth:`Layout.check_model` the rules that need the model (stages to fill,
-tensor-parallel sizes). Still beside the code they protect: the field checks of ``config``, the
-grid's own (``grid.check_layout``, called from here), the schedule shapes
-(``schedules.check_shape``, called from here) and the partition's.
+it as a ConfigError, ``mpirt.slurm`` as the flag to change); :meth:`Layout.check_model` the rules
+that need the model (positions, stages to fill, tensor-parallel sizes, recomputation). The
+checks of one value on its own stay with the value: a config field's range in ``config``, the
+grid's arithmetic (``grid.check_layout``), a schedule's shape (``schedules.check_shape``) and a
+user split (``partition``); the rules here call them and name the key.
 """
 from __future__ import annotations
 
@@ -25,7 +26,12 @@ AXES = ("dp", "pp", "tp")
 
 
 class LayoutError(ValueError):
-    """A layout that cannot run; the message starts with the config key to change."""
+    """A layout that cannot run: ``key`` is the config key to change (``dp/pp/tp`` for the axis
+    sizes), ``reason`` why; the message is ``"key: reason"``."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"{key}: {reason}")
+        self.key, self.reason = key, reason
 
 
 def zero_refusal(zero: int, tp: int, pp: int) -> str | None:
@@ -50,7 +56,12 @@ class Layout(Mapping):
 
     ``microbatches``: per step and dp replica, the pipeline schedule's under pp, else
     ``grad_accum``; ``rows``: batch rows per micro-batch; ``chunks``: model chunks per pipeline
-    rank (the interleaved schedule's virtual stages; 1 otherwise)."""
+    rank (the interleaved schedule's virtual stages; 1 otherwise). Resolved with a model
+    (``Layout.of(cfg, sizes, model_cfg)``): ``bounds``, the block range ``[lo, hi)`` of each of the
+    ``stages`` (balanced by FLOPs, :func:`mpirt.parallel.pipeline.partition.partition`; virtual
+    stage ``s`` runs on pp rank ``s % pp`` as chunk ``s // pp``), and ``recomputed``, the global
+    block indices that ``recompute``/``recompute_layers`` pick (every block under ZeRO-3, whose
+    units always rerun); both empty without a model."""
 
     dp: int
     pp: int
@@ -61,65 +72,98 @@ class Layout(Mapping):
     microbatches: int = 1
     chunks: int = 1
     rows: int = 1
+    bounds: tuple = ()
+    recomputed: tuple = ()
 
     @classmethod
-    def of(cls, cfg, sizes) -> "Layout":
+    def of(cls, cfg, sizes, model_cfg=None) -> "Layout":
         """The layout of training config ``cfg`` on ``sizes`` (a mapping with dp, pp and tp, a
-        ``Layout`` too: derived again from ``cfg``, which may differ from the one it came from)."""
+        ``Layout`` too: derived again from ``cfg``, which may differ from the one it came from),
+        with the stage bounds and recomputed blocks of ``model_cfg`` when given (ValueError when
+        its blocks cannot fill the stages: :meth:`check_model` says so in its own words first)."""
+        from mpirt.core import recompute
+        from mpirt.core.modeling import layer_costs
+        from mpirt.parallel.pipeline.partition import partition
+
         dp, pp, tp = (int(sizes[k]) for k in AXES)
         m = (cfg.microbatches or pp) if pp > 1 else cfg.grad_accum
+        chunks = cfg.chunks if pp > 1 and cfg.schedule == "interleaved" else 1
+        bounds = recomputed = ()
+        if model_cfg is not None:
+            n = model_cfg.n_layer
+            bounds = tuple(partition(layer_costs(model_cfg, cfg.seq_len), pp * chunks)) if pp > 1 else ((0, n),)
+            recomputed = tuple(range(n)) if cfg.zero == 3 else \
+                tuple(recompute.chosen(n, cfg.recompute, cfg.recompute_layers))
         return cls(dp=dp, pp=pp, tp=tp, zero=cfg.zero, sequence_parallel=bool(cfg.sequence_parallel and tp > 1),
-                   schedule=cfg.schedule, microbatches=m,
-                   chunks=cfg.chunks if pp > 1 and cfg.schedule == "interleaved" else 1,
-                   rows=cfg.batch_size // dp // m)
+                   schedule=cfg.schedule, microbatches=m, chunks=chunks, rows=cfg.batch_size // dp // m,
+                   bounds=bounds, recomputed=recomputed)
+
+    @staticmethod
+    def axes(world_size: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
+        """``(dp, pp, tp)`` on ``world_size`` ranks, dp derived when 0 (LayoutError ``dp/pp/tp``
+        when the sizes are not positive integers whose product is the world size)."""
+        from mpirt.parallel.grid import check_layout, resolve_dp
+
+        try:
+            dp = resolve_dp(world_size, dp, pp, tp)
+            check_layout(dp, pp, tp, world_size)
+        except ValueError as err:
+            raise LayoutError("dp/pp/tp", str(err)) from None
+        return dp, pp, tp
 
     @classmethod
     def resolve(cls, cfg, world_size: int) -> "Layout":
         """The layout of ``cfg`` on ``world_size`` ranks (dp derived when not given), refusing
         (:class:`LayoutError`) what cannot run. Pure: no communication."""
-        from mpirt.parallel.grid import check_layout, resolve_dp
         from mpirt.parallel.pipeline.schedules import check_shape
 
-        try:
-            dp = resolve_dp(world_size, cfg.dp, cfg.pp, cfg.tp)
-            check_layout(dp, cfg.pp, cfg.tp, world_size)
-        except ValueError as err:
-            raise LayoutError(f"dp/pp/tp: {err}") from None
+        dp = cls.axes(world_size, cfg.dp, cfg.pp, cfg.tp)[0]
         layout = cls.of(cfg, {"dp": dp, "pp": cfg.pp, "tp": cfg.tp})
         why = zero_refusal(cfg.zero, cfg.tp, cfg.pp)
         if why:
-            raise LayoutError(f"zero: {why}")
+            raise LayoutError("zero", why)
         if cfg.pp > 1:
             if cfg.grad_accum > 1:
-                raise LayoutError(f"grad_accum: with pp={cfg.pp} the pipeline's micro-batches replace gradient "
+                raise LayoutError("grad_accum", f"with pp={cfg.pp} the pipeline's micro-batches replace gradient "
                                   f"accumulation; use --microbatches instead of --grad-accum={cfg.grad_accum}")
             m = layout.microbatches
             if (cfg.batch_size // dp) % m:
-                raise LayoutError(f"microbatches: the {cfg.batch_size // dp} rows per data-parallel replica "
+                raise LayoutError("microbatches", f"the {cfg.batch_size // dp} rows per data-parallel replica "
                                   f"(batch_size {cfg.batch_size} / dp {dp}) do not split into {m} micro-batches")
             try:
                 check_shape(cfg.schedule, cfg.pp, m, layout.chunks)
             except ValueError as err:
-                raise LayoutError(f"schedule: {err}") from None
+                raise LayoutError("schedule", str(err)) from None
         if cfg.sequence_parallel and cfg.tp == 1:
-            raise LayoutError("sequence_parallel: needs tp > 1")
+            raise LayoutError("sequence_parallel", "needs tp > 1")
         if cfg.batch_size % (dp * cfg.grad_accum):
-            raise LayoutError(f"batch_size: the global batch {cfg.batch_size} does not divide into dp={dp} x "
+            raise LayoutError("batch_size", f"the global batch {cfg.batch_size} does not divide into dp={dp} x "
                               f"grad_accum={cfg.grad_accum} = {dp * cfg.grad_accum} equal micro-batches")
         return layout
 
     def check_model(self, cfg, model_cfg) -> None:
-        """Refuse (:class:`LayoutError`) a model this layout cannot hold: fewer blocks than
-        pipeline stages, sizes tp does not divide (:func:`mpirt.parallel.tensor.check_model_tp`)."""
+        """Refuse (:class:`LayoutError`) a model this layout cannot hold: a sequence longer than
+        its positions, fewer blocks than pipeline stages, sizes tp does not divide
+        (:func:`mpirt.parallel.tensor.check_model_tp`), recomputation it cannot do."""
+        from mpirt.core.modeling import attention_core
+        from mpirt.core.recompute import parse_layers
         from mpirt.parallel.tensor.axis import check_model_tp
 
+        if cfg.seq_len > model_cfg.n_positions:
+            raise LayoutError("seq_len", f"{cfg.seq_len} exceeds the model's n_positions {model_cfg.n_positions}")
         if self.pp > 1 and model_cfg.n_layer < self.stages:
-            raise LayoutError(f"pp: n_layer={model_cfg.n_layer} cannot fill pp x chunks = {self.stages} pipeline "
+            raise LayoutError("pp", f"n_layer={model_cfg.n_layer} cannot fill pp x chunks = {self.stages} pipeline "
                               "stages")
         try:
             check_model_tp(model_cfg, self.tp, seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
         except ValueError as err:
-            raise LayoutError(f"tp: {err}") from None
+            raise LayoutError("tp", str(err)) from None
+        if cfg.recompute == "selective" and not attention_core(model_cfg):
+            raise LayoutError("recompute", f"model_type {model_cfg.model_type!r} names no attention core for "
+                              "selective recomputation; use full")
+        beyond = sorted(i for i in parse_layers(cfg.recompute_layers) or () if i >= model_cfg.n_layer)
+        if beyond:
+            raise LayoutError("recompute_layers", f"block {beyond[0]} does not exist (n_layer={model_cfg.n_layer})")
 
     # --- the axis sizes, as a mapping ---------------------------------------------------------
     def __getitem__(self, axis: str) -> int:

@@ -27,6 +27,7 @@ from mpirt.data.tokens import split_microbatches
 from mpirt.core.modeling import build_model
 from mpirt.core.nn import dropout_modules, place_dropouts
 from mpirt.parallel import tensor as TP
+from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 from mpirt.core.tensor import no_grad
 
 
@@ -78,7 +79,7 @@ class WholeModel:
         loss_sum = 0.0
         clock = time.perf_counter
         start = clock()
-        op_s, trace = {"F": 0.0, "B": 0.0, "W": 0.0}, []
+        op_s, trace = {FORWARD: 0.0, BACKWARD: 0.0, WEIGHT: 0.0}, []
         try:
             for i, (xm, ym) in enumerate(split_microbatches(x, y, k)):
                 if place is not None:
@@ -91,15 +92,15 @@ class WholeModel:
                     (loss * (loss_scale / k)).backward()
                     t2 = clock()
                 loss_sum += loss.item()
-                op_s["F"] += t1 - t0
-                op_s["B"] += t2 - t1
+                op_s[FORWARD] += t1 - t0
+                op_s[BACKWARD] += t2 - t1
                 mb = i if k > 1 else None  # one micro-batch: its spans are the step's forward and backward
-                trace += [(t0 - start, t1 - start, "F", mb, 0), (t1 - start, t2 - start, "B", mb, 0)]
+                trace += [(t0 - start, t1 - start, FORWARD, mb, 0), (t1 - start, t2 - start, BACKWARD, mb, 0)]
         finally:  # a later forward without a step (by hand) counts calls again
             place_dropouts(self._dropouts, None)
         total = clock() - start
-        self.stats = {"t0": start, "step_s": total, "compute_s": op_s["F"] + op_s["B"], "idle_s": 0.0, "bubble": 0.0,
-                      "op_s": op_s, "op_count": {"F": k, "B": k, "W": 0}, "peak_stash_bytes": 0}
+        self.stats = {"t0": start, "step_s": total, "compute_s": op_s[FORWARD] + op_s[BACKWARD], "idle_s": 0.0,
+                      "bubble": 0.0, "op_s": op_s, "op_count": {FORWARD: k, BACKWARD: k, WEIGHT: 0}, "peak_stash_bytes": 0}
         if self.trace:
             self.stats["trace"] = trace
         return loss_sum / k

@@ -8,6 +8,7 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt.parallel.layout import Layout
+from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -134,11 +135,11 @@ def peak_in_flight(schedule, rank: int, chunk_bytes: list, weight_bytes: list | 
     split = schedule.split_backward
     weight_bytes = weight_bytes if split and weight_bytes is not None else chunk_bytes
     for a in schedule.actions[rank]:
-        if a.op == "F":
+        if a.op == FORWARD:
             live += chunk_bytes[a.chunk]
-        elif a.op == "B":
+        elif a.op == BACKWARD:
             live += weight_bytes[a.chunk] - chunk_bytes[a.chunk] if split else -chunk_bytes[a.chunk]
-        elif a.op == "W":
+        elif a.op == WEIGHT:
             live -= weight_bytes[a.chunk]
         peak = max(peak, live)
     return peak
@@ -204,12 +205,10 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
              checkpoint_gather: bool = False) -> dict:
     """:func:`predict`'s categories with ``cfg.recompute`` applied as it is, and the step's
     activation peak (kept activations plus the backward's transient)."""
-    from mpirt.core import recompute
     from mpirt.core.precision import bytes_per_parameter, compute_dtype
     from mpirt.core.modeling import activation_bytes, layer_costs, num_parameters
-    from mpirt.parallel.pipeline.partition import partition
 
-    lay = Layout.of(cfg, layout)
+    lay = Layout.of(cfg, layout, model_cfg)
     pos = lay.position(rank)
     dp, pp, tp, sp, chunks, rows = lay.dp, lay.pp, lay.tp, lay.sequence_parallel, lay.chunks, lay.rows
     e = np.dtype(cfg.dtype).itemsize  # activations, buffers and gradients travel in the compute/storage dtype
@@ -218,8 +217,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     n_full = num_parameters(model_cfg)
     acts = activation_bytes(model_cfg, batch=rows, seq_len=cfg.seq_len, tp=tp, sequence_parallel=sp, itemsize=e)
     mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
-    picked = set(range(model_cfg.n_layer)) if cfg.zero == 3 else \
-        set(recompute.chosen(model_cfg.n_layer, mode, cfg.recompute_layers))
+    picked = set(lay.recomputed)
 
     def stage_bytes(lo: int, hi: int, first: bool, last: bool, how: str = mode) -> int:
         kept = sum(_kept(acts, how, i in picked) for i in range(lo, hi))
@@ -235,8 +233,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         activations = stage_bytes(0, model_cfg.n_layer, True, True)
         held = range(model_cfg.n_layer)
     else:
-        bounds = partition(costs, pp * chunks, None, "flops")
-        mine = [bounds[c * pp + pos["pp"]] for c in range(chunks)]
+        mine = [lay.bounds[c * pp + pos["pp"]] for c in range(chunks)]
         n_local = sum(costs[0].params * (c == 0 and pos["pp"] == 0) + costs[-1].params * (
             c == chunks - 1 and pos["pp"] == pp - 1) + sum(costs[1 + i].params for i in range(lo, hi))
             for c, (lo, hi) in enumerate(mine)) / tp

@@ -138,27 +138,23 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     grad_accum) for ``model_cfg`` on ``cluster``. ``memory_ranks``: ``"stages"`` (rank 0 and the last
     stage's first rank: the most stashed micro-batches and the logits) or ``"all"``."""
     from mpirt.plan import memory
-    from mpirt.core import recompute
-    from mpirt.core.modeling import flops_per_token, layer_costs, num_parameters
-    from mpirt.parallel.pipeline.partition import partition
+    from mpirt.core.modeling import flops_per_token, layer_costs
     from mpirt.parallel.pipeline.check import simulate
 
-    layout = Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp})
+    layout = Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp}, model_cfg)
     dp, pp, tp, world = layout.dp, layout.pp, layout.tp, layout.world_size
     mach = _Machine(cluster, world, cfg.dtype)
     e = np.dtype(cfg.dtype).itemsize
     sp, chunks, m, rows = layout.sequence_parallel, layout.chunks, layout.microbatches, layout.rows
     costs = layer_costs(model_cfg, cfg.seq_len)
     mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
-    picked = set(range(model_cfg.n_layer)) if cfg.zero == 3 else \
-        set(recompute.chosen(model_cfg.n_layer, mode, cfg.recompute_layers))
+    picked = set(layout.recomputed)
     # the stages: layer indices into `work` per (pp rank, chunk)
     if pp == 1:
         stage_layers = {(0, 0): list(range(len(costs)))}
     else:
-        bounds = partition(costs, pp * chunks, None, "flops")
         stage_layers = {}
-        for s, (lo, hi) in enumerate(bounds):
+        for s, (lo, hi) in enumerate(layout.bounds):
             idx = [1 + i for i in range(lo, hi)]
             if s == 0:
                 idx = [0] + idx
@@ -182,7 +178,6 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         comp = sum(mach.compute(w[op], share) for w in ws)
         return comp, sum(tp_time(w[op]) for w in ws)
 
-    n_full = num_parameters(model_cfg)
     times = {k: {op: pass_time([work[i] for i in v], op) for op in ("F", "B", "W")} for k, v in stage_layers.items()}
     local_params = {r: sum(costs[i].params for (rr, _), v in stage_layers.items() if rr == r for i in v) / tp
                     for r in range(pp)}

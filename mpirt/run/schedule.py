@@ -15,7 +15,8 @@ import argparse
 import sys
 
 from mpirt.parallel.pipeline.check import default_costs, format_timeline, simulate, theoretical_bubble
-from mpirt.parallel.pipeline.schedules import ALIASES, B, F, SCHEDULES, W, ScheduleError, build, canonical_name
+from mpirt.parallel.pipeline.schedules import (ALIASES, BACKWARD, FORWARD, SCHEDULES, WEIGHT, ScheduleError, build,
+                                              canonical_name)
 
 
 def parse_costs(text: str | None, split: bool) -> dict:
@@ -30,7 +31,7 @@ def parse_costs(text: str | None, split: bool) -> dict:
             raise ScheduleError(f"--costs: expected numbers, got {text!r}") from None
         if any(x < 0 for x in values):
             raise ScheduleError(f"--costs: costs must be >= 0, got {text!r}")
-        costs.update(zip((F, B, W), values))
+        costs.update(zip((FORWARD, BACKWARD, WEIGHT), values))
     return costs
 
 
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = simulate(sched, costs)
-    c = ", ".join(f"{k}={costs[k]:g}" for k in (F, B, W) if sched.split_backward or k != W)
+    c = ", ".join(f"{k}={costs[k]:g}" for k in (FORWARD, BACKWARD, WEIGHT) if sched.split_backward or k != WEIGHT)
     print(f"{sched.name}: pp={sched.pp} microbatches={sched.microbatches} chunks={sched.chunks} ({c})")
     print(format_timeline(result) if result.ok or result.timeline else "(no timeline)")
     print()

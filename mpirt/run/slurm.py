@@ -33,7 +33,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
-from mpirt.parallel.grid import check_layout, resolve_dp
+from mpirt.parallel.layout import Layout, LayoutError
 
 EXIT_STOPPED = 75  # mpirt.train: stopped early with a checkpoint
 MPI_TYPES = re.compile(r"pmi2|pmix(_v[2-5])?|cray_shasta")
@@ -224,8 +224,9 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def validate(spec: JobSpec) -> None:
-    """Refuse settings that are malformed or could not be rendered safely, naming the flag."""
+def validate(spec: JobSpec) -> Layout:
+    """Refuse settings that are malformed or could not be rendered safely, naming the flag;
+    returns the job's grid (dp derived when 0) as a :class:`~mpirt.parallel.layout.Layout`."""
     for name, low in (("nodes", 1), ("ntasks_per_node", 1), ("cpus_per_task", 1), ("gpus_per_node", 0),
                       ("dp", 0), ("tp", 1), ("pp", 1), ("notice", 0)):
         v = getattr(spec, name)
@@ -258,16 +259,14 @@ def validate(spec: JobSpec) -> None:
     _need(isinstance(spec.train_args, (list, tuple)) and all(isinstance(a, str) and "\0" not in a
                                                              for a in spec.train_args),
           "train args", "strings without NUL bytes", spec.train_args)
-    world = spec.nodes * spec.ntasks_per_node
     try:
-        dp = resolve_dp(world, spec.dp, spec.pp, spec.tp)
-        check_layout(dp, spec.pp, spec.tp, world)
-    except ValueError as err:
-        raise SlurmScriptError(f"--dp/--tp/--pp: {err} (--nodes {spec.nodes} x --ntasks-per-node "
-                               f"{spec.ntasks_per_node} = {world} ranks)") from None
+        layout = Layout(*Layout.axes(spec.nodes * spec.ntasks_per_node, spec.dp, spec.pp, spec.tp))
+    except LayoutError as err:
+        raise _refusal(spec, err) from None
     if spec.gpus_per_node:
         _need(spec.ntasks_per_node == spec.gpus_per_node, "--ntasks-per-node",
               f"equal to --gpus-per-node {spec.gpus_per_node} (mpirt runs one rank per GPU)", spec.ntasks_per_node)
+    return layout
 
 
 def training_args(spec: JobSpec) -> list[str]:
@@ -284,32 +283,51 @@ def training_args(spec: JobSpec) -> list[str]:
     return train + list(spec.train_args)
 
 
-def check_training_args(spec: JobSpec) -> None:
-    """Read the training arguments as ``mpirt.train`` will (keys, types, values) and check tp
-    against the model where its preset or file can be read here, so that a mistake is refused
-    at render time instead of after a queue wait; SlurmScriptError names the problem."""
+def _refusal(spec: JobSpec, err: LayoutError, model: str = "") -> SlurmScriptError:
+    """A layout refusal in this script's terms: the flag to change when it is one of its own
+    (the grid's sizes with the job's rank count, tp with the model), else the training argument."""
+    if err.key == "dp/pp/tp":
+        return SlurmScriptError(f"--dp/--tp/--pp: {err.reason} (--nodes {spec.nodes} x --ntasks-per-node "
+                                f"{spec.ntasks_per_node} = {spec.nodes * spec.ntasks_per_node} ranks)")
+    if err.key == "tp" and model:
+        return SlurmScriptError(f"--tp: {err.reason} (model {model})")
+    return SlurmScriptError(f"training arguments: {err}")
+
+
+def job_layout(spec: JobSpec) -> Layout:
+    """The :class:`~mpirt.parallel.layout.Layout` of the job's sizes and training arguments, read
+    as ``mpirt.train`` will (keys, types, values) and checked against the model where its preset
+    or file can be read here, so that a mistake is refused at render time instead of after a
+    queue wait (SlurmScriptError names it). The rules that the batch settings take part in wait
+    for the start-up: ``sbatch THIS_SCRIPT --batch-size ...`` may still change them."""
     from mpirt.run.config import ConfigError, parse_args
     from mpirt.core.modeling import load_model_config, missing_model_file
-    from mpirt.parallel.tensor.axis import check_model_tp
     try:
         cfg = parse_args(training_args(spec))
     except ConfigError as err:
         raise SlurmScriptError(f"training arguments: {err}") from None
+    try:
+        sizes = Layout.axes(spec.nodes * spec.ntasks_per_node, cfg.dp, cfg.pp, cfg.tp)
+    except LayoutError as err:
+        raise _refusal(spec, err) from None
+    layout = Layout.of(cfg, dict(zip(("dp", "pp", "tp"), sizes)))
     if missing_model_file(cfg.model):
-        return                       # a model file on the cluster only: mpirt.train checks it at start
+        return layout                # a model file on the cluster only: mpirt.train checks it at start
     try:
         model_cfg = load_model_config(cfg.model, cfg.model_overrides)
     except (ConfigError, ValueError) as err:
         raise SlurmScriptError(f"--model: {err}") from None
     try:
-        check_model_tp(model_cfg, spec.tp, seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
-    except ValueError as err:
-        raise SlurmScriptError(f"--tp: {err} (model {cfg.model})") from None
+        layout.check_model(cfg, model_cfg)
+    except LayoutError as err:
+        raise _refusal(spec, err, cfg.model) from None
+    return layout
 
 
 def render(spec: JobSpec) -> str:
-    """The sbatch script for ``spec`` (validated first; SlurmScriptError names a bad flag)."""
-    validate(spec)
+    """The sbatch script for ``spec`` (validated first, its layout resolved as the run will:
+    SlurmScriptError names a bad flag or training argument)."""
+    layout = validate(spec)
     q = shlex.quote
     world = spec.nodes * spec.ntasks_per_node
     kind = TEMPLATES[spec.template][0] if spec.template in TEMPLATES else "rendered job"
@@ -321,6 +339,7 @@ def render(spec: JobSpec) -> str:
         f"# mpirt training job: {kind}.",
         f"# {spec.nodes} node(s) x {spec.ntasks_per_node} ranks = {world} ranks{gpus}, "
         f"{spec.cpus_per_task} CPUs per rank.",
+        f"# Layout: {layout.describe()}.",
         f"# Written by `{generated}`: regenerate rather than edit.",
         "# Site settings (modules, virtual environment, MPI_TYPE, NCCL/UCX) live in one env file:",
         "# slurm/site.env in the submit directory, or $MPIRT_SITE_ENV (see slurm/site.env.example).",
@@ -435,7 +454,7 @@ def main(argv=None) -> int:
             spec = dataclasses.replace(spec, notice=min(spec.notice, longest_notice(time_seconds(spec.time))))
         try:
             text = render(spec)
-            check_training_args(spec)   # the CLI also reads them as the run will (render() keeps them as text)
+            job_layout(spec)   # the CLI also reads them as the run will (render() keeps them as text)
         except SlurmScriptError as err:
             ap.error(str(err))
     if args.out:

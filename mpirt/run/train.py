@@ -35,7 +35,6 @@ from mpirt.run.distributed import init_distributed, input_fingerprint
 from mpirt.parallel.grid import Grid
 from mpirt.plan.memory import (check_budget, decode_over_budget, format_size, measured_baseline, over_budget_flag,
                                parse_size, predict, recompute_pays)
-from mpirt.core.recompute import parse_layers
 from mpirt.monitor.live import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, tensorboard_writer_class
 from mpirt.monitor.steps import owned_bytes
 from mpirt.core.optim import cosine_lr
@@ -43,7 +42,7 @@ from mpirt.core.precision import LossScaler, is_half
 from mpirt.parallel.engine import Engine
 from mpirt.parallel.layout import Layout, LayoutError
 from mpirt.plan import format_lines as prediction_lines, self_check
-from mpirt.core.modeling import apply_overrides, attention_core, config_from_dict, flops_per_token, load_model_config, \
+from mpirt.core.modeling import apply_overrides, config_from_dict, flops_per_token, load_model_config, \
     missing_model_file, num_parameters, open_hf
 
 
@@ -108,24 +107,16 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
 def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> list[str]:
     """Refuse a run whose data, sequence length or tp does not fit the model, naming the numbers;
     returns notes for the start-up lines (a split whose ids are checked as it is read)."""
-    if cfg.seq_len > model_cfg.n_positions:
-        raise ConfigError(f"seq_len: {cfg.seq_len} exceeds the model's n_positions {model_cfg.n_positions}")
-    if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(f"data: vocabulary {data.vocab_size} of {data.directory} exceeds the model's "
-                          f"vocab_size {model_cfg.vocab_size}")
     try:
         Layout.of(cfg, layout).check_model(cfg, model_cfg)
     except LayoutError as err:
         raise ConfigError(str(err)) from None
+    if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"data: vocabulary {data.vocab_size} of {data.directory} exceeds the model's "
+                          f"vocab_size {model_cfg.vocab_size}")
     if num_eval_batches(data.val, cfg.batch_size, cfg.seq_len) < 1:
         raise ConfigError(f"data: the validation split of {data.directory} holds no batch of {cfg.batch_size} x "
                           f"{cfg.seq_len} tokens to evaluate on")
-    if cfg.recompute == "selective" and not attention_core(model_cfg):
-        raise ConfigError(f"recompute: model_type {model_cfg.model_type!r} names no attention core for selective "
-                          "recomputation; use full")
-    beyond = sorted(i for i in parse_layers(cfg.recompute_layers) or () if i >= model_cfg.n_layer)
-    if beyond:
-        raise ConfigError(f"recompute_layers: block {beyond[0]} does not exist (n_layer={model_cfg.n_layer})")
     return data.check_ids(model_cfg.vocab_size)  # last: it may read a small split without a record
 
 
@@ -264,11 +255,10 @@ def check_resumed_model(cfg, resumed, data: TokenDataset) -> None:
                           f"--out-dir for a new run, or --init-from to start the new model from these weights")
 
 
-def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, end_step: int,
+def banner(ctx, cfg, layout: Layout, model_cfg, data, out: Path, start_step: int, end_step: int,
            engine_name: str, predicted_peak: int) -> str:
     """The start-up lines on rank 0: enough to see a wrong launch before a long run starts."""
     launch = jobctl.launcher_info()
-    lay = Layout.of(cfg, layout).describe()
     where = f"resuming {cfg.init_from} at step {start_step}" if start_step else "fresh start"
     stops = []
     if cfg.ckpt_interval:
@@ -276,7 +266,7 @@ def banner(ctx, cfg, layout: dict, model_cfg, data, out: Path, start_step: int, 
     if cfg.ckpt_minutes:
         stops.append(f"every {cfg.ckpt_minutes:g} min")
     lines = [
-        f"mpirt: world_size {ctx.size} ({launch['name']}, PMI {launch['pmi']}), layout {lay}",
+        f"mpirt: world_size {ctx.size} ({launch['name']}, PMI {launch['pmi']}), layout {layout.describe()}",
         f"mpirt: backend {ctx.backend}, comm engine {engine_name}, threads/rank {ctx.threads} "
         f"(OpenBLAS {ctx.blas_threads if ctx.blas_threads is not None else 'not found'}; {ctx.blas_note}), "
         f"comm timeout " + (f"{comm_timeout(cfg, model_cfg):.0f} s" if comm_timeout(cfg, model_cfg) else "off"),
@@ -417,6 +407,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         sys.exit(jobctl.EXIT_REFUSED)
     comm.start_watchdog(comm_timeout(cfg, model_cfg))  # a stuck call, or a rank exiting alone, ends the job
     stops = EARLY_STOPS or jobctl.StopRequests().install()
+    layout = Layout.of(cfg, layout, model_cfg)  # the final config's, with the model's stages and recomputed blocks
     grid = Grid(layout["dp"], layout["pp"], layout["tp"])
     dp = grid.sizes["dp"]
     is_main = ctx.rank == 0
@@ -429,7 +420,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
 
     B.limit_pool(parse_size(cfg.memory_budget))  # on a GPU the pool itself holds the budget
     # one dropout seed for every rank: the masks depend on each element's place in the global batch
-    engine = Engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed("dropout", rank=0))
+    engine = Engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed("dropout", rank=0), layout=layout)
     optimizer = engine.optimizer
     scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window) if cfg.dtype == "float16" else None
     start_step = 0
@@ -659,7 +650,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         # the grid and every other layout setting (the checkpoint's extra keeps the grid alone)
         "layout": {**summary_layout, "zero": cfg.zero, "sequence_parallel": cfg.sequence_parallel,
                    "schedule": cfg.schedule if layout["pp"] > 1 else None,
-                   "microbatches": Layout.of(cfg, layout).microbatches if layout["pp"] > 1 else None,
+                   "microbatches": layout.microbatches if layout["pp"] > 1 else None,
                    "recompute": cfg.recompute},
         "num_parameters": num_parameters(model_cfg),
         "skipped_steps": sum(1 for r in metrics.records if r.get("skipped")),
@@ -694,7 +685,7 @@ def end_block(summary: dict, out: Path, start_step: int) -> str:
              + (f", {s['skipped_steps']} steps skipped (non-finite)" if s["skipped_steps"] else ""),
              f"mpirt:   {s['tokens_per_s']:,.0f} tokens/s, step {1e3 * s['step_time_s']:.1f} ms (median), "
              f"MFU {100 * s['mfu']:.1f}%, peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB (largest rank)",
-             f"mpirt:   checkpoint " + (f"{out / 'ckpt'} (step {s['last_checkpoint_step']})"
+             "mpirt:   checkpoint " + (f"{out / 'ckpt'} (step {s['last_checkpoint_step']})"
                                        if s["last_checkpoint_step"] is not None else "none")
              + f", summary {out / 'summary.json'}, metrics {out / 'metrics'}/"] + monitor_lines(s, out)
     lines += [f"mpirt:   model: {line}" for line in prediction_lines(s.get("prediction"))]

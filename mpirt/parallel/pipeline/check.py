@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mpirt.parallel.pipeline.schedules import (B, COMM, COMPUTE, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Schedule,
+from mpirt.parallel.pipeline.schedules import (BACKWARD, COMM, COMPUTE, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, WEIGHT, Schedule,
                                                ScheduleError, canonical_name)
 
 
 def default_costs(split_backward: bool) -> dict:
     """Unit costs: F = 1, B = 2 (input and weight gradient), or B = W = 1 when split."""
-    return {F: 1, B: 1, W: 1} if split_backward else {F: 1, B: 2, W: 0}
+    return {FORWARD: 1, BACKWARD: 1, WEIGHT: 1} if split_backward else {FORWARD: 1, BACKWARD: 2, WEIGHT: 0}
 
 
 @dataclass
@@ -66,7 +66,7 @@ def _structure_errors(s: Schedule) -> list:
     p, m, v, last = s.pp, s.microbatches, s.chunks, s.num_stages - 1
     if len(s.actions) != p:
         return [f"schedule has {len(s.actions)} action lists for pp={p}"]
-    backward = any(a.op == B for acts in s.actions for a in acts)
+    backward = any(a.op == BACKWARD for acts in s.actions for a in acts)
     for r, acts in enumerate(s.actions):
         seen = {}  # (op, mb, chunk) -> position
         for i, a in enumerate(acts):
@@ -95,27 +95,27 @@ def _structure_errors(s: Schedule) -> list:
                 st = s.stage(r, c)
                 pos = {op: seen.get((op, mb, c)) for op in COMPUTE + COMM}
                 tag = f"rank {r}: mb={mb}" + (f" chunk={c}" if v > 1 else "")
-                if pos[F] is None:
+                if pos[FORWARD] is None:
                     errs.append(f"{tag}: no F")
                     continue
-                if st > 0 and (pos[RECV_ACT] is None or pos[RECV_ACT] > pos[F]):
+                if st > 0 and (pos[RECV_ACT] is None or pos[RECV_ACT] > pos[FORWARD]):
                     errs.append(f"{tag}: F runs without a recv act before it")
-                if st < last and (pos[SEND_ACT] is None or pos[SEND_ACT] < pos[F]):
+                if st < last and (pos[SEND_ACT] is None or pos[SEND_ACT] < pos[FORWARD]):
                     errs.append(f"{tag}: F's output has no send act after it")
                 if not backward:
                     continue
-                if pos[B] is None:
+                if pos[BACKWARD] is None:
                     errs.append(f"{tag}: no B")
                     continue
-                if pos[B] < pos[F]:
+                if pos[BACKWARD] < pos[FORWARD]:
                     errs.append(f"{tag}: B before F")
-                if st < last and (pos[RECV_GRAD] is None or pos[RECV_GRAD] > pos[B]):
+                if st < last and (pos[RECV_GRAD] is None or pos[RECV_GRAD] > pos[BACKWARD]):
                     errs.append(f"{tag}: B runs without a recv grad before it")
-                if st > 0 and (pos[SEND_GRAD] is None or pos[SEND_GRAD] < pos[B]):
+                if st > 0 and (pos[SEND_GRAD] is None or pos[SEND_GRAD] < pos[BACKWARD]):
                     errs.append(f"{tag}: B's input gradient has no send grad after it")
-                if s.split_backward and pos[W] is None:
+                if s.split_backward and pos[WEIGHT] is None:
                     errs.append(f"{tag}: split backward but no W")
-                if pos[W] is not None and (not s.split_backward or pos[W] < pos[B]):
+                if pos[WEIGHT] is not None and (not s.split_backward or pos[WEIGHT] < pos[BACKWARD]):
                     errs.append(f"{tag}: W " + ("before B" if s.split_backward else "in a schedule without split backward"))
     return errs
 
@@ -138,7 +138,7 @@ def simulate(s: Schedule, costs=None, latency: float = 0.0) -> SimResult:
     timeline = [[] for _ in range(p)]
     sent: dict = {}       # (src, dst, kind) -> [(mb, sender stage, time, action)]
     taken: dict = {}      # (src, dst, kind) -> number consumed
-    release = W if s.split_backward else B
+    release = WEIGHT if s.split_backward else BACKWARD
     progress = True
     while progress:
         progress = False
@@ -151,7 +151,7 @@ def simulate(s: Schedule, costs=None, latency: float = 0.0) -> SimResult:
                     clock[r] += cost(r, a)
                     busy[r] += clock[r] - t0
                     timeline[r].append((t0, clock[r], a))
-                    if a.op == F:
+                    if a.op == FORWARD:
                         stash[r] += 1
                         peak[r] = max(peak[r], stash[r])
                     if a.op == release:
@@ -220,7 +220,7 @@ def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int = 1, c
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1)
     c = costs or default_costs(True)
-    work, gap = m * (c[F] + c[B] + c[W]), (p - 1) * max(c[F] + c[B] - c[W], 0)
+    work, gap = m * (c[FORWARD] + c[BACKWARD] + c[WEIGHT]), (p - 1) * max(c[FORWARD] + c[BACKWARD] - c[WEIGHT], 0)
     return gap / (work + gap)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt.plan.memory import kept_bytes
-from mpirt.parallel.pipeline.schedules import F, W, Action, Schedule
+from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from mpirt.core.tensor import Tensor
 
 TAG_ACT, TAG_GRAD, TAG_TIED = 11, 12, 13
@@ -78,8 +78,8 @@ class PipelineExecutor:
 
         stash, inbox, outbox, wpasses, sends = {}, {}, {}, {}, []
         losses = [0.0] * self.m
-        op_time = {F: 0.0, "B": 0.0, W: 0.0}
-        op_count = {F: 0, "B": 0, W: 0}
+        op_time = {FORWARD: 0.0, BACKWARD: 0.0, WEIGHT: 0.0}
+        op_count = {FORWARD: 0, BACKWARD: 0, WEIGHT: 0}
         recv_wait = 0.0
         trace = [] if self.trace else None
         live = peak = 0
@@ -119,7 +119,7 @@ class PipelineExecutor:
                     sends.append(comm.isend(data, a.peer, TAG_ACT if a.kind == "act" else TAG_GRAD))
             else:
                 t0 = time.perf_counter()
-                if a.op == F:
+                if a.op == FORWARD:
                     buf = inbox.pop(("act",) + key) if s > 0 else None
                     inp = Tensor(buf, requires_grad=training) if buf is not None else None
                     out, loss = self._forward(a.chunk, a.mb, inp, xs, ys)
@@ -136,7 +136,7 @@ class PipelineExecutor:
                         peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
                     elif buf is not None:
                         self._pool["act"].append(buf)
-                elif a.op == "B":
+                elif a.op == BACKWARD:
                     entry = stash[key]
                     g = inbox.pop(("grad",) + key) if s < last else None
                     entry[3] = g
@@ -156,7 +156,7 @@ class PipelineExecutor:
                 op_count[a.op] += 1
                 if trace is not None:
                     trace.append((t0 - t_start, t1 - t_start, a.op, a.mb, a.chunk))
-            if sends and a.op in (F, "B", W):
+            if sends and a.op in (FORWARD, BACKWARD, WEIGHT):
                 sends = [h for h in sends if not h.test()]  # drives MPI progress of the sends
         t0 = time.perf_counter()
         for h in sends:

@@ -29,9 +29,11 @@ Pure Python: no MPI, no NumPy. ``python -m mpirt.schedule`` is the command line.
 
 from dataclasses import dataclass
 
-F, B, W = "F", "B", "W"
+# the actions, spelled out; their values are the zero-bubble paper's letters, which timelines and
+# summaries print
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
-COMPUTE = (F, B, W)
+COMPUTE = (FORWARD, BACKWARD, WEIGHT)
 COMM = (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)
 # The schedule names, one set for every entry point (``mpirt.train --schedule``, the config's
 # ``schedule`` key, ``python -m mpirt.schedule``, :func:`build`): the canonical names, which help
@@ -106,7 +108,7 @@ class Schedule:
 
     def forward_only(self) -> "Schedule":
         """The same forward order without backward: for evaluation."""
-        order = [[a for a in self.compute(r) if a.op == F] for r in range(self.pp)]
+        order = [[a for a in self.compute(r) if a.op == FORWARD] for r in range(self.pp)]
         return Schedule(self.name + "/forward", self.pp, self.microbatches, self.chunks,
                         add_communication(order, self.pp, self.chunks, backward=False), False)
 
@@ -150,7 +152,7 @@ def check_shape(name: str, pp: int, microbatches: int, chunks: int = 1) -> None:
 
 def gpipe_order(p: int, m: int) -> list:
     """All forwards, then all backwards (micro-batch order): m activations stashed per stage."""
-    return [[Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)] for _ in range(p)]
+    return [[Action(FORWARD, i) for i in range(m)] + [Action(BACKWARD, i) for i in range(m)] for _ in range(p)]
 
 
 def one_f_one_b_order(p: int, m: int) -> list:
@@ -159,10 +161,10 @@ def one_f_one_b_order(p: int, m: int) -> list:
     order = []
     for r in range(p):
         warm = min(p - r - 1, m)
-        seq = [Action(F, i) for i in range(warm)]
+        seq = [Action(FORWARD, i) for i in range(warm)]
         for i in range(m - warm):
-            seq += [Action(F, warm + i), Action(B, i)]
-        seq += [Action(B, i) for i in range(m - warm, m)]
+            seq += [Action(FORWARD, warm + i), Action(BACKWARD, i)]
+        seq += [Action(BACKWARD, i) for i in range(m - warm, m)]
         order.append(seq)
     return order
 
@@ -179,10 +181,10 @@ def interleaved_order(p: int, m: int, v: int) -> list:
     order = []
     for r in range(p):
         warm = total if m == p else min(2 * (p - r - 1) + (v - 1) * p, total)
-        seq = [Action(F, *ident(k, False)) for k in range(warm)]
+        seq = [Action(FORWARD, *ident(k, False)) for k in range(warm)]
         for k in range(total - warm):
-            seq += [Action(F, *ident(warm + k, False)), Action(B, *ident(k, True))]
-        seq += [Action(B, *ident(k, True)) for k in range(total - warm, total)]
+            seq += [Action(FORWARD, *ident(warm + k, False)), Action(BACKWARD, *ident(k, True))]
+        seq += [Action(BACKWARD, *ident(k, True)) for k in range(total - warm, total)]
         order.append(seq)
     return order
 
@@ -202,22 +204,22 @@ def zb_h1_order(p: int, m: int) -> list:
         return _zb_greedy_order(p, m)
     order = []
     for r in range(p):
-        count, seq = {F: 0, B: 0, W: 0}, []
+        count, seq = {FORWARD: 0, BACKWARD: 0, WEIGHT: 0}, []
 
         def run(*ops):
             for op in ops:
                 seq.append(Action(op, count[op]))
                 count[op] += 1
 
-        run(*[F] * (p - r - 1))
+        run(*[FORWARD] * (p - r - 1))
         for _ in range(r):
-            run(F, B)
-        run(F)
+            run(FORWARD, BACKWARD)
+        run(FORWARD)
         for _ in range(m - p):
-            run(B, W, F)
+            run(BACKWARD, WEIGHT, FORWARD)
         for _ in range(p - r - 1):
-            run(B, W)
-        run(B, *[W] * (r + 1))
+            run(BACKWARD, WEIGHT)
+        run(BACKWARD, *[WEIGHT] * (r + 1))
         order.append(seq)
     return order
 
@@ -238,13 +240,13 @@ def _zb_greedy_order(p: int, m: int) -> list:
             if i < nf[r] and f_end[r][i] <= t and (r == p - 1 or (b_end[r + 1][i] or t + 1) <= t):
                 b_end[r][i] = t + 1
                 nb[r] += 1
-                order[r].append(Action(B, i))
+                order[r].append(Action(BACKWARD, i))
             elif j < m and nf[r] - nw[r] < p and (r == 0 or (f_end[r - 1][j] or t + 1) <= t):
                 f_end[r][j] = t + 1
                 nf[r] += 1
-                order[r].append(Action(F, j))
+                order[r].append(Action(FORWARD, j))
             elif nw[r] < nb[r]:
-                order[r].append(Action(W, nw[r]))
+                order[r].append(Action(WEIGHT, nw[r]))
                 nw[r] += 1
         t += 1
     return order
@@ -259,13 +261,13 @@ def add_communication(order: list, p: int, v: int = 1, backward: bool = True) ->
         acts = []
         for a in seq:
             s = a.chunk * p + r
-            if a.op == F:
+            if a.op == FORWARD:
                 if s > 0:
                     acts.append(Action(RECV_ACT, a.mb, a.chunk, (r - 1) % p))
                 acts.append(a)
                 if s < last:
                     acts.append(Action(SEND_ACT, a.mb, a.chunk, (r + 1) % p))
-            elif a.op == B:
+            elif a.op == BACKWARD:
                 if s < last and backward:
                     acts.append(Action(RECV_GRAD, a.mb, a.chunk, (r + 1) % p))
                 acts.append(a)
