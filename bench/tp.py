@@ -19,7 +19,7 @@ same ``8 b s h (t-1)/t`` plus ``2 b s h (t-1)/t`` for re-gathering the two colum
 in backward (Megatron's choice, which saves their memory).
 
 Memory per rank: parameters, gradients and AdamW state (this rank's shards) and the activations
-kept for backward (:func:`mpirt.plan.memory.kept_bytes`) against the model's formula
+kept for backward (:func:`mpirt.core.nn.kept_bytes`) against the model's formula
 (:func:`mpirt.core.modeling.activation_bytes`). Prints a table and writes bench/results/tp.{md,json}
 (rank 0).
 """
@@ -44,7 +44,7 @@ from mpi4py import MPI  # noqa: E402
 
 from mpirt import comm as C  # noqa: E402
 from mpirt.comm import Comm  # noqa: E402
-from mpirt.plan.memory import kept_bytes  # noqa: E402
+from mpirt.core.nn import kept_bytes  # noqa: E402
 from mpirt.core.modeling import activation_bytes  # noqa: E402
 from mpirt.core.optim import AdamW  # noqa: E402
 from mpirt.parallel import tensor as TP  # noqa: E402

@@ -33,7 +33,7 @@ from mpirt.models.model_config import GPTConfig
 from mpirt.models.gpt import param_shapes
 from mpirt.models.presets import _read_hf
 from mpirt.checkpoint.store import BoxReader, CheckpointError
-from mpirt.run.config import ConfigError
+from mpirt.core.settings import ConfigError
 from mpirt.checkpoint.tensorfile import SafetensorsFile, TensorFileError
 
 SINGLE_FILE = "model.safetensors"

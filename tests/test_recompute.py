@@ -9,7 +9,7 @@ import pytest
 
 from conftest import run_module
 from mpirt.core import recompute
-from mpirt.plan.memory import kept_bytes
+from mpirt.core.nn import kept_bytes
 from mpirt.core.modeling import activation_bytes, attention_core, build_model, load_model_config
 from mpirt.core.tensor import Tensor
 

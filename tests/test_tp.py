@@ -19,7 +19,7 @@ from mpirt import comm as C
 from mpirt.core import ops
 from mpirt.data.tokens import get_batch
 from mpirt.parallel.grid import Grid
-from mpirt.plan.memory import kept_bytes
+from mpirt.core.nn import kept_bytes
 from mpirt.core.modeling import activation_bytes
 from mpirt.core.nn import ShardSpec
 from mpirt.core.optim import AdamW

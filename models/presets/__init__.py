@@ -16,8 +16,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from mpirt.core import modeling
-from mpirt.run.config import ConfigError, check_model_values, convert_value, field_types, \
-    unknown_key_error
+from mpirt.core.modeling import check_model_values
+from mpirt.core.settings import ConfigError, convert_value, field_types, unknown_key_error
 from mpirt.models.model_config import GPTConfig
 
 PRESET_DIR = Path(__file__).parent

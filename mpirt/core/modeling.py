@@ -47,6 +47,7 @@ import mpirt.core.backend as B
 from mpirt.core import ops
 from mpirt.checkpoint.store import BoxReader
 from mpirt.core.nn import Dropout, Module
+from mpirt.core.settings import ConfigError
 from mpirt.core.tensor import Tensor
 
 MODELS: dict[str, type] = {}
@@ -311,6 +312,25 @@ def apply_overrides(cfg, overrides: dict):
     if bad:
         raise ValueError(f"model.{bad[0]}: model_type {cfg.model_type!r} has no field {bad[0]!r}")
     return dataclasses.replace(cfg, **overrides)
+
+
+def check_model_values(values: dict, prefix: str = "", where: str = "") -> None:
+    """Range-check the model config fields present in ``values``; errors name ``prefix + key``."""
+    for key, v in values.items():
+        if key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner"):
+            ok, rule = (v >= 1 if v is not None else key == "n_inner"), ">= 1"
+        elif key.endswith("_pdrop"):
+            ok, rule = 0 <= v < 1, "in [0, 1)"
+        elif key in ("layer_norm_epsilon", "rms_norm_eps", "rope_theta"):
+            ok, rule = v > 0, "> 0"
+        elif key == "initializer_range":
+            ok, rule = v >= 0, ">= 0"
+        elif key == "model_type":
+            ok, rule = v in model_types(), "one of " + ", ".join(model_types())
+        else:
+            continue
+        if not ok:
+            raise ConfigError(f"{prefix}{key}: must be {rule}, got {v!r}{where}")
 
 
 def attention_core(cfg) -> str:

@@ -315,6 +315,49 @@ def graph_parameters(root: Tensor) -> list:
     return list(found.values())
 
 
+def _array_base(a):
+    """The array that owns ``a``'s memory (a view's base, followed to the end)."""
+    while getattr(a, "base", None) is not None:
+        a = a.base
+    return a
+
+
+def _arrays_in(value):
+    """The NumPy/CuPy arrays in ``value``: itself, or inside (nested) tuples and lists."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _arrays_in(v)
+    elif isinstance(value, np.ndarray) or B.is_device_array(value):
+        yield value
+
+
+def kept_bytes(root) -> int:
+    """Bytes of the activations the graph behind the Tensor ``root`` keeps alive until backward:
+    arrays its Functions saved, the data of leaf Tensors that are inputs of one of them (an op's
+    output is held only as its producer, :class:`mpirt.core.tensor.Edge`) and ``root``'s own, each
+    buffer once; parameters are left out.
+    Call before backward: this is what a pipeline stash or a step's forward holds per micro-batch."""
+    found: dict[int, int] = {}
+    params: set[int] = set()
+
+    def add(a):
+        base = _array_base(a)
+        found[id(base)] = int(base.nbytes)
+
+    add(root.data)
+    for fn in graph_functions(root):
+        for key, value in vars(fn).items():
+            if key not in ("inputs", "needs_input_grad"):
+                for a in _arrays_in(value):
+                    add(a)
+        for x in fn.inputs:
+            if isinstance(x, Parameter):
+                params.add(id(_array_base(x.data)))
+            elif isinstance(x, Tensor) and x._ctx is None:
+                add(x.data)
+    return sum(n for k, n in found.items() if k not in params)
+
+
 class Module:
     """Base class: attributes that are Parameters or Modules are registered in order."""
 

@@ -260,7 +260,7 @@ def graph_functions(root: Tensor) -> list[Function]:
     """The Functions of the autograd graph behind ``root``, each once, each after every Function
     feeding it (backward runs them in reverse). Empty for a leaf or a Tensor computed without a
     graph (``no_grad``). The one walker of the graph: what a graph keeps alive
-    (:func:`mpirt.plan.memory.kept_bytes`) and which Parameters it reads (:func:`mpirt.core.nn.graph_parameters`)
+    (:func:`mpirt.core.nn.kept_bytes`) and which Parameters it reads (:func:`mpirt.core.nn.graph_parameters`)
     are read from its list."""
     order, seen, stack = [], set(), [(root._ctx, False)] if root._ctx is not None else []
     while stack:

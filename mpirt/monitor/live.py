@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import mpirt.core.backend as B
-from mpirt.monitor.steps import owned_bytes
+from mpirt.monitor import flops, gpu, steps
+from mpirt.monitor.steps import aggregate, owned_bytes
 
 
 def format_seconds(seconds: float) -> str:
@@ -176,7 +177,6 @@ class RunMonitor:
     """
 
     def __init__(self, cfg, ctx, grid, engine, model_cfg, out: Path, start_step: int, flops_per_step: float):
-        from mpirt.monitor import flops, gpu as gpumon, steps as stepstats
         from mpirt.cpu import threads
         from mpirt.parallel.layout import Layout
         from mpirt.monitor.trace import TraceRecorder
@@ -209,10 +209,10 @@ class RunMonitor:
         label = f"rank {ctx.rank} (dp {coords['dp']}, pp {coords['pp']}, tp {coords['tp']})"
         if cfg.trace_steps:
             self.trace = TraceRecorder(ctx.rank, label, self.origin, start_step + 2, cfg.trace_steps)
-        self.stepmon = stepstats.StepMonitor(self.trace)
-        self.interval_stats, self.run_stats = stepstats.Interval(), stepstats.Interval()
+        self.stepmon = steps.StepMonitor(self.trace)
+        self.interval_stats, self.run_stats = steps.Interval(), steps.Interval()
         self.first_step = start_step + 1
-        self.gpu, self.gpu_note = gpumon.start()
+        self.gpu, self.gpu_note = gpu.start()
         self.tb = _TensorBoard(out / "tensorboard") if self.is_main else None
         self.tb_note = self.tb.note if self.tb else ""
         self.last_aggregate: dict | None = None
@@ -259,12 +259,10 @@ class RunMonitor:
         progress-line fields (rank 0)."""
         if not self.enabled:
             return {}
-        from mpirt.monitor import gpu as gpumon
-        from mpirt.monitor.steps import aggregate
 
         if self.gpu is not None:
             samples = self.gpu.drain()
-            record.update({k: round(v, 3) for k, v in gpumon.mean(samples).items()})
+            record.update({k: round(v, 3) for k, v in gpu.mean(samples).items()})
             if self.trace is not None:
                 for t, s in samples:
                     if t <= getattr(self, "trace_end", math.inf):
@@ -292,7 +290,6 @@ class RunMonitor:
         memory per rank, the whole run's straggler figures. Returns on rank 0 the summary's
         monitoring fields (the peak and GEMM figures on every rank)."""
         from mpirt.monitor import trace as T
-        from mpirt.monitor.steps import aggregate
 
         out = {"peak_flops_source": self.peak.source, "peak_flops_detail": self.peak.detail,
                "gemm_rate_flops": self.gemm_total,

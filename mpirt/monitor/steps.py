@@ -36,6 +36,7 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt.comm import stats as comm_stats
+from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 
 PARTS = ("data", "forward", "backward", "weight_grad", "bubble", "grad_sync", "optimizer", "injected", "other")
 # the per-rank figures rank 0 gathers every interval (means over the interval's steps)
@@ -134,9 +135,10 @@ class StepMonitor:
         engine's stats (one format for a pipeline stage and the whole model, :mod:`mpirt.parallel.whole`)."""
         op, start = st["op_s"], st["t0"]
         self.peak_stash_bytes = max(self.peak_stash_bytes, st.get("peak_stash_bytes", 0))
-        parts = {"forward": op.get("F", 0.0), "backward": op.get("B", 0.0), "weight_grad": op.get("W", 0.0),
+        parts = {"forward": op.get(FORWARD, 0.0), "backward": op.get(BACKWARD, 0.0),
+                 "weight_grad": op.get(WEIGHT, 0.0),
                  "bubble": st["idle_s"], "grad_sync": st.get("sync_s", 0.0)}
-        names = {"F": "forward", "B": "backward", "W": "weight_grad", "wait": "bubble"}
+        names = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight_grad", "wait": "bubble"}
         for a, b, kind, mb, chunk in st.get("trace", ()):
             label = names.get(kind, kind) + (f" mb{mb}" if mb is not None else "") + (f" c{chunk}" if chunk else "")
             spans.append((label, start + a, start + b))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import time
 
-from mpirt.plan import memory
 from mpirt.core import recompute
 from mpirt.core.modeling import attention_core
 from mpirt.core.optim import AdamW
@@ -46,7 +45,10 @@ class Engine:
     optimizer); ``model_cfg``: any registered model's config; ``dropout_seed``: this dp replica's
     mask seed. ``local``: a prebuilt :class:`PipelineStage` to use instead of building one (tests
     that pass their own partition or wait mode); ``layout``: the run's resolved
-    :class:`~mpirt.parallel.layout.Layout` with the model (default: resolved here from ``cfg``)."""
+    :class:`~mpirt.parallel.layout.Layout` with the model, whose ``recomputed`` blocks this rank
+    recomputes (default: resolved here from ``cfg``, every block the config picks; the training
+    script leaves out the stages where it would not lower the peak,
+    :func:`mpirt.plan.memory.recompute_where_it_pays`)."""
 
     def __init__(self, cfg, model_cfg, grid, dropout_seed: int, local=None, layout: Layout | None = None):
         self.grid, self.cfg = grid, cfg
@@ -69,9 +71,7 @@ class Engine:
         if local is None:
             for part in self.local.dropout_roots:
                 TP.reseed_dropouts(part, dropout_seed, grid.coords["tp"], tp, cfg.sequence_parallel)
-        # ZeRO-3 already reruns every unit in backward (its units keep only their inputs); elsewhere
-        # recompute only where it lowers this stage's predicted peak (memory.recompute_pays)
-        if cfg.zero < 3 and (local is not None or memory.recompute_pays(cfg, model_cfg, layout, grid.rank)):
+        if cfg.zero < 3:  # ZeRO-3 already reruns every unit in backward (its units keep only their inputs)
             picked = {i: b for i, b in self.local.blocks.items() if i in layout.recomputed}
             recompute.apply(picked, cfg.recompute, "", attention_core(model_cfg))  # "": each block given
         counted = count_once(grid.coords["tp"] if tp > 1 else 0, self.local.tied_copy)

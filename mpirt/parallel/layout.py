@@ -202,6 +202,11 @@ class Layout(Mapping):
         :class:`mpirt.parallel.grid.Grid`)."""
         return {"dp": rank // (self.pp * self.tp), "pp": rank // self.tp % self.pp, "tp": rank % self.tp}
 
+    def pipeline_rank(self, block: int) -> int:
+        """The pp rank that holds global block ``block`` (resolved with a model: :attr:`bounds`)."""
+        stage = next(s for s, (lo, hi) in enumerate(self.bounds) if lo <= block < hi)
+        return stage % self.pp
+
     def stage_rank(self, rank: int) -> int:
         """The world rank at dp 0, tp 0 of ``rank``'s pipeline stage."""
         return self.position(rank)["pp"] * self.tp

@@ -1,4 +1,4 @@
-"""Per-rank memory: sizes, what a graph keeps alive, and the peak predicted from the config."""
+"""Per-rank memory: sizes, the process baseline, and the peak predicted from the config."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,6 @@ import re
 
 import numpy as np
 
-import mpirt.core.backend as B
 from mpirt.parallel.layout import Layout
 from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 
@@ -32,52 +31,6 @@ def format_size(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} GiB" if unit == "GiB" else f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
-
-
-def array_base(a):
-    """The array that owns ``a``'s memory (a view's base, followed to the end)."""
-    while getattr(a, "base", None) is not None:
-        a = a.base
-    return a
-
-
-def arrays_in(value):
-    """The NumPy/CuPy arrays in ``value``: itself, or inside (nested) tuples and lists."""
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            yield from arrays_in(v)
-    elif isinstance(value, np.ndarray) or B.is_device_array(value):
-        yield value
-
-
-def kept_bytes(root) -> int:
-    """Bytes of the activations the graph behind the Tensor ``root`` keeps alive until backward:
-    arrays its Functions saved, the data of leaf Tensors that are inputs of one of them (an op's
-    output is held only as its producer, :class:`mpirt.core.tensor.Edge`) and ``root``'s own, each
-    buffer once; parameters are left out.
-    Call before backward: this is what a pipeline stash or a step's forward holds per micro-batch."""
-    from mpirt.core.nn import Parameter
-    from mpirt.core.tensor import Tensor, graph_functions
-
-    found: dict[int, int] = {}
-    params: set[int] = set()
-
-    def add(a):
-        base = array_base(a)
-        found[id(base)] = int(base.nbytes)
-
-    add(root.data)
-    for fn in graph_functions(root):
-        for key, value in vars(fn).items():
-            if key not in ("inputs", "needs_input_grad"):
-                for a in arrays_in(value):
-                    add(a)
-        for x in fn.inputs:
-            if isinstance(x, Parameter):
-                params.add(id(array_base(x.data)))
-            elif isinstance(x, Tensor) and x._ctx is None:
-                add(x.data)
-    return sum(n for k, n in found.items() if k not in params)
 
 
 # =============================================================================================
@@ -166,6 +119,16 @@ def recompute_pays(cfg, model_cfg, layout: dict, rank: int) -> bool:
     first = Layout.of(cfg, layout).stage_rank(rank)
     without = dataclasses.replace(cfg, recompute="none")
     return _predict(cfg, model_cfg, layout, first)[1] < _predict(without, model_cfg, layout, first)[1]
+
+
+def recompute_where_it_pays(cfg, model_cfg, layout: Layout) -> Layout:
+    """``layout`` (resolved with the model) without recomputation on the pipeline ranks where it
+    would not lower the peak (:func:`recompute_pays`): the blocks the engine recomputes."""
+    if cfg.recompute == "none" or cfg.zero == 3 or cfg.recompute_layers:
+        return layout
+    idle = {r for r in range(layout.pp) if not recompute_pays(cfg, model_cfg, layout, r * layout.tp)}
+    return dataclasses.replace(layout, recomputed=tuple(i for i in layout.recomputed
+                                                        if layout.pipeline_rank(i) not in idle))
 
 
 def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,

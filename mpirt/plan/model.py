@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpirt.parallel.layout import Layout
+from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 from mpirt.plan.hardware import Cluster
 from mpirt.plan.work import Work, layer_work, tensors_per_block
 
@@ -141,7 +142,8 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     from mpirt.core.modeling import flops_per_token, layer_costs
     from mpirt.parallel.pipeline.check import simulate
 
-    layout = Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp}, model_cfg)
+    layout = memory.recompute_where_it_pays(  # what the engine runs: with the blocks that recompute
+        cfg, model_cfg, Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp}, model_cfg))
     dp, pp, tp, world = layout.dp, layout.pp, layout.tp, layout.world_size
     mach = _Machine(cluster, world, cfg.dtype)
     e = np.dtype(cfg.dtype).itemsize
@@ -161,9 +163,6 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
             if s == pp * chunks - 1:
                 idx = idx + [len(costs) - 1]
             stage_layers[(s % pp, s // pp)] = idx
-    if cfg.zero < 3 and cfg.recompute != "none":  # stages where it would not lower the peak do not recompute
-        skipped = {r for r in range(pp) if not memory.recompute_pays(cfg, model_cfg, layout, r * tp)}
-        picked -= {i - 1 for (r, _), idx in stage_layers.items() if r in skipped for i in idx}
     split = layout.split_backward
     work = layer_work(model_cfg, costs, rows=rows, seq_len=cfg.seq_len, tp=tp, sp=sp, itemsize=e,
                       recompute=mode, recomputed=picked, split=split)
@@ -174,11 +173,11 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
 
     def pass_time(ws: list, op: str) -> tuple[float, float]:
         """(compute, tp comm) seconds of pass ``op`` over the layers ``ws``."""
-        share = {"F": 1 / 3, "B": 2 / 3, "W": 2 / 3}[op]  # W's bytes: already a third of B's
+        share = {FORWARD: 1 / 3, BACKWARD: 2 / 3, WEIGHT: 2 / 3}[op]  # W's bytes: already a third of B's
         comp = sum(mach.compute(w[op], share) for w in ws)
         return comp, sum(tp_time(w[op]) for w in ws)
 
-    times = {k: {op: pass_time([work[i] for i in v], op) for op in ("F", "B", "W")} for k, v in stage_layers.items()}
+    times = {k: {op: pass_time([work[i] for i in v], op) for op in (FORWARD, BACKWARD, WEIGHT)} for k, v in stage_layers.items()}
     local_params = {r: sum(costs[i].params for (rr, _), v in stage_layers.items() if rr == r for i in v) / tp
                     for r in range(pp)}
 
@@ -206,10 +205,10 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     p2p = coll_time(cluster, "p2p", act_msg, 2, world, _spans_nodes(cluster, "pp", layout)) if pp > 1 else 0.0
     if pp == 1:
         t = times[(0, 0)]
-        parts["forward"] = m * (t["F"][0] + t["F"][1])
-        parts["backward"] = m * (t["B"][0] + t["B"][1])
+        parts["forward"] = m * (t[FORWARD][0] + t[FORWARD][1])
+        parts["backward"] = m * (t[BACKWARD][0] + t[BACKWARD][1])
         bubble, pipe = 0.0, parts["forward"] + parts["backward"]
-        last_b = t["B"][0]
+        last_b = t[BACKWARD][0]
     else:
         sched = layout.pipeline_schedule
 
@@ -220,17 +219,17 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         if not sim.ok:
             raise ValueError(f"schedule {cfg.schedule} pp={pp} m={m} chunks={chunks}: {sim.errors[0]}")
         pipe, bubble = sim.makespan, sim.bubble
-        r0 = {op: sum(times[(0, c)][op][0] + times[(0, c)][op][1] for c in range(chunks)) for op in ("F", "B", "W")}
-        parts.update(forward=m * r0["F"], backward=m * r0["B"], weight_grad=m * r0["W"],
+        r0 = {op: sum(times[(0, c)][op][0] + times[(0, c)][op][1] for c in range(chunks)) for op in (FORWARD, BACKWARD, WEIGHT)}
+        parts.update(forward=m * r0[FORWARD], backward=m * r0[BACKWARD], weight_grad=m * r0[WEIGHT],
                      bubble=sim.makespan - sim.busy[0])
-        last_b = times[(0, 0)]["B"][0]
+        last_b = times[(0, 0)][BACKWARD][0]
         comm["pp"] = {"bytes": 2 * m * chunks * act_msg * (1 if pp > 1 else 0), "s": 2 * m * chunks * p2p}
         stage_bubble = [sim.makespan - b for b in sim.busy]
     # tp comm per rank and step (rank 0's stages)
     for (r, c), v in stage_layers.items():
         if r == 0:
             for i in v:
-                for op in ("F", "B", "W"):
+                for op in (FORWARD, BACKWARD, WEIGHT):
                     comm["tp"]["bytes"] += m * sum(n for _, n in work[i][op].tp)
                     comm["tp"]["s"] += m * tp_time(work[i][op])
     # dp sync: the slowest stage's (the most parameters), overlapping the last backward when it can

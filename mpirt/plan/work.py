@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
+
 
 @dataclass
 class Work:
@@ -128,5 +130,5 @@ def layer_work(model_cfg, costs: list, *, rows: int, seq_len: int, tp: int, sp: 
         if split:  # the weight gradients leave B for W
             w = Work(fwd / tp if kind != "embed" else 0.0, f.gemm_dim, b.ew_bytes / 3, f.ops / 2, [])
             b = Work(b.gemm_flops - w.gemm_flops, b.gemm_dim, b.ew_bytes - w.ew_bytes, b.ops, b.tp)
-        out.append({"F": f, "B": b, "W": w})
+        out.append({FORWARD: f, BACKWARD: b, WEIGHT: w})
     return out

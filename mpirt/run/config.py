@@ -13,14 +13,11 @@ table in the TOML file or ``--model.n_layer=2`` on the command line. Since TOML 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import math
 import sys
 import textwrap
-import types
-import typing
 from dataclasses import dataclass, field
 
 try:
@@ -29,7 +26,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from mpirt.core import modeling
+from mpirt.core.modeling import check_model_values
 from mpirt.core.precision import DTYPES
+from mpirt.core.settings import FALSE_WORDS, TRUE_WORDS, ConfigError, convert_value, field_types, unknown_key_error
 
 BACKENDS = ("auto", "numpy", "cupy")
 # Pipeline schedule names are those of mpirt.parallel.pipeline.schedules (canonical names plus aliases), so
@@ -39,11 +38,6 @@ RESUME = ("", "auto")
 from mpirt.plan.memory import parse_size  # noqa: E402
 from mpirt.core.recompute import MODES as RECOMPUTE, parse_layers  # noqa: E402
 NAN_POLICIES = ("skip", "stop")
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
-class ConfigError(ValueError):
-    """A bad configuration value or key; the message starts with the offending key."""
 
 
 def _opt(default, doc: str):
@@ -219,66 +213,7 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def field_types(cls) -> dict[str, object]:
-    """Map each field of dataclass ``cls`` to its resolved type annotation."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
 _TYPES = {k: t for k, t in field_types(TrainConfig).items() if k != "model_overrides"}
-
-
-def convert_value(key: str, value, typ, *, text: bool = False, where: str = ""):
-    """Return ``value`` as type ``typ`` (int, float, str, bool, or ``X | None``).
-
-    ``text=True`` parses a command-line string; otherwise ``value`` must already have the type
-    (TOML/JSON values; an int is accepted for a float). Raises ConfigError naming ``key``.
-    """
-    options = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
-    if type(None) in options and (value is None or text and value.lower() in ("none", "null")):
-        return None
-    base = next(t for t in options if t is not type(None))
-    try:
-        if text and base is bool:
-            if value.lower() in _TRUE + _FALSE:
-                return value.lower() in _TRUE
-        elif text:
-            out = base(value)
-            if base is not float or math.isfinite(out):
-                return out
-        elif base is float and type(value) in (int, float) and math.isfinite(value):
-            return float(value)
-        elif type(value) is base:
-            return value
-    except ValueError:
-        pass
-    raise ConfigError(f"{key}: expected {base.__name__}, got {value!r}{where}")
-
-
-def unknown_key_error(key: str, known, where: str = "") -> ConfigError:
-    """A ConfigError for an unknown ``key``, suggesting the closest of ``known``."""
-    close = difflib.get_close_matches(key, list(known), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"{key}: unknown key{where}{hint} (see --help)")
-
-
-def check_model_values(values: dict, prefix: str = "", where: str = "") -> None:
-    """Range-check the model config fields present in ``values``; errors name ``prefix + key``."""
-    for key, v in values.items():
-        if key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner"):
-            ok, rule = (v >= 1 if v is not None else key == "n_inner"), ">= 1"
-        elif key.endswith("_pdrop"):
-            ok, rule = 0 <= v < 1, "in [0, 1)"
-        elif key in ("layer_norm_epsilon", "rms_norm_eps", "rope_theta"):
-            ok, rule = v > 0, "> 0"
-        elif key == "initializer_range":
-            ok, rule = v >= 0, ">= 0"
-        elif key == "model_type":
-            ok, rule = v in modeling.model_types(), "one of " + ", ".join(modeling.model_types())
-        else:
-            continue
-        if not ok:
-            raise ConfigError(f"{prefix}{key}: must be {rule}, got {v!r}{where}")
 
 
 def _assign(values: dict, model: dict, key: str, value, *, text: bool, where: str = "") -> None:
@@ -353,7 +288,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         if not eq:
             if _TYPES.get(key) is bool:  # bare flag = true, unless a bool word follows
                 nxt = argv[i].lower() if i < len(argv) else ""
-                value, i = (argv[i], i + 1) if nxt in _TRUE + _FALSE else ("true", i)
+                value, i = (argv[i], i + 1) if nxt in TRUE_WORDS + FALSE_WORDS else ("true", i)
             elif i < len(argv):
                 value, i = argv[i], i + 1
             else:

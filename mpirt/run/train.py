@@ -34,7 +34,7 @@ from mpirt.data.tokens import MetaError, TokenDataset, TokenIdError, default_dat
 from mpirt.run.distributed import init_distributed, input_fingerprint
 from mpirt.parallel.grid import Grid
 from mpirt.plan.memory import (check_budget, decode_over_budget, format_size, measured_baseline, over_budget_flag,
-                               parse_size, predict, recompute_pays)
+                               parse_size, predict, recompute_where_it_pays)
 from mpirt.monitor.live import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, tensorboard_writer_class
 from mpirt.monitor.steps import owned_bytes
 from mpirt.core.optim import cosine_lr
@@ -290,15 +290,14 @@ def banner(ctx, cfg, layout: Layout, model_cfg, data, out: Path, start_step: int
     return "\n".join(lines)
 
 
-def _recompute_skipped(cfg, model_cfg, layout) -> str:
+def _recompute_skipped(cfg, model_cfg, layout: Layout) -> str:
     """The banner's note on the pipeline stages where recomputation would not lower the peak and
-    so does not run (:func:`mpirt.plan.memory.recompute_pays`)."""
-    if cfg.recompute == "none" or cfg.zero == 3:
-        return ""
-    stages = [s for s in range(layout["pp"]) if not recompute_pays(cfg, model_cfg, layout, s * layout["tp"])]
+    so does not run (:func:`mpirt.plan.memory.recompute_where_it_pays` left them out of ``layout``)."""
+    picked = Layout.of(cfg, layout, model_cfg).recomputed
+    stages = sorted({layout.pipeline_rank(i) for i in set(picked) - set(layout.recomputed)})
     if not stages:
         return ""
-    if len(stages) == layout["pp"]:
+    if len(stages) == layout.pp:
         return " (skipped: it would not lower the peak)"
     return f" (not on pp stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}: it would not lower the peak there)"
 
@@ -407,7 +406,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         sys.exit(jobctl.EXIT_REFUSED)
     comm.start_watchdog(comm_timeout(cfg, model_cfg))  # a stuck call, or a rank exiting alone, ends the job
     stops = EARLY_STOPS or jobctl.StopRequests().install()
-    layout = Layout.of(cfg, layout, model_cfg)  # the final config's, with the model's stages and recomputed blocks
+    # the final config's, with the model's stages and the blocks that recompute
+    layout = recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg))
     grid = Grid(layout["dp"], layout["pp"], layout["tp"])
     dp = grid.sizes["dp"]
     is_main = ctx.rank == 0

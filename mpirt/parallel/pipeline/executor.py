@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 import mpirt.core.backend as B
-from mpirt.plan.memory import kept_bytes
+from mpirt.core.nn import kept_bytes
 from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from mpirt.core.tensor import Tensor
 

@@ -46,7 +46,7 @@ The package, one module per concern: :mod:`.axis` (the tp axis, divisibility, vo
 padding), :mod:`.mappings` (``f``/``g`` and the sequence Functions), :mod:`.layers` (parallel modules
 and their fused Functions), :mod:`.loss` (vocabulary-parallel head and cross-entropy),
 :mod:`.parallelize` (:func:`parallelize`, :func:`reseed_dropouts`), :mod:`.slices` (shards and state dicts). Activation bytes: the model's formula
-(:func:`mpirt.core.modeling.activation_bytes`) and :func:`mpirt.plan.memory.kept_bytes`.
+(:func:`mpirt.core.modeling.activation_bytes`) and :func:`mpirt.core.nn.kept_bytes`.
 """
 from __future__ import annotations
 
