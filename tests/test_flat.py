@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from mpirt.core.nn import Parameter, ShardSpec
-from mpirt.parallel.flat import FlatLayout, FlatParams, clip_flat, count_once, sum_squares
+from mpirt.parallel.flat import (FlatLayout, FlatParams, ShardedLayout, clip_flat, count_once, place_shards,
+                                 sum_squares, trainable)
 from mpirt.parallel.shards import _boxes, _flat_boxes, _runs
 from mpirt.parallel.tensor.axis import PaddedParameter, pad_vocab
 
@@ -185,6 +186,46 @@ def test_runs_merge_adjacent_selected_parameters_and_skip_the_others():
         for lo in range(layout.numel + 1):
             for hi in range(lo, layout.numel + 1):
                 assert layout.runs(lo, hi, select) == true_runs(mask[lo:hi]), (chosen, lo, hi)
+
+
+# --- ShardedLayout: the chunks a dp rank owns, several layouts' back to back in one shard ----------
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_sharded_layouts_place_each_ranks_chunks_back_to_back(size):
+    """Three layouts (groups) of SHAPES: each rank's owned chunks, placed back to back, make its
+    shard; the shards of all ranks, chunk by chunk, give every group's flat vector again; shard
+    runs are the chunk's runs moved to the chunk's place in the shard."""
+    params, arrays = make_params(SHAPES)
+    groups = [params[:3], params[3:5], params[5:]]
+    flats = [flat_of([a for p, a in zip(params, arrays) if p in g]) for g in groups]
+    shards = []
+    for rank in range(size):
+        layouts = [ShardedLayout(g, None, rank, size) for g in groups]
+        n = place_shards(layouts)
+        assert [g.shard_offset for g in layouts] == list(itertools.accumulate([0] + [g.hi - g.lo for g in layouts]))[:3]
+        shard = np.concatenate([flat[g.lo:g.hi] for g, flat in zip(layouts, flats)])
+        assert n == shard.size
+        for g, flat in zip(layouts, flats):
+            picked = lambda p: p.name in ("p0", "p4", "p7")  # noqa: E731
+            odd = [(a + g.shard_offset, b + g.shard_offset) for a, b in g.runs(g.lo, g.hi, picked)]
+            assert g.shard_runs(picked) == odd
+            for a, b in odd:  # a shard run holds the selected parameters' elements only
+                assert np.array_equal(shard[a:b], flat[g.lo + a - g.shard_offset:g.lo + b - g.shard_offset])
+        shards.append((layouts, shard))
+    for i, flat in enumerate(flats):
+        rebuilt = np.concatenate([shard[ls[i].shard_offset:ls[i].shard_offset + ls[i].hi - ls[i].lo]
+                                  for ls, shard in shards])
+        assert np.array_equal(rebuilt, flat)
+
+
+def test_trainable_keeps_the_parameters_that_need_gradients_and_refuses_mixtures():
+    params, _ = make_params(SHAPES[:3])
+    params[1].requires_grad = False
+    assert trainable(params, "store") == [params[0], params[2]]
+    with pytest.raises(ValueError, match="^store: a parameter appears twice"):
+        trainable([params[0], params[0]], "store")
+    mixed, _ = make_params([(2,)], dtype="float32")
+    with pytest.raises(ValueError, match=r"^store: all parameters must share one dtype, got \['float32', 'float64'\]"):
+        trainable([params[0], mixed[0]], "store")
 
 
 # --- counting, sums of squares, clipping ------------------------------------------------------------

@@ -377,6 +377,32 @@ def test_rejects_bad_arguments():
         ZeroOptimizer(model, comm, stage=1)
 
 
+def test_the_sharded_store_holds_each_group_once_and_shows_it_only_inside_a_unit():
+    """ZeRO-3's parameter store on one rank: its shard is every group whole, each parameter once;
+    outside a unit a parameter holds no array, gathered it holds its value; the optimizer works
+    over the store it is given, and only at stage 3."""
+    from mpirt.parallel.zero3 import ShardedParams
+
+    comm = Comm(MPI.COMM_SELF, "dp")
+    model = make_model("float64")
+    want = {p.name: p.data.copy() for p in model.parameters()}
+    store = ShardedParams(model, comm)
+    assert store.shard_numel == store.numel == sum(a.size for a in want.values())
+    assert sorted(p.name for g in store.groups for p in g.params) == sorted(want)
+    assert all(p.data.size == 0 and p.grad is None for p in store.params)
+    for i, g in enumerate(store.groups):
+        with store.gathered([i], with_grads=True) as grads:
+            assert all(np.array_equal(p.data, want[p.name]) for p in g.params)
+            assert grads[i].shape == (g.numel,) and all(p.grad.base is grads[i] for p in g.params)
+        assert all(p.data.size == 0 and p.grad is None for p in g.params)
+    opt = ZeroOptimizer(store, comm, stage=3)
+    assert opt.units is store.units and opt.param_shard is store.data and opt.grad_shard is store.grad
+    assert opt.gather_parameters().keys() == want.keys()
+    assert all(np.array_equal(v, want[k]) for k, v in opt.gather_parameters().items())
+    with pytest.raises(ValueError, match="stages 1-2 take the model, parameters or a FlatParams"):
+        ZeroOptimizer(store, comm, stage=1)
+
+
 def test_stage2_streaming_under_an_interleaved_order_loses_no_gradient():
     """Buckets cut across parameters (5 elements, parameters of 4), backward in an interleaved
     pipeline's order (the store's second half, chunk 1, runs micro-batches before the first half

@@ -14,9 +14,10 @@ a :class:`~mpirt.parallel.pipeline.stage.PipelineStage` when pp > 1 (its schedul
 else a :class:`~mpirt.parallel.whole.WholeModel` (the model made tensor parallel by its ``tp_plan``,
 a loop over ``grad_accum`` micro-batches); both present one interface (listed in
 :mod:`mpirt.parallel.whole`), so the engine never asks which it holds.
-Its parameters live in one :class:`~mpirt.parallel.flat.FlatParams` store, and the sync over dp
-is :class:`~mpirt.parallel.ddp.DataParallel` or :class:`~mpirt.parallel.zero.ZeroOptimizer` over
-that store (ZeRO-3 shards per unit instead, with tp but not with pp). Sequence parallelism's
+Its parameters live in one store, :class:`~mpirt.parallel.flat.FlatParams` (ZeRO-3:
+:class:`~mpirt.parallel.zero3.ShardedParams`, sharded per unit group, with tp but not with pp),
+and the sync over dp is :class:`~mpirt.parallel.ddp.DataParallel` or
+:class:`~mpirt.parallel.zero.ZeroOptimizer` over that store. Sequence parallelism's
 partial gradients are summed over tp once, and one global-norm clip counts every element once
 over dp (ZeRO shards), tp and pp (:func:`~mpirt.parallel.flat.clip_flat`).
 """
@@ -36,6 +37,7 @@ from mpirt.parallel.pipeline.stage import PipelineStage
 from mpirt.parallel.shards import load_shards, save_shards
 from mpirt.parallel.whole import WholeModel
 from mpirt.parallel.zero import ZeroOptimizer
+from mpirt.parallel.zero3 import ShardedParams
 
 
 class Engine:
@@ -77,20 +79,23 @@ class Engine:
         counted = count_once(grid.coords["tp"] if tp > 1 else 0, self.local.tied_copy)
         norm_comms = (self.tp_comm, self.pp_comm)  # ranks along them hold different parameters
         hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-        self.ddp = self.store = None
+        self.ddp = None
+        # the parameter store: ZeRO-3's is sharded per unit group, the others hold this rank's part whole
         if cfg.zero == 3:
-            self.optimizer = ZeroOptimizer(self.model, self.dp_comm, stage=3, counted=counted, norm_comms=norm_comms,
-                                           probe_len=tp if sp else 1, init=self.local.init, **hyper)
+            self.store = ShardedParams(self.model, self.dp_comm, counted, init=self.local.init,
+                                       probe_len=tp if sp else 1)
         else:
             self.store = FlatParams(self.local.parameters(), counted, init=self.local.init,
                                     grads=cfg.zero != 2)  # ZeRO-2: a shard only
-            if cfg.zero:  # ZeRO-2 reduces buckets during backward; a pipeline's tied copies wait for the step
-                self.optimizer = ZeroOptimizer(self.store, self.dp_comm, stage=cfg.zero, norm_comms=norm_comms,
-                                               stream_grads=True, held=self.local.held_tied, **hyper)
-            else:
-                if grid.sizes["dp"] > 1:
-                    self.ddp = DataParallel(self.store, self.dp_comm)
-                self.optimizer = AdamW(self.store.params, **hyper)
+        # the dp sync: ZeRO over the store (stage 2 reduces buckets during backward; a pipeline's
+        # tied copies wait for the step), else DataParallel's buckets and AdamW
+        if cfg.zero:
+            self.optimizer = ZeroOptimizer(self.store, self.dp_comm, stage=cfg.zero, norm_comms=norm_comms,
+                                           stream_grads=True, held=self.local.held_tied, **hyper)
+        else:
+            if grid.sizes["dp"] > 1:
+                self.ddp = DataParallel(self.store, self.dp_comm)
+            self.optimizer = AdamW(self.store.params, **hyper)
         self._norm_comms = norm_comms
 
     # --- the step -------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ Every parallel strategy keeps its parameters and gradients here, so the layout i
     store.clip(max_norm, [tp, pp])       # the one global-norm clip (clip_flat; ZeRO: over its shard)
 
 :class:`FlatLayout` is the arithmetic only (offsets, per-parameter views, dp chunks, which
-elements of a range belong to which parameter); ZeRO-3 uses one per unit group.
+elements of a range belong to which parameter); :class:`ShardedLayout` adds the chunk a dp rank
+owns (ZeRO's shards; ZeRO-3's store, :class:`mpirt.parallel.zero3.ShardedParams`, has one per
+unit group).
 :class:`FlatParams` allocates the data and gradient vectors and binds every ``p.data`` and
 ``p.grad`` to its view. The autograd accumulates into ``p.grad`` in place and optimizers zero it
 in place, so the views stay valid; nothing may rebind them (:meth:`FlatParams.check_views`).
@@ -92,6 +94,44 @@ class FlatLayout:
         return out
 
 
+class ShardedLayout(FlatLayout):
+    """A :class:`FlatLayout` chunked over ``size`` dp ranks: rank ``rank`` owns ``[lo, hi)``, which
+    sits at ``shard_offset`` in the rank's shard (its owned chunks of several layouts back to
+    back: :func:`place_shards`)."""
+
+    def __init__(self, params, shapes, rank: int, size: int):
+        super().__init__(params, shapes)
+        self.lo, self.hi = self.chunk(rank, size)
+        self.shard_offset = 0
+        self.shard = None      # ZeRO-3: a leaf Tensor over the owned chunk (data: params, grad: grads)
+
+    def shard_runs(self, select) -> list[tuple[int, int]]:
+        """:meth:`FlatLayout.runs` of the owned chunk, as positions in the rank's shard."""
+        return [(a + self.shard_offset, b + self.shard_offset) for a, b in self.runs(self.lo, self.hi, select)]
+
+
+def place_shards(layouts) -> int:
+    """Lay the owned chunks of ``layouts`` (:class:`ShardedLayout`) back to back in one shard,
+    setting each one's ``shard_offset``; returns the shard's length."""
+    offset = 0
+    for g in layouts:
+        g.shard_offset = offset
+        offset += g.hi - g.lo
+    return offset
+
+
+def trainable(params, who: str) -> list:
+    """The parameters of ``params`` that require gradients, refused (ValueError naming ``who``)
+    when one appears twice or their dtypes differ: one store holds one dtype."""
+    params = [p for p in params if p.requires_grad]
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError(f"{who}: a parameter appears twice")
+    dtypes = sorted({str(p.dtype) for p in params})
+    if len(dtypes) > 1:
+        raise ValueError(f"{who}: all parameters must share one dtype, got {dtypes}")
+    return params
+
+
 class FlatParams(FlatLayout):
     """This rank's parameters in one flat data vector and one flat gradient vector (one dtype).
 
@@ -104,12 +144,7 @@ class FlatParams(FlatLayout):
     a full vector made and dropped at start-up would set the run's peak)."""
 
     def __init__(self, params, counted=None, init=None, grads: bool = True):
-        params = [p for p in params if p.requires_grad]
-        if len({id(p) for p in params}) != len(params):
-            raise ValueError("FlatParams: a parameter appears twice")
-        dtypes = sorted({str(p.dtype) for p in params})
-        if len(dtypes) > 1:
-            raise ValueError(f"FlatParams: all parameters must share one dtype, got {dtypes}")
+        params = trainable(params, "FlatParams")
         super().__init__(params)
         self.dtype = params[0].dtype if params else B.xp.dtype("float32")
         self.counted = counted or (lambda p: True)

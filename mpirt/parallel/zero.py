@@ -28,10 +28,11 @@ the shard that belong to decayed parameters, exactly as AdamW applies it per par
 * Stage 3: the parameters themselves are sharded. Groups follow the model's *units*: for a model
   with the ``embed`` / ``h`` / ``head`` interface of :mod:`mpirt.core.modeling` the units are ``embed``, each
   block and ``head``, and a group is the set of parameters used by the same units (so GPT's tied
-  ``wte`` is its own group, gathered by both ``embed`` and ``head``). Each unit's call gathers
-  its groups, runs and frees them; its backward gathers them again, recomputes the unit (stage 3
-  implies activation recomputation per unit) and reduce-scatters the gradients into the shard
-  (:mod:`mpirt.parallel.zero3`).
+  ``wte`` is its own group, gathered by both ``embed`` and ``head``). The store is
+  :class:`mpirt.parallel.zero3.ShardedParams`: this rank's chunks of the groups, parameters and
+  gradients. Each unit's call gathers its groups, runs and frees them; its backward gathers them
+  again, recomputes the unit (stage 3 implies activation recomputation per unit) and
+  reduce-scatters the gradients into the shard (:mod:`mpirt.parallel.zero3`).
   Outside a unit ``p.data`` is an empty placeholder. Persistent: 16N/dp.
 
 Mixed precision (:mod:`mpirt.core.precision`): with half parameters the shard also holds a float32
@@ -50,42 +51,29 @@ from __future__ import annotations
 import contextlib
 
 import mpirt.core.backend as B
-from mpirt.core.nn import Module, stand_ins
+from mpirt.core.nn import Module
 from mpirt.core.optim import adamw_update
 from mpirt.core.precision import compute_dtype, is_half
 from mpirt.parallel.ddp import broadcast_parameters
 from mpirt.comm import chunk_bounds
-from mpirt.parallel.flat import FlatLayout, FlatParams, allreduce_runs, clip_flat, is_partial, sum_squares
-from mpirt.parallel.zero3 import plan_units
-from mpirt.core.tensor import Tensor
+from mpirt.parallel.flat import (FlatParams, ShardedLayout, allreduce_runs, clip_flat, is_partial, place_shards,
+                                 sum_squares, trainable)
+from mpirt.parallel.zero3 import ShardedParams
 
 
 PIECE_BYTES = 16 << 20  # the update and stage 1's allreduce run over pieces of the shard this large
 BUCKET_BYTES = 4 << 20  # stage 2 reduces the gradients in buckets of about this many bytes
 
 
-class _Group(FlatLayout):
-    """Parameters laid out back to back (a :class:`FlatLayout`), chunked over the dp ranks: this
-    rank owns ``[lo, hi)``, which sits at ``shard_offset`` in its concatenated shard."""
-
-    def __init__(self, params, shapes, rank: int, size: int):
-        super().__init__(params, shapes)
-        self.lo, self.hi = self.chunk(rank, size)
-        self.shard_offset = 0
-        self.shard = None      # stage 3: a leaf Tensor over the chunk (data: params, grad: grads)
-
-    def shard_runs(self, select) -> list[tuple[int, int]]:
-        """:meth:`FlatLayout.runs` of the owned chunk, as positions in the rank's shard."""
-        return [(a + self.shard_offset, b + self.shard_offset) for a, b in self.runs(self.lo, self.hi, select)]
-
-
 class ZeroOptimizer:
     """AdamW sharded over the ranks of ``comm`` (a dp :class:`mpirt.comm.Comm`), ZeRO stage 1-3.
 
-    ``model_or_params``: a Module (required for stage 3), a list of Parameters, or (stages 1-2)
-    the :class:`~mpirt.parallel.flat.FlatParams` store that holds them (a pipeline stage's).
+    ``model_or_params``: the parameter store, :class:`~mpirt.parallel.flat.FlatParams` (stages
+    1-2) or :class:`~mpirt.parallel.zero3.ShardedParams` (stage 3), or a Module (required for
+    stage 3 without a store: the store is made here) or a list of Parameters.
     ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``decay`` (predicate: which parameters are
-    decayed; default ``ndim >= 2``) as :class:`mpirt.core.optim.AdamW`. ``units`` (stage 3 only): a
+    decayed; default ``ndim >= 2``; a prebuilt ShardedParams has emptied ``p.data``: read names or
+    ``global_shape`` there) as :class:`mpirt.core.optim.AdamW`. ``units`` (stage 3 only): a
     list of ``(object, method_name)`` whose calls gather parameters; the default is the model's
     ``embed``, each of ``h`` and ``head``; ``probe_len``: the sequence length their one-time
     parameter discovery runs at (sequence parallelism needs a multiple of tp).
@@ -115,20 +103,17 @@ class ZeroOptimizer:
             raise ValueError(f"ZeroOptimizer: betas must be in [0, 1), got {tuple(betas)}")
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"ZeroOptimizer: lr ({lr}), eps ({eps}) and weight_decay ({weight_decay}) must be >= 0")
-        self.model = model_or_params if isinstance(model_or_params, Module) else None
-        store = model_or_params if isinstance(model_or_params, FlatParams) else None
-        if store is not None:
-            params = store.params
+        if isinstance(model_or_params, (FlatParams, ShardedParams)):
+            store, params = model_or_params, model_or_params.params
         else:
-            params = self.model.parameters() if self.model is not None else list(model_or_params)
-        self.params = [p for p in params if p.requires_grad]
-        if len({id(p) for p in self.params}) != len(self.params):
-            raise ValueError("ZeroOptimizer: a parameter appears twice in params")
-        dtypes = sorted({str(p.dtype) for p in self.params})
-        if len(dtypes) != 1:
-            raise ValueError(f"ZeroOptimizer: all parameters must share one dtype, got {dtypes}")
-        if stage == 3 and self.model is None:
-            raise ValueError("ZeroOptimizer: stage 3 needs the model (its units gather parameters)")
+            store = None
+            params = trainable(model_or_params.parameters() if isinstance(model_or_params, Module)
+                               else model_or_params, "ZeroOptimizer")
+        sharded = isinstance(store, ShardedParams) or store is None and isinstance(model_or_params, Module)
+        if stage == 3 and not sharded or stage < 3 and isinstance(store, ShardedParams):
+            raise ValueError("ZeroOptimizer: stage 3 needs the model or its ShardedParams (its units gather "
+                             "parameters); stages 1-2 take the model, parameters or a FlatParams")
+        self.params = params
         self.comm, self.stage = comm, stage
         self.rank, self.size = comm.rank, comm.size
         self.dtype = self.params[0].dtype
@@ -138,27 +123,14 @@ class ZeroOptimizer:
         self.grad_scale = 1.0  # multiplies the gradient as the update reads it (1/loss scale)
         self.norm_comms = tuple(norm_comms)
         counted = counted or (store.counted if store is not None else (lambda p: True))
-        decay = decay or (lambda p: p.ndim >= 2)
+        self._shapes = store.shapes if isinstance(store, ShardedParams) else {id(p): tuple(p.shape) for p in params}
+        decay = decay or (lambda p: len(self._shapes[id(p)]) >= 2)
         self._decayed = {id(p): bool(decay(p)) for p in self.params}  # before stage 3 empties p.data
-        self._shapes = {id(p): tuple(p.shape) for p in self.params}
-
-        if stage == 3:
-            if store is not None:
-                raise ValueError("ZeroOptimizer: stage 3 shards the parameters per unit; pass the model")
-            self._init = init
-            if all(p.materialized for p in self.params):
-                broadcast_parameters(self.params, comm)
-            with stand_ins(self.params):  # the one-row discovery run needs no real values
-                self.units, groups = plan_units(self, units, probe_len)
-        else:
-            groups = [self.params]
-        self.groups = [_Group(g, self._shapes, self.rank, self.size) for g in groups]
+        if stage == 3 and store is None:
+            store = ShardedParams(model_or_params, comm, counted, init=init, units=units, probe_len=probe_len)
+        self.groups = store.groups if stage == 3 else [ShardedLayout(self.params, self._shapes, self.rank, self.size)]
         self.numel = sum(g.numel for g in self.groups)
-        offset = 0
-        for g in self.groups:
-            g.shard_offset = offset
-            offset += g.hi - g.lo
-        self.shard_numel = offset
+        offset = self.shard_numel = place_shards(self.groups)
         xp = B.xp
         self.state_dtype = compute_dtype(self.dtype)
         self.exp_avg = xp.zeros(offset, dtype=self.state_dtype)
@@ -167,9 +139,9 @@ class ZeroOptimizer:
         self._counted_runs = [r for g in self.groups for r in g.shard_runs(counted)]
         self._partial_runs = [r for g in self.groups for r in g.shard_runs(is_partial)]
         self._reduced = False
-        self.store = None
         if stage == 3:
-            self._shard_parameters()
+            self.store, self.units = store, store.units
+            self.param_shard, self.grad_shard = store.data, store.grad
         else:
             g = self.groups[0]
             lazy = any(not p.materialized for p in self.params)
@@ -186,23 +158,10 @@ class ZeroOptimizer:
         self._stream = _GradStream(self, bucket_bytes, held) if stream_grads and stage == 2 else None
         self.master_shard = self.param_shard.astype(self.state_dtype) if is_half(self.dtype) else None
 
-    # --- stage 3: the sharded parameters (units: mpirt.parallel.zero3) ------------------------
-    def _shard_parameters(self) -> None:
-        xp = B.xp
-        self.param_shard = xp.empty(self.shard_numel, dtype=self.dtype)
-        self.grad_shard = xp.zeros(self.shard_numel, dtype=self.dtype)
-        self._placeholder = xp.empty(0, dtype=self.dtype)
-        for g in self.groups:  # one parameter at a time: this rank keeps its chunk of each
-            for p, lo, hi, pos in g.segments(g.lo, g.hi):
-                value = p.data if p.materialized else self._init(p)
-                self.param_shard[g.shard_offset + pos:g.shard_offset + pos + hi - lo] = B.asarray(value.reshape(-1)[lo:hi])
-            a, b = g.shard_offset, g.shard_offset + g.hi - g.lo
-            g.shard = Tensor(self.param_shard[a:b], requires_grad=True)
-            g.shard.grad = self.grad_shard[a:b]
-        for p in self.params:
-            p.data, p.grad = self._placeholder, None
-        for unit in self.units:
-            unit.install()
+    @property
+    def model(self):
+        """Stage 3: the model whose units gather the parameters (None at stages 1-2)."""
+        return self.store.model if self.stage == 3 else None
 
     def owned_segments(self) -> list[tuple]:
         """Which elements this rank owns: ``(param, start, stop, shard_start)`` means elements
@@ -215,8 +174,7 @@ class ZeroOptimizer:
         out = {}
         for g in self.groups:
             if self.stage == 3:
-                B.synchronize()
-                full = B.to_host(self.comm.allgather_flat(g.shard.data, g.numel))
+                full = B.to_host(self.store.full(g))
                 for p, v in zip(g.params, g.views(full)):
                     out[p.name] = v.copy()
             else:
@@ -228,7 +186,7 @@ class ZeroOptimizer:
     @property
     def flat_grad(self):
         """Stages 1-2: the full local gradient (the store's), None while released (stage 2)."""
-        return None if self.store is None else self.store.grad
+        return self.store.grad if self.stage < 3 else None
 
     def zero_grad(self) -> None:
         """Zero the gradients (stage 2: the shard; without ``stream_grads`` also allocate the
@@ -431,8 +389,7 @@ class ZeroOptimizer:
             if self.stage < 3:  # the masters' values are in the flat vector already (or dropped)
                 self._attach_flat_parameters(copy=False)
             else:
-                for p in self.params:
-                    p.data, p.grad = self._placeholder, None
+                self.store.release()
 
     def _attach_flat_parameters(self, copy: bool = True) -> None:
         """Stages 1-2: make every ``p.data`` its view into the flat parameter vector again,

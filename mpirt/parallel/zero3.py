@@ -1,14 +1,16 @@
-"""ZeRO stage 3's unit machinery (used by :class:`mpirt.parallel.zero.ZeroOptimizer`).
+"""ZeRO stage 3's parameter store and units (used by :class:`mpirt.parallel.zero.ZeroOptimizer`).
 
 A *unit* is a method of the model (``embed``, each block's ``forward``, ``head``) whose call
 gathers the parameters it uses. :func:`plan_units` finds, by running the units once on one short row,
 which parameters each unit uses, and groups the parameters by the set of units that use them
-(GPT's tied ``wte``, used by ``embed`` and ``head``, is its own group). :class:`ShardedUnit`
-replaces the method by activation recomputation's :class:`~mpirt.core.recompute.Rerun` with the
-weights sharded: its forward all-gathers the unit's groups, runs the unit without a graph and
-frees them; its backward all-gathers them again, recomputes the unit with a graph (dropout
-replays the forward's masks), back-propagates, reduce-scatters (averages) the full gradients and
-returns the owned chunks as the gradients of the shard tensors.
+(GPT's tied ``wte``, used by ``embed`` and ``head``, is its own group). :class:`ShardedParams` is
+the store: each group a :class:`~mpirt.parallel.flat.ShardedLayout` over the dp ranks, this
+rank's chunks of every group in one parameter and one gradient vector. :class:`ShardedUnit`
+replaces each unit's method by activation recomputation's :class:`~mpirt.core.recompute.Rerun`
+with the weights sharded: its forward all-gathers the unit's groups, runs the unit without a
+graph and frees them; its backward all-gathers them again, recomputes the unit with a graph
+(dropout replays the forward's masks), back-propagates, reduce-scatters (averages) the full
+gradients and returns the owned chunks as the gradients of the shard tensors.
 """
 from __future__ import annotations
 
@@ -17,32 +19,109 @@ import contextlib
 import numpy as np
 
 import mpirt.core.backend as B
-from mpirt.core.nn import dropout_modules, dropout_states, graph_parameters, restore_dropout_states
+from mpirt.core.nn import dropout_modules, dropout_states, graph_parameters, restore_dropout_states, stand_ins
 from mpirt.core.recompute import Rerun
 from mpirt.core.tensor import Tensor, enable_grad
+from mpirt.parallel.ddp import broadcast_parameters
+from mpirt.parallel.flat import ShardedLayout, place_shards, trainable
 
 
-def plan_units(opt, units, probe_len: int = 1):
-    """The :class:`ShardedUnit` list of ``opt`` (a stage-3 ZeroOptimizer) and its parameter groups (lists
+class ShardedParams:
+    """ZeRO-3's parameter store: the trainable parameters of ``model`` grouped by the units that
+    use them (:func:`plan_units`; ``units``, ``probe_len`` as there), each group chunked over the
+    ranks of ``comm`` (dp), and this rank's chunks of all groups back to back in :attr:`data`
+    (parameters) and :attr:`grad` (gradients, which the units' reduce-scatters fill). Outside a
+    unit every ``p.data`` is an empty placeholder and ``p.grad`` None (:meth:`release`).
+
+    Parameters that hold values are broadcast from dp rank 0 first; lazy ones are made one at a
+    time by ``init(p)`` (the same values on every rank), of which the rank keeps its chunk, so
+    the model is never held whole. ``counted`` as for :class:`~mpirt.parallel.flat.FlatParams`;
+    ``shapes``: each parameter's shape, by id."""
+
+    def __init__(self, model, comm, counted=None, init=None, units=None, probe_len: int = 1):
+        self.model, self.comm = model, comm
+        self.counted = counted or (lambda p: True)
+        self.params = trainable(model.parameters(), "ShardedParams")
+        self.dtype = self.params[0].dtype
+        self.shapes = {id(p): tuple(p.shape) for p in self.params}
+        if all(p.materialized for p in self.params):
+            broadcast_parameters(self.params, comm)
+        with stand_ins(self.params):  # the one-row discovery run needs no real values
+            self.units, groups = plan_units(self, units, probe_len)
+        self.groups = [ShardedLayout(g, self.shapes, comm.rank, comm.size) for g in groups]
+        self.numel = sum(g.numel for g in self.groups)
+        self.shard_numel = place_shards(self.groups)
+        xp = B.xp
+        self.data = xp.empty(self.shard_numel, dtype=self.dtype)
+        self.grad = xp.zeros(self.shard_numel, dtype=self.dtype)
+        self._placeholder = xp.empty(0, dtype=self.dtype)
+        for g in self.groups:  # one parameter at a time: this rank keeps its chunk of each
+            for p, lo, hi, pos in g.segments(g.lo, g.hi):
+                value = p.data if p.materialized else init(p)
+                start = g.shard_offset + pos
+                self.data[start:start + hi - lo] = B.asarray(value.reshape(-1)[lo:hi])
+            a, b = g.shard_offset, g.shard_offset + g.hi - g.lo
+            g.shard = Tensor(self.data[a:b], requires_grad=True)
+            g.shard.grad = self.grad[a:b]
+        self.release()
+        for unit in self.units:
+            unit.install()
+
+    def release(self) -> None:
+        """Every parameter back to its placeholder (no array of its own), ``p.grad`` None."""
+        for p in self.params:
+            p.data, p.grad = self._placeholder, None
+
+    def full(self, group: ShardedLayout, shard=None):
+        """``group``'s full flat vector, all-gathered from the ranks' chunks of ``shard`` (default:
+        the parameters; the optimizer passes its state). Collective over dp."""
+        shard = self.data if shard is None else shard
+        B.synchronize()
+        return self.comm.allgather_flat(shard[group.shard_offset:group.shard_offset + group.hi - group.lo],
+                                        group.numel)
+
+    @contextlib.contextmanager
+    def gathered(self, group_ids, with_grads: bool = False):
+        """Full parameters of the given groups as temporary arrays behind ``p.data`` (and zeroed
+        full gradient buffers behind ``p.grad``); yields {group index: full gradient buffer}."""
+        grads = {}
+        try:
+            for i in group_ids:
+                g = self.groups[i]
+                for p, v in zip(g.params, g.views(self.full(g))):
+                    p.data = v
+                if with_grads:
+                    grads[i] = B.xp.zeros(g.numel, dtype=self.dtype)
+                    for p, v in zip(g.params, g.views(grads[i])):
+                        p.grad = v
+            yield grads
+        finally:
+            for i in group_ids:
+                for p in self.groups[i].params:
+                    p.data, p.grad = self._placeholder, None
+
+
+def plan_units(store, units, probe_len: int = 1):
+    """The :class:`ShardedUnit` list of ``store`` (:class:`ShardedParams`) and its parameter groups (lists
     of parameters, one per set of units that use the same parameters, in first-use order).
     ``units``: a list of ``(object, method_name)``, or None for the model's embed / h / head;
     ``probe_len``: tokens of the one-row batch the discovery runs (a multiple of tp under
     sequence parallelism)."""
-    model = opt.model
+    model = store.model
     if units is None:
         if not all(hasattr(model, a) for a in ("embed", "h", "head")):
-            raise ValueError("ZeroOptimizer stage 3: the model has no embed/h/head interface; "
+            raise ValueError("ZeRO-3: the model has no embed/h/head interface; "
                              "pass units=[(object, method_name), ...]")
         units = [(model, "embed")] + [(blk, "forward") for blk in model.h] + [(model, "head")]
-    used = _discover_unit_params(opt, units, probe_len)
-    param_ids = {id(p) for p in opt.params}
+    used = _discover_unit_params(store, units, probe_len)
+    param_ids = {id(p) for p in store.params}
     signature = {}
     for k, ps in enumerate(used):
         for p in ps:
             if id(p) in param_ids:
                 signature.setdefault(id(p), []).append(k)
     groups, by_sig = [], {}
-    for p in opt.params:  # registration order within a group; groups in first-use order
+    for p in store.params:  # registration order within a group; groups in first-use order
         sig = tuple(signature.get(id(p), ()))
         if sig not in by_sig:
             by_sig[sig] = []
@@ -52,18 +131,18 @@ def plan_units(opt, units, probe_len: int = 1):
     plan = []
     for k, (obj, name) in enumerate(units):
         member = [i for i, (sig, _) in enumerate(groups) if k in sig]
-        plan.append(ShardedUnit(opt, obj, name, member))
+        plan.append(ShardedUnit(store, obj, name, member))
     return plan, [ps for _, ps in groups]
 
 
-def _discover_unit_params(opt, units, probe_len: int) -> list[list]:
+def _discover_unit_params(store, units, probe_len: int) -> list[list]:
     """Run the units once on a (1, probe_len) token batch to see which parameters each one uses."""
     if len(units) == 1:
-        return [opt.params]
+        return [store.params]
     if [name for _, name in units][:1] != ["embed"]:
-        raise ValueError("ZeroOptimizer stage 3: pass units whose first is the model's embed "
+        raise ValueError("ZeRO-3: pass units whose first is the model's embed "
                          "(parameter discovery runs embed -> ... -> head on one token)")
-    saved = dropout_states(dropout_modules(opt.model).values())
+    saved = dropout_states(dropout_modules(store.model).values())
     used, x = [], B.xp.zeros((1, probe_len), dtype=np.int64)
     with enable_grad():
         for k, (obj, name) in enumerate(units):
@@ -75,29 +154,6 @@ def _discover_unit_params(opt, units, probe_len: int) -> list[list]:
     return used
 
 
-@contextlib.contextmanager
-def gathered(opt, group_ids, with_grads: bool = False):
-    """Full parameters of ``opt``'s given groups as temporary arrays behind ``p.data`` (and zeroed
-    full gradient buffers behind ``p.grad``); yields {group index: full gradient buffer}."""
-    grads = {}
-    try:
-        for i in group_ids:
-            g = opt.groups[i]
-            B.synchronize()
-            full = opt.comm.allgather_flat(g.shard.data, g.numel)
-            for p, v in zip(g.params, g.views(full)):
-                p.data = v
-            if with_grads:
-                grads[i] = B.xp.zeros(g.numel, dtype=opt.dtype)
-                for p, v in zip(g.params, g.views(grads[i])):
-                    p.grad = v
-        yield grads
-    finally:
-        for i in group_ids:
-            for p in opt.groups[i].params:
-                p.data, p.grad = opt._placeholder, None
-
-
 class ShardedUnit(Rerun):
     """One stage-3 unit: ``obj.<name>`` replaced by a :class:`~mpirt.core.recompute.Rerun` whose
     weights are the unit's parameter groups, gathered for the forward and again for the rerun,
@@ -106,21 +162,21 @@ class ShardedUnit(Rerun):
 
     sums_leaf_grads = False  # the full gradients go to p.grad buffers, reduce-scattered per group
 
-    def __init__(self, opt, obj, name: str, group_ids: list[int]):
+    def __init__(self, store: ShardedParams, obj, name: str, group_ids: list[int]):
         super().__init__(getattr(obj, name), dropouts=dropout_modules(obj).values())
-        self.opt, self.obj, self.name, self.group_ids = opt, obj, name, group_ids
+        self.store, self.obj, self.name, self.group_ids = store, obj, name, group_ids
 
     def install(self) -> None:
         """Route ``obj.<name>`` through this unit, once the groups' shards exist."""
-        self.params = tuple(self.opt.groups[i].shard for i in self.group_ids)
+        self.params = tuple(self.store.groups[i].shard for i in self.group_ids)
         object.__setattr__(self.obj, self.name, self)
 
     def weights(self):
-        return gathered(self.opt, self.group_ids)
+        return self.store.gathered(self.group_ids)
 
     def backward_weights(self):
-        return gathered(self.opt, self.group_ids, with_grads=True)
+        return self.store.gathered(self.group_ids, with_grads=True)
 
     def weight_grads(self, full_grads: dict) -> tuple:
         B.synchronize()
-        return tuple(self.opt.comm.reduce_scatter(full_grads[i], op="avg") for i in self.group_ids)
+        return tuple(self.store.comm.reduce_scatter(full_grads[i], op="avg") for i in self.group_ids)
