@@ -119,7 +119,7 @@ def megatron_rows(cluster_name: str = "a100", search: bool = False, schedules=("
     the paper ran), and with ``search`` the planner's best layout on the same GPUs and batch."""
     from mpirt.plan import hardware
     from mpirt.plan.model import estimate
-    from mpirt.plan.search import base_config, describe, plan
+    from mpirt.plan.search import base_config, describe, plan, runs
 
     out = []
     for params, heads, hidden, layers, tp, pp, gpus, batch, tflops, pct in MEGATRON:
@@ -131,13 +131,12 @@ def megatron_rows(cluster_name: str = "a100", search: bool = False, schedules=("
                "shape": (layers, hidden),
                "paper_tflops": tflops, "paper_pct": pct}
         for sched in schedules if pp > 1 else ("1f1b",):
-            chunks = 2 if sched == "interleaved" else 1
             m = batch // dp
-            if sched == "interleaved" and (m % pp or layers < 2 * pp):
-                continue
             cfg = dataclasses.replace(base_config(batch, 2048, "bfloat16"), dp=dp, tp=tp, pp=pp, schedule=sched,
-                                      chunks=chunks, microbatches=m if pp > 1 else 0,
+                                      chunks=2 if sched == "interleaved" else 1, microbatches=m if pp > 1 else 0,
                                       grad_accum=1 if pp > 1 else m, recompute="full", sequence_parallel=False)
+            if not runs(cfg, model_cfg, gpus):
+                continue
             est = estimate(cfg, model_cfg, cluster)
             row[f"pred_tflops_{sched}"] = flops / est.step_s / gpus / 1e12
             row[f"pred_mem_gib_{sched}"] = est.memory["peak"] / 2**30

@@ -3,8 +3,9 @@
 :func:`candidates` enumerates dp x tp x pp over the devices (tp within a node and dividing the
 heads, pp at most the layers), the rows per micro-batch (powers of two dividing a replica's
 rows), the pipeline schedule (1F1B, interleaved with 2 chunks where the micro-batches are a
-multiple of pp, ZB-H1) and sequence parallelism; for each it keeps the first memory setting, in
-order of cost, whose largest rank fits the budget: ZeRO 0, 1, 2 (and 3 without pp), then the
+multiple of pp, ZB-H1) and sequence parallelism, each kept only if the runtime's
+:class:`~mpirt.parallel.layout.Layout` accepts it; for each it keeps the first memory setting,
+in order of cost, whose largest rank fits the budget: ZeRO 0, 1, 2 (and 3 without pp), then the
 same with selective and with full recomputation (``every=True`` keeps them all).
 :func:`plan` predicts each (:func:`mpirt.plan.model.estimate`) and sorts by step time.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from mpirt.parallel.layout import Layout, LayoutError
 from mpirt.plan.hardware import Cluster
 from mpirt.plan.model import Estimate, estimate
 
@@ -35,16 +37,28 @@ def tp_options(model_cfg, cluster: Cluster) -> list[int]:
             if tp <= max(cluster.devices_per_node, 1) and heads % tp == 0 and kv % tp == 0]
 
 
+def runs(cfg, model_cfg, world: int) -> bool:
+    """Whether the runtime would start ``cfg`` for ``model_cfg`` on ``world`` ranks: the
+    :class:`~mpirt.parallel.layout.Layout`'s rules, so the planner never proposes a layout that
+    ``mpirt.train`` refuses."""
+    try:
+        Layout.resolve(cfg, world).check_model(cfg, model_cfg)
+    except LayoutError:
+        return False
+    return True
+
+
 def candidates(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype: str,
                schedules=("1f1b", "interleaved", "zb-h1"), max_rows: int = 64) -> list[list]:
-    """Groups of configs: each group one parallel shape, its memory settings in order of cost."""
+    """Groups of configs: each group one parallel shape that runs (:func:`runs`), its memory
+    settings in order of cost. Micro-batches of up to ``max_rows`` rows, at least pp of them."""
     world = cluster.devices
     base = base_config(batch_size, seq_len, dtype)
     groups = []
     for tp in tp_options(model_cfg, cluster):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
-            if pp > model_cfg.n_layer or batch_size % dp:
+            if batch_size % dp:
                 continue
             rows_per_dp = batch_size // dp
             sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_rows and rows_per_dp % b == 0]
@@ -54,16 +68,17 @@ def candidates(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype
                     continue
                 scheds = [(s, 2 if s == "interleaved" else 1) for s in schedules] if pp > 1 else [("1f1b", 1)]
                 for sched, chunks in scheds:
-                    if sched == "interleaved" and (m % pp or model_cfg.n_layer < 2 * pp):
-                        continue
                     for sp in ([False, True] if tp > 1 else [False]):
                         shape = dict(dp=dp, tp=tp, pp=pp, schedule=sched, chunks=chunks, sequence_parallel=sp,
                                      microbatches=m if pp > 1 else 0, grad_accum=1 if pp > 1 else m)
                         group = []
                         for rc in ("none", "selective", "full"):
-                            for zero in ([0, 1, 2] + ([3] if pp == 1 else [])) if dp > 1 else [0]:
-                                group.append(dataclasses.replace(base, **shape, zero=zero, recompute=rc))
-                        groups.append(group)
+                            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                                cfg = dataclasses.replace(base, **shape, zero=zero, recompute=rc)
+                                if runs(cfg, model_cfg, world):
+                                    group.append(cfg)
+                        if group:
+                            groups.append(group)
     return groups
 
 
