@@ -88,7 +88,8 @@ def test_model_refusals():
     for changes, model, message in [
         ({"seq_len": tiny.n_positions + 1}, tiny, f"seq_len: {tiny.n_positions + 1} exceeds the model's n_positions"),
         ({"recompute": "selective"}, mlp, "recompute: model_type 'mlp' names no attention core"),
-        ({"recompute": "full", "recompute_layers": "2,9"}, tiny, "recompute_layers: block 9 does not exist (n_layer=4)"),
+        ({"recompute": "full", "recompute_layers": "2,9"}, tiny,
+         "recompute_layers: block 9 does not exist (n_layer=4)"),
     ]:
         cfg = replace(BASE, **changes)
         with pytest.raises(LayoutError) as err:

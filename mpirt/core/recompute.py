@@ -1,11 +1,12 @@
 """Activation recomputation: keep a unit's inputs, drop its activations, rerun it in backward.
 
 :class:`Rerun` (one-off: :func:`checkpoint`) runs a callable (a transformer block, or only its
-attention core) without recording a graph and keeps just its Tensor arguments. When the backward reaches it, the callable
-runs again with a graph, the gradient flows through that graph, and the gradients of the
-arguments and of the declared parameters go back to the enclosing backward (the inner pass sums
-leaf gradients into a dict, ``Tensor.backward(leaf_grads=...)``, so gradient hooks, e.g. data
-parallelism's bucket allreduces, fire once, from the enclosing pass, as without recomputation).
+attention core) without recording a graph and keeps just its Tensor arguments. When the
+backward reaches it, the callable runs again with a graph, the gradient flows through that
+graph, and the gradients of the arguments and of the declared parameters go back to the
+enclosing backward (the inner pass sums leaf gradients into a dict,
+``Tensor.backward(leaf_grads=...)``, so gradient hooks, e.g. data parallelism's bucket
+allreduces, fire once, from the enclosing pass, as without recomputation).
 
 What stays equal to the run without recomputation:
 

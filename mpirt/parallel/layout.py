@@ -44,6 +44,16 @@ def zero_refusal(zero: int, tp: int, pp: int) -> str | None:
     return None
 
 
+def sequence_parallel_in_effect(asked: bool, tp: int) -> bool:
+    """Sequence parallelism runs only with tp > 1 (it splits the sequence over the tp ranks)."""
+    return bool(asked and tp > 1)
+
+
+def pipeline_microbatches(asked: int | None, pp: int) -> int:
+    """A pipeline's micro-batches per step: as asked, else pp (the fewest that fill it)."""
+    return asked or pp
+
+
 @functools.lru_cache(maxsize=64)
 def _schedule(name: str, pp: int, microbatches: int, chunks: int):
     from mpirt.parallel.pipeline.schedules import build
@@ -86,7 +96,7 @@ class Layout(Mapping):
         from mpirt.parallel.pipeline.partition import partition
 
         dp, pp, tp = (int(sizes[k]) for k in AXES)
-        m = (cfg.microbatches or pp) if pp > 1 else cfg.grad_accum
+        m = pipeline_microbatches(cfg.microbatches, pp) if pp > 1 else cfg.grad_accum
         chunks = cfg.chunks if pp > 1 and cfg.schedule == "interleaved" else 1
         bounds = recomputed = ()
         if model_cfg is not None:
@@ -94,7 +104,8 @@ class Layout(Mapping):
             bounds = tuple(partition(layer_costs(model_cfg, cfg.seq_len), pp * chunks)) if pp > 1 else ((0, n),)
             recomputed = tuple(range(n)) if cfg.zero == 3 else \
                 tuple(recompute.chosen(n, cfg.recompute, cfg.recompute_layers))
-        return cls(dp=dp, pp=pp, tp=tp, zero=cfg.zero, sequence_parallel=bool(cfg.sequence_parallel and tp > 1),
+        return cls(dp=dp, pp=pp, tp=tp, zero=cfg.zero,
+                   sequence_parallel=sequence_parallel_in_effect(cfg.sequence_parallel, tp),
                    schedule=cfg.schedule, microbatches=m, chunks=chunks, rows=cfg.batch_size // dp // m,
                    bounds=bounds, recomputed=recomputed)
 

@@ -42,6 +42,7 @@ from mpirt.core.nn import Module, dropout_modules, graph_parameters, place_dropo
 from mpirt.parallel.pipeline.partition import layer_costs, partition
 from mpirt.parallel.pipeline.executor import PipelineExecutor
 from mpirt.parallel.pipeline.check import check
+from mpirt.parallel.layout import pipeline_microbatches, sequence_parallel_in_effect
 from mpirt.parallel.pipeline.schedules import Schedule, ScheduleError, build, canonical_name
 from mpirt.core.tensor import Tensor, no_grad
 
@@ -74,7 +75,7 @@ class PipelineStage(PipelineExecutor):
         self.cfg, self.grid, self.dtype = model_cfg, grid, np.dtype(dtype)
         self.comm = grid.comm["pp"]
         self.rank, self.pp = self.comm.rank, self.comm.size
-        self.tp, self.sequence_parallel = grid.tp, bool(sequence_parallel and grid.tp > 1)
+        self.tp, self.sequence_parallel = grid.tp, sequence_parallel_in_effect(sequence_parallel, grid.tp)
         self.wait_mode, self.poll_s = wait, poll_s
         self.loss_scale = 1.0  # the last stage's backward seed (train_step sets it)
         if isinstance(schedule, Schedule):
@@ -82,7 +83,7 @@ class PipelineStage(PipelineExecutor):
             if sched.pp != self.pp:
                 raise ScheduleError(f"schedule {sched.name} was made for pp={sched.pp}, the grid has pp={self.pp}")
         else:
-            sched = build(canonical_name(schedule), self.pp, microbatches or self.pp, chunks)
+            sched = build(canonical_name(schedule), self.pp, pipeline_microbatches(microbatches, self.pp), chunks)
         check(sched)                     # the pre-flight proof, on every rank, before any communication
         self.schedule, self.eval_schedule = sched, sched.forward_only()
         check(self.eval_schedule)
