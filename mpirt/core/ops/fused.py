@@ -374,6 +374,18 @@ def check_targets(logits, targets, reduction: str):
     return targets
 
 
+def reduce_nll(nll, valid, reduction: str):
+    """``(loss, count)`` of per-row negative log-likelihoods ``nll`` (zeroed in place where
+    ``valid`` is 0): their sum, or for ``"mean"`` the sum over the ``count`` rows that count (at
+    least 1; shared by the plain and the vocab-parallel cross-entropy)."""
+    nll *= valid
+    count = valid.sum(dtype=nll.dtype)
+    loss = nll.sum()
+    if reduction == "mean":
+        loss = loss / B.xp.maximum(count, 1.0)
+    return loss, count
+
+
 @float32_compute(keep_output=True)
 class CrossEntropy(Function):
     """Log-softmax + negative log-likelihood in one op.
@@ -423,12 +435,7 @@ class CrossEntropy(Function):
             lse += m                                                # logsumexp per row
 
         for_blocks(block, x, p, lse, rsum)
-        nll = lse[:, 0] - x[xp.arange(n), t]
-        nll *= valid
-        count = valid.sum(dtype=x.dtype)
-        loss = nll.sum()
-        if reduction == "mean":
-            loss = loss / xp.maximum(count, 1.0)
+        loss, count = reduce_nll(lse[:, 0] - x[xp.arange(n), t], valid, reduction)
         self.p, self.rsum, self.t, self.valid, self.count = p, rsum, t, valid, count
         return xp.asarray(loss, dtype=x.dtype)
 

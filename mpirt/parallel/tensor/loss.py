@@ -6,7 +6,7 @@ import math
 
 import mpirt.core.backend as B
 from mpirt.core import ops
-from mpirt.core.ops.fused import check_targets
+from mpirt.core.ops.fused import check_targets, reduce_nll
 from mpirt.core.precision import float32_compute
 from mpirt.core.tensor import Function, Tensor
 
@@ -52,11 +52,7 @@ class VocabParallelCrossEntropy(Function):
         nll = xp.log(s)
         nll += m
         nll -= zt
-        nll *= valid
-        count = valid.sum(dtype=x.dtype)
-        loss = nll.sum()
-        if reduction == "mean":
-            loss = loss / xp.maximum(count, 1.0)
+        loss, count = reduce_nll(nll, valid, reduction)
         self.p, self.t, self.owned, self.valid, self.count = p, local_t, owned, valid, count
         self.reduction, self.shape = reduction, logits.shape
         return xp.asarray(loss, dtype=x.dtype)
