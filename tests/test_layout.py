@@ -56,7 +56,6 @@ def test_plan_layout_resolves_dp_and_describes_itself():
 REFUSALS = [
     ({"tp": 3}, 4, "dp/pp/tp: "),
     ({"dp": 3}, 4, "dp/pp/tp: "),
-    ({"zero": 3, "pp": 2}, 4, "zero: ZeRO-3 shards parameters per unit of the whole model"),
     ({"pp": 2, "grad_accum": 2}, 2, "grad_accum: with pp=2 the pipeline's micro-batches replace gradient"),
     ({"pp": 2, "microbatches": 3}, 2, "microbatches: the 16 rows per data-parallel replica (batch_size 16 / dp 1) "
                                       "do not split into 3 micro-batches"),
@@ -103,6 +102,7 @@ MODEL_CASES = [
     ({"recompute": "full"}, (2, 1, 1), (((0, 4),), (0, 1, 2, 3))),
     ({"recompute": "selective", "recompute_layers": "1,3"}, (1, 1, 2), (((0, 4),), (1, 3))),
     ({"zero": 3}, (2, 1, 1), (((0, 4),), (0, 1, 2, 3))),                    # ZeRO-3's units always rerun
+    ({"zero": 3, "microbatches": 4, "schedule": "zb-h1"}, (2, 2, 1), (((0, 2), (2, 4)), (0, 1, 2, 3))),  # in stages
     ({"recompute": "full", "recompute_layers": "0-1"}, (1, 2, 1), (((0, 2), (2, 4)), (0, 1))),
     ({"schedule": "interleaved", "microbatches": 4, "chunks": 2}, (1, 2, 1), (((0, 1), (1, 2), (2, 3), (3, 4)), ())),
 ]

@@ -114,6 +114,8 @@ def test_layout_that_cannot_fit_is_refused(tiny_data, tmp_path):
     (2, ["--pp=2", "--microbatches=4", "--schedule=zb-h1"]), (2, ["--pp=2", "--microbatches=4", "--recompute=full"]),
     (2, ["--pp=2", "--microbatches=4", "--schedule=interleaved"]),
     (4, ["--pp=4", "--microbatches=8", "--model=llama-tiny"]),
+    (4, ["--dp=2", "--pp=2", "--zero=3", "--microbatches=4"]),
+    (4, ["--dp=2", "--pp=2", "--zero=3", "--microbatches=4", "--schedule=zb-h1"]),
 ], ids=str)
 def test_run_that_fits_is_predicted(tiny_data, tmp_path, ranks, layout):
     """Every rank's measured peak within 5% of memory.predict's: GPT and Llama (grouped-query

@@ -58,6 +58,9 @@ def reference(tiny_data, tmp_path_factory):
     (4, ["--dp=2", "--pp=2", "--zero=2", "--schedule=zb", "--microbatches=4"]),
     (4, ["--dp=2", "--pp=2", "--zero=2", "--schedule=interleaved", "--microbatches=4"]),
     (8, ["--dp=2", "--pp=2", "--tp=2", "--zero=1", "--recompute=selective"]),
+    (4, ["--dp=2", "--pp=2", "--zero=3"]),
+    (4, ["--dp=2", "--pp=2", "--zero=3", "--schedule=interleaved", "--microbatches=4"]),
+    (4, ["--dp=2", "--pp=2", "--zero=3", "--schedule=zb", "--microbatches=4"]),
 ], ids=lambda v: v if isinstance(v, int) else " ".join(v))
 def test_parallel_layout_matches_single_rank(tiny_data, tmp_path, reference, ranks, layout):
     losses, summary, weights = run(tiny_data, tmp_path, *layout, ranks=ranks)
@@ -87,6 +90,7 @@ def dropout_reference(tiny_data, tmp_path_factory):
     (2, ["--pp=2", "--schedule=interleaved", "--microbatches=4", "--recompute=full"]),
     (2, ["--pp=2", "--schedule=zb", "--microbatches=4", "--recompute=selective"]),
     (8, ["--dp=2", "--pp=2", "--tp=2", "--sequence-parallel", "--recompute=full"]),
+    (4, ["--dp=2", "--pp=2", "--zero=3", "--schedule=zb", "--microbatches=4"]),
 ], ids=lambda v: v if isinstance(v, int) else " ".join(v))
 def test_dropout_layout_matches_single_rank(tiny_data, tmp_path, reference, dropout_reference, ranks, layout):
     """With dropout on (embedding, attention probabilities, residuals), every layout gives the
@@ -150,8 +154,9 @@ def test_llama_layout_matches_single_rank(tiny_data, tmp_path, llama_reference, 
     ((2, ["--dp=2", "--zero=3"]), (2, ["--pp=2"])),
     ((2, ["--tp=2"]), (0, [])),
     ((4, ["--dp=2", "--pp=2", "--zero=1"]), (2, ["--tp=2"])),
+    ((4, ["--dp=2", "--pp=2", "--zero=3"]), (4, ["--dp=2", "--tp=2", "--zero=3"])),
 ], ids=["tp2-then-zero2", "pp2-then-tp2", "dp4-then-tp2xpp2", "zero1-then-tp2", "zero3-then-pp2",
-        "tp2-then-1", "zero1xpp2-then-tp2"])
+        "tp2-then-1", "zero1xpp2-then-tp2", "zero3xpp2-then-zero3xtp2"])
 def test_checkpoint_saved_on_one_layout_resumes_on_another(tiny_data, tmp_path, reference, first, then):
     """Stop a run after 3 steps, resume it on another layout: the curve is the single-rank one.
     Each rank wrote only its own boxes (sharded checkpoint) and reads only those it needs."""

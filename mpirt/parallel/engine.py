@@ -32,7 +32,7 @@ from mpirt.core.optim import AdamW
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.ddp import DataParallel
 from mpirt.parallel.flat import FlatParams, count_once
-from mpirt.parallel.layout import Layout, zero_refusal
+from mpirt.parallel.layout import Layout
 from mpirt.parallel.pipeline.stage import PipelineStage
 from mpirt.parallel.shards import load_shards, save_shards
 from mpirt.parallel.whole import WholeModel
@@ -56,9 +56,6 @@ class Engine:
         self.grid, self.cfg = grid, cfg
         self.tp_comm, self.pp_comm, self.dp_comm = grid.comm["tp"], grid.comm["pp"], grid.comm["dp"]
         tp, pp = grid.sizes["tp"], grid.sizes["pp"]
-        why = zero_refusal(cfg.zero, tp, pp)
-        if why:
-            raise ValueError(why)
         layout = layout or Layout.of(cfg, grid.sizes, model_cfg)
         sp = layout.sequence_parallel
         if pp > 1 or local is not None:
@@ -83,7 +80,10 @@ class Engine:
         # the parameter store: ZeRO-3's is sharded per unit group, the others hold this rank's part whole
         if cfg.zero == 3:
             self.store = ShardedParams(self.model, self.dp_comm, counted, init=self.local.init,
-                                       probe_len=tp if sp else 1)
+                                       units=self.local.units, probe_len=tp if sp else 1, probe=self.local.probe,
+                                       dropout_roots=self.local.dropout_roots, alone=self.local.held_tied)
+            if self.local.held_tied:  # a pipeline's tied copies: summed over its ends as gradient shards
+                self.local.tied_grads = self.store.alone_grads
         else:
             self.store = FlatParams(self.local.parameters(), counted, init=self.local.init,
                                     grads=cfg.zero != 2)  # ZeRO-2: a shard only

@@ -34,16 +34,6 @@ class LayoutError(ValueError):
         self.key, self.reason = key, reason
 
 
-def zero_refusal(zero: int, tp: int, pp: int) -> str | None:
-    """Why a ZeRO stage cannot run on this layout, or None. ZeRO-1/2 (the distributed optimizer)
-    compose with any tp x pp; ZeRO-3 gathers parameters per unit of a whole model (embed, each
-    block, head), which a pipeline stage is not."""
-    if zero == 3 and pp > 1:
-        return (f"ZeRO-3 shards parameters per unit of the whole model (embed, blocks, head) and does not run "
-                f"inside a pipeline stage (pp={pp}); use --zero 1 or 2 with pp, or ZeRO-3 with dp x tp")
-    return None
-
-
 def sequence_parallel_in_effect(asked: bool, tp: int) -> bool:
     """Sequence parallelism runs only with tp > 1 (it splits the sequence over the tp ranks)."""
     return bool(asked and tp > 1)
@@ -130,9 +120,6 @@ class Layout(Mapping):
 
         dp = cls.axes(world_size, cfg.dp, cfg.pp, cfg.tp)[0]
         layout = cls.of(cfg, {"dp": dp, "pp": cfg.pp, "tp": cfg.tp})
-        why = zero_refusal(cfg.zero, cfg.tp, cfg.pp)
-        if why:
-            raise LayoutError("zero", why)
         if cfg.pp > 1:
             if cfg.grad_accum > 1:
                 raise LayoutError("grad_accum", f"with pp={cfg.pp} the pipeline's micro-batches replace gradient "

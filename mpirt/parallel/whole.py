@@ -6,6 +6,8 @@ presents, so the engine holds either without asking which (:class:`mpirt.paralle
     local.model, local.blocks           # the Module and its blocks by layer index (recomputation)
     local.tied_copy, local.held_tied    # tied copies left out of the norm / held for the step
     local.dropout_roots, local.init     # modules whose dropouts are seeded; the store's initialiser
+    local.units, local.probe            # ZeRO-3's units and their one-token probe (None: the model's
+                                        # embed / blocks / head from token ids)
     local.parameters()
     local.train_step(x, y, loss_scale, place, no_sync) -> float   # this replica's mean loss
     local.evaluate(x, y) -> float
@@ -53,6 +55,7 @@ class WholeModel:
 
     tied_copy: tuple = ()
     held_tied: tuple = ()
+    units = probe = None
 
     def __init__(self, model_cfg, grid, *, dtype: str, seed: int, sequence_parallel: bool, grad_accum: int):
         tp = grid.sizes["tp"]

@@ -36,18 +36,26 @@ class ShardedParams:
     Parameters that hold values are broadcast from dp rank 0 first; lazy ones are made one at a
     time by ``init(p)`` (the same values on every rank), of which the rank keeps its chunk, so
     the model is never held whole. ``counted`` as for :class:`~mpirt.parallel.flat.FlatParams`;
-    ``shapes``: each parameter's shape, by id."""
+    ``shapes``: each parameter's shape, by id.
 
-    def __init__(self, model, comm, counted=None, init=None, units=None, probe_len: int = 1):
+    A pipeline stage passes its own ``units`` (its embed, blocks, head), ``probe`` (what its first
+    unit takes when that is not the embedding: a (1, 1, C) hidden state), ``dropout_roots`` (the
+    modules whose dropouts the discovery run must leave as it found them) and ``alone`` (its copy
+    of the tied embedding: a group of its own, laid out alike on both pipeline ends, so
+    :meth:`alone_grads` can be summed over them)."""
+
+    def __init__(self, model, comm, counted=None, init=None, units=None, probe_len: int = 1, probe=None,
+                 dropout_roots=None, alone=()):
         self.model, self.comm = model, comm
         self.counted = counted or (lambda p: True)
         self.params = trainable(model.parameters(), "ShardedParams")
         self.dtype = self.params[0].dtype
         self.shapes = {id(p): tuple(p.shape) for p in self.params}
+        self.alone = sorted(alone, key=lambda p: p.name or "")
         if all(p.materialized for p in self.params):
             broadcast_parameters(self.params, comm)
         with stand_ins(self.params):  # the one-row discovery run needs no real values
-            self.units, groups = plan_units(self, units, probe_len)
+            self.units, groups = plan_units(self, units, probe_len, probe, dropout_roots or (model,))
         self.groups = [ShardedLayout(g, self.shapes, comm.rank, comm.size) for g in groups]
         self.numel = sum(g.numel for g in self.groups)
         self.shard_numel = place_shards(self.groups)
@@ -66,6 +74,14 @@ class ShardedParams:
         self.release()
         for unit in self.units:
             unit.install()
+
+    def alone_grads(self) -> list:
+        """The gradient shards of the ``alone`` parameters' groups, in the order of their names."""
+        out = []
+        for p in self.alone:
+            g = next(g for g in self.groups if g.params == [p])
+            out.append(self.grad[g.shard_offset:g.shard_offset + g.hi - g.lo])
+        return out
 
     def release(self) -> None:
         """Every parameter back to its placeholder (no array of its own), ``p.grad`` None."""
@@ -101,33 +117,35 @@ class ShardedParams:
                     p.data, p.grad = self._placeholder, None
 
 
-def plan_units(store, units, probe_len: int = 1):
+def plan_units(store, units, probe_len: int = 1, probe=None, dropout_roots=()):
     """The :class:`ShardedUnit` list of ``store`` (:class:`ShardedParams`) and its parameter groups (lists
-    of parameters, one per set of units that use the same parameters, in first-use order).
-    ``units``: a list of ``(object, method_name)``, or None for the model's embed / h / head;
-    ``probe_len``: tokens of the one-row batch the discovery runs (a multiple of tp under
-    sequence parallelism)."""
+    of parameters, one per set of units that use the same parameters, in first-use order; each
+    of ``store.alone`` in a group of its own). ``units``: a list of ``(object, method_name)``, or
+    None for the model's embed / h / head; ``probe_len``: tokens of the one-row batch the
+    discovery runs (a multiple of tp under sequence parallelism); ``probe``: the first unit's
+    input when it is not the embedding."""
     model = store.model
     if units is None:
         if not all(hasattr(model, a) for a in ("embed", "h", "head")):
             raise ValueError("ZeRO-3: the model has no embed/h/head interface; "
                              "pass units=[(object, method_name), ...]")
         units = [(model, "embed")] + [(blk, "forward") for blk in model.h] + [(model, "head")]
-    used = _discover_unit_params(store, units, probe_len)
+    used = _discover_unit_params(store, units, probe_len, probe, dropout_roots)
     param_ids = {id(p) for p in store.params}
     signature = {}
     for k, ps in enumerate(used):
         for p in ps:
             if id(p) in param_ids:
                 signature.setdefault(id(p), []).append(k)
+    alone = {id(p) for p in store.alone}
     groups, by_sig = [], {}
     for p in store.params:  # registration order within a group; groups in first-use order
-        sig = tuple(signature.get(id(p), ()))
+        sig = tuple(signature.get(id(p), ())) + ((p.name,) if id(p) in alone else ())
         if sig not in by_sig:
             by_sig[sig] = []
             groups.append((sig, by_sig[sig]))
         by_sig[sig].append(p)
-    groups.sort(key=lambda sg: sg[0][0] if sg[0] else len(units))
+    groups.sort(key=lambda sg: sg[0][0] if sg[0] and isinstance(sg[0][0], int) else len(units))
     plan = []
     for k, (obj, name) in enumerate(units):
         member = [i for i, (sig, _) in enumerate(groups) if k in sig]
@@ -135,18 +153,20 @@ def plan_units(store, units, probe_len: int = 1):
     return plan, [ps for _, ps in groups]
 
 
-def _discover_unit_params(store, units, probe_len: int) -> list[list]:
-    """Run the units once on a (1, probe_len) token batch to see which parameters each one uses."""
+def _discover_unit_params(store, units, probe_len: int, probe, dropout_roots) -> list[list]:
+    """Run the units once, each on the previous one's output, to see which parameters each uses:
+    from a (1, probe_len) token batch when the first is the embedding, else from ``probe``."""
     if len(units) == 1:
         return [store.params]
-    if [name for _, name in units][:1] != ["embed"]:
-        raise ValueError("ZeRO-3: pass units whose first is the model's embed "
-                         "(parameter discovery runs embed -> ... -> head on one token)")
-    saved = dropout_states(dropout_modules(store.model).values())
-    used, x = [], B.xp.zeros((1, probe_len), dtype=np.int64)
+    if [name for _, name in units][:1] != ["embed"] and probe is None:
+        raise ValueError("ZeRO-3: pass units whose first is the model's embed, or the probe input of the "
+                         "first (parameter discovery runs the units in turn on one token)")
+    saved = dropout_states(dropout_modules(*dropout_roots).values())
+    used = []
+    x = B.xp.zeros((1, probe_len), dtype=np.int64) if [name for _, name in units][:1] == ["embed"] else probe
     with enable_grad():
         for k, (obj, name) in enumerate(units):
-            inp = x if k == 0 else Tensor(x, requires_grad=True)
+            inp = x if k == 0 and units[0][1] == "embed" else Tensor(x, requires_grad=True)
             out = getattr(obj, name)(inp)
             used.append(graph_parameters(out))
             x = out.data
@@ -157,10 +177,10 @@ def _discover_unit_params(store, units, probe_len: int) -> list[list]:
 class ShardedUnit(Rerun):
     """One stage-3 unit: ``obj.<name>`` replaced by a :class:`~mpirt.core.recompute.Rerun` whose
     weights are the unit's parameter groups, gathered for the forward and again for the rerun,
-    and whose weight inputs are the groups' shards: the full gradients the rerun's backward
-    leaves in each ``p.grad`` are reduce-scattered (averaged) into the owned chunks."""
-
-    sums_leaf_grads = False  # the full gradients go to p.grad buffers, reduce-scattered per group
+    and whose weight inputs are the groups' shards. The rerun's backward sums the full gradients
+    into its own dict (a micro-batch's gradients stay apart from another's whose backward is
+    open: a zero-bubble schedule runs other micro-batches between one's B and W); each group's
+    are packed and reduce-scattered (averaged) into the owned chunks."""
 
     def __init__(self, store: ShardedParams, obj, name: str, group_ids: list[int]):
         super().__init__(getattr(obj, name), dropouts=dropout_modules(obj).values())
@@ -175,8 +195,20 @@ class ShardedUnit(Rerun):
         return self.store.gathered(self.group_ids)
 
     def backward_weights(self):
-        return self.store.gathered(self.group_ids, with_grads=True)
+        return self.store.gathered(self.group_ids)  # yields a new, empty dict: the sink
 
-    def weight_grads(self, full_grads: dict) -> tuple:
-        B.synchronize()
-        return tuple(self.store.comm.reduce_scatter(full_grads[i], op="avg") for i in self.group_ids)
+    def weight_grads(self, sink: dict) -> tuple:
+        out = []
+        for i in self.group_ids:
+            g = self.store.groups[i]
+            full = B.xp.zeros(g.numel, dtype=self.store.dtype)
+            for p, v in zip(g.params, g.views(full)):
+                grad = sink.pop(id(p), None)
+                if grad is not None:
+                    v[...] = grad
+            B.synchronize()
+            out.append(self.store.comm.reduce_scatter(full, op="avg"))
+        if sink:
+            raise RuntimeError(f"ZeRO-3 unit {self.name}: {len(sink)} trainable tensor(s) outside its groups "
+                               "got gradients; they would be lost")
+        return tuple(out)

@@ -42,7 +42,10 @@ class PipelineExecutor:
     :class:`mpirt.parallel.pipeline.stage.PipelineStage`, which provides ``comm``, ``grid``, ``rank``,
     ``pp``, ``S``, ``m``, ``dtype``, ``act_shape``, ``_pool``, ``_stash_bytes``,
     ``model``, ``tied_names``, ``has_embed``, ``has_head``, ``trace``, ``wait_mode``, ``poll_s``
-    and ``_forward``)."""
+    and ``_forward``). ``tied_grads``: a callable giving the arrays that hold the tied copies'
+    gradients, in the order of ``tied_names`` (ZeRO-3: its store's shards); None: each ``p.grad``."""
+
+    tied_grads = None
 
     def _buffer(self, kind):
         pool = self._pool[kind]
@@ -183,8 +186,8 @@ class PipelineExecutor:
             return
         peer = self.pp - 1 if self.has_embed else 0
         named = dict(self.model.named_parameters())
-        for name in self.tied_names:
-            g = named[name].grad
+        grads = self.tied_grads() if self.tied_grads else [named[name].grad for name in self.tied_names]
+        for name, g in zip(self.tied_names, grads):
             other = B.xp.empty_like(g)
             with self.comm.labelled(f"pp rank {self.rank}: tied gradient sum of {name} with pp rank {peer}"):
                 hs = self.comm.isend(g, peer, TAG_TIED)

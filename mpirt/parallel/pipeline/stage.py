@@ -187,6 +187,20 @@ class PipelineStage(PipelineExecutor):
         return [p for name, p in self.model.named_parameters() if name in self.tied_names]
 
     @property
+    def units(self) -> list:
+        """``(object, method)`` of each part that runs alone, in the order a micro-batch meets
+        them: the embedding, the blocks of each chunk, the head (ZeRO-3's units)."""
+        blocks = [(self.blocks[i], "forward") for lo, hi in self.chunk_bounds for i in range(lo, hi)]
+        return [(self.shell, "embed")] * self.has_embed + blocks + [(self.shell, "head")] * self.has_head
+
+    @property
+    def probe(self):
+        """What this stage's first unit takes in a one-token run: token ids on the first stage
+        (None: the store makes them), else a (1, 1, C) hidden state (one token of the local
+        sequence, under sequence parallelism too)."""
+        return None if self.has_embed else B.xp.zeros((1, 1, self.cfg.n_embd), dtype=self.dtype)
+
+    @property
     def dropout_roots(self) -> tuple:
         """The modules whose dropouts this stage runs (the embedding's stays in the ends' shell)."""
         return tuple(m for m in (self.model, self.shell) if m is not None)
