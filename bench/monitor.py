@@ -38,6 +38,8 @@ def main() -> None:
     from mpirt.core.modeling import flops_per_token, load_model_config
     from mpirt.monitor.live import Metrics, RunMonitor
     from mpirt.parallel.engine import Engine
+    from mpirt.parallel.layout import Layout
+    from mpirt.plan.memory import recompute_where_it_pays
     from mpirt.run.train import open_dataset, plan_layout, vocab_from_data
 
     cfg = parse_args(train_args)
@@ -46,7 +48,8 @@ def main() -> None:
     data = open_dataset(cfg.data)
     model_cfg = vocab_from_data(cfg, load_model_config(cfg.model, cfg.model_overrides), data, layout["tp"])
     grid = Grid(layout["dp"], layout["pp"], layout["tp"])
-    engine = Engine(cfg, model_cfg, grid, dropout_seed=1)
+    layout = recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg))  # as mpirt.train builds it
+    engine = Engine(cfg, model_cfg, grid, dropout_seed=1, layout=layout)
     flops_per_step = flops_per_token(model_cfg, cfg.seq_len) * cfg.batch_size * cfg.seq_len
     tmp = Path(tempfile.mkdtemp(prefix="mpirt-bench-monitor-")) if ctx.rank == 0 else None
     out = Path(ctx.comm.broadcast_object(str(tmp) if tmp else None))

@@ -221,6 +221,9 @@ def test_trainable_keeps_the_parameters_that_need_gradients_and_refuses_mixtures
     params, _ = make_params(SHAPES[:3])
     params[1].requires_grad = False
     assert trainable(params, "store") == [params[0], params[2]]
+    assert trainable([params[1]], "store") == []
+    with pytest.raises(ValueError, match="^store: no parameter requires a gradient"):
+        trainable([params[1]], "store", allow_empty=False)
     with pytest.raises(ValueError, match="^store: a parameter appears twice"):
         trainable([params[0], params[0]], "store")
     mixed, _ = make_params([(2,)], dtype="float32")

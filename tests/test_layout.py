@@ -125,12 +125,13 @@ def test_stage_bounds_and_recomputed_blocks(changes, sizes, want):
 def test_slurm_reads_layout_refusals_as_its_flags():
     import dataclasses
 
-    from mpirt.run.slurm import JobSpec, SlurmScriptError, job_layout, render
+    from mpirt.run.slurm import JobSpec, SlurmScriptError, job_layout
 
     spec = JobSpec(ntasks_per_node=4, tp=2, model="tiny")
     assert job_layout(spec) == Layout.of(TrainConfig(), {"dp": 2, "pp": 1, "tp": 2})
-    assert "# Layout: dp 2 x pp 1 x tp 2." in render(spec)
     for changes, message in [({"tp": 3}, "--dp/--tp/--pp: "), ({"tp": 4, "model": "mlp"}, "--tp: "),
+                             ({"tp": 1, "train_args": ["--sequence-parallel"]},
+                              "training arguments: sequence_parallel: needs tp > 1"),
                              ({"train_args": ["--recompute-layers", "7", "--recompute", "full"]},
                               "training arguments: recompute_layers: block 7 does not exist (n_layer=4)")]:
         with pytest.raises(SlurmScriptError) as err:

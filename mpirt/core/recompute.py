@@ -39,35 +39,34 @@ MODES = ("none", "selective", "full")
 
 
 class Rerun:
-    """A unit whose activations are recomputed in backward: ``rerun(*args)`` runs ``call(*args)``
-    keeping only its Tensor arguments, and :class:`RerunOp`'s backward runs it again with a graph.
+    """A unit whose activations are recomputed in backward: ``rerun(*args, **kwargs)`` runs
+    ``call(*args, **kwargs)`` keeping only its Tensor arguments, and :class:`RerunOp`'s backward
+    runs it again with a graph.
 
     ``params``: every trainable leaf the unit uses that is not an argument (the op's weight
     inputs); ``dropouts``: the Dropout modules it may call (replayed in the rerun). The base class
-    leaves the weights where they are and sums the inner backward's leaf gradients into a dict
-    for the enclosing backward; ZeRO-3's unit (:class:`mpirt.parallel.zero3.ShardedUnit`) is the
+    leaves the weights where they are and hands the inner backward's leaf gradients of ``params``
+    to the enclosing backward; ZeRO-3's unit (:class:`mpirt.parallel.zero3.ShardedUnit`) is the
     other kind: its weights exist only while gathered, its ``params`` are the shards, its weight
     gradients the reduce-scattered ones."""
-
-    sums_leaf_grads = True  # the inner backward's leaf gradients go to a dict, not to each leaf.grad
 
     def __init__(self, call, params=(), dropouts=()):
         self.call, self.params, self.dropouts = call, tuple(params), tuple(dropouts)
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         if not is_grad_enabled():
             with self.weights():
-                return self.call(*args)
+                return self.call(*args, **kwargs)
         return RerunOp.apply(*args, *self.params, unit=self, n_args=len(args),
-                             tensor_args=tuple(isinstance(a, Tensor) for a in args))
+                             tensor_args=tuple(isinstance(a, Tensor) for a in args), kwargs=kwargs)
 
     def weights(self):
-        """Context in which ``call`` can run (forward): here the weights are always in place."""
+        """Context in which ``call`` can run (forward and rerun): here the weights are always in place."""
         return contextlib.nullcontext()
 
     def backward_weights(self):
         """Context for one backward of the unit (rerun, input and weight passes); yields the
-        sink that :meth:`weight_grads` reads: the dict the inner backward sums leaf gradients into."""
+        dict the inner backward sums its leaf gradients into (:meth:`weight_grads` reads it)."""
         return contextlib.nullcontext({})
 
     def weight_grads(self, sink: dict) -> tuple:
@@ -82,54 +81,58 @@ class Rerun:
 
 class RerunOp(Function):
     """A :class:`Rerun` unit run without a graph; rerun with one in backward (see the module
-    docstring). The input-gradient pass reruns the unit and back-propagates with the unit's own
-    weight passes deferred; the weight-gradient pass runs them and hands the unit's weight
-    gradients back (one after the other, or apart under a zero-bubble schedule's B/W split)."""
+    docstring). Without a split, one inner backward computes every gradient, freeing the rerun's
+    activations as it goes; split (a zero-bubble schedule), the input-gradient pass reruns the
+    unit and back-propagates with the unit's own weight passes deferred, and the weight-gradient
+    pass runs them and hands the unit's weight gradients back."""
 
-    def forward(self, *arrays, unit, n_args, tensor_args):
-        self.unit, self.tensor_args = unit, tensor_args
+    def forward(self, *arrays, unit, n_args, tensor_args, kwargs):
+        self.unit, self.tensor_args, self.kwargs = unit, tensor_args, kwargs
         self.args = arrays[:n_args]  # the only activations kept: the rerun's inputs
         self.weight_inputs = tuple(range(n_args, len(arrays)))
         self.dropouts = dropout_states(unit.dropouts)
         with unit.weights(), no_grad():
-            out = unit.call(*[Tensor(a) if t else a for a, t in zip(self.args, tensor_args)])
+            out = unit.call(*[Tensor(a) if t else a for a, t in zip(self.args, tensor_args)], **kwargs)
         if not isinstance(out, Tensor):
             raise TypeError(f"recompute: the unit {getattr(unit.call, '__qualname__', unit.call)} must return "
                             f"one Tensor, got {type(out).__name__}")
         return out.data
 
-    def backward(self, grad):  # also for a unit without weight inputs
-        n = len(self.args)
-        return self.backward_input(grad)[:n] + self.backward_weight(grad)[n:]
+    def backward(self, grad):
+        with self.unit.backward_weights() as sink:
+            return self._rerun(grad, sink, defer=False) + self.unit.weight_grads(sink)
 
     def backward_input(self, grad):
-        unit, n = self.unit, len(self.args)
-        ins = [Tensor(a, requires_grad=need) if t else a
-               for a, t, need in zip(self.args, self.tensor_args, self.needs_input_grad)]
         self.open = contextlib.ExitStack()  # closed after the weight pass
         try:
-            self.sink = self.open.enter_context(unit.backward_weights())
-            leaf_grads = self.sink if unit.sums_leaf_grads else None
-            after = dropout_states(m for m, _ in self.dropouts)
-            restore_dropout_states(self.dropouts)  # replay the forward's masks
-            try:
-                with enable_grad():
-                    out = unit.call(*ins)
-            finally:
-                restore_dropout_states(after)
-            self.weight_pass = out.backward(grad, defer_weight_grad=True, leaf_grads=leaf_grads)
+            self.sink = self.open.enter_context(self.unit.backward_weights())
+            inputs = self._rerun(grad, self.sink, defer=True)
         except BaseException:
             self.open.close()
             raise
-        grads = (leaf_grads.pop(id(x), None) if leaf_grads is not None else x.grad for x in ins
-                 if isinstance(x, Tensor))
-        return tuple(next(grads) if isinstance(x, Tensor) else None for x in ins) + (None,) * (len(self.inputs) - n)
+        return inputs + (None,) * (len(self.inputs) - len(self.args))
 
     def backward_weight(self, grad):
         with self.open:
             self.weight_pass.run()
             out = self.unit.weight_grads(self.sink)
         return (None,) * len(self.args) + out
+
+    def _rerun(self, grad, sink: dict, defer: bool) -> tuple:
+        """Run the unit again with a graph (the forward's dropout masks replayed), back-propagate
+        ``grad`` summing the leaf gradients into ``sink``; returns the arguments' gradients
+        (``defer``: the unit's weight passes wait in ``self.weight_pass``)."""
+        ins = [Tensor(a, requires_grad=need) if t else a
+               for a, t, need in zip(self.args, self.tensor_args, self.needs_input_grad)]
+        after = dropout_states(m for m, _ in self.dropouts)
+        restore_dropout_states(self.dropouts)  # replay the forward's masks
+        try:
+            with enable_grad():
+                out = self.unit.call(*ins, **self.kwargs)
+        finally:
+            restore_dropout_states(after)
+        self.weight_pass = out.backward(grad, defer_weight_grad=defer, leaf_grads=sink)
+        return tuple(sink.pop(id(x), None) if isinstance(x, Tensor) else None for x in ins)
 
 
 def checkpoint(call, *args, params=(), dropouts=()):

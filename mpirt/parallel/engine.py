@@ -48,15 +48,16 @@ class Engine:
     mask seed. ``local``: a prebuilt :class:`PipelineStage` to use instead of building one (tests
     that pass their own partition or wait mode); ``layout``: the run's resolved
     :class:`~mpirt.parallel.layout.Layout` with the model, whose ``recomputed`` blocks this rank
-    recomputes (default: resolved here from ``cfg``, every block the config picks; the training
-    script leaves out the stages where it would not lower the peak,
-    :func:`mpirt.plan.memory.recompute_where_it_pays`)."""
+    recomputes (the training script leaves out the stages where it would not lower the peak,
+    :func:`mpirt.plan.memory.recompute_where_it_pays`); None, or one resolved without the model:
+    resolved here from ``cfg`` with the model, every block the config picks recomputing."""
 
     def __init__(self, cfg, model_cfg, grid, dropout_seed: int, local=None, layout: Layout | None = None):
         self.grid, self.cfg = grid, cfg
         self.tp_comm, self.pp_comm, self.dp_comm = grid.comm["tp"], grid.comm["pp"], grid.comm["dp"]
         tp, pp = grid.sizes["tp"], grid.sizes["pp"]
-        layout = layout or Layout.of(cfg, grid.sizes, model_cfg)
+        if layout is None or not layout.bounds:
+            layout = Layout.of(cfg, grid.sizes, model_cfg)
         sp = layout.sequence_parallel
         if pp > 1 or local is not None:
             self.local = local or PipelineStage(

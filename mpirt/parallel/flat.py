@@ -120,10 +120,13 @@ def place_shards(layouts) -> int:
     return offset
 
 
-def trainable(params, who: str) -> list:
+def trainable(params, who: str, allow_empty: bool = True) -> list:
     """The parameters of ``params`` that require gradients, refused (ValueError naming ``who``)
-    when one appears twice or their dtypes differ: one store holds one dtype."""
+    when one appears twice, their dtypes differ (one store holds one dtype) or, unless
+    ``allow_empty``, there are none."""
     params = [p for p in params if p.requires_grad]
+    if not params and not allow_empty:
+        raise ValueError(f"{who}: no parameter requires a gradient")
     if len({id(p) for p in params}) != len(params):
         raise ValueError(f"{who}: a parameter appears twice")
     dtypes = sorted({str(p.dtype) for p in params})

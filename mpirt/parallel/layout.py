@@ -113,13 +113,20 @@ class Layout(Mapping):
         return dp, pp, tp
 
     @classmethod
-    def resolve(cls, cfg, world_size: int) -> "Layout":
+    def resolve(cls, cfg, world_size: int, batch_rules: bool = True) -> "Layout":
         """The layout of ``cfg`` on ``world_size`` ranks (dp derived when not given), refusing
-        (:class:`LayoutError`) what cannot run. Pure: no communication."""
+        (:class:`LayoutError`) what cannot run. Pure: no communication. ``batch_rules=False``
+        leaves out the rules that the batch settings (batch_size, grad_accum, microbatches and the
+        schedule's shape they make) take part in: a job script checks the rest before they are
+        final."""
         from mpirt.parallel.pipeline.schedules import check_shape
 
         dp = cls.axes(world_size, cfg.dp, cfg.pp, cfg.tp)[0]
         layout = cls.of(cfg, {"dp": dp, "pp": cfg.pp, "tp": cfg.tp})
+        if cfg.sequence_parallel and cfg.tp == 1:
+            raise LayoutError("sequence_parallel", "needs tp > 1")
+        if not batch_rules:
+            return layout
         if cfg.pp > 1:
             if cfg.grad_accum > 1:
                 raise LayoutError("grad_accum", f"with pp={cfg.pp} the pipeline's micro-batches replace gradient "
@@ -132,8 +139,6 @@ class Layout(Mapping):
                 check_shape(cfg.schedule, cfg.pp, m, layout.chunks)
             except ValueError as err:
                 raise LayoutError("schedule", str(err)) from None
-        if cfg.sequence_parallel and cfg.tp == 1:
-            raise LayoutError("sequence_parallel", "needs tp > 1")
         if cfg.batch_size % (dp * cfg.grad_accum):
             raise LayoutError("batch_size", f"the global batch {cfg.batch_size} does not divide into dp={dp} x "
                               f"grad_accum={cfg.grad_accum} = {dp * cfg.grad_accum} equal micro-batches")

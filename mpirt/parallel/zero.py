@@ -108,7 +108,7 @@ class ZeroOptimizer:
         else:
             store = None
             params = trainable(model_or_params.parameters() if isinstance(model_or_params, Module)
-                               else model_or_params, "ZeroOptimizer")
+                               else model_or_params, "ZeroOptimizer", allow_empty=False)
         sharded = isinstance(store, ShardedParams) or store is None and isinstance(model_or_params, Module)
         if stage == 3 and not sharded or stage < 3 and isinstance(store, ShardedParams):
             raise ValueError("ZeroOptimizer: stage 3 needs the model or its ShardedParams (its units gather "

@@ -48,14 +48,15 @@ class ShardedParams:
                  dropout_roots=None, alone=()):
         self.model, self.comm = model, comm
         self.counted = counted or (lambda p: True)
-        self.params = trainable(model.parameters(), "ShardedParams")
+        self.params = trainable(model.parameters(), "ShardedParams", allow_empty=False)
         self.dtype = self.params[0].dtype
         self.shapes = {id(p): tuple(p.shape) for p in self.params}
         self.alone = sorted(alone, key=lambda p: p.name or "")
+        self.dropout_roots = tuple(dropout_roots or (model,))  # every unit's rerun replays their masks
         if all(p.materialized for p in self.params):
             broadcast_parameters(self.params, comm)
         with stand_ins(self.params):  # the one-row discovery run needs no real values
-            self.units, groups = plan_units(self, units, probe_len, probe, dropout_roots or (model,))
+            self.units, groups = plan_units(self, units, probe_len, probe)
         self.groups = [ShardedLayout(g, self.shapes, comm.rank, comm.size) for g in groups]
         self.numel = sum(g.numel for g in self.groups)
         self.shard_numel = place_shards(self.groups)
@@ -117,7 +118,7 @@ class ShardedParams:
                     p.data, p.grad = self._placeholder, None
 
 
-def plan_units(store, units, probe_len: int = 1, probe=None, dropout_roots=()):
+def plan_units(store, units, probe_len: int = 1, probe=None):
     """The :class:`ShardedUnit` list of ``store`` (:class:`ShardedParams`) and its parameter groups (lists
     of parameters, one per set of units that use the same parameters, in first-use order; each
     of ``store.alone`` in a group of its own). ``units``: a list of ``(object, method_name)``, or
@@ -130,7 +131,7 @@ def plan_units(store, units, probe_len: int = 1, probe=None, dropout_roots=()):
             raise ValueError("ZeRO-3: the model has no embed/h/head interface; "
                              "pass units=[(object, method_name), ...]")
         units = [(model, "embed")] + [(blk, "forward") for blk in model.h] + [(model, "head")]
-    used = _discover_unit_params(store, units, probe_len, probe, dropout_roots)
+    used = _discover_unit_params(store, units, probe_len, probe)
     param_ids = {id(p) for p in store.params}
     signature = {}
     for k, ps in enumerate(used):
@@ -153,7 +154,7 @@ def plan_units(store, units, probe_len: int = 1, probe=None, dropout_roots=()):
     return plan, [ps for _, ps in groups]
 
 
-def _discover_unit_params(store, units, probe_len: int, probe, dropout_roots) -> list[list]:
+def _discover_unit_params(store, units, probe_len: int, probe) -> list[list]:
     """Run the units once, each on the previous one's output, to see which parameters each uses:
     from a (1, probe_len) token batch when the first is the embedding, else from ``probe``."""
     if len(units) == 1:
@@ -161,7 +162,7 @@ def _discover_unit_params(store, units, probe_len: int, probe, dropout_roots) ->
     if [name for _, name in units][:1] != ["embed"] and probe is None:
         raise ValueError("ZeRO-3: pass units whose first is the model's embed, or the probe input of the "
                          "first (parameter discovery runs the units in turn on one token)")
-    saved = dropout_states(dropout_modules(*dropout_roots).values())
+    saved = dropout_states(dropout_modules(*store.dropout_roots).values())
     used = []
     x = B.xp.zeros((1, probe_len), dtype=np.int64) if [name for _, name in units][:1] == ["embed"] else probe
     with enable_grad():
@@ -183,7 +184,7 @@ class ShardedUnit(Rerun):
     are packed and reduce-scattered (averaged) into the owned chunks."""
 
     def __init__(self, store: ShardedParams, obj, name: str, group_ids: list[int]):
-        super().__init__(getattr(obj, name), dropouts=dropout_modules(obj).values())
+        super().__init__(getattr(obj, name), dropouts=dropout_modules(*store.dropout_roots).values())
         self.store, self.obj, self.name, self.group_ids = store, obj, name, group_ids
 
     def install(self) -> None:

@@ -224,9 +224,9 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def validate(spec: JobSpec) -> Layout:
-    """Refuse settings that are malformed or could not be rendered safely, naming the flag;
-    returns the job's grid (dp derived when 0) as a :class:`~mpirt.parallel.layout.Layout`."""
+def validate(spec: JobSpec) -> None:
+    """Refuse settings that are malformed or could not be rendered safely, naming the flag (the
+    grid's sizes through :meth:`~mpirt.parallel.layout.Layout.axes`)."""
     for name, low in (("nodes", 1), ("ntasks_per_node", 1), ("cpus_per_task", 1), ("gpus_per_node", 0),
                       ("dp", 0), ("tp", 1), ("pp", 1), ("notice", 0)):
         v = getattr(spec, name)
@@ -260,13 +260,12 @@ def validate(spec: JobSpec) -> Layout:
                                                              for a in spec.train_args),
           "train args", "strings without NUL bytes", spec.train_args)
     try:
-        layout = Layout(*Layout.axes(spec.nodes * spec.ntasks_per_node, spec.dp, spec.pp, spec.tp))
+        Layout.axes(spec.nodes * spec.ntasks_per_node, spec.dp, spec.pp, spec.tp)
     except LayoutError as err:
         raise _refusal(spec, err) from None
     if spec.gpus_per_node:
         _need(spec.ntasks_per_node == spec.gpus_per_node, "--ntasks-per-node",
               f"equal to --gpus-per-node {spec.gpus_per_node} (mpirt runs one rank per GPU)", spec.ntasks_per_node)
-    return layout
 
 
 def training_args(spec: JobSpec) -> list[str]:
@@ -298,8 +297,9 @@ def job_layout(spec: JobSpec) -> Layout:
     """The :class:`~mpirt.parallel.layout.Layout` of the job's sizes and training arguments, read
     as ``mpirt.train`` will (keys, types, values) and checked against the model where its preset
     or file can be read here, so that a mistake is refused at render time instead of after a
-    queue wait (SlurmScriptError names it). The rules that the batch settings take part in wait
-    for the start-up: ``sbatch THIS_SCRIPT --batch-size ...`` may still change them."""
+    queue wait (SlurmScriptError names it): :meth:`~mpirt.parallel.layout.Layout.resolve` without
+    the rules that the batch settings take part in, which wait for the start-up (``sbatch
+    THIS_SCRIPT --batch-size ...`` may still change them), then ``check_model``."""
     from mpirt.run.config import ConfigError, parse_args
     from mpirt.core.modeling import load_model_config, missing_model_file
     try:
@@ -307,10 +307,9 @@ def job_layout(spec: JobSpec) -> Layout:
     except ConfigError as err:
         raise SlurmScriptError(f"training arguments: {err}") from None
     try:
-        sizes = Layout.axes(spec.nodes * spec.ntasks_per_node, cfg.dp, cfg.pp, cfg.tp)
+        layout = Layout.resolve(cfg, spec.nodes * spec.ntasks_per_node, batch_rules=False)
     except LayoutError as err:
         raise _refusal(spec, err) from None
-    layout = Layout.of(cfg, dict(zip(("dp", "pp", "tp"), sizes)))
     if missing_model_file(cfg.model):
         return layout                # a model file on the cluster only: mpirt.train checks it at start
     try:
@@ -325,9 +324,8 @@ def job_layout(spec: JobSpec) -> Layout:
 
 
 def render(spec: JobSpec) -> str:
-    """The sbatch script for ``spec`` (validated first, its layout resolved as the run will:
-    SlurmScriptError names a bad flag or training argument)."""
-    layout = validate(spec)
+    """The sbatch script for ``spec`` (validated first; SlurmScriptError names a bad flag)."""
+    validate(spec)
     q = shlex.quote
     world = spec.nodes * spec.ntasks_per_node
     kind = TEMPLATES[spec.template][0] if spec.template in TEMPLATES else "rendered job"
@@ -339,7 +337,6 @@ def render(spec: JobSpec) -> str:
         f"# mpirt training job: {kind}.",
         f"# {spec.nodes} node(s) x {spec.ntasks_per_node} ranks = {world} ranks{gpus}, "
         f"{spec.cpus_per_task} CPUs per rank.",
-        f"# Layout: {layout.describe()}.",
         f"# Written by `{generated}`: regenerate rather than edit.",
         "# Site settings (modules, virtual environment, MPI_TYPE, NCCL/UCX) live in one env file:",
         "# slurm/site.env in the submit directory, or $MPIRT_SITE_ENV (see slurm/site.env.example).",
