@@ -15,7 +15,7 @@ else a :class:`~mpirt.parallel.whole.WholeModel` (the model made tensor parallel
 a loop over ``grad_accum`` micro-batches); both present one interface (listed in
 :mod:`mpirt.parallel.whole`), so the engine never asks which it holds.
 Its parameters live in one store, :class:`~mpirt.parallel.flat.FlatParams` (ZeRO-3:
-:class:`~mpirt.parallel.zero3.ShardedParams`, sharded per unit group, with tp but not with pp),
+:class:`~mpirt.parallel.zero3.ShardedParams`, sharded per unit group, with tp and pp),
 and the sync over dp is :class:`~mpirt.parallel.ddp.DataParallel` or
 :class:`~mpirt.parallel.zero.ZeroOptimizer` over that store. Sequence parallelism's
 partial gradients are summed over tp once, and one global-norm clip counts every element once
