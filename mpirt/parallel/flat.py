@@ -105,9 +105,20 @@ class ShardedLayout(FlatLayout):
         self.shard_offset = 0
         self.shard = None      # ZeRO-3: a leaf Tensor over the owned chunk (data: params, grad: grads)
 
+    @property
+    def in_shard(self) -> slice:
+        """Where the owned chunk sits in the rank's shard."""
+        return slice(self.shard_offset, self.shard_offset + self.hi - self.lo)
+
     def shard_runs(self, select) -> list[tuple[int, int]]:
         """:meth:`FlatLayout.runs` of the owned chunk, as positions in the rank's shard."""
         return [(a + self.shard_offset, b + self.shard_offset) for a, b in self.runs(self.lo, self.hi, select)]
+
+    def gather(self, comm, shard):
+        """The full flat vector, all-gathered over ``comm`` (dp) from every rank's chunk of it in
+        its ``shard`` (parameters, or optimizer state laid out alike). Collective."""
+        B.synchronize()
+        return comm.allgather_flat(shard[self.in_shard], self.numel)
 
 
 def place_shards(layouts) -> int:

@@ -174,7 +174,7 @@ class ZeroOptimizer:
         out = {}
         for g in self.groups:
             if self.stage == 3:
-                full = B.to_host(self.store.full(g))
+                full = B.to_host(g.gather(self.comm, self.param_shard))
                 for p, v in zip(g.params, g.views(full)):
                     out[p.name] = v.copy()
             else:
@@ -297,8 +297,7 @@ class ZeroOptimizer:
         for state in self.STATE_NAMES:
             arr = getattr(self, state)
             for g in self.groups:
-                B.synchronize()
-                flat = B.to_host(self.comm.allgather_flat(arr[g.shard_offset:g.shard_offset + g.hi - g.lo], g.numel))
+                flat = B.to_host(g.gather(self.comm, arr))
                 for p, v in zip(g.params, g.views(flat)):
                     full[f"{p.name}.{state}"] = v
         d.update((f"{p.name}.{state}", full[f"{p.name}.{state}"]) for p in self.params for state in self.STATE_NAMES)
@@ -369,9 +368,7 @@ class ZeroOptimizer:
         fulls = []
         try:
             for g in self.groups:
-                a, b = g.shard_offset, g.shard_offset + g.hi - g.lo
-                B.synchronize()
-                full = self.comm.allgather_flat(source[a:b], g.numel)
+                full = g.gather(self.comm, source)
                 fulls.append((g, full, g.views(full)))
                 for p, v in zip(g.params, fulls[-1][2]):
                     p.data = v
@@ -380,7 +377,7 @@ class ZeroOptimizer:
                 for p, v in zip(g.params, views):
                     if p.data is not v:
                         v[...] = p.data
-                source[g.shard_offset:g.shard_offset + g.hi - g.lo] = full[g.lo:g.hi]
+                source[g.in_shard] = full[g.lo:g.hi]
             if source is not self.param_shard:
                 self.param_shard[...] = source  # rounded to nearest even
                 if self.stage < 3:

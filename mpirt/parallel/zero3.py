@@ -69,9 +69,8 @@ class ShardedParams:
                 value = p.data if p.materialized else init(p)
                 start = g.shard_offset + pos
                 self.data[start:start + hi - lo] = B.asarray(value.reshape(-1)[lo:hi])
-            a, b = g.shard_offset, g.shard_offset + g.hi - g.lo
-            g.shard = Tensor(self.data[a:b], requires_grad=True)
-            g.shard.grad = self.grad[a:b]
+            g.shard = Tensor(self.data[g.in_shard], requires_grad=True)
+            g.shard.grad = self.grad[g.in_shard]
         self.release()
         for unit in self.units:
             unit.install()
@@ -81,7 +80,7 @@ class ShardedParams:
         out = []
         for p in self.alone:
             g = next(g for g in self.groups if g.params == [p])
-            out.append(self.grad[g.shard_offset:g.shard_offset + g.hi - g.lo])
+            out.append(self.grad[g.in_shard])
         return out
 
     def release(self) -> None:
@@ -89,29 +88,15 @@ class ShardedParams:
         for p in self.params:
             p.data, p.grad = self._placeholder, None
 
-    def full(self, group: ShardedLayout, shard=None):
-        """``group``'s full flat vector, all-gathered from the ranks' chunks of ``shard`` (default:
-        the parameters; the optimizer passes its state). Collective over dp."""
-        shard = self.data if shard is None else shard
-        B.synchronize()
-        return self.comm.allgather_flat(shard[group.shard_offset:group.shard_offset + group.hi - group.lo],
-                                        group.numel)
-
     @contextlib.contextmanager
-    def gathered(self, group_ids, with_grads: bool = False):
-        """Full parameters of the given groups as temporary arrays behind ``p.data`` (and zeroed
-        full gradient buffers behind ``p.grad``); yields {group index: full gradient buffer}."""
-        grads = {}
+    def gathered(self, group_ids):
+        """Inside, the given groups' full parameters are temporary arrays behind ``p.data``."""
         try:
             for i in group_ids:
                 g = self.groups[i]
-                for p, v in zip(g.params, g.views(self.full(g))):
+                for p, v in zip(g.params, g.views(g.gather(self.comm, self.data))):
                     p.data = v
-                if with_grads:
-                    grads[i] = B.xp.zeros(g.numel, dtype=self.dtype)
-                    for p, v in zip(g.params, g.views(grads[i])):
-                        p.grad = v
-            yield grads
+            yield
         finally:
             for i in group_ids:
                 for p in self.groups[i].params:
@@ -195,8 +180,10 @@ class ShardedUnit(Rerun):
     def weights(self):
         return self.store.gathered(self.group_ids)
 
+    @contextlib.contextmanager
     def backward_weights(self):
-        return self.store.gathered(self.group_ids)  # yields a new, empty dict: the sink
+        with self.store.gathered(self.group_ids):
+            yield {}  # this backward's own sink
 
     def weight_grads(self, sink: dict) -> tuple:
         out = []
