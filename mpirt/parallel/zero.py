@@ -109,8 +109,8 @@ class ZeroOptimizer:
             store = None
             params = trainable(model_or_params.parameters() if isinstance(model_or_params, Module)
                                else model_or_params, "ZeroOptimizer", allow_empty=False)
-        sharded = isinstance(store, ShardedParams) or store is None and isinstance(model_or_params, Module)
-        if stage == 3 and not sharded or stage < 3 and isinstance(store, ShardedParams):
+        wrong_store = isinstance(store, FlatParams) if stage == 3 else isinstance(store, ShardedParams)
+        if wrong_store or stage == 3 and store is None and not isinstance(model_or_params, Module):
             raise ValueError("ZeroOptimizer: stage 3 needs the model or its ShardedParams (its units gather "
                              "parameters); stages 1-2 take the model, parameters or a FlatParams")
         self.params = params

@@ -124,8 +124,6 @@ def recompute_pays(cfg, model_cfg, layout: dict, rank: int) -> bool:
 def recompute_where_it_pays(cfg, model_cfg, layout: Layout) -> Layout:
     """``layout`` (resolved with the model) without recomputation on the pipeline ranks where it
     would not lower the peak (:func:`recompute_pays`): the blocks the engine recomputes."""
-    if cfg.recompute == "none" or cfg.zero == 3 or cfg.recompute_layers:
-        return layout
     idle = {r for r in range(layout.pp) if not recompute_pays(cfg, model_cfg, layout, r * layout.tp)}
     return dataclasses.replace(layout, recomputed=tuple(i for i in layout.recomputed
                                                         if layout.pipeline_rank(i) not in idle))
@@ -158,7 +156,7 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     a machine's environment); ``checkpoint_gather=True`` models the older whole-state checkpoints instead (the
     full state gathered on every rank without pp, on pp rank 0 with it).
     """
-    if cfg.recompute != "none" and cfg.zero < 3 and not recompute_pays(cfg, model_cfg, layout, rank):
+    if not recompute_pays(cfg, model_cfg, layout, rank):
         cfg = dataclasses.replace(cfg, recompute="none")  # what the engine runs on this stage
     return _predict(cfg, model_cfg, layout, rank, data_bytes, process_bytes=process_bytes,
                     checkpoint_gather=checkpoint_gather)[0]
