@@ -106,7 +106,29 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, ep
         block(*arrays)
 
 
-class Optimizer:
+class Scalars:
+    """The scalars a checkpoint records beside an optimizer's arrays: the step, the learning rate
+    and the ``hyper_names`` hyperparameters (shared by :class:`Optimizer` and
+    :class:`mpirt.parallel.zero.ZeroOptimizer`)."""
+
+    hyper_names: tuple = ()
+
+    def scalars(self) -> dict:
+        """Step, learning rate and hyperparameters (what a checkpoint records beside the arrays)."""
+        return {"step": self.step_count, "lr": self.lr, **{k: getattr(self, k) for k in self.hyper_names}}
+
+    def load_scalars(self, d: dict) -> None:
+        """Restore :meth:`scalars` (a missing hyperparameter raises KeyError naming it)."""
+        missing = [k for k in ("step", *self.hyper_names) if k not in d]
+        if missing:
+            raise KeyError(f"load_scalars: missing keys {missing}")
+        self.step_count = int(d["step"])
+        self.lr = float(d.get("lr", self.lr))
+        for k in self.hyper_names:
+            setattr(self, k, type(getattr(self, k))(d[k]))
+
+
+class Optimizer(Scalars):
     """Base class: a list of named Parameters, per-parameter state arrays and a global step.
 
     Subclasses set ``state_names`` (per-parameter arrays, allocated once here, in the parameter's
@@ -116,7 +138,6 @@ class Optimizer:
     """
 
     state_names: tuple = ()
-    hyper_names: tuple = ()
 
     def __init__(self, params, lr: float):
         self.params = list(params)
@@ -245,20 +266,6 @@ class Optimizer:
         for k, a in arrays.items():
             a[...] = B.asarray(d[k], dtype=a.dtype)
         self.load_scalars(d)
-
-    def scalars(self) -> dict:
-        """Step, learning rate and hyperparameters (what a checkpoint records beside the arrays)."""
-        return {"step": self.step_count, "lr": self.lr, **{k: getattr(self, k) for k in self.hyper_names}}
-
-    def load_scalars(self, d: dict) -> None:
-        """Restore :meth:`scalars` (a missing hyperparameter raises KeyError naming it)."""
-        missing = [k for k in ("step", *self.hyper_names) if k not in d]
-        if missing:
-            raise KeyError(f"load_scalars: missing keys {missing}")
-        self.step_count = int(d["step"])
-        self.lr = float(d.get("lr", self.lr))
-        for k in self.hyper_names:
-            setattr(self, k, type(getattr(self, k))(d[k]))
 
 
 class SGD(Optimizer):

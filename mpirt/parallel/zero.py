@@ -52,7 +52,7 @@ import contextlib
 
 import mpirt.core.backend as B
 from mpirt.core.nn import Module
-from mpirt.core.optim import adamw_update
+from mpirt.core.optim import AdamW, Scalars, adamw_update
 from mpirt.core.precision import compute_dtype, is_half
 from mpirt.parallel.ddp import broadcast_parameters
 from mpirt.comm import chunk_bounds
@@ -65,7 +65,7 @@ PIECE_BYTES = 16 << 20  # the update and stage 1's allreduce run over pieces of 
 BUCKET_BYTES = 4 << 20  # stage 2 reduces the gradients in buckets of about this many bytes
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(Scalars):
     """AdamW sharded over the ranks of ``comm`` (a dp :class:`mpirt.comm.Comm`), ZeRO stage 1-3.
 
     ``model_or_params``: the parameter store, :class:`~mpirt.parallel.flat.FlatParams` (stages
@@ -282,8 +282,8 @@ class ZeroOptimizer:
         return {"params": int(params), "grads": int(grads),
                 "optimizer": int(self.exp_avg.nbytes + self.exp_avg_sq.nbytes + master)}
 
-    STATE_NAMES = ("exp_avg", "exp_avg_sq")
-    _HYPER = ("beta1", "beta2", "eps", "weight_decay")
+    STATE_NAMES = AdamW.state_names
+    hyper_names = AdamW.hyper_names
 
     def state_dict(self) -> dict:
         """The state in :meth:`mpirt.core.optim.AdamW.state_dict`'s format, whatever the stage and dp size:
@@ -311,7 +311,7 @@ class ZeroOptimizer:
             raise ValueError(f"load_state_dict: state of a {d['type']} optimizer, ZeroOptimizer loads AdamW state")
         want = {f"{p.name}.{k}": p for p in self.params for k in self.STATE_NAMES}
         given = {k for k, v in d.items() if hasattr(v, "shape")}
-        missing = sorted(set(want) - given) + [k for k in ("step", *self._HYPER) if k not in d]
+        missing = sorted(set(want) - given) + [k for k in ("step", *self.hyper_names) if k not in d]
         unexpected = sorted(given - set(want))
         if missing or unexpected:
             raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
@@ -323,19 +323,6 @@ class ZeroOptimizer:
                 getattr(self, k)[start:start + b - a] = B.asarray(d[f"{p.name}.{k}"].reshape(-1)[a:b],
                                                                   dtype=self.state_dtype)
         self.load_scalars(d)
-
-    def scalars(self) -> dict:
-        """Step, learning rate and hyperparameters (what a checkpoint records beside the arrays)."""
-        return {"step": self.step_count, "lr": self.lr, **{k: getattr(self, k) for k in self._HYPER}}
-
-    def load_scalars(self, d: dict) -> None:
-        """Restore :meth:`scalars` (a missing hyperparameter raises KeyError naming it)."""
-        missing = [k for k in ("step", *self._HYPER) if k not in d]
-        if missing:
-            raise KeyError(f"load_scalars: missing keys {missing}")
-        self.step_count, self.lr = int(d["step"]), float(d.get("lr", self.lr))
-        for k in self._HYPER:
-            setattr(self, k, float(d[k]))
 
     def refresh_parameters(self) -> None:
         """After the shards were written (a sharded checkpoint load): round the half parameters
