@@ -283,29 +283,46 @@ def wait_spinning(procs, timeout: float = 30) -> None:
         assert p.stdout.readline() == "spinning\n", f"busy process {p.pid} ended (exit code {p.wait()})"
 
 
-def test_the_fma_ceiling_is_the_same_under_load_and_no_gemm_beats_it(tmp_path, monkeypatch):
-    """The FMA loop measured from an empty cache on a quiet machine and again from another empty
-    cache while twice as many busy processes as CPUs run: each CPU within 10 %. One thread's
-    float32 GEMMs stay under one core's ceiling; float64 has about half float32's lanes."""
+def fma_quiet_and_loaded(tmp_path, monkeypatch, cpus, trial):
+    """The FMA loop's rates from an empty cache on a quiet machine, then from another empty cache
+    while twice as many busy processes as CPUs run."""
     from mpirt.monitor import flops
-    from mpirt.cpu import threads
 
-    cpus = sorted(os.sched_getaffinity(0))
-    monkeypatch.setenv("MPIRT_CACHE", str(tmp_path / "quiet"))
+    monkeypatch.setenv("MPIRT_CACHE", str(tmp_path / f"quiet{trial}"))
     quiet, how = flops.fma_rates(cpus, 32)
     assert set(quiet) == set(cpus) and "FMA loop" in how, how
     busy = [subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
                              stdout=subprocess.PIPE, text=True) for _ in range(2 * len(cpus))]
     try:
         wait_spinning(busy)
-        monkeypatch.setenv("MPIRT_CACHE", str(tmp_path / "loaded"))
+        monkeypatch.setenv("MPIRT_CACHE", str(tmp_path / f"loaded{trial}"))
         loaded, _ = flops.fma_rates(cpus, 32)
     finally:
         for p in busy:
             p.kill()
             p.wait()
             p.stdout.close()
-    assert all(abs(loaded[c] / quiet[c] - 1) < 0.1 for c in cpus), (quiet, loaded)
+    return quiet, loaded
+
+
+def test_the_fma_ceiling_is_the_same_under_load_and_no_gemm_beats_it(tmp_path, monkeypatch):
+    """Quiet and loaded (:func:`fma_quiet_and_loaded`): each CPU within 10 %. A shared CI host can
+    take a core's FMA units from either measurement for longer than the loop's rounds last, so
+    there are up to three trials; a loop slowed by the busy processes themselves (wall-clock
+    timing: a third of the rate) fails all three. One thread's float32 GEMMs stay under one core's
+    ceiling; float64 has about half float32's lanes."""
+    from mpirt.monitor import flops
+    from mpirt.cpu import threads
+
+    cpus = sorted(os.sched_getaffinity(0))
+    trials = []
+    for trial in range(3):
+        quiet, loaded = fma_quiet_and_loaded(tmp_path, monkeypatch, cpus, trial)
+        trials.append((quiet, loaded))
+        if all(abs(loaded[c] / quiet[c] - 1) < 0.1 for c in cpus):
+            break
+    else:
+        raise AssertionError(f"loaded and quiet FMA rates differ by 10 % or more in every trial: {trials}")
     f64, _ = flops.fma_rates(cpus, 64)
     assert all(0.4 < f64[c] / quiet[c] < 0.6 for c in cpus), (quiet, f64)
     saved = threads.num_threads()
@@ -332,7 +349,8 @@ def test_a_damaged_fma_cache_entry_is_measured_again(tmp_path, monkeypatch):
         path.write_text(json.dumps({key: damaged}))
         again, how = flops.fma_rates(cpus, 32)
         assert set(again) == set(cpus) and "FMA loop" in how, (damaged, how)
-        assert all(abs(again[c] / good[c] - 1) < 0.25 for c in cpus), (damaged, good, again)
+        # measured again, not read back (a host's busy spell may move a rate, not by half)
+        assert all(0.5 < again[c] / good[c] < 2 for c in cpus), (damaged, good, again)
         assert json.loads(path.read_text())[key].keys() == {str(c) for c in cpus}
 
 

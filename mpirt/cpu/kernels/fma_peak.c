@@ -8,8 +8,10 @@
  * any core made so far), so the loop runs at the core's FMA issue rate. Rounds are timed in thread
  * CPU time, which stops while the thread waits for a CPU: another process on the core slows no
  * round down, it only takes turns. A virtual machine's CPU taken away by its host still counts as
- * the thread's time, so the rounds are spread out (a pause between two) for one of them to miss a
- * busy spell of the host. The best round of each CPU is printed.
+ * the thread's time, and a neighbour on the host's other hyperthread of the core shares its FMA
+ * units (a CI machine measured a third below the core's rate over a whole 80 ms): the rounds are
+ * spread over about a quarter of a second (a pause between two) for some of them to miss a busy
+ * spell of the host. The best round of each CPU is printed.
  */
 #define _GNU_SOURCE
 #include <sched.h>
@@ -25,9 +27,9 @@
 #else
 #define NACC 16
 #endif
-#define ROUNDS 16
+#define ROUNDS 24
 #define ROUND_S 2e-3
-#define PAUSE_NS 3000000L   /* between rounds */
+#define PAUSE_NS 8000000L   /* between rounds */
 
 typedef float vf __attribute__((vector_size(VECTOR_BYTES)));
 typedef double vd __attribute__((vector_size(VECTOR_BYTES)));
