@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -195,6 +197,31 @@ def fmt_spread(s: dict, scale: float = 1e3, digits: int = 1) -> str:
 def fmt_ratio(s: dict) -> str:
     """``median [min-max]`` of a :func:`paired_ratio`."""
     return fmt_spread(s, 1.0, 2)
+
+
+def launch(cmd: list[str], ranks: int, timeout: float, check: bool = True):
+    """Run ``python -m CMD...`` from the repository root (under mpiexec when ranks > 1, one BLAS
+    thread per rank); returns (the result, its wall seconds, the largest peak RSS of a child
+    process in bytes: ru_maxrss of the children waited for). ``check``: a failing run ends the
+    benchmark with its output."""
+    full = [sys.executable, "-m", *cmd]
+    if ranks > 1:
+        full = ["mpiexec", "-n", str(ranks), *full]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    result = subprocess.run(full, capture_output=True, text=True, timeout=timeout, env=env,
+                            cwd=Path(__file__).resolve().parents[1])
+    wall = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if check and result.returncode != 0:
+        sys.exit(f"{' '.join(full)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    return result, wall, peak
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of the child processes waited for so far (the runs a benchmark launched)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

@@ -25,19 +25,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import resource
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import LoadMonitor, write_results  # noqa: E402
+from common import LoadMonitor, children_cpu_s, launch, write_results  # noqa: E402
 
 from mpirt.run.config import parse_args  # noqa: E402
 from mpirt.plan.memory import CATEGORIES, format_size, parse_size, predict  # noqa: E402
@@ -49,28 +45,6 @@ def train_args(a, layout: str, out: Path, steps: int, extra=()) -> list[str]:
     return [f"--model={a.model}", *shlex.split(a.model_args), f"--data={a.data}", f"--out-dir={out}", f"--steps={steps}",
             f"--seq-len={a.seq_len}", f"--batch-size={a.batch_size}", f"--lr={a.lr}", "--eval-batches=1", "--eval-interval=0",
             "--log-interval=1", "--progress=false", "--warmup-steps=1", "--overwrite", *shlex.split(layout), *extra]
-
-
-def launch(cmd: list[str], ranks: int, timeout: float) -> tuple[subprocess.CompletedProcess, float, int]:
-    """Run ``python -m ...`` (under mpiexec when ranks > 1); returns the result, its wall time and
-    the largest peak RSS of a child process (bytes; ru_maxrss of the children waited for)."""
-    full = [sys.executable, "-m", *cmd]
-    if ranks > 1:
-        full = ["mpiexec", "-n", str(ranks), *full]
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    t0 = time.perf_counter()
-    result = subprocess.run(full, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    wall = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    if result.returncode != 0:
-        sys.exit(f"fit: {' '.join(full)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
-    return result, wall, peak
-
-
-def children_cpu_s() -> float:
-    """CPU seconds of the child processes waited for so far (the runs this script launched)."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def losses_of(out: Path) -> list[float]:

@@ -47,7 +47,7 @@ def main() -> None:
     layout = plan_layout(cfg, ctx.size)
     data = open_dataset(cfg.data)
     model_cfg = vocab_from_data(cfg, load_model_config(cfg.model, cfg.model_overrides), data, layout["tp"])
-    grid = Grid(layout["dp"], layout["pp"], layout["tp"])
+    grid = Grid(layout["dp"], layout["pp"], layout["tp"], cp=layout["cp"])
     layout = recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg))  # as mpirt.train builds it
     engine = Engine(cfg, model_cfg, grid, dropout_seed=1, layout=layout)
     flops_per_step = flops_per_token(model_cfg, cfg.seq_len) * cfg.batch_size * cfg.seq_len

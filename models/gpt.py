@@ -79,6 +79,7 @@ class GPT(TiedLM):
     block_class = Block
     tp_plan = TP_PLAN
     attention_core = "attn.core"
+    context = None  # a ContextShard under context parallelism (mpirt.parallel.context)
 
     def __init__(self, cfg: GPTConfig, dtype="float32", seed: int | None = None):
         super().__init__()
@@ -97,7 +98,8 @@ class GPT(TiedLM):
         idx = as_index_array(idx)
         check_seq_len(self.config, idx)
         tok = self.wte(idx)                                        # (B, T, C)
-        pos = self.wpe(B.xp.arange(idx.shape[1]))                  # (T, C)
+        held = idx.shape[1]                                        # under cp: this rank's chunks
+        pos = self.wpe(self.context.positions(held) if self.context else B.xp.arange(held))  # (T, C)
         # pos + tok (the same sum): the backward then runs the wte lookup's gradient after wpe's, so
         # the tied wte (registered first: DataParallel's last bucket) is the last gradient to be final
         return self.drop(pos + tok)

@@ -47,7 +47,7 @@ def stack_costs(cfg, embed: LayerCost, block: LayerCost, head: LayerCost) -> lis
 
 
 def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
-                     itemsize: int = 4, positions: bool = False, mlp_saved: int = 1) -> dict:
+                     itemsize: int = 4, positions: bool = False, mlp_saved: int = 1, cp: int = 1) -> dict:
     """Bytes one micro-batch keeps alive for backward, per rank, in a model built from this module's
     pre-norm block (see ``CausalLM.activation_bytes_of``; docs/memory.md has the table beside
     Korthikanti et al. 2022). The autograd keeps what each op saved and nothing else (an op's
@@ -65,7 +65,9 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
       and up) and its output (the down projection's input);
     - the attention core: ``e' a b s / t`` (the log-sum-exp of each query's scores; the backward
       computes the scores again), plus ``a b s^2 / t`` bytes of mask with attention dropout: what
-      selective recomputation drops;
+      selective recomputation drops (under context parallelism ``s`` is the ``seq_len / cp``
+      tokens a rank holds, and ring attention keeps the masks of its ``2 cp + 1`` blocks of
+      ``(s / 2)^2``);
     - with residual dropout, two masks of ``u / p`` bytes.
 
     The residual sums, the projections' outputs (partial sums under tp), the norms' inputs and
@@ -101,7 +103,8 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     stat = 4 if e == 2 else e  # per-row statistics and the loss's probabilities stay float32 in half
     attn_p, resid_p = getattr(cfg, "attn_pdrop", 0.0), getattr(cfg, "resid_pdrop", 0.0)
     block = e * (4 * u / p + (qkv_out + (mlp_saved + 1) * b * s * f) / t) + stat * 2 * b * s / p
-    core = ((attn_p > 0) * s + stat) * a * b * s / t
+    masked_keys = s if cp == 1 else s * (2 * cp + 1) / 4  # per query: the keys of its kept mask blocks
+    core = ((attn_p > 0) * masked_keys + stat) * a * b * s / t
     if resid_p > 0:
         block += 2 * u / p
     embed = 8 * b * s + (8 * s if positions else 0)
@@ -159,6 +162,8 @@ class CausalSelfAttention(Module):
     biases; ``rope_theta`` rotates q and k by their positions (rotary embeddings, base
     ``rope_theta``) before the scores."""
 
+    context = None  # a ContextShard under context parallelism (mpirt.parallel.context)
+
     def __init__(self, cfg, dtype="float32", bias: bool = True, rope_theta: float | None = None):
         super().__init__()
         c = cfg.n_embd
@@ -173,7 +178,12 @@ class CausalSelfAttention(Module):
         qkv = self.c_attn(x)                                       # (B, T, C + 2 Ck); / tp under tp
         if self.rope_theta is not None:
             head_dim = qkv.shape[-1] // (self.n_head + 2 * self.n_kv_head)  # local head counts under tp
-            cos, sin = rotary_tables(qkv.shape[1], head_dim, self.rope_theta, B.xp.dtype(qkv.dtype))
+            held = qkv.shape[1]
+            cos, sin = rotary_tables(held * (self.context.size if self.context else 1), head_dim, self.rope_theta,
+                                     B.xp.dtype(qkv.dtype))
+            if self.context is not None:                           # the rows of the positions held
+                where = self.context.positions(held)
+                cos, sin = cos[where], sin[where]
             qkv = ops.rotary_embedding(qkv, cos, sin, n_kv_head=self.n_kv_head)
         return self.resid_dropout(self.c_proj(self.core(qkv)))
 
@@ -181,10 +191,10 @@ class CausalSelfAttention(Module):
         """The attention core, (B, T, C + 2 Ck) -> (B, T, C): scores, softmax, dropout on the
         probabilities, their product with v. No parameters: selective recomputation reruns it."""
         d = self.attn_dropout
-        if self.training and d.p > 0.0:
-            return ops.causal_self_attention(qkv, self.n_head, dropout_p=d.p, seed=d.next_source(),
-                                             n_kv_head=self.n_kv_head)
-        return ops.causal_self_attention(qkv, self.n_head, n_kv_head=self.n_kv_head)
+        dropout = dict(dropout_p=d.p, seed=d.next_source()) if self.training and d.p > 0.0 else {}
+        if self.context is not None:                               # the sequence split over cp: a ring
+            return self.context.attention(qkv, self.n_head, n_kv_head=self.n_kv_head, **dropout)
+        return ops.causal_self_attention(qkv, self.n_head, n_kv_head=self.n_kv_head, **dropout)
 
 
 # Tensor-parallel plan entries, read by mpirt.parallel.tensor.parallelize(model, tp_comm, ...):

@@ -11,8 +11,9 @@ from mpirt.parallel.grid import AXES, Grid, axis_groups, check_layout, grid_coor
 
 
 def factorisations(n: int):
-    return [(dp, pp, tp) for dp in range(1, n + 1) for pp in range(1, n + 1) for tp in range(1, n + 1)
-            if dp * pp * tp == n]
+    """Every (dp, pp, cp, tp) whose product is n."""
+    return [(dp, pp, cp, tp) for dp in range(1, n + 1) for pp in range(1, n + 1) for cp in range(1, n + 1)
+            for tp in range(1, n + 1) if dp * pp * cp * tp == n]
 
 
 LAYOUTS = factorisations(8) + factorisations(12)
@@ -20,38 +21,46 @@ LAYOUTS = factorisations(8) + factorisations(12)
 
 # ------------------------------------------------------------------ pure math
 
-@pytest.mark.parametrize("dp,pp,tp", LAYOUTS)
-def test_coords_are_a_bijection_with_tp_innermost_and_dp_outermost(dp, pp, tp):
-    n = dp * pp * tp
-    coords = [grid_coords(r, dp, pp, tp) for r in range(n)]
-    # rank order is the lexicographic order of (dp, pp, tp): tp varies fastest, dp slowest
-    assert coords == list(itertools.product(range(dp), range(pp), range(tp)))
-    assert [grid_rank(*c, dp, pp, tp) for c in coords] == list(range(n))
+@pytest.mark.parametrize("dp,pp,cp,tp", LAYOUTS)
+def test_coords_are_a_bijection_with_tp_innermost_then_cp_and_dp_outermost(dp, pp, cp, tp):
+    n = dp * pp * cp * tp
+    coords = [grid_coords(r, dp, pp, tp, cp) for r in range(n)]
+    # rank order is the lexicographic order of (dp, pp, cp, tp): tp varies fastest, dp slowest
+    assert coords == list(itertools.product(range(dp), range(pp), range(cp), range(tp)))
+    assert [grid_rank(c, dp, pp, tp, cp) for c in coords] == list(range(n))
     for r in range(n):
-        assert coords[r][2] == r % tp  # TP ranks are neighbours
+        assert coords[r][3] == r % tp and coords[r][2] == r // tp % cp  # TP, then CP ranks are neighbours
 
 
-@pytest.mark.parametrize("dp,pp,tp", LAYOUTS)
-def test_axis_groups_partition_the_ranks_along_one_coordinate(dp, pp, tp):
-    sizes = dict(zip(AXES, (dp, pp, tp)))
-    n = dp * pp * tp
+@pytest.mark.parametrize("dp,pp,cp,tp", LAYOUTS)
+def test_axis_groups_partition_the_ranks_along_one_coordinate(dp, pp, cp, tp):
+    sizes = dict(zip(AXES, (dp, pp, cp, tp)))
+    n = dp * pp * cp * tp
     for i, axis in enumerate(AXES):
-        groups = axis_groups(axis, dp, pp, tp)
+        groups = axis_groups(axis, dp, pp, tp, cp)
         assert sorted(r for g in groups for r in g) == list(range(n))
         assert len(groups) == n // sizes[axis] and all(len(g) == sizes[axis] for g in groups)
         for g in groups:
-            cs = [grid_coords(r, dp, pp, tp) for r in g]
+            cs = [grid_coords(r, dp, pp, tp, cp) for r in g]
             assert [c[i] for c in cs] == list(range(sizes[axis]))  # ordered by the axis coordinate
             assert len({c[:i] + c[i + 1:] for c in cs}) == 1       # the other coordinates agree
     if tp > 1:
-        assert axis_groups("tp", dp, pp, tp)[0] == list(range(tp))
+        assert axis_groups("tp", dp, pp, tp, cp)[0] == list(range(tp))
+    # dp and cp together: the ranks that hold the same parameters, ordered d * cp + c
+    for g in axis_groups("dp_cp", dp, pp, tp, cp):
+        cs = [grid_coords(r, dp, pp, tp, cp) for r in g]
+        assert [(c[0], c[2]) for c in cs] == list(itertools.product(range(dp), range(cp)))
+        assert len({(c[1], c[3]) for c in cs}) == 1
 
 
-def test_known_groups_of_2x2x2():
+def test_known_groups_of_2x2x2_and_of_a_context_parallel_grid():
     assert axis_groups("dp", 2, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert axis_groups("pp", 2, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert axis_groups("tp", 2, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert grid_coords(5, 2, 2, 2) == (1, 0, 1)
+    assert grid_coords(5, 2, 2, 2) == (1, 0, 0, 1)
+    assert axis_groups("cp", 2, 1, 2, cp=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axis_groups("dp_cp", 2, 1, 2, cp=2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid_coords(6, 2, 1, 2, cp=2) == (1, 0, 1, 0)
 
 
 def test_validation_names_the_failing_product():
@@ -65,7 +74,12 @@ def test_validation_names_the_failing_product():
         grid_coords(8, 2, 2, 2)
     with pytest.raises(ValueError, match="unknown grid axis 'ep'"):
         axis_groups("ep", 2, 2, 2)
+    with pytest.raises(ValueError, match=r"^dp\(2\)\*pp\(1\)\*cp\(2\)\*tp\(3\)=12 != world size 8$"):
+        check_layout(2, 1, 3, 8, cp=2)
+    with pytest.raises(ValueError, match=r"world size 8 is not divisible by pp\(1\)\*cp\(3\)\*tp\(1\)=3"):
+        resolve_dp(8, 0, 1, 1, cp=3)
     assert resolve_dp(8, 0, 2, 2) == 2 and resolve_dp(12, 0, 1, 3) == 4 and resolve_dp(8, 8) == 8
+    assert resolve_dp(8, 0, 1, 2, cp=2) == 2
 
 
 def _cli(*args):
@@ -89,6 +103,12 @@ def test_cli_prints_the_rank_map_without_mpi():
     r = subprocess.run([sys.executable, "-m", "mpirt.grid", "--dp", "1", "--tp", "2"], capture_output=True,
                        text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0 and "tp groups (1 x 2): [0, 1]" in r.stdout
+    r = _cli("--cp", "2", "--tp", "2", "--world", "8")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "grid dp=2 x pp=1 x cp=2 x tp=2 = 8 ranks (tp innermost)" in lines
+    assert [line.split() for line in lines if line.strip().startswith("6 ")] == [["6", "1", "0", "1", "0"]]
+    assert "cp groups (4 x 2): [0, 2] [1, 3] [4, 6] [5, 7]" in lines
 
 
 # ------------------------------------------------------------------ under MPI
@@ -97,16 +117,18 @@ def _check_grid(grid: Grid, fails: list) -> None:
     """Membership, coordinates, neighbours and axis collectives of ``grid`` against the pure math."""
     from mpi4py import MPI
     from mpirt.comm import PROC_NULL
-    rank, (dp, pp, tp) = MPI.COMM_WORLD.rank, (grid.dp, grid.pp, grid.tp)
-    name = f"{dp}x{pp}x{tp}"
-    d, p, t = grid_coords(rank, dp, pp, tp)
-    if grid.rank != rank or grid.coords != {"dp": d, "pp": p, "tp": t}:
+    rank, (dp, pp, cp, tp) = MPI.COMM_WORLD.rank, (grid.dp, grid.pp, grid.cp, grid.tp)
+    name = f"{dp}x{pp}x{cp}x{tp}"
+    d, p, k, t = grid_coords(rank, dp, pp, tp, cp)
+    if grid.rank != rank or grid.coords != {"dp": d, "pp": p, "cp": k, "tp": t}:
         fails.append(f"{name}: rank/coords {grid.rank} {grid.coords}")
-    for axis in AXES:
+    for axis in (*AXES, "dp_cp"):
         c = grid.comm[axis]
-        group = next(g for g in axis_groups(axis, dp, pp, tp) if rank in g)
+        group = next(g for g in axis_groups(axis, dp, pp, tp, cp) if rank in g)
         members = c.allgather(np.array([rank])).tolist()
-        if members != group or c.rank != grid.coords[axis] or c.size != grid.sizes[axis] or c.axis != axis:
+        want_rank = d * cp + k if axis == "dp_cp" else grid.coords[axis]
+        want_size = dp * cp if axis == "dp_cp" else grid.sizes[axis]
+        if members != group or c.rank != want_rank or c.size != want_size or c.axis != ("dp" if axis == "dp_cp" and cp == 1 else axis):
             fails.append(f"{name} {axis}: members {members} != {group}")
         total = grid.allreduce(np.array([rank], np.int64), axis).item()
         avg = grid.allreduce(np.array([float(rank)]), axis, op="avg").item()
@@ -119,8 +141,8 @@ def _check_grid(grid: Grid, fails: list) -> None:
             fails.append(f"{name} {axis}: reduce_scatter/allgather_flat")
         if not np.array_equal(grid.allgather(np.array([[rank]]), axis).ravel(), group):
             fails.append(f"{name} {axis}: allgather")
-    prev = grid_rank(d, p - 1, t, dp, pp, tp) if p > 0 else PROC_NULL
-    nxt = grid_rank(d, p + 1, t, dp, pp, tp) if p < pp - 1 else PROC_NULL
+    prev = grid_rank((d, p - 1, k, t), dp, pp, tp, cp) if p > 0 else PROC_NULL
+    nxt = grid_rank((d, p + 1, k, t), dp, pp, tp, cp) if p < pp - 1 else PROC_NULL
     pp_prev, pp_next = (p - 1 if p > 0 else PROC_NULL), (p + 1 if p < pp - 1 else PROC_NULL)
     if (grid.prev_rank, grid.next_rank, grid.pp_prev, grid.pp_next) != (prev, nxt, pp_prev, pp_next):
         fails.append(f"{name}: neighbours {grid.prev_rank} {grid.next_rank} {grid.pp_prev} {grid.pp_next}")
@@ -158,6 +180,19 @@ def test_grid_sub_communicators_neighbours_and_collectives(pp, tp):
         pytest.skip(f"world size {MPI.COMM_WORLD.size} is not divisible by pp*tp={pp * tp}")
     fails = []
     grid = Grid.from_world(pp=pp, tp=tp)
+    _check_grid(grid, fails)
+    grid.free()
+    agree(not fails, fails)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("pp,cp,tp", [(1, 2, 1), (1, 2, 2), (2, 2, 1), (1, 4, 1), (2, 2, 2)])
+def test_grid_with_context_parallelism(pp, cp, tp):
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.size % (pp * cp * tp):
+        pytest.skip(f"world size {MPI.COMM_WORLD.size} is not divisible by pp*cp*tp={pp * cp * tp}")
+    fails = []
+    grid = Grid.from_world(pp=pp, tp=tp, cp=cp)
     _check_grid(grid, fails)
     grid.free()
     agree(not fails, fails)

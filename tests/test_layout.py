@@ -31,15 +31,19 @@ def test_derived_values(changes, sizes, want):
     lay = Layout.of(replace(BASE, **changes), dict(zip(("dp", "pp", "tp"), sizes)))
     got = (lay.microbatches, lay.rows, lay.chunks, lay.stages, lay.sequence_parallel, lay.split_backward)
     assert got == want
-    assert dict(lay) == dict(zip(("dp", "pp", "tp"), sizes)) and lay.world_size == sizes[0] * sizes[1] * sizes[2]
+    assert dict(lay) == {**dict(zip(("dp", "pp", "tp"), sizes)), "cp": 1} and lay.world_size == sizes[0] * sizes[1] * sizes[2]
     assert (lay.pipeline_schedule is None) == (sizes[1] == 1)
 
 
 def test_positions_follow_the_grid_with_tp_innermost():
     lay = Layout.of(BASE, {"dp": 2, "pp": 2, "tp": 2})
     assert [tuple(lay.position(r).values()) for r in range(8)] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+        (0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0), (0, 1, 0, 1), (1, 0, 0, 0), (1, 0, 0, 1), (1, 1, 0, 0), (1, 1, 0, 1)]
     assert [lay.stage_rank(r) for r in range(8)] == [0, 0, 2, 2, 0, 0, 2, 2]
+    lay = Layout.of(BASE, {"dp": 1, "pp": 2, "tp": 2, "cp": 2})              # cp between pp and tp
+    assert [lay.position(r)["cp"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [lay.stage_rank(r) for r in range(8)] == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert lay.describe() == "dp 1 x pp 2 x cp 2 x tp 2, 1f1b schedule, 2 micro-batches"
 
 
 def test_plan_layout_resolves_dp_and_describes_itself():
@@ -48,8 +52,9 @@ def test_plan_layout_resolves_dp_and_describes_itself():
     assert isinstance(lay, Layout) and (lay.dp, lay.pp, lay.tp, lay.rows) == (2, 2, 2, 2)
     assert lay.describe() == "dp 2 x pp 2 x tp 2, ZeRO-1, zb-h1 schedule, 4 micro-batches, sequence parallel"
     assert Layout.of(cfg, lay) == lay and Layout.of(replace(cfg, microbatches=8), lay).rows == 1
+    assert lay["cp"] == 1
     with pytest.raises(KeyError):
-        lay["cp"]
+        lay["ep"]
 
 
 # (config changes, world size) -> the refusal's start (each names the key to change)
@@ -62,6 +67,8 @@ REFUSALS = [
     ({"pp": 2, "schedule": "interleaved", "chunks": 1}, 2, "schedule: interleaved 1F1B needs chunks >= 2"),
     ({"sequence_parallel": True}, 2, "sequence_parallel: needs tp > 1"),
     ({"grad_accum": 3}, 2, "batch_size: the global batch 16 does not divide into dp=2 x grad_accum=3 = 6"),
+    ({"cp": 3}, 4, "dp/pp/tp: world size 4 is not divisible by pp(1)*cp(3)*tp(1)=3"),
+    ({"cp": 2, "seq_len": 10}, 2, "cp: seq_len 10 does not cut into 2 x cp = 4 equal chunks"),
 ]
 
 
@@ -89,10 +96,13 @@ def test_model_refusals():
         ({"recompute": "selective"}, mlp, "recompute: model_type 'mlp' names no attention core"),
         ({"recompute": "full", "recompute_layers": "2,9"}, tiny,
          "recompute_layers: block 9 does not exist (n_layer=4)"),
+        ({"cp": 2}, mlp, "cp: model_type 'mlp' has no attention to split a sequence over"),
+        ({"cp": 2, "tp": 4, "sequence_parallel": True, "seq_len": 12}, tiny,
+         "tp: tensor parallelism: tp=4 must divide seq_len=6"),
     ]:
         cfg = replace(BASE, **changes)
         with pytest.raises(LayoutError) as err:
-            Layout.resolve(cfg, 1).check_model(cfg, model)
+            Layout.resolve(cfg, cfg.cp * cfg.tp).check_model(cfg, model)
         assert str(err.value).startswith(message) and err.value.key == message.split(":")[0], str(err.value)
 
 

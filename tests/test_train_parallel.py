@@ -61,6 +61,15 @@ def reference(tiny_data, tmp_path_factory):
     (4, ["--dp=2", "--pp=2", "--zero=3"]),
     (4, ["--dp=2", "--pp=2", "--zero=3", "--schedule=interleaved", "--microbatches=4"]),
     (4, ["--dp=2", "--pp=2", "--zero=3", "--schedule=zb", "--microbatches=4"]),
+    (2, ["--cp=2"]),
+    (4, ["--cp=4"]),
+    (2, ["--cp=2", "--recompute=full"]),
+    (4, ["--dp=2", "--cp=2", "--zero=1"]),
+    (4, ["--dp=2", "--cp=2", "--zero=3"]),
+    (4, ["--cp=2", "--tp=2", "--sequence-parallel"]),
+    (4, ["--cp=2", "--pp=2"]),
+    (4, ["--cp=2", "--pp=2", "--schedule=zb", "--microbatches=4", "--zero=3"]),
+    (8, ["--dp=2", "--cp=2", "--tp=2", "--zero=2"]),
 ], ids=lambda v: v if isinstance(v, int) else " ".join(v))
 def test_parallel_layout_matches_single_rank(tiny_data, tmp_path, reference, ranks, layout):
     losses, summary, weights = run(tiny_data, tmp_path, *layout, ranks=ranks)
@@ -68,7 +77,7 @@ def test_parallel_layout_matches_single_rank(tiny_data, tmp_path, reference, ran
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
     assert summary["val_loss"] == pytest.approx(ref_summary["val_loss"], rel=1e-10)
     assert summary["world_size"] == ranks
-    assert summary["layout"]["dp"] * summary["layout"]["tp"] * summary["layout"]["pp"] == ranks
+    assert summary["layout"]["dp"] * summary["layout"]["cp"] * summary["layout"]["tp"] * summary["layout"]["pp"] == ranks
     assert weights.keys() == ref_weights.keys()
     for name, w in ref_weights.items():
         np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
@@ -91,12 +100,17 @@ def dropout_reference(tiny_data, tmp_path_factory):
     (2, ["--pp=2", "--schedule=zb", "--microbatches=4", "--recompute=selective"]),
     (8, ["--dp=2", "--pp=2", "--tp=2", "--sequence-parallel", "--recompute=full"]),
     (4, ["--dp=2", "--pp=2", "--zero=3", "--schedule=zb", "--microbatches=4"]),
+    (2, ["--cp=2"]),
+    (2, ["--cp=2", "--recompute=selective"]),
+    (4, ["--cp=2", "--tp=2", "--sequence-parallel"]),
+    (4, ["--cp=2", "--pp=2", "--schedule=interleaved", "--microbatches=4"]),
 ], ids=lambda v: v if isinstance(v, int) else " ".join(v))
 def test_dropout_layout_matches_single_rank(tiny_data, tmp_path, reference, dropout_reference, ranks, layout):
     """With dropout on (embedding, attention probabilities, residuals), every layout gives the
     single-rank run: each mask is a function of the element's place in the global batch, not of
     the rank's shard (rows over dp and micro-batches, heads over tp, tokens under sequence
-    parallelism, recomputed units replaying theirs)."""
+    parallelism, a context-parallel rank's two chunks and its ring attention's blocks,
+    recomputed units replaying theirs)."""
     losses, summary, weights = run(tiny_data, tmp_path, *DROPOUT, *layout, ranks=ranks)
     ref_losses, ref_summary, ref_weights = dropout_reference
     assert not np.allclose(ref_losses, reference[0], rtol=1e-6)  # the masks are on
@@ -132,11 +146,16 @@ GQA = ("--model.n_kv_head=2",)  # grouped-query attention: 2 key/value heads for
     (2, ["--dp=2", "--recompute=selective"], GQA),
     (2, ["--tp=2", "--sequence-parallel"], GQA),
     (2, ["--pp=2", "--schedule=zb", "--microbatches=4"], GQA),
+    (2, ["--cp=2"], ()),
+    (4, ["--cp=4"], GQA),
+    (4, ["--cp=2", "--tp=2", "--sequence-parallel"], GQA),
+    (4, ["--cp=2", "--pp=2"], ()),
 ], ids=lambda v: v if isinstance(v, int) else " ".join(v) or "mha")
 def test_llama_layout_matches_single_rank(tiny_data, tmp_path, llama_reference, ranks, layout, model):
     """The second architecture (mpirt.models.llama) on the layouts, with no Llama-specific code in
     mpirt/parallel: the single-rank Llama curve, validation loss and final weights; with
-    grouped-query attention too (tp splits the key/value heads)."""
+    grouped-query attention too (tp splits the key/value heads), and the rotary tables at a
+    context-parallel rank's global positions."""
     losses, summary, weights = run(tiny_data, tmp_path, "--model=llama-tiny", *model, *layout, ranks=ranks)
     ref_losses, ref_summary, ref_weights = llama_reference(model)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
@@ -155,8 +174,10 @@ def test_llama_layout_matches_single_rank(tiny_data, tmp_path, llama_reference, 
     ((2, ["--tp=2"]), (0, [])),
     ((4, ["--dp=2", "--pp=2", "--zero=1"]), (2, ["--tp=2"])),
     ((4, ["--dp=2", "--pp=2", "--zero=3"]), (4, ["--dp=2", "--tp=2", "--zero=3"])),
+    ((4, ["--dp=2", "--cp=2"]), (2, ["--tp=2"])),
+    ((2, ["--cp=2", "--zero=1"]), (4, ["--cp=4", "--zero=1"])),
 ], ids=["tp2-then-zero2", "pp2-then-tp2", "dp4-then-tp2xpp2", "zero1-then-tp2", "zero3-then-pp2",
-        "tp2-then-1", "zero1xpp2-then-tp2", "zero3xpp2-then-zero3xtp2"])
+        "tp2-then-1", "zero1xpp2-then-tp2", "zero3xpp2-then-zero3xtp2", "dp2xcp2-then-tp2", "cp2-then-cp4"])
 def test_checkpoint_saved_on_one_layout_resumes_on_another(tiny_data, tmp_path, reference, first, then):
     """Stop a run after 3 steps, resume it on another layout: the curve is the single-rank one.
     Each rank wrote only its own boxes (sharded checkpoint) and reads only those it needs."""
@@ -186,6 +207,8 @@ def test_an_error_on_one_rank_stops_every_rank(tiny_data, tmp_path):
     (["--pp=2", "--grad-accum=2"], "grad_accum"),
     (["--pp=2", "--microbatches=3"], "microbatches"),
     (["--pp=2", "--schedule=interleaved", "--model.n_layer=2"], "n_layer=2"),
+    (["--cp=2", "--seq-len=14"], "cp: seq_len 14 does not cut into 2 x cp = 4 equal chunks"),
+    (["--cp=2", "--dp=2"], "dp(2)*pp(1)*cp(2)*tp(1)=4 != world size 2"),
 ])
 def test_impossible_layouts_are_refused_before_training(tiny_data, tmp_path, layout, message):
     result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={tmp_path}", *layout, ranks=2,

@@ -124,8 +124,9 @@ class CausalLM(Module):
 
     @classmethod
     def activation_bytes_of(cls, cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
-                            itemsize: int = 4) -> dict:
-        """Bytes of activations one micro-batch of ``batch`` rows keeps alive for backward, per tp
+                            itemsize: int = 4, cp: int = 1) -> dict:
+        """Bytes of activations one micro-batch of ``batch`` rows of ``seq_len`` tokens (a
+        context-parallel rank's share under ``cp`` > 1) keeps alive for backward, per tp
         rank: ``{"block": per block without recomputation, "core": what selective recomputation
         of one block drops, "rerun": what its rerun makes again while its backward runs,
         "input": what full recomputation keeps of a block, "embed", "head", "weight_pass", "embed_weight_pass", "head_weight_pass": what a block, the embedding and

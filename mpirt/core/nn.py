@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -510,7 +511,11 @@ class Dropout(Module):
     ``place``: ``(step, first global row)`` of the micro-batch about to run, set by the engine
     before each forward; without one (a model driven by hand) the call count stands in for the
     step, so each call draws a new mask. ``split``: ``(rank, size)`` when this module's input has
-    dimension 1 split over tp (set by tensor parallelism)."""
+    dimension 1 split over tp (set by tensor parallelism). ``context``: the
+    :class:`~mpirt.parallel.context.ContextShard` when dimension 1 holds a context-parallel
+    rank's chunks of the sequence (set by context parallelism)."""
+
+    context = None
 
     def __init__(self, p: float = 0.0, seed: int = 0):
         super().__init__()
@@ -537,7 +542,11 @@ class Dropout(Module):
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        return ops.dropout(x, self.p, seed=self.next_source())
+        source = self.next_source()
+        if self.context is not None:  # the tokens held are runs of the whole sequence
+            total, runs = self.context.runs(x.shape[1] * (self.split[1] if self.split else 1))
+            source = dataclasses.replace(source, spans=((1, total, runs),))
+        return ops.dropout(x, self.p, seed=source)
 
 
 def dropout_modules(*roots) -> dict:

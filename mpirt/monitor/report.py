@@ -33,7 +33,7 @@ PARTS = (("data", "data", "#bbbbbb"), ("forward", "forward", "#4c72b0"), ("backw
          ("weight_grad", "weight grad", "#55a868"), ("bubble", "pipeline bubble", "#f0e442"),
          ("grad_sync", "gradient sync", "#937860"), ("optimizer", "optimizer", "#8172b3"),
          ("injected", "injected delay", "#000000"), ("other", "other", "#e5e5e5"))
-AXIS_COLORS = {"dp": "#c44e52", "tp": "#4c72b0", "pp": "#55a868", "world": "#8c8c8c"}
+AXIS_COLORS = {"dp": "#c44e52", "tp": "#4c72b0", "pp": "#55a868", "cp": "#8172b2", "dp_cp": "#dd8452", "world": "#8c8c8c"}
 MIB = 2 ** 20
 
 

@@ -1,4 +1,4 @@
-"""The training engine: one optimizer step of a model laid out on any dp x pp x tp grid.
+"""The training engine: one optimizer step of a model laid out on any dp x pp x cp x tp grid.
 
 The training script talks to one interface whatever the layout:
 
@@ -17,7 +17,10 @@ a loop over ``grad_accum`` micro-batches); both present one interface (listed in
 Its parameters live in one store, :class:`~mpirt.parallel.flat.FlatParams` (ZeRO-3:
 :class:`~mpirt.parallel.zero3.ShardedParams`, sharded per unit group, with tp and pp),
 and the sync over dp is :class:`~mpirt.parallel.ddp.DataParallel` or
-:class:`~mpirt.parallel.zero.ZeroOptimizer` over that store. Sequence parallelism's
+:class:`~mpirt.parallel.zero.ZeroOptimizer` over that store. Under context parallelism
+(:mod:`mpirt.parallel.context`) each rank takes its chunks of the replica's sequences, and the
+gradient sync, ZeRO's shards and the loss's mean span dp x cp (``grid.comm["dp_cp"]``: the
+ranks that hold the same parameters). Sequence parallelism's
 partial gradients are summed over tp once, and one global-norm clip counts every element once
 over dp (ZeRO shards), tp and pp (:func:`~mpirt.parallel.flat.clip_flat`).
 """
@@ -31,6 +34,7 @@ from mpirt.core.modeling import attention_core
 from mpirt.core.optim import AdamW
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.ddp import DataParallel
+from mpirt.parallel.context import ContextShard, parallelize_context
 from mpirt.parallel.flat import FlatParams, count_once
 from mpirt.parallel.layout import Layout
 from mpirt.parallel.pipeline.stage import PipelineStage
@@ -54,8 +58,9 @@ class Engine:
 
     def __init__(self, cfg, model_cfg, grid, dropout_seed: int, local=None, layout: Layout | None = None):
         self.grid, self.cfg = grid, cfg
-        self.tp_comm, self.pp_comm, self.dp_comm = grid.comm["tp"], grid.comm["pp"], grid.comm["dp"]
-        tp, pp = grid.sizes["tp"], grid.sizes["pp"]
+        self.tp_comm, self.pp_comm = grid.comm["tp"], grid.comm["pp"]
+        self.dp_comm = grid.comm["dp_cp"]  # the ranks holding the same parameters: dp, and cp when > 1
+        tp, pp, cp = grid.sizes["tp"], grid.sizes["pp"], grid.sizes["cp"]
         if layout is None or not layout.bounds:
             layout = Layout.of(cfg, grid.sizes, model_cfg)
         sp = layout.sequence_parallel
@@ -63,11 +68,15 @@ class Engine:
             self.local = local or PipelineStage(
                 model_cfg, grid, schedule=cfg.schedule, microbatches=layout.microbatches,
                 chunks=layout.chunks, dtype=cfg.dtype, seed=cfg.seed, split=[hi - lo for lo, hi in layout.bounds],
-                seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
+                seq_len=cfg.seq_len // cp, sequence_parallel=cfg.sequence_parallel)
         else:
             self.local = WholeModel(model_cfg, grid, dtype=cfg.dtype, seed=cfg.seed,
                                     sequence_parallel=cfg.sequence_parallel, grad_accum=cfg.grad_accum)
         self.model = self.local.model
+        self.context = ContextShard(grid.comm["cp"]) if cp > 1 else None
+        if self.context is not None:
+            for part in self.local.dropout_roots:
+                parallelize_context(part, self.context)
         if local is None:
             for part in self.local.dropout_roots:
                 TP.reseed_dropouts(part, dropout_seed, grid.coords["tp"], tp, cfg.sequence_parallel)
@@ -81,7 +90,8 @@ class Engine:
         # the parameter store: ZeRO-3's is sharded per unit group, the others hold this rank's part whole
         if cfg.zero == 3:
             self.store = ShardedParams(self.model, self.dp_comm, counted, init=self.local.init,
-                                       units=self.local.units, probe_len=tp if sp else 1, probe=self.local.probe,
+                                       units=self.local.units, probe_len=(tp if sp else 1) * (2 if cp > 1 else 1),
+                                       probe=self.local.probe,
                                        dropout_roots=self.local.dropout_roots, alone=self.local.held_tied)
             if self.local.held_tied:  # a pipeline's tied copies: summed over its ends as gradient shards
                 self.local.tied_grads = self.store.alone_grads
@@ -94,7 +104,7 @@ class Engine:
             self.optimizer = ZeroOptimizer(self.store, self.dp_comm, stage=cfg.zero, norm_comms=norm_comms,
                                            stream_grads=True, held=self.local.held_tied, **hyper)
         else:
-            if grid.sizes["dp"] > 1:
+            if self.dp_comm.size > 1:
                 self.ddp = DataParallel(self.store, self.dp_comm)
             self.optimizer = AdamW(self.store.params, **hyper)
         self._norm_comms = norm_comms
@@ -113,6 +123,7 @@ class Engine:
         call count stands in)."""
         self.optimizer.zero_grad()
         row0 = self.grid.coords["dp"] * len(x)
+        x, y = self._held(x, y)
         loss = self.local.train_step(x, y, loss_scale, place=None if step is None else (step, row0),
                                      no_sync=self._no_sync)
         t0 = time.perf_counter()
@@ -138,14 +149,20 @@ class Engine:
 
     def evaluate(self, x, y) -> float:
         """Mean loss of the global batch (this replica's rows ``x``, ``y``), no gradients."""
-        return self.dp_comm.allreduce_scalar(self.local.evaluate(x, y), "avg")
+        return self.dp_comm.allreduce_scalar(self.local.evaluate(*self._held(x, y)), "avg")
+
+    def _held(self, x, y):
+        """The tokens of rows ``x``, ``y`` this rank computes: its chunks of each sequence under cp."""
+        if self.context is None:
+            return x, y
+        return self.context.shard(x), self.context.shard(y)
 
     # --- state ------------------------------------------------------------------------------------
     def save_sharded(self, writer) -> None:
         """Add this rank's boxes of the weights and optimizer state to a
         :class:`mpirt.checkpoint.sharded.ShardWriter` (dp rank 0 without ZeRO; the tied embedding
         from the first stage only). Local (see :func:`mpirt.parallel.shards.save_shards`)."""
-        save_shards(writer, self.model, self.optimizer, self.tp_comm, replica=self.grid.coords["dp"] == 0,
+        save_shards(writer, self.model, self.optimizer, self.tp_comm, replica=self.dp_comm.rank == 0,
                     skip=set(self.local.tied_copy))
 
     def load_sharded(self, reader, with_optimizer: bool = True) -> None:

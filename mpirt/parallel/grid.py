@@ -1,144 +1,184 @@
-"""The process grid: ``Grid(dp, pp, tp)`` over the ranks of a communicator.
+"""The process grid: ``Grid(dp, pp, tp, cp=1)`` over the ranks of a communicator.
 
-Ranks are laid out row-major over ``(dp, pp, tp)``: tp innermost (tensor-parallel ranks are
-neighbours, hence on one node), then pp, dp outermost::
+Ranks are laid out row-major over ``(dp, pp, cp, tp)``: tp innermost (tensor-parallel ranks are
+neighbours, hence on one node), context parallelism next to it (its ring passes keys and values
+every layer), then pp, dp outermost::
 
-    rank = (d * pp + p) * tp + t
+    rank = ((d * pp + p) * cp + c) * tp + t
 
 The coordinate math is pure (``grid_coords``, ``grid_rank``, ``axis_groups``, ``check_layout``)
 and needs no MPI; :class:`Grid` builds the Cartesian communicator and one sub-communicator per
 axis, and addresses collectives by axis name: ``grid.allreduce(x, "dp", op="avg")``. There is no
 module-global state: pass the grid around.
 
-``python -m mpirt.grid --dp 2 --pp 2 --tp 2`` prints the rank map without MPI.
+``python -m mpirt.grid --dp 2 --pp 2 --cp 2 --tp 2`` prints the rank map without MPI.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")
+# the ranks that hold the same parameters and different tokens: gradients are averaged over them
+DATA_AXES = ("dp", "cp")
 
 
-def grid_coords(rank: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
-    """The (d, p, t) coordinates of ``rank`` (tp innermost, dp outermost)."""
-    if not 0 <= rank < dp * pp * tp:
-        raise ValueError(f"rank {rank} is outside a dp({dp})*pp({pp})*tp({tp})={dp * pp * tp} grid")
-    return rank // (pp * tp), rank // tp % pp, rank % tp
+def _sizes(dp: int, pp: int, tp: int, cp: int) -> tuple[int, ...]:
+    return dp, pp, cp, tp
 
 
-def grid_rank(d: int, p: int, t: int, dp: int, pp: int, tp: int) -> int:
-    """The rank at coordinates (d, p, t); the inverse of :func:`grid_coords`."""
-    if not (0 <= d < dp and 0 <= p < pp and 0 <= t < tp):
-        raise ValueError(f"coordinates (dp={d}, pp={p}, tp={t}) are outside a dp({dp})*pp({pp})*tp({tp}) grid")
-    return (d * pp + p) * tp + t
+def _product(sizes: tuple) -> str:
+    """``dp(2)*pp(2)*tp(2)``, cp named only when it splits anything (cp > 1)."""
+    return "*".join(f"{a}({n})" for a, n in zip(AXES, sizes) if a != "cp" or n != 1)
 
 
-def check_layout(dp: int, pp: int, tp: int, world_size: int | None = None) -> None:
+def grid_coords(rank: int, dp: int, pp: int, tp: int, cp: int = 1) -> tuple[int, int, int, int]:
+    """The (d, p, c, t) coordinates of ``rank`` (tp innermost, then cp, pp, dp outermost)."""
+    sizes = _sizes(dp, pp, tp, cp)
+    n = dp * pp * cp * tp
+    if not 0 <= rank < n:
+        raise ValueError(f"rank {rank} is outside a {_product(sizes)}={n} grid")
+    coords = []
+    for size in reversed(sizes):
+        coords.append(rank % size)
+        rank //= size
+    return tuple(reversed(coords))
+
+
+def grid_rank(coords, dp: int, pp: int, tp: int, cp: int = 1) -> int:
+    """The rank at ``coords`` (d, p, c, t); the inverse of :func:`grid_coords`."""
+    sizes = _sizes(dp, pp, tp, cp)
+    if len(coords) != 4 or not all(0 <= c < n for c, n in zip(coords, sizes)):
+        raise ValueError(f"coordinates {dict(zip(AXES, coords))} are outside a {_product(sizes)} grid")
+    rank = 0
+    for c, n in zip(coords, sizes):
+        rank = rank * n + c
+    return rank
+
+
+def check_layout(dp: int, pp: int, tp: int, world_size: int | None = None, cp: int = 1) -> None:
     """Refuse non-positive sizes, or a product that is not the world size, naming the product."""
-    for axis, n in zip(AXES, (dp, pp, tp)):
+    sizes = _sizes(dp, pp, tp, cp)
+    for axis, n in zip(AXES, sizes):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{axis}: must be a positive integer, got {n!r}")
-    if world_size is not None and dp * pp * tp != world_size:
-        raise ValueError(f"dp({dp})*pp({pp})*tp({tp})={dp * pp * tp} != world size {world_size}")
+    total = dp * pp * cp * tp
+    if world_size is not None and total != world_size:
+        raise ValueError(f"{_product(sizes)}={total} != world size {world_size}")
 
 
-def resolve_dp(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1) -> int:
-    """``dp``, or when it is 0, the world size divided by pp*tp (refused when not divisible)."""
+def resolve_dp(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1, cp: int = 1) -> int:
+    """``dp``, or when it is 0, the world size divided by pp*cp*tp (refused when not divisible)."""
     if dp == 0:
-        check_layout(1, pp, tp)
-        if world_size % (pp * tp):
-            raise ValueError(f"world size {world_size} is not divisible by pp({pp})*tp({tp})={pp * tp}")
-        dp = world_size // (pp * tp)
-    check_layout(dp, pp, tp, world_size)
+        check_layout(1, pp, tp, cp=cp)
+        rest = pp * cp * tp
+        if world_size % rest:
+            raise ValueError(f"world size {world_size} is not divisible by "
+                             f"{_product((1, pp, cp, tp)).removeprefix('dp(1)*')}={rest}")
+        dp = world_size // rest
+    check_layout(dp, pp, tp, world_size, cp=cp)
     return dp
 
 
-def axis_groups(axis: str, dp: int, pp: int, tp: int) -> list[list[int]]:
-    """The ranks that communicate along ``axis``: one list per group, ordered by that axis's
-    coordinate (which is the rank inside the axis sub-communicator); groups in rank order."""
-    i = _axis_index(axis)
-    sizes = (dp, pp, tp)
+def axis_groups(axis: str, dp: int, pp: int, tp: int, cp: int = 1) -> list[list[int]]:
+    """The ranks that communicate along ``axis`` (or the axes joined by ``_``, e.g. ``dp_cp``): one
+    list per group, ordered by those coordinates (which is the rank inside the axis
+    sub-communicator); groups in rank order."""
+    picked = _axis_indices(axis)
+    sizes = _sizes(dp, pp, tp, cp)
     groups: dict[tuple, list[int]] = {}
-    for rank in range(dp * pp * tp):
-        c = grid_coords(rank, dp, pp, tp)
-        groups.setdefault(c[:i] + c[i + 1:], []).append(rank)
-    assert all(len(g) == sizes[i] for g in groups.values())
+    for rank in range(dp * pp * cp * tp):
+        c = grid_coords(rank, dp, pp, tp, cp)
+        groups.setdefault(tuple(x for i, x in enumerate(c) if i not in picked), []).append(rank)
+    width = 1
+    for i in picked:
+        width *= sizes[i]
+    assert all(len(g) == width for g in groups.values())
     return sorted(groups.values())
 
 
-def _axis_index(axis: str) -> int:
-    if axis not in AXES:
-        raise ValueError(f"unknown grid axis {axis!r}: expected one of {', '.join(AXES)}")
-    return AXES.index(axis)
+def _axis_indices(axis: str) -> tuple[int, ...]:
+    parts = axis.split("_")
+    if not all(p in AXES for p in parts):
+        raise ValueError(f"unknown grid axis {axis!r}: expected one of {', '.join(AXES)} (or dp_cp)")
+    return tuple(AXES.index(p) for p in parts)
 
 
-def format_rank_map(dp: int, pp: int, tp: int) -> str:
-    """A table rank -> (dp, pp, tp) and, per axis, the groups of ranks."""
-    check_layout(dp, pp, tp)
-    n = dp * pp * tp
+def format_rank_map(dp: int, pp: int, tp: int, cp: int = 1) -> str:
+    """A table rank -> (dp, pp, cp, tp) and, per axis, the groups of ranks (cp left out when 1)."""
+    check_layout(dp, pp, tp, cp=cp)
+    sizes = _sizes(dp, pp, tp, cp)
+    shown = [i for i, a in enumerate(AXES) if a != "cp" or cp > 1]
+    n = dp * pp * cp * tp
     w = max(4, len(str(n - 1)))
-    lines = [f"grid dp={dp} x pp={pp} x tp={tp} = {n} ranks (tp innermost)", "",
-             f"{'rank':>{w}}  {'dp':>3} {'pp':>3} {'tp':>3}"]
+    lines = [f"grid {' x '.join(f'{AXES[i]}={sizes[i]}' for i in shown)} = {n} ranks (tp innermost)", "",
+             f"{'rank':>{w}}  " + " ".join(f"{AXES[i]:>3}" for i in shown)]
     for rank in range(n):
-        d, p, t = grid_coords(rank, dp, pp, tp)
-        lines.append(f"{rank:>{w}}  {d:>3} {p:>3} {t:>3}")
+        coords = grid_coords(rank, dp, pp, tp, cp)
+        lines.append(f"{rank:>{w}}  " + " ".join(f"{coords[i]:>3}" for i in shown))
     lines.append("")
-    for axis in AXES:
-        groups = axis_groups(axis, dp, pp, tp)
-        lines.append(f"{axis} groups ({len(groups)} x {len(groups[0])}): " + " ".join(map(str, groups)))
+    for i in shown:
+        groups = axis_groups(AXES[i], dp, pp, tp, cp)
+        lines.append(f"{AXES[i]} groups ({len(groups)} x {len(groups[0])}): " + " ".join(map(str, groups)))
     return "\n".join(lines)
 
 
 class Grid:
-    """The (dp, pp, tp) process grid over ``comm`` (a :class:`mpirt.comm.Comm` or mpi4py
+    """The (dp, pp, cp, tp) process grid over ``comm`` (a :class:`mpirt.comm.Comm` or mpi4py
     communicator; default MPI_COMM_WORLD).
 
-    - ``comm[axis]`` for axis in dp, pp, tp, world: a :class:`~mpirt.comm.Comm` whose rank is the
-      coordinate along that axis (``world`` is the Cartesian communicator, numbered like ``comm``).
-    - ``rank``, ``coords`` and ``sizes`` (dicts keyed by axis), ``dp``, ``pp``, ``tp``.
+    - ``comm[axis]`` for axis in dp, pp, cp, tp, world: a :class:`~mpirt.comm.Comm` whose rank is
+      the coordinate along that axis (``world`` is the Cartesian communicator, numbered like
+      ``comm``); ``comm["dp_cp"]``: dp and cp together (:data:`DATA_AXES`: the ranks that hold the
+      same parameters, over which gradients are averaged; rank ``d * cp + c``), ``comm["dp"]``
+      itself when cp is 1.
+    - ``rank``, ``coords`` and ``sizes`` (dicts keyed by axis), ``dp``, ``pp``, ``cp``, ``tp``.
     - ``prev_rank``/``next_rank``: the previous/next pipeline stage's rank in ``comm["world"]``,
       PROC_NULL at the ends; ``pp_prev``/``pp_next``: the same as ranks in ``comm["pp"]``.
     """
 
-    def __init__(self, dp: int, pp: int, tp: int, comm=None):
+    def __init__(self, dp: int, pp: int, tp: int, comm=None, cp: int = 1):
         from mpirt import comm as C
 
         if comm is None:
             comm = C.world_comm()
         parent = comm.mpi if isinstance(comm, C.Comm) else comm
-        check_layout(dp, pp, tp, parent.Get_size())
-        self.dp, self.pp, self.tp = dp, pp, tp
-        cart = parent.Create_cart([dp, pp, tp], periods=[False] * 3, reorder=False)
+        check_layout(dp, pp, tp, parent.Get_size(), cp=cp)
+        self.dp, self.pp, self.cp, self.tp = dp, pp, cp, tp
+        sizes = _sizes(dp, pp, tp, cp)
+        cart = parent.Create_cart(list(sizes), periods=[False] * len(AXES), reorder=False)
         self.rank = cart.Get_rank()
         coords = tuple(cart.Get_coords(self.rank))
-        assert coords == grid_coords(self.rank, dp, pp, tp), (coords, self.rank)
+        assert coords == grid_coords(self.rank, dp, pp, tp, cp), (coords, self.rank)
         self.coords = dict(zip(AXES, coords))
-        self.sizes = dict(zip(AXES, (dp, pp, tp)))
+        self.sizes = dict(zip(AXES, sizes))
         self.comm = {"world": C.Comm(cart, "world")}
         for i, axis in enumerate(AXES):
-            self.comm[axis] = C.Comm(cart.Sub([j == i for j in range(3)]), axis)
-        self.prev_rank, self.next_rank = cart.Shift(1, 1)
+            self.comm[axis] = C.Comm(cart.Sub([j == i for j in range(len(AXES))]), axis)
+        self.comm["dp_cp"] = self.comm["dp"] if cp == 1 else \
+            C.Comm(cart.Sub([a in DATA_AXES for a in AXES]), "dp_cp")
+        self.prev_rank, self.next_rank = cart.Shift(AXES.index("pp"), 1)
         p = self.coords["pp"]
         self.pp_prev = p - 1 if p > 0 else C.PROC_NULL
         self.pp_next = p + 1 if p < pp - 1 else C.PROC_NULL
 
     @classmethod
-    def from_world(cls, dp: int = 0, pp: int = 1, tp: int = 1, comm=None) -> "Grid":
-        """A grid over ``comm`` (default the world) where ``dp=0`` means world size // (pp*tp)."""
+    def from_world(cls, dp: int = 0, pp: int = 1, tp: int = 1, comm=None, cp: int = 1) -> "Grid":
+        """A grid over ``comm`` (default the world) where ``dp=0`` means world size // (pp*cp*tp)."""
         from mpirt import comm as C
 
         if comm is None:
             comm = C.world_comm()
         size = comm.size if isinstance(comm, C.Comm) else comm.Get_size()
-        return cls(resolve_dp(size, dp, pp, tp), pp, tp, comm)
+        return cls(resolve_dp(size, dp, pp, tp, cp), pp, tp, comm, cp=cp)
 
     def __repr__(self) -> str:
-        return f"Grid(dp={self.dp}, pp={self.pp}, tp={self.tp}, rank={self.rank}, coords={self.coords})"
+        return (f"Grid(dp={self.dp}, pp={self.pp}, cp={self.cp}, tp={self.tp}, rank={self.rank}, "
+                f"coords={self.coords})")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def is_first_stage(self) -> bool:
@@ -152,7 +192,7 @@ class Grid:
         try:
             return self.comm[axis]
         except KeyError:
-            raise ValueError(f"unknown grid axis {axis!r}: expected one of dp, pp, tp, world") from None
+            raise ValueError(f"unknown grid axis {axis!r}: expected one of {', '.join(self.comm)}") from None
 
     def allreduce(self, x, axis: str, op: str = "sum", out=None):
         return self._c(axis).allreduce(x, op=op, out=out)
@@ -177,26 +217,27 @@ class Grid:
 
     def free(self) -> None:
         """Release the sub-communicators and the Cartesian communicator."""
-        for c in self.comm.values():
+        for c in {id(c): c for c in self.comm.values()}.values():  # dp_cp may be dp itself
             c.free()
         self.comm = {}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mpirt.grid", description="Print the rank map of a "
-                                 "(dp, pp, tp) grid (pure math: no MPI needed).")
-    ap.add_argument("--dp", type=int, default=0, help="data-parallel size (0: world // (pp*tp), needs --world)")
+                                 "(dp, pp, cp, tp) grid (pure math: no MPI needed).")
+    ap.add_argument("--dp", type=int, default=0, help="data-parallel size (0: world // (pp*cp*tp), needs --world)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel size")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--world", type=int, default=None, help="world size to validate against")
     args = ap.parse_args(argv)
     try:
         if args.dp == 0 and args.world is None:
             raise ValueError("dp=0 (derive from the world size) needs --world")
-        dp = resolve_dp(args.world, args.dp, args.pp, args.tp) if args.world is not None else args.dp
-        check_layout(dp, args.pp, args.tp)
+        dp = resolve_dp(args.world, args.dp, args.pp, args.tp, args.cp) if args.world is not None else args.dp
+        check_layout(dp, args.pp, args.tp, cp=args.cp)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(format_rank_map(dp, args.pp, args.tp))
+    print(format_rank_map(dp, args.pp, args.tp, args.cp))
     return 0

@@ -22,7 +22,7 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")
 
 
 class LayoutError(ValueError):
@@ -52,7 +52,7 @@ def _schedule(name: str, pp: int, microbatches: int, chunks: int):
 
 @dataclass(frozen=True)
 class Layout(Mapping):
-    """dp x pp x tp and what follows from them and the config (see the module docstring).
+    """dp x pp x cp x tp and what follows from them and the config (see the module docstring).
 
     ``microbatches``: per step and dp replica, the pipeline schedule's under pp, else
     ``grad_accum``; ``rows``: batch rows per micro-batch; ``chunks``: model chunks per pipeline
@@ -66,6 +66,7 @@ class Layout(Mapping):
     dp: int
     pp: int
     tp: int
+    cp: int = 1
     zero: int = 0
     sequence_parallel: bool = False
     schedule: str = "1f1b"
@@ -77,15 +78,17 @@ class Layout(Mapping):
 
     @classmethod
     def of(cls, cfg, sizes, model_cfg=None) -> "Layout":
-        """The layout of training config ``cfg`` on ``sizes`` (a mapping with dp, pp and tp, a
-        ``Layout`` too: derived again from ``cfg``, which may differ from the one it came from),
+        """The layout of training config ``cfg`` on ``sizes`` (a mapping with dp, pp, tp and
+        optionally cp, a ``Layout`` too: derived again from ``cfg``, which may differ from the one
+        it came from),
         with the stage bounds and recomputed blocks of ``model_cfg`` when given (ValueError when
         its blocks cannot fill the stages: :meth:`check_model` says so in its own words first)."""
         from mpirt.core import recompute
         from mpirt.core.modeling import layer_costs
         from mpirt.parallel.pipeline.partition import partition
 
-        dp, pp, tp = (int(sizes[k]) for k in AXES)
+        dp, pp, tp = (int(sizes[k]) for k in ("dp", "pp", "tp"))
+        cp = int(sizes.get("cp", 1))
         m = pipeline_microbatches(cfg.microbatches, pp) if pp > 1 else cfg.grad_accum
         chunks = cfg.chunks if pp > 1 and cfg.schedule == "interleaved" else 1
         bounds = recomputed = ()
@@ -94,20 +97,20 @@ class Layout(Mapping):
             bounds = tuple(partition(layer_costs(model_cfg, cfg.seq_len), pp * chunks)) if pp > 1 else ((0, n),)
             recomputed = tuple(range(n)) if cfg.zero == 3 else \
                 tuple(recompute.chosen(n, cfg.recompute, cfg.recompute_layers))
-        return cls(dp=dp, pp=pp, tp=tp, zero=cfg.zero,
+        return cls(dp=dp, pp=pp, tp=tp, cp=cp, zero=cfg.zero,
                    sequence_parallel=sequence_parallel_in_effect(cfg.sequence_parallel, tp),
                    schedule=cfg.schedule, microbatches=m, chunks=chunks, rows=cfg.batch_size // dp // m,
                    bounds=bounds, recomputed=recomputed)
 
     @staticmethod
-    def axes(world_size: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
+    def axes(world_size: int, dp: int, pp: int, tp: int, cp: int = 1) -> tuple[int, int, int]:
         """``(dp, pp, tp)`` on ``world_size`` ranks, dp derived when 0 (LayoutError ``dp/pp/tp``
-        when the sizes are not positive integers whose product is the world size)."""
+        when the sizes, cp included, are not positive integers whose product is the world size)."""
         from mpirt.parallel.grid import check_layout, resolve_dp
 
         try:
-            dp = resolve_dp(world_size, dp, pp, tp)
-            check_layout(dp, pp, tp, world_size)
+            dp = resolve_dp(world_size, dp, pp, tp, cp)
+            check_layout(dp, pp, tp, world_size, cp=cp)
         except ValueError as err:
             raise LayoutError("dp/pp/tp", str(err)) from None
         return dp, pp, tp
@@ -121,10 +124,13 @@ class Layout(Mapping):
         final."""
         from mpirt.parallel.pipeline.schedules import check_shape
 
-        dp = cls.axes(world_size, cfg.dp, cfg.pp, cfg.tp)[0]
-        layout = cls.of(cfg, {"dp": dp, "pp": cfg.pp, "tp": cfg.tp})
+        dp = cls.axes(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.cp)[0]
+        layout = cls.of(cfg, {"dp": dp, "pp": cfg.pp, "tp": cfg.tp, "cp": cfg.cp})
         if cfg.sequence_parallel and cfg.tp == 1:
             raise LayoutError("sequence_parallel", "needs tp > 1")
+        if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
+            raise LayoutError("cp", f"seq_len {cfg.seq_len} does not cut into 2 x cp = {2 * cfg.cp} equal chunks "
+                              "(each context-parallel rank holds one from each end of the sequence)")
         if not batch_rules:
             return layout
         if cfg.pp > 1:
@@ -157,10 +163,15 @@ class Layout(Mapping):
         if self.pp > 1 and model_cfg.n_layer < self.stages:
             raise LayoutError("pp", f"n_layer={model_cfg.n_layer} cannot fill pp x chunks = {self.stages} pipeline "
                               "stages")
+        if self.cp > 1 and not attention_core(model_cfg):
+            raise LayoutError("cp", f"model_type {model_cfg.model_type!r} has no attention to split a sequence over")
         try:
-            check_model_tp(model_cfg, self.tp, seq_len=cfg.seq_len, sequence_parallel=cfg.sequence_parallel)
+            check_model_tp(model_cfg, self.tp, seq_len=cfg.seq_len // self.cp,
+                           sequence_parallel=cfg.sequence_parallel)
         except ValueError as err:
-            raise LayoutError("tp", str(err)) from None
+            held = f" (seq_len {cfg.seq_len} / cp {self.cp}: the tokens a context-parallel rank holds)" \
+                if self.cp > 1 else ""
+            raise LayoutError("tp", f"{err}{held}") from None
         if cfg.recompute == "selective" and not attention_core(model_cfg):
             raise LayoutError("recompute", f"model_type {model_cfg.model_type!r} names no attention core for "
                               "selective recomputation; use full")
@@ -183,7 +194,7 @@ class Layout(Mapping):
     # --- derived --------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def stages(self) -> int:
@@ -201,9 +212,10 @@ class Layout(Mapping):
         return self.pp > 1 and self.pipeline_schedule.split_backward
 
     def position(self, rank: int) -> dict:
-        """``{"dp", "pp", "tp"}`` coordinates of world rank ``rank`` (tp innermost, as
+        """``{"dp", "pp", "cp", "tp"}`` coordinates of world rank ``rank`` (tp innermost, then cp, as
         :class:`mpirt.parallel.grid.Grid`)."""
-        return {"dp": rank // (self.pp * self.tp), "pp": rank // self.tp % self.pp, "tp": rank % self.tp}
+        from mpirt.parallel.grid import grid_coords
+        return dict(zip(AXES, grid_coords(rank, self.dp, self.pp, self.tp, self.cp)))
 
     def pipeline_rank(self, block: int) -> int:
         """The pp rank that holds global block ``block`` (resolved with a model: :attr:`bounds`)."""
@@ -211,13 +223,13 @@ class Layout(Mapping):
         return stage % self.pp
 
     def stage_rank(self, rank: int) -> int:
-        """The world rank at dp 0, tp 0 of ``rank``'s pipeline stage."""
-        return self.position(rank)["pp"] * self.tp
+        """The world rank at dp 0, cp 0, tp 0 of ``rank``'s pipeline stage."""
+        return self.position(rank)["pp"] * self.cp * self.tp
 
     def describe(self) -> str:
         """``dp 2 x pp 2 x tp 2`` plus the ZeRO stage, the schedule, micro-batches and sequence
         parallelism."""
-        out = f"dp {self.dp} x pp {self.pp} x tp {self.tp}"
+        out = f"dp {self.dp} x pp {self.pp} x " + (f"cp {self.cp} x " if self.cp > 1 else "") + f"tp {self.tp}"
         if self.zero:
             out += f", ZeRO-{self.zero}"
         if self.pp > 1:

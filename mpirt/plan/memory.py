@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 
-from mpirt.parallel.layout import Layout
+from mpirt.parallel.layout import AXES, Layout
 from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -168,15 +168,18 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     activation peak (kept activations plus the backward's transient)."""
     from mpirt.core.precision import bytes_per_parameter, compute_dtype
     from mpirt.core.modeling import activation_bytes, layer_costs, num_parameters
+    from mpirt.models.lm import kv_heads
 
     lay = Layout.of(cfg, layout, model_cfg)
     pos = lay.position(rank)
     dp, pp, tp, sp, chunks, rows = lay.dp, lay.pp, lay.tp, lay.sequence_parallel, lay.chunks, lay.rows
+    seq = cfg.seq_len // lay.cp  # the tokens of each sequence this rank holds
     e = np.dtype(cfg.dtype).itemsize  # activations, buffers and gradients travel in the compute/storage dtype
     state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
     costs = layer_costs(model_cfg, cfg.seq_len)
     n_full = num_parameters(model_cfg)
-    acts = activation_bytes(model_cfg, batch=rows, seq_len=cfg.seq_len, tp=tp, sequence_parallel=sp, itemsize=e)
+    acts = activation_bytes(model_cfg, batch=rows, seq_len=seq, tp=tp, sequence_parallel=sp, itemsize=e,
+                            **({"cp": lay.cp} if lay.cp > 1 else {}))
     mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
     picked = set(lay.recomputed)
 
@@ -224,16 +227,19 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         if pp > 1 and pos["pp"] in (0, pp - 1):  # the tied embedding's gradient, held for the step
             grads += costs[0].params / tp * e
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
-        comm += 2 * rows * (cfg.seq_len // (tp if sp else 1)) * model_cfg.n_embd * e
+        comm += 2 * rows * (seq // (tp if sp else 1)) * model_cfg.n_embd * e
+    if lay.cp > 1:  # ring attention's keys and values in flight, with their gradient in the backward
+        head = model_cfg.n_embd // model_cfg.n_head
+        comm += 4 * rows * seq * 2 * kv_heads(model_cfg) * head / tp * e
     vocab = -(-model_cfg.vocab_size // tp) * tp
     has_head = pp == 1 or pos["pp"] == pp - 1
-    logits = 2 * rows * cfg.seq_len * vocab / tp * e  # the logits' gradient and a temporary
+    logits = 2 * rows * seq * vocab / tp * e  # the logits' gradient and a temporary
     # the gradients alive inside a block's backward; without a split schedule the stage with the
     # head reaches its blocks after freeing what the head kept
     block = max(0, acts["backward"] - (acts["head"] if has_head and not lay.split_backward else 0)) if held else 0
     if state_e > e:  # half: fused ops widen to float32 in backward (mpirt.core.precision.float32_compute):
         # the loss's float32 gradient beside its rounding, or the MLP activation's backward
-        logits = rows * cfg.seq_len * vocab / tp * (state_e + e)
+        logits = rows * seq * vocab / tp * (state_e + e)
         block = max(block, acts["widened"] if held else 0)
     backward = max(logits if has_head else 0, block)
     if any(i in picked for i in held) and mode != "none":  # one rerun, alive while its backward runs
@@ -254,8 +260,9 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
 
 def describe_rank(layout, rank: int) -> str:
     """``rank 3 (pp stage 1)``, ``rank 2 (dp 1, tp 0)``: where a rank sits, for messages."""
-    pos = Layout(**{a: layout[a] for a in ("dp", "pp", "tp")}).position(rank)
-    where = ", ".join(f"{'pp stage' if a == 'pp' else a} {pos[a]}" for a in ("dp", "pp", "tp") if layout[a] > 1)
+    sizes = {a: layout.get(a, 1) for a in AXES}
+    pos = Layout(**sizes).position(rank)
+    where = ", ".join(f"{'pp stage' if a == 'pp' else a} {pos[a]}" for a in AXES if sizes[a] > 1)
     return f"rank {rank}" + (f" ({where})" if where else "")
 
 

@@ -126,25 +126,30 @@ class _Machine:
 
 
 def _spans_nodes(cluster: Cluster, axis: str, layout: dict) -> bool:
-    """Whether a group of ``axis`` crosses a node (tp innermost, then pp, then dp)."""
-    dp, pp, tp = layout["dp"], layout["pp"], layout["tp"]
-    n = cluster.devices_per_node if not cluster.cores else max(1, (dp * pp * tp) // max(cluster.nodes, 1))
-    extent = {"tp": tp, "pp": pp * tp, "dp": dp * pp * tp}[axis]
+    """Whether a group of ``axis`` crosses a node (tp innermost, then cp, pp, dp)."""
+    dp, pp, tp, cp = layout["dp"], layout["pp"], layout["tp"], layout.get("cp", 1)
+    n = cluster.devices_per_node if not cluster.cores else max(1, (dp * pp * cp * tp) // max(cluster.nodes, 1))
+    extent = {"tp": tp, "cp": cp * tp, "pp": pp * cp * tp, "dp": dp * pp * cp * tp}[axis]
     return extent > n
 
 
 def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks: str = "stages") -> Estimate:
     """Predict one step of the layout ``cfg`` (a :class:`mpirt.run.config.TrainConfig`: dp, tp, pp,
-    microbatches, schedule, chunks, zero, sequence_parallel, recompute, dtype, batch_size, seq_len,
-    grad_accum) for ``model_cfg`` on ``cluster``. ``memory_ranks``: ``"stages"`` (rank 0 and the last
+    cp, microbatches, schedule, chunks, zero, sequence_parallel, recompute, dtype, batch_size,
+    seq_len, grad_accum) for ``model_cfg`` on ``cluster``. Under context parallelism a rank
+    computes ``seq_len / cp`` tokens of each sequence at the whole sequence's FLOPs per token
+    (1/cp of the attention), and each block's ring attention sends the keys and values ``cp - 1``
+    times forward and backward, hidden behind the block's compute where it is shorter, and the
+    keys' gradient ``cp`` times, exposed (each pass waits for it). ``memory_ranks``: ``"stages"`` (rank 0 and the last
     stage's first rank: the most stashed micro-batches and the logits) or ``"all"``."""
     from mpirt.plan import memory
     from mpirt.core.modeling import flops_per_token, layer_costs
     from mpirt.parallel.pipeline.check import simulate
 
     layout = memory.recompute_where_it_pays(  # what the engine runs: with the blocks that recompute
-        cfg, model_cfg, Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp}, model_cfg))
-    dp, pp, tp, world = layout.dp, layout.pp, layout.tp, layout.world_size
+        cfg, model_cfg, Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp, "cp": cfg.cp}, model_cfg))
+    dp, pp, tp, cp, world = layout.dp, layout.pp, layout.tp, layout.cp, layout.world_size
+    seq = cfg.seq_len // cp  # the tokens of each sequence a rank holds
     mach = _Machine(cluster, world, cfg.dtype)
     e = np.dtype(cfg.dtype).itemsize
     sp, chunks, m, rows = layout.sequence_parallel, layout.chunks, layout.microbatches, layout.rows
@@ -164,7 +169,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
                 idx = idx + [len(costs) - 1]
             stage_layers[(s % pp, s // pp)] = idx
     split = layout.split_backward
-    work = layer_work(model_cfg, costs, rows=rows, seq_len=cfg.seq_len, tp=tp, sp=sp, itemsize=e,
+    work = layer_work(model_cfg, costs, rows=rows, seq_len=seq, tp=tp, sp=sp, itemsize=e,
                       recompute=mode, recomputed=picked, split=split)
     tp_span = _spans_nodes(cluster, "tp", layout)
 
@@ -200,8 +205,9 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         return (sum(coll_time(cluster, op, n, dp, world, dp_span) for op, n in ops), sum(n for _, n in ops))
 
     parts = dict.fromkeys(("forward", "backward", "weight_grad", "bubble", "grad_sync", "optimizer", "other"), 0.0)
-    comm = {"tp": {"bytes": 0.0, "s": 0.0}, "pp": {"bytes": 0.0, "s": 0.0}, "dp": {"bytes": 0.0, "s": 0.0}}
-    act_msg = rows * (cfg.seq_len // (tp if sp else 1)) * model_cfg.n_embd * e
+    comm = {"tp": {"bytes": 0.0, "s": 0.0}, "pp": {"bytes": 0.0, "s": 0.0}, "dp": {"bytes": 0.0, "s": 0.0},
+            "cp": {"bytes": 0.0, "s": 0.0}}
+    act_msg = rows * (seq // (tp if sp else 1)) * model_cfg.n_embd * e
     p2p = coll_time(cluster, "p2p", act_msg, 2, world, _spans_nodes(cluster, "pp", layout)) if pp > 1 else 0.0
     if pp == 1:
         t = times[(0, 0)]
@@ -249,6 +255,16 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     sp_sync = coll_time(cluster, "allreduce", 4 * model_cfg.n_embd * model_cfg.n_layer * e, tp, world, tp_span) \
         if sp else 0.0
     parts["grad_sync"] = exposed + tied + sp_sync + small
+    ring_exposed = 0.0
+    if cp > 1:  # per block and micro-batch: keys and values around the ring both ways, their gradient back
+        kv = rows * seq * 2 * (getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head) \
+            * (model_cfg.n_embd // model_cfg.n_head) / tp * e
+        hop = coll_time(cluster, "p2p", kv, 2, world, _spans_nodes(cluster, "cp", layout))
+        blocks = m * model_cfg.n_layer / pp
+        block_s = (times[(0, 0)][FORWARD][0] + times[(0, 0)][BACKWARD][0]) / max(1, len(stage_layers[(0, 0)]))
+        hidden = 2 * (cp - 1) * hop
+        ring_exposed = blocks * (cp * hop + max(0.0, hidden - block_s))
+        comm["cp"] = {"bytes": blocks * (3 * cp - 2) * kv, "s": blocks * (hidden + cp * hop)}
     n_local = max(local_params.values())
     shard = n_local / (dp if cfg.zero else 1)
     blocks_local = model_cfg.n_layer / pp
@@ -257,7 +273,8 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         tensors = max(1.0, tensors / dp)
     parts["optimizer"] = mach.optimizer(tensors, shard * 4, n_local * e) + clip
     parts["other"] = 20 * cluster.op_overhead_s / mach.python_share   # data, monitor (the flags come after the step)
-    step = pipe + parts["grad_sync"] + parts["optimizer"] + parts["other"]
+    step = pipe + ring_exposed + parts["grad_sync"] + parts["optimizer"] + parts["other"]
+    parts["backward"] += ring_exposed  # the ring's waits are inside the measured passes
     if pp == 1:
         parts["forward"] += 0.0
     tokens = cfg.batch_size * cfg.seq_len
@@ -273,8 +290,10 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     big = max(per_rank, key=lambda r: per_rank[r]["peak"])
     mem = {**per_rank[big], "rank": big, "per_rank": {r: v["peak"] for r, v in per_rank.items()}}
 
-    shares = {"compute": parts["forward"] + parts["backward"] + parts["weight_grad"] - comm["tp"]["s"] + parts["optimizer"],
-              "dp comm": exposed, "tp comm": comm["tp"]["s"], "bubble": (bubble * pipe) if pp > 1 else 0.0}
+    shares = {"compute": parts["forward"] + parts["backward"] + parts["weight_grad"] - comm["tp"]["s"] - ring_exposed
+              + parts["optimizer"],
+              "dp comm": exposed, "tp comm": comm["tp"]["s"], "cp comm": ring_exposed,
+              "bubble": (bubble * pipe) if pp > 1 else 0.0}
     neck = max(shares, key=shares.get)
     if mem["peak"] > 0.9 * cluster.memory_bytes:
         neck = "memory"

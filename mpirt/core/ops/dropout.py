@@ -48,11 +48,16 @@ class MaskSource:
     """Where a dropout mask comes from. ``key``: integers naming the mask stream (a Dropout
     module's seed and the step); ``row0``: the global batch row of the local array's first row;
     ``split``: ``(rank, size)`` when dimension 1 (tokens under sequence parallelism, heads in the
-    attention) is split into ``size`` equal parts of which the array holds part ``rank``."""
+    attention) is split into ``size`` equal parts of which the array holds part ``rank``;
+    ``spans``: ``((dim, full, runs), ...)`` where dimension ``dim`` (before ``split``'s part is
+    taken) holds the runs ``((start, length), ...)`` of a dimension of extent ``full`` one after
+    the other (context parallelism's two chunks of the sequence, a ring attention block's queries
+    and keys)."""
 
     key: tuple
     row0: int = 0
     split: tuple | None = None
+    spans: tuple = ()
 
     def stream(self) -> int:
         """The 64-bit seed of this mask's SplitMix64 stream."""
@@ -60,6 +65,24 @@ class MaskSource:
         for k in self.key:
             z = _mix(((z ^ (int(k) & MASK64)) + GOLDEN) & MASK64)
         return z
+
+    def places(self, shape) -> tuple[list, list]:
+        """``(index, full)``: per dimension of a local array of ``shape``, the global index of each
+        of its positions (NumPy int64) and the dimension's global extent (None for the rows)."""
+        index = [np.arange(n, dtype=np.int64) for n in shape]
+        full: list = [None, *shape[1:]]
+        index[0] += self.row0
+        if self.split is not None:
+            rank, size = self.split
+            index[1] += rank * shape[1]
+            full[1] = size * shape[1]
+        for dim, extent, runs in self.spans:
+            held = np.concatenate([np.arange(start, start + n, dtype=np.int64) for start, n in runs])
+            if len(held) != (full[dim] if dim == 1 else shape[dim]):
+                raise ValueError(f"dropout: spans of dimension {dim} hold {len(held)} positions, the array "
+                                 f"{full[dim] if dim == 1 else shape[dim]}")
+            index[dim], full[dim] = held[index[dim]], extent
+        return index, full
 
 
 def as_mask_source(seed) -> MaskSource:
@@ -80,24 +103,19 @@ def dropout_mask(shape, p: float, seed):
     xp, shape = B.xp, tuple(int(n) for n in shape)
     if len(shape) < 2:
         return dropout_mask((1, *shape), p, src).reshape(shape)
-    full, origin = list(shape), [0] * len(shape)
-    origin[0] = src.row0
-    if src.split is not None:
-        rank, size = src.split
-        origin[1], full[1] = rank * shape[1], size * shape[1]
+    index, full = src.places(shape)
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * full[d + 1]
     # the last two dimensions' global indices as one (T, C) block, reused for every leading index
     u64 = np.uint64
-    block = (xp.arange(shape[-2], dtype=u64)[:, None] + u64(origin[-2])) * u64(strides[-2]) \
-        + (xp.arange(shape[-1], dtype=u64)[None, :] + u64(origin[-1]))
+    block = xp.asarray(index[-2].astype(u64))[:, None] * u64(strides[-2]) + xp.asarray(index[-1].astype(u64))[None, :]
     threshold = u64(math.ceil(p * (1 << UNIFORM_BITS)))
     stream = u64(src.stream())
     keep = xp.empty(shape, dtype=bool)
     z = xp.empty(shape[-2:], dtype=u64)
     for lead in np.ndindex(*shape[:-2]):
-        base = sum((origin[d] + i) * strides[d] for d, i in enumerate(lead))
+        base = sum(int(index[d][i]) * strides[d] for d, i in enumerate(lead))
         xp.add(block, u64((base + 1) & MASK64), out=z)
         z *= u64(GOLDEN)
         z += stream

@@ -197,8 +197,9 @@ class PipelineStage(PipelineExecutor):
     def probe(self):
         """What this stage's first unit takes in a one-token run: token ids on the first stage
         (None: the store makes them), else a (1, 1, C) hidden state (one token of the local
-        sequence, under sequence parallelism too)."""
-        return None if self.has_embed else B.xp.zeros((1, 1, self.cfg.n_embd), dtype=self.dtype)
+        sequence, under sequence parallelism too; two under context parallelism, one per chunk)."""
+        held = 2 if self.grid.sizes["cp"] > 1 else 1
+        return None if self.has_embed else B.xp.zeros((1, held, self.cfg.n_embd), dtype=self.dtype)
 
     @property
     def dropout_roots(self) -> tuple:

@@ -1,0 +1,283 @@
+"""Context parallelism: every sequence split over the ``cp`` ranks of the grid's cp axis, attention
+computed as ring attention.
+
+**The split, load-balanced for causal attention.** A sequence of T tokens is cut into ``2 cp``
+chunks of ``L = T / (2 cp)``; cp rank ``c`` holds chunks ``c`` and ``2 cp - 1 - c``, one from each
+end, side by side (:class:`ContextShard`). Under a causal mask a chunk near the start attends to
+few keys and one near the end to many: each rank holds one of each, so every rank does the same
+work (Megatron-Core and torchtitan split the same way).
+
+**Ring attention** (:class:`RingAttention`; Liu et al. 2023, with FlashAttention's online
+softmax). Each rank keeps its queries; the keys and values of every rank travel once around the
+cp ring by non-blocking point-to-point, the next block in flight while the current one is
+computed. A (query chunk, key chunk) pair is computed whole when the key chunk comes first, with
+the causal mask when it is the same chunk, and skipped when it comes later; every rank computes
+two chunks' worth per step. Partial results merge by their log-sum-exp: ``lse = logaddexp(lse,
+lse_b)``, ``O = O exp(lse_old - lse) + O_b exp(lse_b - lse)``. The forward saves only the rank's
+own qkv, the merged output and ``lse`` (as the one-rank op: no (T, T) array); the backward sends
+the keys and values around the ring again, each with the gradient of its keys and values, which
+every rank adds its part to and passes on: after ``cp`` passes each returns to its owner. Dropout
+masks are drawn per block at the global (row, head, query, key) places
+(:class:`mpirt.core.ops.dropout.MaskSource` spans), so they are the one-rank op's mask.
+
+The rest of the model sees a shorter sequence: the embedding reads the chunks' global positions
+(GPT-2's learned table, Llama's rotary tables), the loss is the mean over the rank's tokens (the
+engine averages it over dp and cp, whose ranks hold equal token counts), and gradients are
+averaged over dp x cp (:data:`mpirt.parallel.grid.DATA_AXES`). Parameters are not split: a
+checkpoint does not know cp.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+import mpirt.core.backend as B
+from mpirt.core.nn import Module
+from mpirt.core.ops.attention import _causal_bias, _fold, _heads, _layout, _merge_heads, _row_max, _row_sum
+from mpirt.core.ops.dropout import _check_p, as_mask_source, dropout_mask
+from mpirt.core.precision import float32_compute
+from mpirt.core.tensor import Function
+
+# the kinds of (query chunk, key chunk) pairs: keys before the queries, the same chunk, keys after
+FULL, DIAGONAL, NONE = "full", "diagonal", "none"
+_TAG_KV, _TAG_DKV = 71, 72  # ring messages on the cp communicator, which carries nothing else
+
+
+class ContextShard:
+    """This rank's share of every sequence: chunks ``rank`` and ``2 size - 1 - rank`` of ``2 size``,
+    over ``comm`` (the grid's cp axis; ``rank``/``size`` its rank and size)."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size = comm, comm.rank, comm.size
+
+    def chunks(self) -> tuple[int, int]:
+        """The global chunk numbers of the rank's two halves, in the order it holds them."""
+        return self.rank, 2 * self.size - 1 - self.rank
+
+    def check_length(self, t: int) -> None:
+        """Refuse a sequence of ``t`` tokens that does not cut into ``2 cp`` equal chunks."""
+        if t % (2 * self.size):
+            raise ValueError(f"context parallelism: seq_len {t} does not cut into 2 x cp = {2 * self.size} equal "
+                             f"chunks (cp={self.size})")
+
+    def runs(self, held: int) -> tuple[int, tuple]:
+        """``(T, ((start, L), (start, L)))``: the global sequence length and the two runs of
+        positions a rank holding ``held`` tokens of each sequence holds."""
+        half = held // 2
+        return self.size * held, tuple((k * half, half) for k in self.chunks())
+
+    def positions(self, held: int):
+        """The global positions of the ``held`` tokens this rank holds, (held,) int64 on the backend."""
+        _, runs = self.runs(held)
+        return B.xp.asarray(np.concatenate([np.arange(s, s + n) for s, n in runs]))
+
+    def attention(self, qkv, n_head, **kwargs):
+        """:func:`ring_attention` over this split (what a model's attention core calls)."""
+        return ring_attention(qkv, n_head, self, **kwargs)
+
+    def shard(self, a):
+        """``a`` (B, T, ...) -> (B, T / cp, ...): this rank's two chunks of every row, side by side."""
+        self.check_length(a.shape[1])
+        half = a.shape[1] // (2 * self.size)
+        first, second = (slice(k * half, (k + 1) * half) for k in self.chunks())
+        xp = np if isinstance(a, np.ndarray) else B.xp  # host batches stay on the host
+        return xp.concatenate([a[:, first], a[:, second]], axis=1)
+
+
+def pair(q_chunk: int, k_chunk: int) -> str:
+    """How query chunk ``q_chunk`` attends to key chunk ``k_chunk`` under the causal mask."""
+    return FULL if k_chunk < q_chunk else DIAGONAL if k_chunk == q_chunk else NONE
+
+
+def _merge(acc, o_b, lse_b):
+    """Merge a block's ``(o_b, lse_b)`` into the running ``acc = [o, lse]`` (None: the first)."""
+    xp = B.xp
+    if acc[0] is None:
+        acc[0], acc[1] = o_b, lse_b
+        return
+    lse = xp.logaddexp(acc[1], lse_b)
+    acc[0] = acc[0] * xp.exp(acc[1] - lse) + o_b * xp.exp(lse_b - lse)
+    acc[1] = lse
+
+
+@float32_compute
+class RingAttention(Function):
+    """Causal attention over a sequence split by :class:`ContextShard`: the local fused ``qkv``
+    (B, T / cp, C + 2 Ck) -> (B, T / cp, C); the arguments as
+    :func:`mpirt.core.ops.attention.causal_self_attention`'s, plus ``shard``."""
+
+    def forward(self, qkv, n_head, shard=None, dropout_p=0.0, seed=None, n_kv_head=None):
+        xp = B.xp
+        c, ck, d = _layout(qkv, n_head, n_kv_head)
+        b, t = qkv.shape[:2]
+        kv, g = ck // d, n_head // (ck // d)
+        self.shard, self.n_head, self.n_kv, self.c, self.ck = shard, n_head, kv, c, ck
+        self.scale, self.half = 1.0 / math.sqrt(d), t // 2
+        self.source = None if dropout_p == 0 else as_mask_source(seed)
+        self.keep_scale = 1.0 / (1.0 - dropout_p) if dropout_p else None
+        self.p, self.masks = dropout_p, {}
+        q = _heads(qkv[..., :c], kv, g)                              # (B, Hk, G, T/cp, D)
+        qs = q * self.scale
+        acc = [[None, None], [None, None]]                          # per local half: [o, lse]
+
+        def blocks(kvb, step):
+            k, v = _heads(kvb[..., :ck], kv), _heads(kvb[..., ck:], kv)  # (B, Hk, 1, T/cp, D)
+            for i, j, kind in self._pairs(step):
+                o_b, lse_b = self._block_forward(qs[..., self._rows(i), :], k[..., self._rows(j), :],
+                                                 v[..., self._rows(j), :], kind, self._mask(i, j, step, b))
+                _merge(acc[i], o_b, lse_b)
+
+        self._ring(xp.ascontiguousarray(qkv[..., c:]), blocks)
+        out = xp.empty((b, t, c), dtype=qkv.dtype)
+        heads = _heads(out, kv, g)
+        for i in range(2):
+            heads[..., self._rows(i), :] = acc[i][0]
+        self.qkv, self.out = qkv, out
+        self.lse = xp.concatenate([acc[0][1], acc[1][1]], axis=-2)  # (B, Hk, G, T/cp, 1)
+        return out
+
+    # --- the blocks -------------------------------------------------------------------------------
+    def _rows(self, half: int) -> slice:
+        return slice(half * self.half, (half + 1) * self.half)
+
+    def _pairs(self, step: int):
+        """``(query half, key half, kind)`` of the blocks computed at ring step ``step`` (holding the
+        keys and values of cp rank ``rank - step``), skipped pairs left out."""
+        shard = self.shard
+        owner = (shard.rank - step) % shard.size
+        k_chunks = (owner, 2 * shard.size - 1 - owner)
+        for i, q_chunk in enumerate(shard.chunks()):
+            for j, k_chunk in enumerate(k_chunks):
+                kind = pair(q_chunk, k_chunk)
+                if kind != NONE:
+                    yield i, j, kind
+
+    def _mask(self, i: int, j: int, step: int, b: int):
+        """The dropout keep-mask of the block (query half i, key half j) at ``step``, (B, Hk, G, L,
+        L) (None without dropout); drawn at the block's global places, kept for the backward."""
+        if self.source is None:
+            return None
+        key = (i, j, step)
+        if key not in self.masks:
+            shard, n = self.shard, self.half
+            total = 2 * shard.size * n
+            owner = (shard.rank - step) % shard.size
+            q0 = shard.chunks()[i] * n
+            k0 = (owner, 2 * shard.size - 1 - owner)[j] * n
+            src = dataclasses.replace(self.source, spans=((2, total, ((q0, n),)), (3, total, ((k0, n),))))
+            mask = dropout_mask((b, self.n_head, n, n), self.p, src)
+            self.masks[key] = mask.reshape(b, self.n_kv, self.n_head // self.n_kv, n, n)
+        return self.masks[key]
+
+    def _block_forward(self, qs, k, v, kind, mask):
+        """(o, lse) of scaled queries ``qs`` (B, Hk, G, L, D) against keys/values (B, Hk, 1, L, D)."""
+        xp = B.xp
+        s = xp.matmul(qs, k.swapaxes(-1, -2))                      # (B, Hk, G, L, L)
+        if kind == DIAGONAL:
+            s += _causal_bias(s.shape[-1], s.dtype)
+        m = _row_max(s)
+        s -= m
+        xp.exp(s, out=s)
+        total = _row_sum(s)
+        o = xp.matmul(s if mask is None else s * mask, v)
+        o /= total if self.keep_scale is None else total / self.keep_scale
+        return o, m + xp.log(total)
+
+    def _ring(self, kvb, blocks):
+        """Call ``blocks(kv, step)`` for each of the cp ranks' keys and values in turn, the next
+        already travelling (sent on to rank + 1, received from rank - 1) while it computes."""
+        shard = self.shard
+        comm, nxt, prv = shard.comm, (shard.rank + 1) % shard.size, (shard.rank - 1) % shard.size
+        for step in range(shard.size):
+            moving = []
+            if step < shard.size - 1:
+                incoming = B.xp.empty_like(kvb)
+                moving = [comm.isend(kvb, nxt, tag=_TAG_KV), comm.irecv(incoming, prv, tag=_TAG_KV)]
+            blocks(kvb, step)
+            for h in moving:
+                h.wait()
+            if moving:
+                kvb = incoming
+
+    # --- backward -------------------------------------------------------------------------------
+    def backward(self, g):
+        xp = B.xp
+        c, ck, kv, h = self.c, self.ck, self.n_kv, self.n_head
+        grp = h // kv
+        b, t = g.shape[:2]
+        q = _heads(self.qkv[..., :c], kv, grp)
+        go = _heads(g, kv, grp)
+        # rowsum(dP * P) = dO . O per query (FlashAttention's identity; dropout included)
+        rowdot = xp.einsum("bthd,bthd->bht", g.reshape(b, t, h, -1), self.out.reshape(b, t, h, -1))
+        rowdot = rowdot.reshape(b, kv, grp, t, 1)
+        dq = xp.zeros(q.shape, dtype=q.dtype)
+        qs = q * self.scale
+        shard = self.shard
+        comm, nxt, prv = shard.comm, (shard.rank + 1) % shard.size, (shard.rank - 1) % shard.size
+        kvb = xp.ascontiguousarray(self.qkv[..., c:])               # (B, T/cp, 2 Ck): travels with its gradient
+        dkv = xp.zeros(kvb.shape, dtype=kvb.dtype)
+        for step in range(shard.size):
+            moving = []
+            if step < shard.size - 1:
+                incoming = xp.empty_like(kvb)
+                moving = [comm.isend(kvb, nxt, tag=_TAG_KV), comm.irecv(incoming, prv, tag=_TAG_KV)]
+            k, v = _heads(kvb[..., :ck], kv), _heads(kvb[..., ck:], kv)
+            dk, dv = _heads(dkv[..., :ck], kv), _heads(dkv[..., ck:], kv)
+            for i, j, kind in self._pairs(step):
+                rq, rk = self._rows(i), self._rows(j)
+                self._block_backward(qs[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], go[..., rq, :],
+                                     self.lse[..., rq, :], rowdot[..., rq, :], kind, self._mask(i, j, step, b),
+                                     dq[..., rq, :], dk[..., rk, :], dv[..., rk, :])
+            back = xp.empty_like(dkv)                               # the keys' gradient moves on with them
+            for hd in [*moving, comm.isend(dkv, nxt, tag=_TAG_DKV), comm.irecv(back, prv, tag=_TAG_DKV)]:
+                hd.wait()
+            dkv = back
+            if moving:
+                kvb = incoming
+        dqkv = xp.empty(self.qkv.shape, dtype=self.qkv.dtype)
+        _merge_heads(dq.reshape(b, h, t, -1), dqkv[..., :c], self.scale)
+        dqkv[..., c:c + ck] = dkv[..., :ck] * self.scale           # dK = scale dS^T Q, summed around the ring
+        dqkv[..., c + ck:] = dkv[..., ck:]
+        return (dqkv,)
+
+    def _block_backward(self, qs, q, k, v, go, lse, rowdot, kind, mask, dq, dk, dv):
+        """Add one block's gradients into ``dq`` (B, Hk, G, L, D) and ``dk``, ``dv`` (B, Hk, 1, L, D)
+        views (dQ and dK without the scale, applied once at the end)."""
+        xp = B.xp
+        p = xp.matmul(qs, k.swapaxes(-1, -2))                      # the scores again
+        if kind == DIAGONAL:
+            p += _causal_bias(p.shape[-1], p.dtype)
+        p -= lse
+        xp.exp(p, out=p)                                            # P = exp(S - lse)
+        gj = go if mask is None else go * self.keep_scale
+        pd = p if mask is None else p * mask
+        dv += xp.matmul(_fold(pd).swapaxes(-1, -2), _fold(gj))     # dV = P^T dO
+        ds = xp.matmul(gj, v.swapaxes(-1, -2))                      # dP = dO V^T
+        if mask is not None:
+            ds *= mask
+        ds -= rowdot
+        ds *= p                                                     # dS = P (dP - rowdot)
+        dq += xp.matmul(ds, k)
+        dk += xp.matmul(_fold(ds).swapaxes(-1, -2), _fold(q))
+
+
+def ring_attention(qkv, n_head, shard: ContextShard, dropout_p=0.0, seed=None, n_kv_head=None):
+    """Causal multi-head self-attention of the sequence split by ``shard`` (see the module
+    docstring): this rank's fused ``qkv`` (B, T / cp, C + 2 Ck) -> (B, T / cp, C), equal to the
+    rows of :func:`mpirt.core.ops.attention.causal_self_attention` on the whole sequence that
+    this rank holds. Collective over ``shard.comm`` (forward and backward)."""
+    _check_p(dropout_p, "ring_attention", "dropout_p")
+    return RingAttention.apply(qkv, n_head=n_head, shard=shard, dropout_p=dropout_p, seed=seed, n_kv_head=n_kv_head)
+
+
+def parallelize_context(model: Module, shard: ContextShard) -> Module:
+    """Split ``model``'s sequences as ``shard`` says, in place: the model and its attention modules
+    get it as their ``context`` (the model's position embedding and the rotary tables read the
+    chunks' global positions, the attention core becomes :func:`ring_attention`), and every
+    Dropout draws its mask at the global token positions it holds. Returns ``model``."""
+    for _, m in model.named_modules():
+        if hasattr(m, "context"):
+            m.context = shard
+    return model
