@@ -6,6 +6,7 @@ The end-to-end runs (every layout with --cp, dropout, Llama, resume across cp si
 of the training script in test_train_parallel.py.
 """
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -64,17 +65,18 @@ def test_a_mask_drawn_for_the_runs_a_rank_holds_is_that_part_of_the_whole_mask()
 @pytest.mark.parametrize("n_head, n_kv_head, p", [(4, 4, 0.0), (4, 2, 0.0), (4, 4, 0.3), (6, 2, 0.2)])
 def test_ring_attention_equals_the_whole_sequence_op(group, n_head, n_kv_head, p):
     """Every rank's rows of the output and of dqkv equal the one-rank op's (float64, 1e-12), at
-    cp 2 and (with four ranks) 4; grouped-query attention and attention dropout included."""
+    cp 2 and (with four ranks) 4; grouped-query attention and attention dropout included; chunks of
+    2 tokens, and of 128 (two query chunks per block)."""
     from mpi4py import MPI
 
     fails = []
-    for cp in (2, 4):
+    for cp, chunk in itertools.product((2, 4), (2, 128)):
         comm = group(cp, "cp") if cp <= MPI.COMM_WORLD.size else None
         if comm is None:
             continue
         shard = ContextShard(comm)
         rng = np.random.default_rng(0)
-        b, t, d = 2, 4 * cp, 4
+        b, t, d = 2, 2 * cp * chunk, 4
         qkv = rng.standard_normal((b, t, (n_head + 2 * n_kv_head) * d))
         grad_out = rng.standard_normal((b, t, n_head * d))
         kw = dict(dropout_p=p, seed=MaskSource((5, 1))) if p else {}
@@ -86,5 +88,5 @@ def test_ring_attention_equals_the_whole_sequence_op(group, n_head, n_kv_head, p
         ref = causal_self_attention(Tensor(qkv), n_head, n_kv_head=n_kv_head, **kw).data
         errs = (np.abs(out.data - shard.shard(ref)).max(), np.abs(held.grad - shard.shard(whole.grad)).max())
         if max(errs) > 1e-12:
-            fails.append(f"cp {cp} rank {shard.rank}: output, dqkv errors {errs}")
+            fails.append(f"cp {cp} chunk {chunk} rank {shard.rank}: output, dqkv errors {errs}")
     agree(not fails, fails)

@@ -35,7 +35,8 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt.core.nn import Module
-from mpirt.core.ops.attention import _causal_bias, _fold, _heads, _layout, _merge_heads, _row_max, _row_sum
+from mpirt.core.ops.attention import (_causal_bias, _fold, _heads, _layout, _merge_heads, _query_chunks, _row_max,
+                                       _row_sum)
 from mpirt.core.ops.dropout import _check_p, as_mask_source, dropout_mask
 from mpirt.core.precision import float32_compute
 from mpirt.core.tensor import Function
@@ -172,18 +173,26 @@ class RingAttention(Function):
         return self.masks[key]
 
     def _block_forward(self, qs, k, v, kind, mask):
-        """(o, lse) of scaled queries ``qs`` (B, Hk, G, L, D) against keys/values (B, Hk, 1, L, D)."""
+        """(o, lse) of scaled queries ``qs`` (B, Hk, G, L, D) against keys/values (B, Hk, 1, L, D),
+        :data:`~mpirt.core.ops.attention.QUERY_CHUNK` queries at a time (a chunk's scores are the
+        transient: a diagonal block's chunk stops at its last query's key)."""
         xp = B.xp
-        s = xp.matmul(qs, k.swapaxes(-1, -2))                      # (B, Hk, G, L, L)
-        if kind == DIAGONAL:
-            s += _causal_bias(s.shape[-1], s.dtype)
-        m = _row_max(s)
-        s -= m
-        xp.exp(s, out=s)
-        total = _row_sum(s)
-        o = xp.matmul(s if mask is None else s * mask, v)
-        o /= total if self.keep_scale is None else total / self.keep_scale
-        return o, m + xp.log(total)
+        o = xp.empty(qs.shape, dtype=qs.dtype)
+        lse = xp.empty((*qs.shape[:-1], 1), dtype=qs.dtype)
+        n = qs.shape[-2]
+        for q0, q1 in _chunks(n):
+            keys = q1 if kind == DIAGONAL else n
+            s = xp.matmul(qs[..., q0:q1, :], k[..., :keys, :].swapaxes(-1, -2))  # (B, Hk, G, q1 - q0, keys)
+            if kind == DIAGONAL:
+                s += _causal_bias(n, s.dtype)[q0:q1, :keys]
+            m = _row_max(s)
+            s -= m
+            xp.exp(s, out=s)
+            total = _row_sum(s)
+            xp.matmul(s if mask is None else s * mask[..., q0:q1, :keys], v[..., :keys, :], out=o[..., q0:q1, :])
+            o[..., q0:q1, :] /= total if self.keep_scale is None else total / self.keep_scale
+            xp.add(m, xp.log(total), out=lse[..., q0:q1, :])
+        return o, lse
 
     def _ring(self, kvb, blocks):
         """Call ``blocks(kv, step)`` for each of the cp ranks' keys and values in turn, the next
@@ -244,23 +253,35 @@ class RingAttention(Function):
 
     def _block_backward(self, qs, q, k, v, go, lse, rowdot, kind, mask, dq, dk, dv):
         """Add one block's gradients into ``dq`` (B, Hk, G, L, D) and ``dk``, ``dv`` (B, Hk, 1, L, D)
-        views (dQ and dK without the scale, applied once at the end)."""
+        views (dQ and dK without the scale, applied once at the end), a chunk of queries at a time
+        as the forward."""
         xp = B.xp
-        p = xp.matmul(qs, k.swapaxes(-1, -2))                      # the scores again
-        if kind == DIAGONAL:
-            p += _causal_bias(p.shape[-1], p.dtype)
-        p -= lse
-        xp.exp(p, out=p)                                            # P = exp(S - lse)
-        gj = go if mask is None else go * self.keep_scale
-        pd = p if mask is None else p * mask
-        dv += xp.matmul(_fold(pd).swapaxes(-1, -2), _fold(gj))     # dV = P^T dO
-        ds = xp.matmul(gj, v.swapaxes(-1, -2))                      # dP = dO V^T
-        if mask is not None:
-            ds *= mask
-        ds -= rowdot
-        ds *= p                                                     # dS = P (dP - rowdot)
-        dq += xp.matmul(ds, k)
-        dk += xp.matmul(_fold(ds).swapaxes(-1, -2), _fold(q))
+        n = qs.shape[-2]
+        for q0, q1 in _chunks(n):
+            keys = q1 if kind == DIAGONAL else n
+            rows = slice(q0, q1)
+            p = xp.matmul(qs[..., rows, :], k[..., :keys, :].swapaxes(-1, -2))  # the scores again
+            if kind == DIAGONAL:
+                p += _causal_bias(n, p.dtype)[q0:q1, :keys]
+            p -= lse[..., rows, :]
+            xp.exp(p, out=p)                                        # P = exp(S - lse)
+            kept = None if mask is None else mask[..., rows, :keys]
+            gj = go[..., rows, :] if mask is None else go[..., rows, :] * self.keep_scale
+            pd = p if mask is None else p * kept
+            dv[..., :keys, :] += xp.matmul(_fold(pd).swapaxes(-1, -2), _fold(gj))  # dV = P^T dO
+            ds = xp.matmul(gj, v[..., :keys, :].swapaxes(-1, -2))   # dP = dO V^T
+            if mask is not None:
+                ds *= kept
+            ds -= rowdot[..., rows, :]
+            ds *= p                                                 # dS = P (dP - rowdot)
+            dq[..., rows, :] += xp.matmul(ds, k[..., :keys, :])
+            dk[..., :keys, :] += xp.matmul(_fold(ds).swapaxes(-1, -2), _fold(q[..., rows, :]))
+
+
+def _chunks(n: int):
+    """``(q0, q1)`` bounds of the query chunks of a block of ``n`` queries."""
+    bounds = _query_chunks(n)
+    return zip(bounds, bounds[1:])
 
 
 def ring_attention(qkv, n_head, shard: ContextShard, dropout_p=0.0, seed=None, n_kv_head=None):

@@ -27,6 +27,7 @@ from mpirt.core.tensor import Function
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 UNIFORM_BITS = 24  # a kept element's draw is its hash's top 24 bits over 2**24
+MASK_BLOCK = 1 << 18  # elements hashed at a time (two uint64 arrays of this size are the transient)
 
 
 def _mix(z):
@@ -107,21 +108,27 @@ def dropout_mask(shape, p: float, seed):
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * full[d + 1]
-    # the last two dimensions' global indices as one (T, C) block, reused for every leading index
+    # the last two dimensions' global indices as (rows, C) blocks of at most MASK_BLOCK elements,
+    # each reused for every leading index (a (T, T) attention mask at T = 4096 would otherwise
+    # take two 128 MiB uint64 transients)
     u64 = np.uint64
-    block = xp.asarray(index[-2].astype(u64))[:, None] * u64(strides[-2]) + xp.asarray(index[-1].astype(u64))[None, :]
     threshold = u64(math.ceil(p * (1 << UNIFORM_BITS)))
     stream = u64(src.stream())
     keep = xp.empty(shape, dtype=bool)
-    z = xp.empty(shape[-2:], dtype=u64)
-    for lead in np.ndindex(*shape[:-2]):
-        base = sum(int(index[d][i]) * strides[d] for d, i in enumerate(lead))
-        xp.add(block, u64((base + 1) & MASK64), out=z)
-        z *= u64(GOLDEN)
-        z += stream
-        _mix(z)
-        z >>= u64(64 - UNIFORM_BITS)
-        xp.greater_equal(z, threshold, out=keep[lead])
+    cols = xp.asarray(index[-1].astype(u64))[None, :]
+    step = max(1, MASK_BLOCK // max(shape[-1], 1))
+    for r0 in range(0, shape[-2], step):
+        r1 = min(r0 + step, shape[-2])
+        block = xp.asarray(index[-2][r0:r1].astype(u64))[:, None] * u64(strides[-2]) + cols
+        z = xp.empty(block.shape, dtype=u64)
+        for lead in np.ndindex(*shape[:-2]):
+            base = sum(int(index[d][i]) * strides[d] for d, i in enumerate(lead))
+            xp.add(block, u64((base + 1) & MASK64), out=z)
+            z *= u64(GOLDEN)
+            z += stream
+            _mix(z)
+            z >>= u64(64 - UNIFORM_BITS)
+            xp.greater_equal(z, threshold, out=keep[lead][r0:r1])
     return keep
 
 
