@@ -108,11 +108,19 @@ def test_a_notice_that_does_not_fit_the_time_is_shortened_or_refused(capsys):
     (["--", "--lr", "fast"], "training arguments: lr"),
     (["--ntasks-per-node", "8", "--tp", "8", "--model", "gpt2"], "--tp: tensor parallelism: tp=8 must divide n_head=12"),
     (["--ntasks-per-node", "2", "--tp", "2", "--model", "mlp"], "--tp: model_type 'mlp' has no tensor-parallel plan"),
+    (["--ntasks-per-node", "4", "--cp", "4", "--", "--seq-len", "100"],
+     "--cp: seq_len 100 does not cut into 2 x cp = 8 equal chunks"),
+    (["--ntasks-per-node", "2", "--cp", "2", "--model", "mlp"], "--cp: model_type 'mlp' has no attention"),
 ])
 def test_training_arguments_are_checked_at_render_time(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_context_parallelism_reaches_the_training_command(capsys):
+    main(["--nodes", "2", "--ntasks-per-node", "4", "--cp", "4", "--model", "gpt2", "--", "--seq-len", "1024"])
+    assert "--model gpt2 --cp 4 --seq-len 1024" in capsys.readouterr().out.replace("'", "")
 
 
 def test_a_model_file_only_the_cluster_has_is_left_to_the_run(capsys):
@@ -156,6 +164,7 @@ def test_rendered_scripts_pass_bash_n(tmp_path, flags, train):
     (["--run-dir", "a\tb"], "--run-dir"), (["--model", "x\ny"], "--model"), (["--data", "d\r"], "--data"),
     (["--ntasks-per-node", "4", "--dp", "3"], "--dp/--tp/--pp"),
     (["--nodes", "2", "--ntasks-per-node", "2", "--tp", "3"], "--dp/--tp/--pp"),
+    (["--ntasks-per-node", "4", "--cp", "3"], "--dp/--tp/--pp/--cp"), (["--cp", "0"], "--cp"),
     (["--gpus-per-node", "8", "--ntasks-per-node", "4"], "--ntasks-per-node"),
 ])
 def test_bad_values_are_refused_naming_the_flag(capsys, flags, flag):

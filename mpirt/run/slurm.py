@@ -89,6 +89,7 @@ class JobSpec:
     dp: int = 0
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     model: str = ""
     data: str = ""
     run_dir: str = ""
@@ -228,7 +229,7 @@ def validate(spec: JobSpec) -> None:
     """Refuse settings that are malformed or could not be rendered safely, naming the flag (the
     grid's sizes through :meth:`~mpirt.parallel.layout.Layout.axes`)."""
     for name, low in (("nodes", 1), ("ntasks_per_node", 1), ("cpus_per_task", 1), ("gpus_per_node", 0),
-                      ("dp", 0), ("tp", 1), ("pp", 1), ("notice", 0)):
+                      ("dp", 0), ("tp", 1), ("pp", 1), ("cp", 1), ("notice", 0)):
         v = getattr(spec, name)
         _need(_is_int(v) and v >= low, "--" + name.replace("_", "-"), f"an integer >= {low}", v)
     _need(isinstance(spec.time, str) and bool(_TIME.fullmatch(spec.time))
@@ -260,7 +261,7 @@ def validate(spec: JobSpec) -> None:
                                                              for a in spec.train_args),
           "train args", "strings without NUL bytes", spec.train_args)
     try:
-        Layout.axes(spec.nodes * spec.ntasks_per_node, spec.dp, spec.pp, spec.tp)
+        Layout.axes(spec.nodes * spec.ntasks_per_node, spec.dp, spec.pp, spec.tp, spec.cp)
     except LayoutError as err:
         raise _refusal(spec, err) from None
     if spec.gpus_per_node:
@@ -279,14 +280,19 @@ def training_args(spec: JobSpec) -> list[str]:
         train += ["--dp", str(spec.dp)]
     if spec.tp > 1 or spec.pp > 1:
         train += ["--tp", str(spec.tp), "--pp", str(spec.pp)]
+    if spec.cp > 1:
+        train += ["--cp", str(spec.cp)]
     return train + list(spec.train_args)
 
 
 def _refusal(spec: JobSpec, err: LayoutError, model: str = "") -> SlurmScriptError:
     """A layout refusal in this script's terms: the flag to change when it is one of its own
     (the grid's sizes with the job's rank count, tp with the model), else the training argument."""
+    if err.key == "cp":
+        return SlurmScriptError(f"--cp: {err.reason}")
     if err.key == "dp/pp/tp":
-        return SlurmScriptError(f"--dp/--tp/--pp: {err.reason} (--nodes {spec.nodes} x --ntasks-per-node "
+        flags = "--dp/--tp/--pp" + ("/--cp" if spec.cp > 1 else "")
+        return SlurmScriptError(f"{flags}: {err.reason} (--nodes {spec.nodes} x --ntasks-per-node "
                                 f"{spec.ntasks_per_node} = {spec.nodes * spec.ntasks_per_node} ranks)")
     if err.key == "tp" and model:
         return SlurmScriptError(f"--tp: {err.reason} (model {model})")
@@ -422,7 +428,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", metavar="DIR", help="the experiment's own directory (checkpoints, metrics); "
                                      "empty: the script's first argument")
     for flag, typ, help_ in (("--dp", int, "data-parallel size (0: derive)"), ("--tp", int, "tensor-parallel size"),
-                             ("--pp", int, "pipeline-parallel size"), ("--model", str, "model preset or file"),
+                             ("--pp", int, "pipeline-parallel size"), ("--cp", int, "context-parallel size"),
+                             ("--model", str, "model preset or file"),
                              ("--data", str, "dataset directory"),
                              ("--mpi", str, "srun --mpi type (default: MPI_TYPE from the site env, else pmi2)"),
                              ("--site-env", str, "site env file (default: slurm/site.env in the submit dir)")):
