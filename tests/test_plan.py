@@ -138,15 +138,28 @@ def test_planner_ranks_feasible_layouts_and_respects_budget():
     ests, tried = plan(TINY, c, 8, 128, "float32")
     assert ests and tried >= len(ests)
     assert [e.step_s for e in ests] == sorted(e.step_s for e in ests)
-    assert all(e.layout["dp"] * e.layout["tp"] * e.layout["pp"] == 4 for e in ests)
+    assert all(e.layout["dp"] * e.layout["tp"] * e.layout["pp"] * e.layout["cp"] == 4 for e in ests)
     every, _ = plan(TINY, c, 8, 128, "float32", every=True)  # ZeRO-3 runs inside pipeline stages too
     assert any(e.layout["zero"] == 3 and e.layout["pp"] > 1 for e in every)
+    assert {e.layout["cp"] for e in every} == {1, 2, 4}  # context parallelism is searched
     budget = sorted(e.memory["peak"] for e in ests)[len(ests) // 2]
     tight, _ = plan(TINY, c, 8, 128, "float32", budget=budget)
     assert tight and all(e.memory["peak"] <= budget for e in tight)
     # ZeRO with tp or pp is a layout the planner may choose (every=True lists all settings that fit)
     every, _ = plan(TINY, c, 8, 128, "float32", every=True)
     assert any(e.layout["zero"] and (e.layout["tp"] > 1 or e.layout["pp"] > 1) for e in every)
+
+
+def test_a_long_sequence_that_fits_only_split_is_planned_with_context_parallelism():
+    """One attention head (tp cannot split it) and a budget below every layout without cp
+    (attention dropout's masks grow with T^2): the plan is context parallel, each of its layouts
+    within the budget."""
+    model = dataclasses.replace(TINY, n_positions=4096, attn_pdrop=0.1, n_head=1)
+    c = cpu(cores=2).with_shape(1, 4)
+    every, _ = plan(model, c, 4, 4096, "float32", every=True)
+    budget = min(e.memory["peak"] for e in every if e.layout["cp"] == 1) - 1
+    tight, _ = plan(model, c, 4, 4096, "float32", budget=budget, every=True)
+    assert tight and all(e.layout["cp"] > 1 and e.memory["peak"] <= budget for e in tight)
 
 
 def test_large_model_plan_on_gpus():

@@ -138,7 +138,7 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     caller holds in memory (none for ``mpirt.train``: its token files are read window by window,
     never mapped, :class:`mpirt.data.tokens.TokenFile`); ``parameters``, ``gradients``,
     ``optimizer_state`` (AdamW's two moments): this rank's share under tp, its pipeline stage's
-    layers (the tied table on both end stages), ZeRO's sharding over dp (stage 2: the shard, the
+    layers (the tied table on both end stages), ZeRO's sharding over dp x cp (stage 2: the shard, the
     buckets being reduced, the gradients in flight and a pipeline's tied embedding gradient); ``activations``: one micro-batch's kept bytes (the model's
     ``activation_bytes_of`` under the recomputation setting; ZeRO-3 keeps only unit inputs) times the
     pipeline schedule's peak in flight (a pipeline stash also holds the stage's received input and
@@ -211,7 +211,8 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
                        for c, (lo, hi) in enumerate(mine)]
         activations = peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w)
         held = [i for lo, hi in mine for i in range(lo, hi)]
-    per_param = bytes_per_parameter(cfg.dtype, dp, cfg.zero)  # masters and moments in float32 for half
+    replicas = dp * lay.cp  # ZeRO shards over dp and cp together (the ranks holding the same parameters)
+    per_param = bytes_per_parameter(cfg.dtype, replicas, cfg.zero)  # masters and moments in float32 for half
     params, grads, optimizer = (n_local * per_param[k] for k in ("params", "grads", "optimizer"))
     comm = 0.0
     if cfg.zero == 3:
@@ -223,7 +224,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         # third of a block)
         from mpirt.parallel.zero import BUCKET_BYTES
         bucket = min(BUCKET_BYTES, n_local * e)
-        grads += bucket * (2 - 1 / dp) + 2 * min(max(c.params for c in costs[1:-1]) / 3 / tp * e, n_local * e)
+        grads += bucket * (2 - 1 / replicas) + 2 * min(max(c.params for c in costs[1:-1]) / 3 / tp * e, n_local * e)
         if pp > 1 and pos["pp"] in (0, pp - 1):  # the tied embedding's gradient, held for the step
             grads += costs[0].params / tp * e
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each

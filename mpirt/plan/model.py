@@ -149,6 +149,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     layout = memory.recompute_where_it_pays(  # what the engine runs: with the blocks that recompute
         cfg, model_cfg, Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp, "cp": cfg.cp}, model_cfg))
     dp, pp, tp, cp, world = layout.dp, layout.pp, layout.tp, layout.cp, layout.world_size
+    replicas = dp * cp  # the ranks that average gradients (and hold ZeRO's shards): dp, and cp with it
     seq = cfg.seq_len // cp  # the tokens of each sequence a rank holds
     mach = _Machine(cluster, world, cfg.dtype)
     e = np.dtype(cfg.dtype).itemsize
@@ -191,7 +192,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     dp_span = _spans_nodes(cluster, "dp", layout)
 
     def dp_sync(n_local: float) -> tuple[float, float]:
-        if dp == 1:
+        if replicas == 1:
             return 0.0, 0.0
         if cfg.zero == 0:
             ops = [("allreduce", n_local * red_e)]
@@ -202,7 +203,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         else:  # per micro-batch: every unit gathered forward and backward, its gradient reduce-scattered
             ops = [("allgather", n_local * e), ("allgather", n_local * e), ("reduce_scatter", n_local * red_e)]
             ops = ops * m
-        return (sum(coll_time(cluster, op, n, dp, world, dp_span) for op, n in ops), sum(n for _, n in ops))
+        return (sum(coll_time(cluster, op, n, replicas, world, dp_span) for op, n in ops), sum(n for _, n in ops))
 
     parts = dict.fromkeys(("forward", "backward", "weight_grad", "bubble", "grad_sync", "optimizer", "other"), 0.0)
     comm = {"tp": {"bytes": 0.0, "s": 0.0}, "pp": {"bytes": 0.0, "s": 0.0}, "dp": {"bytes": 0.0, "s": 0.0},
@@ -247,8 +248,8 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     comm["dp"] = {"bytes": dp_bytes, "s": dp_s}
     # the loss's allreduce over dp ends the step's sync; clipping reduces the norm over the group that
     # shards the gradients (ZeRO: dp; tp; pp: the stages' tp x pp), none for plain data parallelism
-    small = coll_time(cluster, "allreduce", 8, dp, world, dp_span)
-    clip_group = (dp if cfg.zero else 1) * tp * pp
+    small = coll_time(cluster, "allreduce", 8, replicas, world, dp_span)
+    clip_group = (replicas if cfg.zero else 1) * tp * pp
     clip = coll_time(cluster, "allreduce", 8, clip_group, world, clip_group > cluster.devices_per_node and not cluster.cores)
     tied = coll_time(cluster, "p2p", costs[0].params / tp * red_e, 2, world, _spans_nodes(cluster, "pp", layout)) \
         if pp > 1 else 0.0
@@ -266,11 +267,11 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         ring_exposed = blocks * (cp * hop + max(0.0, hidden - block_s))
         comm["cp"] = {"bytes": blocks * (3 * cp - 2) * kv, "s": blocks * (hidden + cp * hop)}
     n_local = max(local_params.values())
-    shard = n_local / (dp if cfg.zero else 1)
+    shard = n_local / (replicas if cfg.zero else 1)
     blocks_local = model_cfg.n_layer / pp
     tensors = blocks_local * tensors_per_block(model_cfg) + 4
     if cfg.zero:
-        tensors = max(1.0, tensors / dp)
+        tensors = max(1.0, tensors / replicas)
     parts["optimizer"] = mach.optimizer(tensors, shard * 4, n_local * e) + clip
     parts["other"] = 20 * cluster.op_overhead_s / mach.python_share   # data, monitor (the flags come after the step)
     step = pipe + ring_exposed + parts["grad_sync"] + parts["optimizer"] + parts["other"]

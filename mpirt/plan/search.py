@@ -37,6 +37,14 @@ def tp_options(model_cfg, cluster: Cluster) -> list[int]:
             if tp <= max(cluster.devices_per_node, 1) and heads % tp == 0 and kv % tp == 0]
 
 
+def cp_options(cluster: Cluster, tp: int) -> list[int]:
+    """The context-parallel sizes a plan tries with ``tp``: divisors of the device count whose ring
+    stays on a node with its tp groups (cp x tp within a node: the ring passes keys and values
+    every layer); the sequence must cut into 2 cp chunks (:func:`runs` checks)."""
+    per_node = max(cluster.devices_per_node, 1)
+    return [cp for cp in _divisors(cluster.devices // tp) if cp * tp <= per_node]
+
+
 def runs(cfg, model_cfg, world: int) -> bool:
     """Whether the runtime would start ``cfg`` for ``model_cfg`` on ``world`` ranks: the
     :class:`~mpirt.parallel.layout.Layout`'s rules, so the planner never proposes a layout that
@@ -55,9 +63,9 @@ def candidates(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype
     world = cluster.devices
     base = base_config(batch_size, seq_len, dtype)
     groups = []
-    for tp in tp_options(model_cfg, cluster):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
+    for tp, cp in ((tp, cp) for tp in tp_options(model_cfg, cluster) for cp in cp_options(cluster, tp)):
+        for pp in _divisors(world // (tp * cp)):
+            dp = world // (tp * cp * pp)
             if batch_size % dp:
                 continue
             rows_per_dp = batch_size // dp
@@ -69,7 +77,7 @@ def candidates(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype
                 scheds = [(s, 2 if s == "interleaved" else 1) for s in schedules] if pp > 1 else [("1f1b", 1)]
                 for sched, chunks in scheds:
                     for sp in ([False, True] if tp > 1 else [False]):
-                        shape = dict(dp=dp, tp=tp, pp=pp, schedule=sched, chunks=chunks, sequence_parallel=sp,
+                        shape = dict(dp=dp, tp=tp, pp=pp, cp=cp, schedule=sched, chunks=chunks, sequence_parallel=sp,
                                      microbatches=m if pp > 1 else 0, grad_accum=1 if pp > 1 else m)
                         group = []
                         for rc in ("none", "selective", "full"):
@@ -104,13 +112,15 @@ def plan(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype: str,
 
 
 def describe(est: Estimate) -> str:
-    """``dp 8 tp 1 pp 8 1f1b m=32 b=2 zero 1 recompute none``: a layout in one phrase."""
+    """``dp 8 tp 1 pp 8 1f1b m=32 b=2 zero 1 recompute none`` (``cp 2`` after tp when > 1): a
+    layout in one phrase."""
     l = est.layout
     sched = f" {l['schedule']}" + (f"(v={l['chunks']})" if l["chunks"] > 1 else "") + f" m={l['microbatches']}" \
         if l["pp"] > 1 else (f" accum {l['microbatches']}" if l["microbatches"] > 1 else "")
     extra = (" sp" if l["sequence_parallel"] else "") + (f" zero {l['zero']}" if l["zero"] else "") + \
         (f" recompute {l['recompute']}" if l["recompute"] != "none" else "")
-    return f"dp {l['dp']} tp {l['tp']} pp {l['pp']}{sched} b={l['rows_per_microbatch']}{extra}"
+    cp = f" cp {l['cp']}" if l.get("cp", 1) > 1 else ""
+    return f"dp {l['dp']} tp {l['tp']}{cp} pp {l['pp']}{sched} b={l['rows_per_microbatch']}{extra}"
 
 
 def table(ests: list[Estimate], top: int = 15) -> str:

@@ -45,15 +45,16 @@ def _err(pred: float, meas) -> dict:
 
 def self_check(cfg, model_cfg, layout: dict, measured: dict, data_bytes: int = 0, cluster=None) -> dict:
     """Predicted vs measured step time, its parts, the bubble and the peak memory for the run's
-    layout (``layout``: the sizes ``{"dp", "pp", "tp"}``, or the :class:`~mpirt.parallel.layout.Layout`
+    layout (``layout``: the sizes ``{"dp", "pp", "tp"}`` and optionally cp, or the :class:`~mpirt.parallel.layout.Layout`
     :func:`mpirt.run.train.plan_layout` returns). Errors
     are ``100 (predicted - measured) / measured``. Never raises: a failure is reported in ``error``."""
     from mpirt.plan.model import estimate
 
     try:
-        world = layout["dp"] * layout["pp"] * layout["tp"]
+        cp = layout.get("cp", 1)
+        world = layout["dp"] * layout["pp"] * cp * layout["tp"]
         cluster = cluster or this_machine(world)
-        run_cfg = dataclasses.replace(cfg, dp=layout["dp"], pp=layout["pp"], tp=layout["tp"])
+        run_cfg = dataclasses.replace(cfg, dp=layout["dp"], pp=layout["pp"], tp=layout["tp"], cp=cp)
         est = estimate(run_cfg, model_cfg, cluster, data_bytes=data_bytes, memory_ranks="all")
     except Exception as err:  # the check must never fail a finished run
         return {"error": f"{type(err).__name__}: {err}"}
