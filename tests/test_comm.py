@@ -328,15 +328,17 @@ def test_reduce_scatter_then_allgather_flat_equals_allreduce():
         full = c.allgather_flat(chunk, n)
         out = np.empty(n)
         c.allgather_flat(chunk, n, out=out)
-        want = c.allreduce(x)
-        if not (np.array_equal(full, want) and np.array_equal(out, want)):
+        started = c.iallgather_flat(chunk, n)  # ZeRO-3's prefetch: completes at wait()
+        want = c.allreduce(x)                   # another collective on the communicator meanwhile
+        if not (np.array_equal(full, want) and np.array_equal(out, want) and np.array_equal(started.wait(), want)):
             fails.append(f"n={n}")
-    try:
-        c.allgather_flat(np.zeros(99), 10)
-        fails.append("wrong chunk size accepted")
-    except ValueError as err:
-        if "holds 99 elements" not in str(err):
-            fails.append(str(err))
+    for gather in (c.allgather_flat, c.iallgather_flat):
+        try:
+            gather(np.zeros(99), 10)
+            fails.append(f"{gather.__name__}: wrong chunk size accepted")
+        except ValueError as err:
+            if "holds 99 elements" not in str(err):
+                fails.append(str(err))
     agree(not fails, fails)
 
 

@@ -127,6 +127,9 @@ def test_stage3_replays_dropout_like_stage1():
 
 @pytest.mark.mpi(min_size=2)
 def test_stage3_gathers_one_unit_at_a_time_and_again_in_backward():
+    """Inside unit h.0 only its parameters are whole, in forward and in the backward's rerun; each
+    pass gathers every unit's groups once, all but its first unit's prefetched (an all-gather
+    started while the unit before computes); nothing stays gathered after backward."""
     comm = dp_comm()
     model = make_model("float64")
     opt = ZeroOptimizer(model, comm, stage=3, lr=LR)
@@ -139,21 +142,30 @@ def test_stage3_gathers_one_unit_at_a_time_and_again_in_backward():
         return original(x)
     ln_1.forward = spy
     gathers_per_pass = sum(len(u.group_ids) for u in opt.units)
-    calls = C.stats.calls("allgather")
+
+    def gathers():  # (blocking, prefetched: started during the unit before)
+        return C.stats.calls("allgather"), C.stats.calls("iallgather")
+    start = gathers()
     x, y = batch(0, comm.rank, comm.size)
     _, loss = model(x, y)
-    forward_gathers = C.stats.calls("allgather") - calls
+    after_forward = gathers()
     loss.backward()
-    backward_gathers = C.stats.calls("allgather") - calls - forward_gathers
+    after_backward = gathers()
+    forward_gathers = sum(after_forward) - sum(start)
+    backward_gathers = sum(after_backward) - sum(after_forward)
+    # each pass gathers its first unit's groups itself and every later unit's while the one before runs
+    prefetched = (after_forward[1] - start[1], after_backward[1] - after_forward[1])
+    ok = prefetched == (gathers_per_pass - len(opt.units[0].group_ids), gathers_per_pass - len(opt.units[-1].group_ids))
     full = {p.name for p in model.parameters() if p.name.startswith("h.0.")}
-    ok = len(seen["sizes"]) == 2  # forward, then the recomputation in backward
+    ok = ok and len(seen["sizes"]) == 2  # forward, then the recomputation in backward
     for sizes in seen["sizes"]:
         ok = ok and all((sizes[n] > 0) == (n in full) for n in sizes)
     released = all(p.data.size == 0 and p.grad is None for p in model.parameters())
     mem = opt.memory_bytes()
     agree(ok and released and forward_gathers == backward_gathers == gathers_per_pass
           and mem["params"] == opt.shard_numel * 8,
-          f"sizes {seen}, gathers {forward_gathers}/{backward_gathers}/{gathers_per_pass}, released {released}")
+          f"sizes {seen}, gathers {forward_gathers}/{backward_gathers}/{gathers_per_pass}, prefetched {prefetched}, "
+          f"released {released}")
 
 
 # --- memory ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from mpirt.comm.buffers import (_OPS, _REDUCE_TYPES, _contig, _counts, _divide, 
                                 _reduce_dtype, _sync)
 from mpirt.comm.engines import _NcclEngine, select_engine
 from mpirt.comm.flight import DONE, NBYTES, OP, T0, new_call
-from mpirt.comm.handles import Handle
+from mpirt.comm.handles import Handle, _done_handle
 from mpirt.comm.p2p import PointToPoint
 from mpirt.comm.registry import _clock, stats
 
@@ -285,6 +285,31 @@ class Comm(PointToPoint):
             self._ch.cur = None
         self._record(call, engine, result.nbytes)
         return result
+
+    def iallgather_flat(self, chunk, n: int) -> Handle:
+        """Start :meth:`allgather_flat` of ``chunk`` (this rank's chunk of a flat array of ``n``
+        elements); ``Handle.wait()`` returns the whole array. Keep ``chunk`` unchanged meanwhile.
+        NumPy arrays gather non-blocking (MPI_Iallgather(v)); a device array gathers at once (its
+        NCCL or staged path) and the handle is already complete. Recorded as ``iallgather``."""
+        if hasattr(chunk, "__cuda_array_interface__"):
+            return _done_handle(self.allgather_flat(chunk, n))
+        counts = _counts(n, self.size)
+        if chunk.size != counts[self.rank]:
+            raise ValueError(f"iallgather_flat: rank {self.rank} holds {chunk.size} elements, but chunk "
+                             f"{self.rank} of {n} over {self.size} ranks has {counts[self.rank]}")
+        call = new_call(self._ch, "iallgather", chunk.nbytes, -1, _clock())
+        try:
+            send = _contig(chunk)
+            result = np.empty(n, dtype=chunk.dtype)
+            if n % self.size == 0:
+                req = self.mpi.Iallgather([send, MPI.BYTE], [result, MPI.BYTE])
+            else:
+                sizes = [c * chunk.itemsize for c in counts]
+                displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+                req = self.mpi.Iallgatherv([send, MPI.BYTE], [result, (sizes, displs), MPI.BYTE])
+        finally:
+            self._ch.cur = None
+        return Handle(req, None, "host", result, call, keep=send)
 
     def _is_own_chunk(self, chunk, n, out) -> bool:
         """Whether ``chunk`` is exactly elements ``chunk_bounds(n, size)[rank]`` of ``out`` (both

@@ -10,7 +10,9 @@ replaces each unit's method by activation recomputation's :class:`~mpirt.core.re
 with the weights sharded: its forward all-gathers the unit's groups, runs the unit without a
 graph and frees them; its backward all-gathers them again, recomputes the unit with a graph
 (dropout replays the forward's masks), back-propagates, reduce-scatters (averages) the full
-gradients and returns the owned chunks as the gradients of the shard tensors.
+gradients and returns the owned chunks as the gradients of the shard tensors. Each gather
+starts the next unit's (forward: the one after, backward: the one before) without waiting for
+it, so that it travels while this unit computes; the next unit takes it.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class ShardedParams:
         self.data = xp.empty(self.shard_numel, dtype=self.dtype)
         self.grad = xp.zeros(self.shard_numel, dtype=self.dtype)
         self._placeholder = xp.empty(0, dtype=self.dtype)
+        self._prefetch = None  # (group ids, handles): the next unit's all-gather in flight
         for g in self.groups:  # one parameter at a time: this rank keeps its chunk of each
             for p, lo, hi, pos in g.segments(g.lo, g.hi):
                 value = p.data if p.materialized else init(p)
@@ -89,18 +92,40 @@ class ShardedParams:
             p.data, p.grad = self._placeholder, None
 
     @contextlib.contextmanager
-    def gathered(self, group_ids):
-        """Inside, the given groups' full parameters are temporary arrays behind ``p.data``."""
+    def gathered(self, group_ids, prefetch=None):
+        """Inside, the given groups' full parameters are temporary arrays behind ``p.data``: the
+        prefetched gather when it was of these groups, else gathered now. ``prefetch``: the
+        groups of the unit expected next, whose all-gather starts once these are in place and
+        runs while this unit computes (:meth:`take_prefetched`)."""
         try:
-            for i in group_ids:
+            fulls = self.take_prefetched(group_ids)
+            if fulls is None:
+                fulls = [self.groups[i].gather(self.comm, self.data) for i in group_ids]
+            for i, full in zip(group_ids, fulls):
                 g = self.groups[i]
-                for p, v in zip(g.params, g.views(g.gather(self.comm, self.data))):
+                for p, v in zip(g.params, g.views(full)):
                     p.data = v
+            if prefetch is not None:
+                B.synchronize()
+                self._prefetch = (tuple(prefetch), [self.comm.iallgather_flat(self.data[self.groups[i].in_shard],
+                                                                              self.groups[i].numel)
+                                                    for i in prefetch])
             yield
         finally:
             for i in group_ids:
                 for p in self.groups[i].params:
                     p.data, p.grad = self._placeholder, None
+
+    def take_prefetched(self, group_ids):
+        """The full flat arrays of ``group_ids`` when the gather in flight is theirs (waited for),
+        else None; a gather in flight of other groups (the schedule turned from forward to
+        backward) is completed and dropped. Every dp rank runs the same units in the same order,
+        so they start and complete the same gathers."""
+        pending, self._prefetch = self._prefetch, None
+        if pending is None:
+            return None
+        fulls = [h.wait() for h in pending[1]]
+        return fulls if pending[0] == tuple(group_ids) else None
 
 
 def plan_units(store, units, probe_len: int = 1, probe=None):
@@ -173,16 +198,21 @@ class ShardedUnit(Rerun):
         self.store, self.obj, self.name, self.group_ids = store, obj, name, group_ids
 
     def install(self) -> None:
-        """Route ``obj.<name>`` through this unit, once the groups' shards exist."""
+        """Route ``obj.<name>`` through this unit, once the groups' shards exist; the units
+        before and after it (in forward order) are the ones its backward and forward prefetch."""
         self.params = tuple(self.store.groups[i].shard for i in self.group_ids)
+        units = self.store.units
+        at = units.index(self)
+        self.after = units[at + 1].group_ids if at + 1 < len(units) else None
+        self.before = units[at - 1].group_ids if at > 0 else None
         object.__setattr__(self.obj, self.name, self)
 
     def weights(self):
-        return self.store.gathered(self.group_ids)
+        return self.store.gathered(self.group_ids, prefetch=self.after)
 
     @contextlib.contextmanager
     def backward_weights(self):
-        with self.store.gathered(self.group_ids):
+        with self.store.gathered(self.group_ids, prefetch=self.before):
             yield {}  # this backward's own sink
 
     def weight_grads(self, sink: dict) -> tuple:
