@@ -41,6 +41,7 @@ from mpirt.core.optim import cosine_lr
 from mpirt.core.precision import LossScaler, is_half
 from mpirt.parallel.engine import Engine
 from mpirt.parallel.layout import Layout, LayoutError
+from mpirt.parallel.preflight import check_step
 from mpirt.plan import format_lines as prediction_lines, self_check
 from mpirt.core.modeling import apply_overrides, config_from_dict, flops_per_token, load_model_config, \
     missing_model_file, num_parameters, open_hf
@@ -327,6 +328,9 @@ def main(argv=None) -> dict:
         if not (resume or hf_weights is not None):
             model_cfg = vocab_from_data(cfg, model_cfg, data, layout["tp"])
         notes = [f"mpirt: data: {note}" for note in check_fit(cfg, model_cfg, data, layout)]
+        # the step's communication (pipeline, ring attention, ZeRO-3 gathers) proven consistent
+        check_step(recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg)), model_cfg,
+                   cfg.seq_len, np.dtype(cfg.dtype).itemsize)
         cfg, eval_warning = fit_eval_batches(cfg, data)
         for line in notes + ([eval_warning] if eval_warning else []):
             if world.rank == 0:

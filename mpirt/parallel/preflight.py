@@ -1,0 +1,204 @@
+"""The whole step's communication, proven before the first step (pure: no MPI, nothing built).
+
+Each rank's program for one training step is derived from the :class:`~mpirt.parallel.layout.Layout`
+(:func:`step_programs`): the pipeline schedule's sends and receives (pp); ring attention's
+exchanges (cp: per block and micro-batch, ``cp - 1`` key/value passes forward; backward the
+forward's again where the block reruns, then ``cp`` steps each passing the keys' gradient, with
+the keys and values but the last); ZeRO-3's unit gathers and gradient reduce-scatters (over
+dp x cp). :func:`simulate_step` runs all ranks' programs together: a collective completes when
+every member of its group stands at a collective on that group, and only when they agree on the
+operation and its bytes; an exchange posts its sends (non-blocking) and completes when each of its
+receives finds its send, matched first in, first out per (source, destination, communicator) as
+MPI's non-overtaking rule matches them, of the same size. It names the first disagreement (ranks
+and operations) or, when ranks wait on each other, what every stuck rank waits in.
+
+What it proves about the runtime: the engine issues these operations in this order on every rank
+(the executor walks the schedule; ring attention posts a step's sends and receives and waits for
+them before the next; ZeRO-3's prefetch starts a gather in the same order it would have run).
+
+The grid is reduced for the proof: at most two dp ranks and one tp rank (every dp and tp rank of a
+stage runs the same program, and tp's collectives live inside ops), and each chunk's blocks as
+one block (the ranks of a cp ring or a dp group hold the same stage).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+from mpirt.parallel.grid import axis_groups, grid_rank
+from mpirt.parallel.pipeline.schedules import Action, BACKWARD, FORWARD, WEIGHT
+
+
+@dataclass(frozen=True)
+class Op:
+    """One communication step of a rank. ``what``: ``allgather``, ``reduce_scatter`` (collectives
+    on ``comm``) or ``exchange`` (non-blocking ``sends`` and ``recvs`` on ``comm``, each
+    ``(world rank, bytes)``, waited for together); ``label`` says where in the step it is."""
+
+    what: str
+    comm: str
+    nbytes: int = 0
+    sends: tuple = ()
+    recvs: tuple = ()
+    label: str = ""
+
+    def describe(self) -> str:
+        if self.what == "exchange":
+            parts = [f"send {n} B to rank {r}" for r, n in self.sends] + \
+                    [f"receive {n} B from rank {r}" for r, n in self.recvs]
+            return f"{', '.join(parts)} on {self.comm} ({self.label})"
+        return f"{self.what} of {self.nbytes} B on {self.comm} ({self.label})"
+
+
+class StepCommError(ValueError):
+    """The step's communication would mismatch or deadlock (:func:`simulate_step`)."""
+
+
+def reduced(layout):
+    """``layout`` on the grid the proof runs on: dp at most 2, tp 1."""
+    return dataclasses.replace(layout, dp=min(layout.dp, 2), tp=1, sequence_parallel=False)
+
+
+def step_programs(layout, model_cfg, seq_len: int, itemsize: int) -> dict[int, list[Op]]:
+    """Every rank's program of one step on ``layout`` (resolved with the model; use
+    :func:`reduced` for the proof's grid), for ``model_cfg`` at ``seq_len`` in ``itemsize``-byte
+    elements."""
+    from mpirt.core.modeling import layer_costs
+
+    costs = layer_costs(model_cfg, seq_len)
+    dp, pp, cp, tp = layout.dp, layout.pp, layout.cp, layout.tp
+    held = seq_len // cp
+    kv_heads = getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head
+    kv_bytes = layout.rows * held * 2 * kv_heads * (model_cfg.n_embd // model_cfg.n_head) // tp * itemsize
+    act_bytes = layout.rows * held * model_cfg.n_embd * itemsize
+    stages = layout.stages
+
+    def world(pos: dict, **moved) -> int:
+        c = {**pos, **moved}
+        return grid_rank((c["dp"], c["pp"], c["cp"], c["tp"]), dp, pp, tp, cp)
+
+    def units(chunk: int, p: int) -> list[tuple[str, int, bool]]:
+        """(name, parameter bytes, whether it is blocks) of the units of chunk ``chunk`` on pp rank ``p``."""
+        s = chunk * pp + p
+        lo, hi = layout.bounds[s]
+        out = [("embed", costs[0].params, False)] if s == 0 else []
+        if hi > lo:
+            out.append((f"h.{lo}-{hi - 1}", sum(costs[1 + i].params for i in range(lo, hi)), True))
+        if s == stages - 1:
+            out.append(("head", costs[-1].params, False))
+        return [(name, int(n // tp * itemsize), blocks) for name, n, blocks in out]
+
+    programs = {}
+    for rank in range(layout.world_size):
+        pos = layout.position(rank)
+        nxt, prv = world(pos, cp=(pos["cp"] + 1) % cp), world(pos, cp=(pos["cp"] - 1) % cp)
+
+        def ring(label: str, backward: bool) -> list[Op]:
+            if cp == 1:
+                return []
+            if not backward:
+                return [Op("exchange", "cp", sends=((nxt, kv_bytes),), recvs=((prv, kv_bytes),),
+                           label=f"{label} ring step {s}") for s in range(cp - 1)]
+            return [Op("exchange", "cp", sends=((nxt, kv_bytes),) * (2 if s < cp - 1 else 1),
+                       recvs=((prv, kv_bytes),) * (2 if s < cp - 1 else 1), label=f"{label} ring backward step {s}")
+                    for s in range(cp)]
+
+        recomputed = set(layout.recomputed)
+        ops: list[Op] = []
+        actions = layout.pipeline_schedule.actions[pos["pp"]] if pp > 1 else \
+            [Action(op, mb) for mb in range(layout.microbatches) for op in (FORWARD, BACKWARD)]
+        for a in actions:
+            tag = f"{a.op} mb {a.mb}" + (f" chunk {a.chunk}" if layout.chunks > 1 else "")
+            if a.op not in (FORWARD, BACKWARD, WEIGHT):   # the pipeline's messages, one micro-batch each
+                peer = world(pos, pp=a.peer)
+                one = ((peer, act_bytes),)
+                ops.append(Op("exchange", "pp", sends=one if a.is_send else (), recvs=() if a.is_send else one,
+                              label=f"{a.op} mb {a.mb}"))
+                continue
+            mine = units(a.chunk, pos["pp"])
+            lo, hi = layout.bounds[a.chunk * pp + pos["pp"]]
+            rerun = layout.zero == 3 or any(i in recomputed for i in range(lo, hi))
+            for name, nbytes, blocks in (mine if a.op == FORWARD else reversed(mine)):
+                label = f"{tag} {name}"
+                if layout.zero == 3 and a.op != WEIGHT:
+                    ops.append(Op("allgather", "dp_cp", nbytes, label=label))
+                if blocks and a.op == FORWARD:
+                    ops += ring(label, backward=False)
+                if blocks and a.op == BACKWARD:
+                    ops += (ring(label + " rerun", backward=False) if rerun else []) + ring(label, backward=True)
+                if layout.zero == 3 and (a.op == WEIGHT or (a.op == BACKWARD and not layout.split_backward)):
+                    ops.append(Op("reduce_scatter", "dp_cp", nbytes, label=label))
+        programs[rank] = ops
+    return programs
+
+
+def simulate_step(layout, programs: dict[int, list[Op]]) -> None:
+    """Run ``programs`` (:func:`step_programs` on ``layout``) together; StepCommError naming the
+    ranks and operations of the first disagreement, or of a deadlock."""
+    groups = {}
+    for comm in ("dp_cp", "cp", "pp"):
+        for members in axis_groups(comm, layout.dp, layout.pp, layout.tp, layout.cp):
+            for r in members:
+                groups[(comm, r)] = tuple(members)
+    at = {r: 0 for r in programs}
+    posted = {r: False for r in programs}
+    waiting = {r: None for r in programs}          # the receives an exchange still waits for
+    channels: dict = defaultdict(deque)             # (source, destination, comm) -> [(bytes, label)]
+    counts: dict = defaultdict(int)                 # collectives completed per group
+
+    def current(r):
+        return programs[r][at[r]] if at[r] < len(programs[r]) else None
+
+    progress = True
+    while progress:
+        progress = False
+        for r in programs:
+            op = current(r)
+            if op is None:
+                continue
+            if op.what == "exchange":
+                if not posted[r]:
+                    for dst, n in op.sends:
+                        channels[(r, dst, op.comm)].append((n, op.label))
+                    posted[r], waiting[r], progress = True, list(op.recvs), True
+                for src, n in list(waiting[r]):
+                    queue = channels[(src, r, op.comm)]
+                    if queue:
+                        sent, label = queue.popleft()
+                        if sent != n:
+                            raise StepCommError(f"rank {r} receives {n} B from rank {src} ({op.label}) but rank {src} "
+                                                f"sent {sent} B ({label})")
+                        waiting[r].remove((src, n))
+                        progress = True
+                if not waiting[r]:
+                    at[r], posted[r], progress = at[r] + 1, False, True
+                continue
+            members = groups[(op.comm, r)]
+            ready = [current(m) for m in members]
+            if all(o is not None and o.what != "exchange" and o.comm == op.comm for o in ready):
+                for m, o in zip(members, ready):
+                    if (o.what, o.nbytes) != (op.what, op.nbytes):
+                        key = (op.comm, members)
+                        raise StepCommError(f"{op.comm} group {list(members)}, collective #{counts[key]}: rank {r} "
+                                            f"runs {op.describe()}, rank {m} {o.describe()}")
+                counts[(op.comm, members)] += 1
+                for m in members:
+                    at[m] += 1
+                progress = True
+    stuck = {r: current(r) for r in programs if current(r) is not None}
+    if stuck:
+        raise StepCommError("deadlock: " + "; ".join(f"rank {r} waits in {op.describe()}" for r, op in stuck.items()))
+    unread = {k: q for k, q in channels.items() if q}
+    if unread:
+        (src, dst, comm), q = next(iter(unread.items()))
+        raise StepCommError(f"rank {src} sends {q[0][0]} B to rank {dst} on {comm} ({q[0][1]}) that it never receives")
+
+
+def check_step(layout, model_cfg, seq_len: int, itemsize: int) -> None:
+    """The pre-flight proof of ``layout``'s step (see the module docstring); StepCommError when it
+    fails. Nothing to prove without cp, pp or ZeRO-3."""
+    if layout.cp == 1 and layout.pp == 1 and layout.zero != 3:
+        return
+    small = reduced(layout)
+    simulate_step(small, step_programs(small, model_cfg, seq_len, itemsize))

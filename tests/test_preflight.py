@@ -1,0 +1,75 @@
+"""The pre-flight proof of a whole step's communication (mpirt.parallel.preflight): the programs
+the layouts make pass, and mis-ordered variants (collectives swapped, a ring exchange before a
+gather its peer waits in, a message of the wrong size) are refused naming the ranks and
+operations. Pure: no MPI."""
+from dataclasses import replace
+
+import pytest
+
+from mpirt.core.modeling import load_model_config
+from mpirt.parallel.layout import Layout
+from mpirt.parallel.preflight import StepCommError, check_step, reduced, simulate_step, step_programs
+from mpirt.run.config import TrainConfig
+
+MODEL = load_model_config("tiny", {})  # 4 blocks
+SEQ = 64
+
+
+def layout_of(world: int, **changes) -> Layout:
+    cfg = replace(TrainConfig(), batch_size=16, seq_len=SEQ, **changes)
+    return Layout.of(cfg, Layout.resolve(cfg, world), MODEL)
+
+
+@pytest.mark.parametrize("world, changes", [
+    (2, dict(cp=2)),
+    (4, dict(cp=4, recompute="selective")),
+    (4, dict(dp=2, cp=2, zero=3)),
+    (8, dict(cp=2, pp=2, zero=3, schedule="zb-h1", microbatches=4)),
+    (8, dict(cp=2, pp=2, schedule="interleaved", microbatches=4, chunks=2, recompute="full")),
+    (8, dict(dp=2, cp=2, tp=2, zero=3)),
+    (4, dict(pp=4, microbatches=8, schedule="gpipe")),
+    (4, dict(dp=2, pp=2, zero=3, schedule="1f1b", microbatches=4)),
+], ids=str)
+def test_the_layouts_steps_pass(world, changes):
+    lay = layout_of(world, **changes)
+    check_step(lay, MODEL, SEQ, 4)
+    programs = step_programs(reduced(lay), MODEL, SEQ, 4)
+    kinds = {op.what + ":" + op.comm for ops in programs.values() for op in ops}
+    assert ("exchange:cp" in kinds) == (lay.cp > 1) and ("allgather:dp_cp" in kinds) == (lay.zero == 3)
+
+
+def programs_of(**changes):
+    lay = reduced(layout_of(2, **changes))
+    return lay, step_programs(lay, MODEL, SEQ, 4)
+
+
+def test_collectives_in_another_order_on_one_rank_are_refused():
+    lay, programs = programs_of(cp=2, zero=3)
+    gathers = [i for i, op in enumerate(programs[1]) if op.what == "allgather"]
+    ops = programs[1]
+    ops[gathers[0]], ops[gathers[1]] = ops[gathers[1]], ops[gathers[0]]
+    with pytest.raises(StepCommError, match=r"^dp_cp group \[0, 1\], collective #0: rank 0 runs allgather of "
+                                            r"\d+ B on dp_cp \(F mb 0 embed\), rank 1 allgather of \d+ B on dp_cp "
+                                            r"\(F mb 0 h\.0-3\)$"):
+        simulate_step(lay, programs)
+
+
+def test_a_ring_exchange_before_the_gather_its_peer_waits_in_deadlocks():
+    lay, programs = programs_of(cp=2, zero=3)
+    ops = programs[1]
+    ring = next(i for i, op in enumerate(ops) if op.what == "exchange")
+    ops.insert(ring - 1, ops.pop(ring))  # rank 1 passes keys and values before gathering the block
+    with pytest.raises(StepCommError) as err:
+        simulate_step(lay, programs)
+    assert str(err.value).startswith("deadlock: rank 0 waits in allgather of ")
+    assert "rank 1 waits in send " in str(err.value) and "ring step 0" in str(err.value)
+
+
+def test_a_message_of_another_size_is_refused():
+    lay, programs = programs_of(cp=2)
+    ops = programs[0]
+    first = ops[0]
+    ops[0] = replace(first, sends=((1, first.sends[0][1] + 8),))
+    with pytest.raises(StepCommError, match=r"^rank 1 receives \d+ B from rank 0 \(F mb 0 h\.0-3 ring step 0\) but "
+                                            r"rank 0 sent \d+ B"):
+        simulate_step(lay, programs)
