@@ -110,7 +110,7 @@ def main() -> None:
     rows = [["off (--monitor false)", BC.fmt_spread(BC.spread(times["off"])), BC.fmt_spread(own["off"], 1e6, 0), ""],
             ["on (default monitoring)", BC.fmt_spread(BC.spread(times["on"])), BC.fmt_spread(own["on"], 1e6, 0),
              f"{100 * overhead['median']:+.2f}% [{100 * overhead['min']:+.2f}% to {100 * overhead['max']:+.2f}%]"]]
-    lay = f"dp {layout['dp']} x pp {layout['pp']} x tp {layout['tp']}"
+    lay = layout.describe()
     BC.write_results("monitor", f"Monitoring overhead: {cfg.model}, batch {cfg.batch_size} x {cfg.seq_len}, {lay}, "
                      f"{ctx.size} rank(s)", ["contender", "step ms median [min-max]", "in monitor calls, us", "overhead per round"],
                      rows, load, {"times": times, "overhead": overhead, "monitor_calls_s": inside,

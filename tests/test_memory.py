@@ -96,6 +96,25 @@ def test_first_pipeline_stage_holds_more():
 ARGS = ["--seq-len=128", "--batch-size=16", "--steps=2", "--eval-batches=1", "--eval-interval=0", "--progress=false"]
 
 
+def test_recomputation_is_decided_by_each_pipeline_stage_under_context_parallelism():
+    """pp 2 x cp 2 (stage 1's first rank is world rank 2): every rank recomputes exactly where its
+    own stage's prediction says it pays; with attention dropout and selective recomputation the
+    two stages answer differently."""
+    from mpirt.parallel.layout import Layout
+    from mpirt.plan.memory import recompute_pays, recompute_where_it_pays
+
+    cfg = replace(TrainConfig(), pp=2, cp=2, microbatches=4, seq_len=128, batch_size=8, recompute="selective")
+    model = replace(load_model_config("tiny", {}), attn_pdrop=0.1)
+    lay = Layout.of(cfg, Layout.resolve(cfg, 4), model)
+    picked = set(recompute_where_it_pays(cfg, model, lay).recomputed)
+    answers = {}
+    for rank in range(4):
+        stage = lay.position(rank)["pp"]
+        answers[stage] = recompute_pays(cfg, model, lay, rank)
+        assert all((i in picked) == answers[stage] for i in lay.recomputed if lay.pipeline_rank(i) == stage)
+    assert answers == {0: True, 1: False}
+
+
 def test_layout_that_cannot_fit_is_refused(tiny_data, tmp_path):
     r = run_module("mpirt.train", *ARGS, f"--data={tiny_data}", f"--out-dir={tmp_path}", "--pp=2",
                    "--memory-budget=80MiB", ranks=2, check=False)

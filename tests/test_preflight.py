@@ -45,12 +45,13 @@ def programs_of(**changes):
 
 def test_collectives_in_another_order_on_one_rank_are_refused():
     lay, programs = programs_of(cp=2, zero=3)
-    gathers = [i for i, op in enumerate(programs[1]) if op.what == "allgather"]
     ops = programs[1]
-    ops[gathers[0]], ops[gathers[1]] = ops[gathers[1]], ops[gathers[0]]
-    with pytest.raises(StepCommError, match=r"^dp_cp group \[0, 1\], collective #0: rank 0 runs allgather of "
-                                            r"\d+ B on dp_cp \(F mb 0 embed\), rank 1 allgather of \d+ B on dp_cp "
-                                            r"\(F mb 0 h\.0-3\)$"):
+    started = [i for i, op in enumerate(ops) if op.what in ("allgather", "iallgather", "reduce_scatter")]
+    assert [ops[i].what for i in started[:2]] == ["allgather", "iallgather"]  # the embedding, then the blocks' prefetch
+    ops[started[0]], ops[started[1]] = ops[started[1]], ops[started[0]]
+    with pytest.raises(StepCommError, match=r"^dp_cp group \[0, 1\], collective #0: rank 0 runs allgather of \d+ B "
+                                            r"on dp_cp \(F mb 0 embed\), rank 1 iallgather of \d+ B on dp_cp "
+                                            r"\(F mb 0 embed, prefetching h\.0-3\)$"):
         simulate_step(lay, programs)
 
 
@@ -58,11 +59,22 @@ def test_a_ring_exchange_before_the_gather_its_peer_waits_in_deadlocks():
     lay, programs = programs_of(cp=2, zero=3)
     ops = programs[1]
     ring = next(i for i, op in enumerate(ops) if op.what == "exchange")
-    ops.insert(ring - 1, ops.pop(ring))  # rank 1 passes keys and values before gathering the block
+    ops.insert(0, ops.pop(ring))  # rank 1 passes keys and values before gathering the embedding
     with pytest.raises(StepCommError) as err:
         simulate_step(lay, programs)
     assert str(err.value).startswith("deadlock: rank 0 waits in allgather of ")
     assert "rank 1 waits in send " in str(err.value) and "ring step 0" in str(err.value)
+
+
+def test_a_prefetched_gather_lets_the_peer_run_ahead():
+    """A started gather does not block: rank 1 may pass keys and values before waiting for the
+    blocks' prefetched gather (both ranks started it), which the proof accepts."""
+    lay, programs = programs_of(cp=2, zero=3)
+    ops = programs[1]
+    ring = next(i for i, op in enumerate(ops) if op.what == "exchange")
+    wait = max(i for i in range(ring) if ops[i].what == "wait")  # the blocks' gather, prefetched
+    ops.insert(wait, ops.pop(ring))
+    simulate_step(lay, programs)
 
 
 def test_a_message_of_another_size_is_refused():

@@ -68,6 +68,7 @@ def reference(tiny_data, tmp_path_factory):
     (4, ["--dp=2", "--cp=2", "--zero=3"]),
     (4, ["--cp=2", "--tp=2", "--sequence-parallel"]),
     (4, ["--cp=2", "--pp=2"]),
+    (4, ["--cp=2", "--pp=2", "--schedule=gpipe", "--microbatches=4"]),
     (4, ["--cp=2", "--pp=2", "--schedule=zb", "--microbatches=4", "--zero=3"]),
     (8, ["--dp=2", "--cp=2", "--tp=2", "--zero=2"]),
 ], ids=lambda v: v if isinstance(v, int) else " ".join(v))

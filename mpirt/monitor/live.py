@@ -184,7 +184,7 @@ class RunMonitor:
         self.cfg, self.ctx, self.grid, self.engine, self.out = cfg, ctx, grid, engine, out
         self.world, self.is_main, self.enabled = ctx.comm, ctx.rank == 0, bool(cfg.monitor)
         self.flops_per_step = flops_per_step
-        rows = max(1, Layout.of(cfg, grid.sizes).rows) * cfg.seq_len
+        rows = max(1, Layout.of(cfg, grid.sizes).rows) * (cfg.seq_len // grid.sizes["cp"])  # this rank's tokens
         hidden = getattr(model_cfg, "hidden", 4 * model_cfg.n_embd) // grid.sizes["tp"]
         products = flops.layer_products(model_cfg.n_embd, hidden, rows, cfg.dtype)
         ceiling = (flops.cpu_ceiling(self.world, cfg.dtype, threads.num_threads())
@@ -206,7 +206,8 @@ class RunMonitor:
         if not self.enabled:
             return
         coords = grid.coords
-        label = f"rank {ctx.rank} (dp {coords['dp']}, pp {coords['pp']}, tp {coords['tp']})"
+        label = f"rank {ctx.rank} (" + ", ".join(f"{a} {coords[a]}" for a in ("dp", "pp", "cp", "tp")
+                                                  if a != "cp" or grid.sizes["cp"] > 1) + ")"
         if cfg.trace_steps:
             self.trace = TraceRecorder(ctx.rank, label, self.origin, start_step + 2, cfg.trace_steps)
         self.stepmon = steps.StepMonitor(self.trace)
@@ -330,7 +331,7 @@ def monitor_lines(s: dict, out: Path) -> list[str]:
     share = {k: 100 * b.get(f"{k}_s", 0.0) / t for k in ("comm", "bubble")} if t > 0 else {}
     share = {"compute": 100 - sum(share.values()), **share}
     line = "mpirt:   step " + " + ".join(f"{k} {v:.0f}%" for k, v in share.items() if v >= 0.5 or k == "compute")
-    if s["layout"]["dp"] > 1:
+    if s["layout"]["dp"] * s["layout"].get("cp", 1) > 1:
         line += f"; dp sync exposed {1e3 * b['dp_exposed_s']:.1f} ms, hidden {1e3 * b['dp_hidden_s']:.1f} ms"
     agg = mon.get("stragglers")
     if agg and s["world_size"] > 1:

@@ -9,7 +9,7 @@ Reads what ``python -m mpirt.train`` left in RUN_DIR (``summary.json``, ``metric
   weight gradients, pipeline bubble, gradient sync, optimizer, ...) and, beside it, the same
   step split into the rank's own compute and its time waiting in MPI (a straggler computes
   longest; the others wait for it);
-- ``comm.png``: per communication axis (dp, tp, pp, world), time per step (blocked, and in
+- ``comm.png``: per communication axis (dp, tp, pp, cp, dp_cp, world), time per step (blocked, and in
   flight for non-blocking calls) and the achieved bandwidth (bytes over in-flight time);
 - ``timeline.png``: the last traced step, a row per rank coloured by forward / backward /
   weight gradient / optimizer / MPI wait, idle left blank: the pipeline schedule and its bubble;
@@ -33,7 +33,8 @@ PARTS = (("data", "data", "#bbbbbb"), ("forward", "forward", "#4c72b0"), ("backw
          ("weight_grad", "weight grad", "#55a868"), ("bubble", "pipeline bubble", "#f0e442"),
          ("grad_sync", "gradient sync", "#937860"), ("optimizer", "optimizer", "#8172b3"),
          ("injected", "injected delay", "#000000"), ("other", "other", "#e5e5e5"))
-AXIS_COLORS = {"dp": "#c44e52", "tp": "#4c72b0", "pp": "#55a868", "cp": "#8172b2", "dp_cp": "#dd8452", "world": "#8c8c8c"}
+AXIS_COLORS = {"dp": "#c44e52", "tp": "#4c72b0", "pp": "#55a868", "cp": "#8172b2", "dp_cp": "#dd8452",
+               "world": "#8c8c8c"}
 MIB = 2 ** 20
 
 
@@ -277,7 +278,9 @@ def headline(run: dict, table: dict) -> list[str]:
     mon = s.get("monitor") or {}
     b = mon.get("breakdown", {})
     t = s["step_time_s"]
-    lines = [f"- layout dp {s['layout']['dp']} x pp {s['layout']['pp']} x tp {s['layout']['tp']} "
+    cp = s["layout"].get("cp", 1)
+    lines = [f"- layout dp {s['layout']['dp']} x pp {s['layout']['pp']} x " + (f"cp {cp} x " if cp > 1 else "") +
+             f"tp {s['layout']['tp']} "
              f"({s['world_size']} ranks), {s['num_parameters'] / 1e6:.2f}M parameters, {s['steps']} steps",
              f"- loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, validation "
              + (f"{s['val_loss']:.4f}" if s.get("val_loss") is not None else "not measured"),

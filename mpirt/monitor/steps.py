@@ -120,7 +120,7 @@ class StepMonitor:
                 outside += r.blocked  # the pipeline's own waits inside its schedule are the bubble
         for axis, (nbytes, seconds, blocked) in axes.items():
             out[f"comm_{axis}_bytes"], out[f"comm_{axis}_s"], out[f"comm_{axis}_wait_s"] = nbytes, seconds, blocked
-        dp = axes.get("dp")
+        dp = axes.get("dp") or axes.get("dp_cp")  # the gradient sync: over dp, or dp x cp under cp
         out["dp_exposed_s"] = dp[2] if dp else 0.0
         out["dp_hidden_s"] = max(0.0, dp[1] - dp[2]) if dp else 0.0
         out.update(mpi_wait_s=wait, compute_s=max(0.0, step_s - wait), comm_s=outside, memory_bytes=owned_bytes())

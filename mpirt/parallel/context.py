@@ -115,7 +115,7 @@ class RingAttention(Function):
         b, t = qkv.shape[:2]
         kv, g = ck // d, n_head // (ck // d)
         self.shard, self.n_head, self.n_kv, self.c, self.ck = shard, n_head, kv, c, ck
-        self.scale, self.half = 1.0 / math.sqrt(d), t // 2
+        self.scale, self.chunk_len = 1.0 / math.sqrt(d), t // 2
         self.source = None if dropout_p == 0 else as_mask_source(seed)
         self.keep_scale = 1.0 / (1.0 - dropout_p) if dropout_p else None
         self.p, self.masks = dropout_p, {}
@@ -140,8 +140,9 @@ class RingAttention(Function):
         return out
 
     # --- the blocks -------------------------------------------------------------------------------
-    def _rows(self, half: int) -> slice:
-        return slice(half * self.half, (half + 1) * self.half)
+    def _rows(self, which: int) -> slice:
+        """The rows of the rank's chunk ``which`` (0: the one from the start, 1: from the end)."""
+        return slice(which * self.chunk_len, (which + 1) * self.chunk_len)
 
     def _pairs(self, step: int):
         """``(query half, key half, kind)`` of the blocks computed at ring step ``step`` (holding the
@@ -162,7 +163,7 @@ class RingAttention(Function):
             return None
         key = (i, j, step)
         if key not in self.masks:
-            shard, n = self.shard, self.half
+            shard, n = self.shard, self.chunk_len
             total = 2 * shard.size * n
             owner = (shard.rank - step) % shard.size
             q0 = shard.chunks()[i] * n

@@ -92,7 +92,8 @@ class Engine:
             self.store = ShardedParams(self.model, self.dp_comm, counted, init=self.local.init,
                                        units=self.local.units, probe_len=(tp if sp else 1) * (2 if cp > 1 else 1),
                                        probe=self.local.probe,
-                                       dropout_roots=self.local.dropout_roots, alone=self.local.held_tied)
+                                       dropout_roots=self.local.dropout_roots, alone=self.local.held_tied,
+                                       runs=self.local.unit_runs)
             if self.local.held_tied:  # a pipeline's tied copies: summed over its ends as gradient shards
                 self.local.tied_grads = self.store.alone_grads
         else:
@@ -116,7 +117,7 @@ class Engine:
     def train_step(self, x, y, loss_scale: float = 1.0, step: int | None = None) -> float:
         """Forward and backward of this dp replica's rows (x, y), backward seeded with
         ``loss_scale`` (:class:`mpirt.core.precision.LossScaler`); then the gradients are summed over
-        the tied copies, over tp for sequence-parallel partial sums and averaged over dp. Returns
+        the tied copies, over tp for sequence-parallel partial sums and averaged over dp x cp. Returns
         the (unscaled) mean loss of the global batch. ``step``: the optimizer step, which with the
         rows' place in the global batch (this replica holds rows ``[dp rank x len(x), ...)``)
         makes the dropout masks those of one rank running the whole batch (None: each module's
@@ -160,7 +161,7 @@ class Engine:
     # --- state ------------------------------------------------------------------------------------
     def save_sharded(self, writer) -> None:
         """Add this rank's boxes of the weights and optimizer state to a
-        :class:`mpirt.checkpoint.sharded.ShardWriter` (dp rank 0 without ZeRO; the tied embedding
+        :class:`mpirt.checkpoint.sharded.ShardWriter` (the first rank of dp x cp without ZeRO; the tied embedding
         from the first stage only). Local (see :func:`mpirt.parallel.shards.save_shards`)."""
         save_shards(writer, self.model, self.optimizer, self.tp_comm, replica=self.dp_comm.rank == 0,
                     skip=set(self.local.tied_copy))

@@ -4,17 +4,22 @@ Each rank's program for one training step is derived from the :class:`~mpirt.par
 (:func:`step_programs`): the pipeline schedule's sends and receives (pp); ring attention's
 exchanges (cp: per block and micro-batch, ``cp - 1`` key/value passes forward; backward the
 forward's again where the block reruns, then ``cp`` steps each passing the keys' gradient, with
-the keys and values but the last); ZeRO-3's unit gathers and gradient reduce-scatters (over
-dp x cp). :func:`simulate_step` runs all ranks' programs together: a collective completes when
-every member of its group stands at a collective on that group, and only when they agree on the
-operation and its bytes; an exchange posts its sends (non-blocking) and completes when each of its
+the keys and values but the last); ZeRO-3's unit gathers (the next unit's started, not waited
+for, while a unit runs) and gradient reduce-scatters (over dp x cp). :func:`simulate_step` runs
+all ranks' programs together: a collective is started in order on its group, whose members must
+agree on the n-th one's operation and bytes, and completes once every member has started it; an
+exchange posts its sends (non-blocking) and completes when each of its
 receives finds its send, matched first in, first out per (source, destination, communicator) as
 MPI's non-overtaking rule matches them, of the same size. It names the first disagreement (ranks
 and operations) or, when ranks wait on each other, what every stuck rank waits in.
 
-What it proves about the runtime: the engine issues these operations in this order on every rank
-(the executor walks the schedule; ring attention posts a step's sends and receives and waits for
-them before the next; ZeRO-3's prefetch starts a gather in the same order it would have run).
+What it covers of the runtime: the operations that interleave across communicators within a
+step, in the order the engine issues them (the executor walks the schedule; ring attention posts
+a step's sends and receives and waits for them before the next; ZeRO-3's unit gathers the way
+:class:`~mpirt.parallel.zero3.ShardedParams` takes and starts them). Left out: the gradient
+sync of ZeRO-1/2 and data parallelism (buckets on dp x cp, each rank in the same order), the
+pipeline's tied-embedding sum and the loss's average after the step, and tp's collectives
+inside ops.
 
 The grid is reduced for the proof: at most two dp ranks and one tp rank (every dp and tp rank of a
 stage runs the same program, and tp's collectives live inside ops), and each chunk's blocks as
@@ -32,9 +37,11 @@ from mpirt.parallel.pipeline.schedules import Action, BACKWARD, FORWARD, WEIGHT
 
 @dataclass(frozen=True)
 class Op:
-    """One communication step of a rank. ``what``: ``allgather``, ``reduce_scatter`` (collectives
-    on ``comm``) or ``exchange`` (non-blocking ``sends`` and ``recvs`` on ``comm``, each
-    ``(world rank, bytes)``, waited for together); ``label`` says where in the step it is."""
+    """One communication step of a rank. ``what``: a collective on ``comm`` (``allgather``,
+    ``reduce_scatter``: started and waited for; ``iallgather``: only started), ``wait`` (for the
+    rank's collective number ``index`` on ``comm``, started earlier), or ``exchange``
+    (non-blocking ``sends`` and ``recvs`` on ``comm``, each ``(world rank, bytes)``, waited for
+    together); ``label`` says where in the step it is."""
 
     what: str
     comm: str
@@ -42,13 +49,20 @@ class Op:
     sends: tuple = ()
     recvs: tuple = ()
     label: str = ""
+    index: int = -1
 
     def describe(self) -> str:
         if self.what == "exchange":
             parts = [f"send {n} B to rank {r}" for r, n in self.sends] + \
                     [f"receive {n} B from rank {r}" for r, n in self.recvs]
             return f"{', '.join(parts)} on {self.comm} ({self.label})"
+        if self.what == "wait":
+            return f"wait for collective #{self.index} on {self.comm} ({self.label})"
         return f"{self.what} of {self.nbytes} B on {self.comm} ({self.label})"
+
+
+BLOCKING = ("allgather", "reduce_scatter")
+STARTED = BLOCKING + ("iallgather",)
 
 
 class StepCommError(ValueError):
@@ -60,17 +74,43 @@ def reduced(layout):
     return dataclasses.replace(layout, dp=min(layout.dp, 2), tp=1, sequence_parallel=False)
 
 
+class _Gathers:
+    """ZeRO-3's gathers as :class:`~mpirt.parallel.zero3.ShardedParams` issues them: a unit takes
+    the gather in flight when it is its own (waits for it), else completes and drops it and
+    gathers; then starts its neighbour's (``prefetch``)."""
+
+    def __init__(self, ops: list):
+        self.ops, self.count, self.pending = ops, 0, None
+
+    def _start(self, what: str, nbytes: int, label: str) -> int:
+        self.ops.append(Op(what, "dp_cp", nbytes, label=label))
+        self.count += 1
+        return self.count - 1
+
+    def gather(self, unit: tuple, prefetch: tuple | None, label: str) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.ops.append(Op("wait", "dp_cp", label=label, index=pending[1]))
+        if pending is None or pending[0] != unit:
+            self._start("allgather", unit[1], label)
+        if prefetch is not None:
+            self.pending = (prefetch, self._start("iallgather", prefetch[1], f"{label}, prefetching {prefetch[0]}"))
+
+    def reduce_scatter(self, unit: tuple, label: str) -> None:
+        self._start("reduce_scatter", unit[1], label)
+
+
 def step_programs(layout, model_cfg, seq_len: int, itemsize: int) -> dict[int, list[Op]]:
     """Every rank's program of one step on ``layout`` (resolved with the model; use
     :func:`reduced` for the proof's grid), for ``model_cfg`` at ``seq_len`` in ``itemsize``-byte
-    elements."""
+    elements (ring attention's keys and values travel in float32 in half precision)."""
     from mpirt.core.modeling import layer_costs
 
     costs = layer_costs(model_cfg, seq_len)
     dp, pp, cp, tp = layout.dp, layout.pp, layout.cp, layout.tp
     held = seq_len // cp
     kv_heads = getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head
-    kv_bytes = layout.rows * held * 2 * kv_heads * (model_cfg.n_embd // model_cfg.n_head) // tp * itemsize
+    kv_bytes = layout.rows * held * 2 * kv_heads * (model_cfg.n_embd // model_cfg.n_head) // tp * max(itemsize, 4)
     act_bytes = layout.rows * held * model_cfg.n_embd * itemsize
     stages = layout.stages
 
@@ -79,7 +119,8 @@ def step_programs(layout, model_cfg, seq_len: int, itemsize: int) -> dict[int, l
         return grid_rank((c["dp"], c["pp"], c["cp"], c["tp"]), dp, pp, tp, cp)
 
     def units(chunk: int, p: int) -> list[tuple[str, int, bool]]:
-        """(name, parameter bytes, whether it is blocks) of the units of chunk ``chunk`` on pp rank ``p``."""
+        """(name, parameter bytes, whether it is blocks) of the units of chunk ``chunk`` on pp
+        rank ``p``, in forward order (a chunk's blocks as one)."""
         s = chunk * pp + p
         lo, hi = layout.bounds[s]
         out = [("embed", costs[0].params, False)] if s == 0 else []
@@ -106,6 +147,7 @@ def step_programs(layout, model_cfg, seq_len: int, itemsize: int) -> dict[int, l
 
         recomputed = set(layout.recomputed)
         ops: list[Op] = []
+        gathers = _Gathers(ops)
         actions = layout.pipeline_schedule.actions[pos["pp"]] if pp > 1 else \
             [Action(op, mb) for mb in range(layout.microbatches) for op in (FORWARD, BACKWARD)]
         for a in actions:
@@ -119,23 +161,28 @@ def step_programs(layout, model_cfg, seq_len: int, itemsize: int) -> dict[int, l
             mine = units(a.chunk, pos["pp"])
             lo, hi = layout.bounds[a.chunk * pp + pos["pp"]]
             rerun = layout.zero == 3 or any(i in recomputed for i in range(lo, hi))
-            for name, nbytes, blocks in (mine if a.op == FORWARD else reversed(mine)):
+            order = list(range(len(mine))) if a.op == FORWARD else list(reversed(range(len(mine))))
+            for k, j in enumerate(order):            # a chunk's units prefetch their neighbours in it
+                unit = mine[j]
+                name, _, blocks = unit
                 label = f"{tag} {name}"
                 if layout.zero == 3 and a.op != WEIGHT:
-                    ops.append(Op("allgather", "dp_cp", nbytes, label=label))
+                    gathers.gather(unit, mine[order[k + 1]] if k + 1 < len(order) else None, label)
                 if blocks and a.op == FORWARD:
                     ops += ring(label, backward=False)
                 if blocks and a.op == BACKWARD:
                     ops += (ring(label + " rerun", backward=False) if rerun else []) + ring(label, backward=True)
                 if layout.zero == 3 and (a.op == WEIGHT or (a.op == BACKWARD and not layout.split_backward)):
-                    ops.append(Op("reduce_scatter", "dp_cp", nbytes, label=label))
+                    gathers.reduce_scatter(unit, label)
         programs[rank] = ops
     return programs
 
 
 def simulate_step(layout, programs: dict[int, list[Op]]) -> None:
     """Run ``programs`` (:func:`step_programs` on ``layout``) together; StepCommError naming the
-    ranks and operations of the first disagreement, or of a deadlock."""
+    ranks and operations of the first disagreement, or of a deadlock. A collective is started in
+    order (members must agree on the n-th collective of a group: MPI matches them by order) and
+    completes once every member has started it."""
     groups = {}
     for comm in ("dp_cp", "cp", "pp"):
         for members in axis_groups(comm, layout.dp, layout.pp, layout.tp, layout.cp):
@@ -145,10 +192,24 @@ def simulate_step(layout, programs: dict[int, list[Op]]) -> None:
     posted = {r: False for r in programs}
     waiting = {r: None for r in programs}          # the receives an exchange still waits for
     channels: dict = defaultdict(deque)             # (source, destination, comm) -> [(bytes, label)]
-    counts: dict = defaultdict(int)                 # collectives completed per group
+    started: dict = defaultdict(list)               # (comm, rank) -> the collectives it started, in order
 
     def current(r):
         return programs[r][at[r]] if at[r] < len(programs[r]) else None
+
+    def start(r, op) -> int:
+        mine = started[(op.comm, r)]
+        n = len(mine)
+        for m in groups[(op.comm, r)]:
+            theirs = started[(op.comm, m)]
+            if m != r and len(theirs) > n and (theirs[n].what, theirs[n].nbytes) != (op.what, op.nbytes):
+                raise StepCommError(f"{op.comm} group {list(groups[(op.comm, r)])}, collective #{n}: rank {m} runs "
+                                    f"{theirs[n].describe()}, rank {r} {op.describe()}")
+        mine.append(op)
+        return n
+
+    def complete(r, comm, index) -> bool:
+        return all(len(started[(comm, m)]) > index for m in groups[(comm, r)])
 
     progress = True
     while progress:
@@ -173,19 +234,13 @@ def simulate_step(layout, programs: dict[int, list[Op]]) -> None:
                         progress = True
                 if not waiting[r]:
                     at[r], posted[r], progress = at[r] + 1, False, True
-                continue
-            members = groups[(op.comm, r)]
-            ready = [current(m) for m in members]
-            if all(o is not None and o.what != "exchange" and o.comm == op.comm for o in ready):
-                for m, o in zip(members, ready):
-                    if (o.what, o.nbytes) != (op.what, op.nbytes):
-                        key = (op.comm, members)
-                        raise StepCommError(f"{op.comm} group {list(members)}, collective #{counts[key]}: rank {r} "
-                                            f"runs {op.describe()}, rank {m} {o.describe()}")
-                counts[(op.comm, members)] += 1
-                for m in members:
-                    at[m] += 1
-                progress = True
+            elif op.what in STARTED:
+                if not posted[r]:
+                    posted[r], waiting[r], progress = True, start(r, op), True
+                if op.what not in BLOCKING or complete(r, op.comm, waiting[r]):
+                    at[r], posted[r], progress = at[r] + 1, False, True
+            elif complete(r, op.comm, op.index):       # a wait
+                at[r], progress = at[r] + 1, True
     stuck = {r: current(r) for r in programs if current(r) is not None}
     if stuck:
         raise StepCommError("deadlock: " + "; ".join(f"rank {r} waits in {op.describe()}" for r, op in stuck.items()))

@@ -8,6 +8,7 @@ presents, so the engine holds either without asking which (:class:`mpirt.paralle
     local.dropout_roots, local.init     # modules whose dropouts are seeded; the store's initialiser
     local.units, local.probe            # ZeRO-3's units and their one-token probe (None: the model's
                                         # embed / blocks / head from token ids)
+    local.unit_runs                     # the model chunk of each unit (None: one chunk)
     local.parameters()
     local.train_step(x, y, loss_scale, place, no_sync) -> float   # this replica's mean loss
     local.evaluate(x, y) -> float
@@ -55,7 +56,7 @@ class WholeModel:
 
     tied_copy: tuple = ()
     held_tied: tuple = ()
-    units = probe = None
+    units = probe = unit_runs = None
 
     def __init__(self, model_cfg, grid, *, dtype: str, seed: int, sequence_parallel: bool, grad_accum: int):
         tp = grid.sizes["tp"]

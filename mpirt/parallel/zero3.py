@@ -40,14 +40,16 @@ class ShardedParams:
     the model is never held whole. ``counted`` as for :class:`~mpirt.parallel.flat.FlatParams`;
     ``shapes``: each parameter's shape, by id.
 
-    A pipeline stage passes its own ``units`` (its embed, blocks, head), ``probe`` (what its first
-    unit takes when that is not the embedding: a (1, 1, C) hidden state), ``dropout_roots`` (the
+    A pipeline stage passes its own ``units`` (its embed, blocks, head) and their ``runs`` (the
+    model chunk of each: the interleaved schedule's chunks run apart, so a unit's gather prefetches
+    only a neighbour in its chunk), ``probe`` (what its first unit takes when that is not the
+    embedding: a one-token hidden state, two tokens under context parallelism), ``dropout_roots`` (the
     modules whose dropouts the discovery run must leave as it found them) and ``alone`` (its copy
     of the tied embedding: a group of its own, laid out alike on both pipeline ends, so
     :meth:`alone_grads` can be summed over them)."""
 
     def __init__(self, model, comm, counted=None, init=None, units=None, probe_len: int = 1, probe=None,
-                 dropout_roots=None, alone=()):
+                 dropout_roots=None, alone=(), runs=None):
         self.model, self.comm = model, comm
         self.counted = counted or (lambda p: True)
         self.params = trainable(model.parameters(), "ShardedParams", allow_empty=False)
@@ -55,6 +57,7 @@ class ShardedParams:
         self.shapes = {id(p): tuple(p.shape) for p in self.params}
         self.alone = sorted(alone, key=lambda p: p.name or "")
         self.dropout_roots = tuple(dropout_roots or (model,))  # every unit's rerun replays their masks
+        self.runs = runs  # the model chunk of each unit: a unit prefetches only its neighbours in it
         if all(p.materialized for p in self.params):
             broadcast_parameters(self.params, comm)
         with stand_ins(self.params):  # the one-row discovery run needs no real values
@@ -202,9 +205,10 @@ class ShardedUnit(Rerun):
         before and after it (in forward order) are the ones its backward and forward prefetch."""
         self.params = tuple(self.store.groups[i].shard for i in self.group_ids)
         units = self.store.units
+        runs = self.store.runs or [0] * len(units)
         at = units.index(self)
-        self.after = units[at + 1].group_ids if at + 1 < len(units) else None
-        self.before = units[at - 1].group_ids if at > 0 else None
+        self.after = units[at + 1].group_ids if at + 1 < len(units) and runs[at + 1] == runs[at] else None
+        self.before = units[at - 1].group_ids if at > 0 and runs[at - 1] == runs[at] else None
         object.__setattr__(self.obj, self.name, self)
 
     def weights(self):

@@ -124,7 +124,7 @@ def recompute_pays(cfg, model_cfg, layout: dict, rank: int) -> bool:
 def recompute_where_it_pays(cfg, model_cfg, layout: Layout) -> Layout:
     """``layout`` (resolved with the model) without recomputation on the pipeline ranks where it
     would not lower the peak (:func:`recompute_pays`): the blocks the engine recomputes."""
-    idle = {r for r in range(layout.pp) if not recompute_pays(cfg, model_cfg, layout, r * layout.tp)}
+    idle = {r for r in range(layout.pp) if not recompute_pays(cfg, model_cfg, layout, r * layout.cp * layout.tp)}
     return dataclasses.replace(layout, recomputed=tuple(i for i in layout.recomputed
                                                         if layout.pipeline_rank(i) not in idle))
 
@@ -233,8 +233,9 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
         comm += 2 * rows * (seq // (tp if sp else 1)) * model_cfg.n_embd * e
     if lay.cp > 1:  # ring attention's keys and values in flight, with their gradient in the backward
+        # (float32 in half precision: the op computes in float32)
         head = model_cfg.n_embd // model_cfg.n_head
-        comm += 4 * rows * seq * 2 * kv_heads(model_cfg) * head / tp * e
+        comm += 4 * rows * seq * 2 * kv_heads(model_cfg) * head / tp * max(e, 4)
     vocab = -(-model_cfg.vocab_size // tp) * tp
     has_head = pp == 1 or pos["pp"] == pp - 1
     logits = 2 * rows * seq * vocab / tp * e  # the logits' gradient and a temporary

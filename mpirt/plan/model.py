@@ -247,7 +247,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         exposed = max(dp_s / max(1, -(-dp_bytes // (25 * 2**20))), dp_s - 0.9 * last_b)
     comm["dp"] = {"bytes": dp_bytes, "s": dp_s}
     # the loss's allreduce over dp ends the step's sync; clipping reduces the norm over the group that
-    # shards the gradients (ZeRO: dp; tp; pp: the stages' tp x pp), none for plain data parallelism
+    # shards the gradients (ZeRO: dp x cp; tp; pp: the stages' tp x pp), none for plain data parallelism
     small = coll_time(cluster, "allreduce", 8, replicas, world, dp_span)
     clip_group = (replicas if cfg.zero else 1) * tp * pp
     clip = coll_time(cluster, "allreduce", 8, clip_group, world, clip_group > cluster.devices_per_node and not cluster.cores)
@@ -259,7 +259,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     ring_exposed = 0.0
     if cp > 1:  # per block and micro-batch: keys and values around the ring both ways, their gradient back
         kv = rows * seq * 2 * (getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head) \
-            * (model_cfg.n_embd // model_cfg.n_head) / tp * e
+            * (model_cfg.n_embd // model_cfg.n_head) / tp * max(e, 4)  # float32 in half precision
         hop = coll_time(cluster, "p2p", kv, 2, world, _spans_nodes(cluster, "cp", layout))
         blocks = m * model_cfg.n_layer / pp
         block_s = (times[(0, 0)][FORWARD][0] + times[(0, 0)][BACKWARD][0]) / max(1, len(stage_layers[(0, 0)]))
@@ -283,7 +283,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
 
     # memory: memory.predict for each stage's first rank and rank 0 (all ranks on request)
     # (the first stage stashes the most micro-batches, the last holds the logits, rank 0 writes)
-    ranks = range(world) if memory_ranks == "all" else sorted({0, (pp - 1) * tp})
+    ranks = range(world) if memory_ranks == "all" else sorted({0, (pp - 1) * cp * tp})
     mcfg = dataclasses.replace(cfg, dp=dp, microbatches=m if pp > 1 else cfg.microbatches)
     per_rank = {r: memory.predict(mcfg, model_cfg, layout, r, data_bytes, checkpoint_gather=cluster.checkpoint_gather,
                                   process_bytes=memory.planned_baseline(r, int(cluster.process_bytes)))

@@ -194,6 +194,12 @@ class PipelineStage(PipelineExecutor):
         return [(self.shell, "embed")] * self.has_embed + blocks + [(self.shell, "head")] * self.has_head
 
     @property
+    def unit_runs(self) -> list:
+        """The model chunk of each of :attr:`units` (the embedding the first's, the head the last's)."""
+        blocks = [c for c, (lo, hi) in enumerate(self.chunk_bounds) for _ in range(lo, hi)]
+        return [0] * self.has_embed + blocks + [len(self.chunk_bounds) - 1] * self.has_head
+
+    @property
     def probe(self):
         """What this stage's first unit takes in a one-token run: token ids on the first stage
         (None: the store makes them), else a (1, 1, C) hidden state (one token of the local
