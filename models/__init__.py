@@ -2,7 +2,7 @@
 presets. Installed as ``mpirt.models`` (the repository folder is ``models/``).
 
 Importing this package registers ``"gpt2"`` -> :class:`GPT`, ``"mlp"`` -> :class:`MLP` and
-``"llama"`` -> :class:`Llama` in :data:`mpirt.core.modeling.MODELS`; the runtime builds and counts
+``"llama"`` -> :class:`Llama`, ``"mixtral"`` -> :class:`Mixtral` in :data:`mpirt.core.modeling.MODELS`; the runtime builds and counts
 models through :mod:`mpirt.core.modeling` only.
 """
 from __future__ import annotations
@@ -11,5 +11,6 @@ from mpirt.models.model_config import GPTConfig
 from mpirt.models.gpt import GPT
 from mpirt.models.llama import Llama, LlamaConfig
 from mpirt.models.mlp import MLP
+from mpirt.models.moe import MoEConfig, Mixtral
 
-__all__ = ["GPT", "MLP", "Llama", "GPTConfig", "LlamaConfig"]
+__all__ = ["GPT", "MLP", "Llama", "Mixtral", "GPTConfig", "LlamaConfig", "MoEConfig"]

@@ -207,7 +207,7 @@ def load_into(model, directory) -> GPTConfig:
 def hf_config_dict(cfg: GPTConfig, dtype: str = "float32") -> dict:
     """``config.json`` contents for ``GPT2LMHeadModel`` with the architecture of ``cfg``."""
     if cfg.model_type != "gpt2":
-        raise ValueError(f"export: GPT-2 and Llama-style models can be exported, got model_type {cfg.model_type!r}")
+        raise ValueError(f"export: GPT-2, Llama- and Mixtral-style models can be exported, got model_type {cfg.model_type!r}")
     token = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when it exists
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -277,6 +277,51 @@ def llama_hf_tensors(cfg, read) -> list:
                   (theirs + "mlp.up_proj.weight", (h, c), part(mine + "mlp.up_proj.weight")),
                   (theirs + "mlp.down_proj.weight", (c, h), part(mine + "mlp.down_proj.weight"))]
     return items + [("model.norm.weight", (c,), lambda: read("ln_f.weight"))]
+
+
+def mixtral_config_dict(cfg, dtype: str = "float32") -> dict:
+    """``config.json`` contents for ``MixtralForCausalLM`` with the architecture of a Mixtral-style
+    ``cfg`` (:mod:`mpirt.models.moe`: tied head, dropless routing as Hugging Face's)."""
+    out = {k: v for k, v in llama_config_dict(cfg, dtype).items() if k not in ("attention_bias", "mlp_bias")}
+    return {**out, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": cfg.n_expert, "num_experts_per_tok": cfg.top_k,
+            "router_aux_loss_coef": cfg.aux_loss_coef, "output_router_logits": False}
+
+
+def mixtral_param_shapes(cfg) -> dict:
+    """mpirt's parameter names and shapes of a Mixtral-style model (what an export reads)."""
+    c, f, e = cfg.n_embd, cfg.hidden, cfg.n_expert
+    shapes = {n: s for n, s in llama_param_shapes(cfg).items() if ".mlp." not in n}
+    for i in range(cfg.n_layer):
+        shapes.update({f"h.{i}.mlp.gate.weight": (c, e), f"h.{i}.mlp.w_gate": (e, c, f), f"h.{i}.mlp.w_up": (e, c, f),
+                       f"h.{i}.mlp.w_down": (e, f, c)})
+    return shapes
+
+
+def mixtral_hf_tensors(cfg, read) -> list:
+    """``(hf name, shape, read)`` of every tensor of a Mixtral-style model under
+    ``MixtralForCausalLM``'s names: the attention and norms as :func:`llama_hf_tensors`, the
+    router transposed to (E, C), each expert's gate and up matrices transposed and stacked as
+    ``experts.gate_up_proj`` (E, 2F, C), the down matrices as ``experts.down_proj`` (E, C, F)."""
+    c, f, e = cfg.n_embd, cfg.hidden, cfg.n_expert
+
+    def experts(i, *names):
+        return lambda: np.ascontiguousarray(np.concatenate([read(f"h.{i}.mlp.{n}").transpose(0, 2, 1) for n in names],
+                                                           axis=1))
+
+    items = [item for item in llama_hf_tensors(cfg, read) if ".mlp." not in item[0]]
+    for i in range(cfg.n_layer):
+        theirs = f"model.layers.{i}.mlp."
+        items += [(theirs + "gate.weight", (e, c), lambda i=i: np.ascontiguousarray(read(f"h.{i}.mlp.gate.weight").T)),
+                  (theirs + "experts.gate_up_proj", (e, 2 * f, c), experts(i, "w_gate", "w_up")),
+                  (theirs + "experts.down_proj", (e, c, f), experts(i, "w_down"))]
+    return items
+
+
+# the Hugging Face families an export writes by mapping tensors: model_type -> (config.json,
+# mpirt's names and shapes, the tensors under Hugging Face's names)
+HF_FAMILIES = {"llama": (llama_config_dict, llama_param_shapes, llama_hf_tensors),
+               "mixtral": (mixtral_config_dict, mixtral_param_shapes, mixtral_hf_tensors)}
 
 
 def _write_files(directory: Path, cfg: GPTConfig, tensors: dict, dtype: str) -> None:

@@ -69,14 +69,16 @@ class LlamaMLP(Module):
 
 
 class LlamaBlock(PreNormBlock):
-    """Pre-RMSNorm block: rotary bias-free attention, SwiGLU MLP."""
+    """Pre-RMSNorm block: rotary bias-free attention, SwiGLU MLP (``mlp_class``)."""
+
+    mlp_class = LlamaMLP
 
     def __init__(self, cfg: LlamaConfig, dtype="float32"):
         super().__init__()
         self.ln_1 = RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps, dtype=dtype)
         self.attn = CausalSelfAttention(cfg, dtype, bias=False, rope_theta=cfg.rope_theta)
         self.ln_2 = RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.mlp = self.mlp_class(cfg, dtype)
 
 
 TP_PLAN = (
@@ -106,7 +108,7 @@ class Llama(TiedLM):
         self.check_config(cfg)
         self.config = cfg
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=cfg.initializer_range, dtype=dtype)
-        self.h = ModuleList(LlamaBlock(cfg, dtype) for _ in range(cfg.n_layer))
+        self.h = ModuleList(self.block_class(cfg, dtype) for _ in range(cfg.n_layer))
         self.ln_f = RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps, dtype=dtype)
         self._finish(seed)
 

@@ -106,23 +106,19 @@ def test_an_export_loads_with_transformers_tokenizer_included_and_generates(tp2_
     assert out.shape[1] == len(ids) + 8 and tokenizer.decode(out[0]).startswith(text)
 
 
-def test_a_llama_checkpoint_exports_to_llama_for_causal_lm(tiny_data, tmp_path):
-    """A Llama-style run with grouped-query attention (2 key/value heads, trained at tp 2) exports
-    to LlamaForCausalLM: transformers gives mpirt's logits (q | k | v split from the fused c_attn,
-    num_key_value_heads 2, matrices transposed, the same rotary layout)."""
+def exported_logits_match(run_dir, out, architecture: str):
+    """Export ``run_dir``'s checkpoint to ``out``; transformers loads it as ``architecture`` and
+    gives the logits mpirt's model of the checkpoint gives. Returns the loaded model and the ids."""
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mpirt.core.modeling import build_model, config_from_dict
     from mpirt.core.tensor import no_grad
-    run_module("mpirt.train", "--model=llama-tiny", "--model.n_layer=2", "--model.n_embd=64", "--model.n_head=4",
-               "--model.n_kv_head=2", "--model.n_positions=32", "--seq-len=16", "--batch-size=8", "--eval-batches=2", "--eval-interval=0",
-               "--progress=false", "--steps=3", "--tp=2", f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}", ranks=2)
-    run_module("mpirt.checkpoint", "export", tmp_path / "run" / "ckpt", tmp_path / "hf")
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.num_key_value_heads == 2
-    ids = AutoTokenizer.from_pretrained(tmp_path / "hf")("x = 1 + 2").input_ids
-    meta, weights, _ = load_state(tmp_path / "run" / "ckpt")
+    run_module("mpirt.checkpoint", "export", run_dir / "ckpt", out)
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == architecture
+    ids = AutoTokenizer.from_pretrained(out)("x = 1 + 2").input_ids
+    meta, weights, _ = load_state(run_dir / "ckpt")
     model = build_model(config_from_dict(meta["extra"]["model_config"]))
     model.load_state_dict(weights)
     with no_grad():
@@ -130,7 +126,30 @@ def test_a_llama_checkpoint_exports_to_llama_for_causal_lm(tiny_data, tmp_path):
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits.numpy()
     np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+    return hf, ids
+
+
+def test_a_llama_checkpoint_exports_to_llama_for_causal_lm(tiny_data, tmp_path):
+    """A Llama-style run with grouped-query attention (2 key/value heads, trained at tp 2) exports
+    to LlamaForCausalLM: transformers gives mpirt's logits (q | k | v split from the fused c_attn,
+    num_key_value_heads 2, matrices transposed, the same rotary layout)."""
+    torch = pytest.importorskip("torch")
+    run_module("mpirt.train", "--model=llama-tiny", "--model.n_layer=2", "--model.n_embd=64", "--model.n_head=4",
+               "--model.n_kv_head=2", "--model.n_positions=32", "--seq-len=16", "--batch-size=8", "--eval-batches=2", "--eval-interval=0",
+               "--progress=false", "--steps=3", "--tp=2", f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}", ranks=2)
+    hf, ids = exported_logits_match(tmp_path / "run", tmp_path / "hf", "LlamaForCausalLM")
+    assert hf.config.num_key_value_heads == 2
     assert hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False).shape == (1, len(ids) + 4)
+
+
+def test_a_mixture_of_experts_checkpoint_exports_to_mixtral_for_causal_lm(tiny_data, tmp_path):
+    """A Mixtral-style run (trained at pp 2) exports to MixtralForCausalLM: transformers gives
+    mpirt's logits (router transposed, each expert's gate and up matrices stacked as gate_up_proj)."""
+    run_module("mpirt.train", "--model=mixtral-tiny", "--model.n_layer=2", "--model.n_embd=32", "--model.n_inner=48",
+               "--model.n_positions=32", "--seq-len=16", "--batch-size=8", "--eval-batches=2", "--eval-interval=0",
+               "--progress=false", "--steps=3", "--pp=2", f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}", ranks=2)
+    hf, _ = exported_logits_match(tmp_path / "run", tmp_path / "hf", "MixtralForCausalLM")
+    assert hf.config.num_local_experts == 4 and hf.config.num_experts_per_tok == 2
 
 
 def test_info_and_export(tp2_ckpt, tmp_path):

@@ -90,13 +90,15 @@ def test_model_refusals():
     with pytest.raises(LayoutError, match="^tp: tensor parallelism: tp=8 must divide n_head=4"):
         Layout.resolve(replace(BASE, tp=8), 8).check_model(BASE, tiny)
     Layout.resolve(replace(BASE, tp=2), 2).check_model(BASE, tiny)  # fits
-    mlp = load_model_config("mlp", {})
+    mlp, moe = load_model_config("mlp", {}), load_model_config("mixtral-tiny", {})
     for changes, model, message in [
         ({"seq_len": tiny.n_positions + 1}, tiny, f"seq_len: {tiny.n_positions + 1} exceeds the model's n_positions"),
         ({"recompute": "selective"}, mlp, "recompute: model_type 'mlp' names no attention core"),
         ({"recompute": "full", "recompute_layers": "2,9"}, tiny,
          "recompute_layers: block 9 does not exist (n_layer=4)"),
         ({"cp": 2}, mlp, "cp: model_type 'mlp' has no attention to split a sequence over"),
+        ({"cp": 2}, moe, "cp: model_type 'mixtral' routes each sequence's tokens together"),
+        ({"tp": 2, "sequence_parallel": True}, moe, "sequence_parallel: model_type 'mixtral' routes each sequence's"),
         ({"cp": 2, "tp": 4, "sequence_parallel": True, "seq_len": 12}, tiny,
          "tp: tensor parallelism: tp=4 must divide seq_len=6"),
     ]:

@@ -123,7 +123,8 @@ def test_registry_dispatches_counts_and_blocks_by_model_type():
     assert block_class(gpt_cfg) is Block and block_class(mlp_cfg) is MLPBlock
     bad = GPTConfig(model_type="rnn")
     for fn in (build_model, model_params, block_class, lambda c: model_flops(c, 8)):
-        with pytest.raises(ValueError, match="model_type: unknown model 'rnn'; expected one of gpt2, llama, mlp"):
+        with pytest.raises(ValueError, match="model_type: unknown model .rnn.; expected one of gpt2, llama, mixtral, "
+                                             "mlp"):
             fn(bad)
 
 

@@ -166,6 +166,49 @@ def test_llama_layout_matches_single_rank(tiny_data, tmp_path, llama_reference, 
         np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
+@pytest.fixture(scope="module")
+def moe_reference(tiny_data, tmp_path_factory):
+    """The single-rank mixture-of-experts run of a model option tuple, run once per module."""
+    runs = {}
+
+    def reference(model: tuple):
+        if model not in runs:
+            runs[model] = run(tiny_data, tmp_path_factory.mktemp("moe-single"), "--model=mixtral-tiny", *MOE, *model)
+        return runs[model]
+    return reference
+
+
+MOE = ("--model.n_embd=32", "--model.n_inner=48")
+CAPACITY = ("--model.capacity_factor=1.0",)  # some assignments dropped
+
+
+@pytest.mark.parametrize("ranks, layout, model", [
+    (2, ["--dp=2"], ()),
+    (2, ["--dp=2", "--zero=1"], ()),
+    (2, ["--dp=2", "--zero=2", "--grad-accum=2"], ()),
+    (2, ["--dp=2", "--zero=3"], ()),
+    (2, ["--tp=2"], ()),
+    (2, ["--pp=2", "--schedule=1f1b"], ()),
+    (2, ["--pp=2", "--schedule=zb", "--microbatches=4", "--recompute=full"], ()),
+    (2, ["--dp=2"], CAPACITY),
+    (4, ["--dp=2", "--pp=2", "--zero=1"], CAPACITY),
+], ids=lambda v: v if isinstance(v, int) else " ".join(v) or "dropless")
+def test_mixture_of_experts_layout_matches_single_rank(tiny_data, tmp_path, moe_reference, ranks, layout, model):
+    """The Mixtral-style model (mpirt.models.moe): routing, expert capacity and the load-balancing
+    loss are per token and sequence, so every layout gives the single-rank curve, validation loss
+    and weights, capacity drops included; the load-balancing loss changes the run."""
+    losses, summary, weights = run(tiny_data, tmp_path, "--model=mixtral-tiny", *MOE, *model, *layout, ranks=ranks)
+    ref_losses, ref_summary, ref_weights = moe_reference(model)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
+    assert summary["val_loss"] == pytest.approx(ref_summary["val_loss"], rel=1e-10)
+    assert "h.3.mlp.w_down" in weights
+    for name, w in ref_weights.items():
+        np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
+    if layout == ["--dp=2"] and not model:
+        without = moe_reference(("--model.aux_loss_coef=0",))[0]
+        assert not np.allclose(without[1:], ref_losses[1:], rtol=1e-9)
+
+
 @pytest.mark.parametrize("first, then", [
     ((2, ["--tp=2"]), (2, ["--dp=2", "--zero=2"])),
     ((2, ["--pp=2"]), (2, ["--tp=2"])),

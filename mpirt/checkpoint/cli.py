@@ -44,23 +44,24 @@ def info(directory) -> str:
 
 def export_hf(directory, out, dtype: str = "float32") -> Path:
     """Write the weights of the checkpoint at ``directory`` as a Hugging Face directory ``out``
-    (GPT-2: ``GPT2LMHeadModel``; Llama-style: ``LlamaForCausalLM``), tensor by tensor, with the
+    (GPT-2: ``GPT2LMHeadModel``; Llama-style: ``LlamaForCausalLM``; Mixtral-style:
+    ``MixtralForCausalLM``), tensor by tensor, with the
     tokenizer of the dataset it was trained on; it appears complete (written beside it, then
     renamed)."""
-    from mpirt.models.hf import (PREFIX, SINGLE_FILE, hf_config_dict, llama_config_dict, llama_hf_tensors,
-                                 llama_param_shapes, param_shapes, save_hf_tokenizer)
+    from mpirt.models.hf import HF_FAMILIES, PREFIX, SINGLE_FILE, hf_config_dict, param_shapes, save_hf_tokenizer
     from mpirt.core.modeling import config_from_dict
 
     meta = verify_checkpoint(directory)
     reader = CheckpointReader(meta["path"], verify=False)
     cfg = config_from_dict(meta["extra"]["model_config"])
-    if cfg.model_type == "llama":
-        config = llama_config_dict(cfg, dtype)
-        for name, shape in llama_param_shapes(cfg).items():
+    if cfg.model_type in HF_FAMILIES:
+        config_dict, param_shapes_of, hf_tensors = HF_FAMILIES[cfg.model_type]
+        config = config_dict(cfg, dtype)
+        for name, shape in param_shapes_of(cfg).items():
             reader.entry("params", name, shape)
-        items = [(name, shape, dtype, fn) for name, shape, fn in llama_hf_tensors(cfg, lambda n: reader.read("params", n))]
+        items = [(name, shape, dtype, fn) for name, shape, fn in hf_tensors(cfg, lambda n: reader.read("params", n))]
     else:
-        config = hf_config_dict(cfg, dtype)  # refuses what is neither GPT-2 nor Llama
+        config = hf_config_dict(cfg, dtype)  # refuses what is neither GPT-2 nor a family above
         shapes = param_shapes(cfg)
         for name, shape in shapes.items():
             reader.entry("params", name, shape)

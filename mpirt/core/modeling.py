@@ -101,6 +101,9 @@ class CausalLM(Module):
     block_class: typing.ClassVar[type] = Module
     tp_plan: typing.ClassVar[tuple | None] = None
     attention_core: typing.ClassVar[str] = ""
+    # True when a block treats a sequence's tokens together beyond attention (a mixture of
+    # experts' capacity and load-balancing loss per sequence): no layout may split a sequence
+    routes_per_sequence: typing.ClassVar[bool] = False
     loss_fn = staticmethod(lm_loss)
 
     @classmethod

@@ -567,6 +567,17 @@ def restore_dropout_states(saved: list) -> None:
         m.set_state(state)
 
 
+def seed_losses(roots, seed: float) -> None:
+    """Give every module under ``roots`` (None skipped) that adds a loss term of its own inside
+    the model (a ``loss_seed`` attribute: a mixture of experts' load-balancing loss) the backward
+    seed of the model's loss, the loss scale over the micro-batches, which its term's gradient
+    follows."""
+    for root in roots:
+        for _, m in (root.named_modules() if root is not None else ()):
+            if hasattr(m, "loss_seed"):
+                m.loss_seed = seed
+
+
 def place_dropouts(dropouts, step: int | None, row0: int = 0) -> None:
     """The next forward of ``dropouts`` runs step ``step``'s micro-batch whose first row is row
     ``row0`` of the global batch (see :class:`Dropout`); ``step=None``: no place (call counts)."""

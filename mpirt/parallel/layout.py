@@ -154,7 +154,7 @@ class Layout(Mapping):
         """Refuse (:class:`LayoutError`) a model this layout cannot hold: a sequence longer than
         its positions, fewer blocks than pipeline stages, sizes tp does not divide
         (:func:`mpirt.parallel.tensor.check_model_tp`), recomputation it cannot do."""
-        from mpirt.core.modeling import attention_core
+        from mpirt.core.modeling import attention_core, model_class
         from mpirt.core.recompute import parse_layers
         from mpirt.parallel.tensor.axis import check_model_tp
 
@@ -165,6 +165,10 @@ class Layout(Mapping):
                               "stages")
         if self.cp > 1 and not attention_core(model_cfg):
             raise LayoutError("cp", f"model_type {model_cfg.model_type!r} has no attention to split a sequence over")
+        if model_class(model_cfg).routes_per_sequence and (self.cp > 1 or self.sequence_parallel):
+            raise LayoutError("cp" if self.cp > 1 else "sequence_parallel",
+                              f"model_type {model_cfg.model_type!r} routes each sequence's tokens together (expert "
+                              "capacity, load-balancing loss): the layout may not split a sequence")
         try:
             check_model_tp(model_cfg, self.tp, seq_len=cfg.seq_len // self.cp,
                            sequence_parallel=cfg.sequence_parallel)

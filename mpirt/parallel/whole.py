@@ -28,7 +28,7 @@ import time
 import mpirt.core.backend as B
 from mpirt.data.tokens import split_microbatches
 from mpirt.core.modeling import build_model
-from mpirt.core.nn import dropout_modules, place_dropouts
+from mpirt.core.nn import dropout_modules, place_dropouts, seed_losses
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 from mpirt.core.tensor import no_grad
@@ -80,6 +80,7 @@ class WholeModel:
         last inside ``no_sync()`` (they only accumulate locally). ``place``: (step, global row of
         x's first row) for the dropout masks. Returns the mean loss of these rows."""
         k = self.grad_accum
+        seed_losses(self.dropout_roots, loss_scale / k)
         loss_sum = 0.0
         clock = time.perf_counter
         start = clock()

@@ -2,7 +2,8 @@
 
 ``basic`` holds elementwise ops (SwiGLU among them) and reductions, ``shape`` views and joins,
 ``linalg`` matmul and the fused linear layers, ``nn`` the fused neural-network ops, ``norm`` RMS
-normalisation, ``dropout`` dropout and ``attention`` causal self-attention and rotary embeddings.
+normalisation, ``dropout`` dropout, ``attention`` causal self-attention and rotary embeddings and
+``moe`` a mixture of experts' grouped SwiGLU (:func:`mpirt.core.ops.moe.grouped_swiglu`).
 """
 from mpirt.core.ops.basic import add, sub, mul, div, neg, pow, exp, log, tanh, relu, swiglu, sum, mean, max
 from mpirt.core.ops.shape import reshape, transpose, getitem, concat, split

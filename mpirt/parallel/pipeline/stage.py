@@ -38,7 +38,8 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt.core.modeling import block_class, build_model, check_config, lm_loss, model_class, seed_dropouts
-from mpirt.core.nn import Module, dropout_modules, graph_parameters, place_dropouts, stand_ins, zero_grads
+from mpirt.core.nn import (Module, dropout_modules, graph_parameters, place_dropouts, seed_losses, stand_ins,
+                           zero_grads)
 from mpirt.parallel.pipeline.partition import layer_costs, partition
 from mpirt.parallel.pipeline.executor import PipelineExecutor
 from mpirt.parallel.pipeline.check import check
@@ -242,6 +243,7 @@ class PipelineStage(PipelineExecutor):
         then the single rank's for its rows (None: the modules' call counts stand in). The
         schedule runs inside ``no_sync()`` (the dp sync waits for the whole step)."""
         self.loss_scale, self.place = float(loss_scale), place
+        seed_losses(self.dropout_roots, self.loss_scale / self.m)
         x, y = self._prepare(x, y)
         self.zero_grad()
         try:

@@ -1,0 +1,138 @@
+"""The Mixtral-style mixture of experts (mpirt.models.moe, mpirt.core.ops.moe) on one rank: the
+grouped experts against a loop, the gradients (the load-balancing loss's included) against finite
+differences, the logits and the load-balancing loss against Hugging Face's MixtralForCausalLM and
+``load_balancing_loss_func``, capacity drops and an expert without tokens. The layouts are launch
+tests in test_train_parallel.py."""
+import numpy as np
+import pytest
+
+from mpirt.core.ops.moe import grouped_swiglu
+from mpirt.core.tensor import Tensor
+from mpirt.models import Mixtral, MoEConfig
+
+CFG = MoEConfig(n_layer=2, n_head=4, n_embd=32, n_positions=16, vocab_size=64, n_inner=48, n_kv_head=2,
+                n_expert=4, top_k=2, aux_loss_coef=0.02)
+
+
+def tokens(seed, rows=3, t=16):
+    return np.random.default_rng(seed).integers(0, 64, (rows, t))
+
+
+def test_grouped_experts_equal_one_product_per_expert():
+    """Rows grouped by expert (one expert empty) through each expert's SwiGLU, forward and backward."""
+    rng = np.random.default_rng(0)
+    e, c, f, counts = 4, 8, 12, [3, 0, 5, 2]
+    x = Tensor(rng.standard_normal((10, c)), requires_grad=True)
+    ws = [Tensor(rng.standard_normal(s), requires_grad=True) for s in ((e, c, f), (e, c, f), (e, f, c))]
+    y = grouped_swiglu(x, *ws, counts)
+    g = rng.standard_normal(y.shape)
+    y.backward(g)
+    import torch
+    tx, (tg, tu, td) = torch.tensor(x.data, requires_grad=True), [torch.tensor(w.data, requires_grad=True) for w in ws]
+    bounds = np.cumsum([0] + counts)
+    parts = [torch.nn.functional.silu(tx[lo:hi] @ tg[k]) * (tx[lo:hi] @ tu[k]) @ td[k]
+             for k, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    want = torch.cat(parts)
+    want.backward(torch.tensor(g))
+    np.testing.assert_allclose(y.data, want.detach().numpy(), rtol=1e-12, atol=1e-12)
+    for ours, theirs in zip((x, *ws), (tx, tg, tu, td)):
+        np.testing.assert_allclose(ours.grad, theirs.grad.numpy(), rtol=1e-12, atol=1e-12)
+    assert not ws[0].grad[1].any() and not ws[2].grad[1].any()  # the empty expert
+
+
+def total_loss(model, x, y):
+    """The cross-entropy plus the load-balancing loss the layers add to the gradient."""
+    logits, loss = model(x, y)
+    return loss, loss.item() + CFG.aux_loss_coef * np.mean([blk.mlp.stats["aux_loss"] for blk in model.h])
+
+
+def test_gradients_include_the_load_balancing_loss():
+    """Central differences of cross-entropy + aux_loss_coef x the mean load-balancing loss (float64):
+    the router's, the experts' and the attention's gradients agree."""
+    model = Mixtral(CFG, dtype="float64", seed=1)
+    x, y = tokens(0), tokens(1)
+    loss, _ = total_loss(model, x, y)
+    loss.backward()
+    params = dict(model.named_parameters())
+    rng = np.random.default_rng(2)
+    for name in ("h.0.mlp.gate.weight", "h.1.mlp.w_gate", "h.0.mlp.w_up", "h.0.mlp.w_down", "h.1.attn.c_attn.weight"):
+        p = params[name]
+        for idx in (tuple(int(rng.integers(0, s)) for s in p.shape) for _ in range(3)):
+            old, eps = p.data[idx], 1e-6
+            p.data[idx] = old + eps
+            up = total_loss(model, x, y)[1]
+            p.data[idx] = old - eps
+            down = total_loss(model, x, y)[1]
+            p.data[idx] = old
+            assert p.grad[idx] == pytest.approx((up - down) / (2 * eps), rel=1e-4, abs=1e-9), (name, idx)
+
+
+def test_logits_and_load_balancing_loss_equal_hugging_face_mixtral():
+    """The export's tensors (:func:`mpirt.models.hf.mixtral_hf_tensors`) in transformers'
+    MixtralForCausalLM give mpirt's logits (Hugging Face's router runs in float32: ~1e-7), and
+    each layer's load-balancing loss per sequence is ``load_balancing_loss_func`` of that layer's
+    router logits of that sequence."""
+    torch = pytest.importorskip("torch")
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from mpirt.models.hf import mixtral_config_dict, mixtral_hf_tensors
+
+    model = Mixtral(CFG, dtype="float64", seed=1)
+    x = tokens(0)
+    logits = model(x)
+    hc = MixtralConfig(**{k: v for k, v in mixtral_config_dict(CFG).items() if k not in ("architectures", "torch_dtype")},
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hc.output_router_logits = True
+    hc._attn_implementation = hc._experts_implementation = "eager"
+    hf = MixtralForCausalLM(hc).double().eval()
+    weights = {n: q.data for n, q in model.named_parameters()}
+    state = {name: torch.from_numpy(read()) for name, _, read in mixtral_hf_tensors(CFG, weights.__getitem__)}
+    result = hf.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys
+    with torch.no_grad():
+        out = hf(torch.from_numpy(x))
+    np.testing.assert_allclose(logits.data, out.logits.numpy(), rtol=0, atol=1e-6)
+    assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
+    for blk, router in zip(model.h, out.router_logits):
+        per_seq = router.reshape(3, 16, CFG.n_expert)
+        want = np.mean([float(load_balancing_loss_func((per_seq[s],), CFG.n_expert, CFG.top_k)) for s in range(3)])
+        assert blk.mlp.stats["aux_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_capacity_drops_the_assignments_over_it_in_token_order():
+    """Capacity 1.0 with 16 tokens x top-2 over 4 experts: 8 per expert and sequence. A router that
+    prefers two experts for every token fills them and drops the rest; dropless keeps all."""
+    import dataclasses
+    cfg = dataclasses.replace(CFG, capacity_factor=1.0)
+    model = Mixtral(cfg, dtype="float64", seed=1)
+    mlp = model.h[0].mlp
+    p = np.zeros((3 * 16, 4))
+    p[:, 0], p[:, 1], p[:, 2:] = 0.5, 0.3, 0.1               # every token: experts 0 then 1
+    choice, kept = mlp.route(p, rows=3)
+    assert (choice == [0, 1]).all()
+    per_seq = kept.reshape(3, 16, 2)
+    assert per_seq[:, :8].all() and not per_seq[:, 8:].any()  # the first 8 tokens of each sequence fit
+    dropless = Mixtral(CFG, dtype="float64", seed=1).h[0].mlp
+    assert dropless.route(p, rows=3)[1].all()
+    x, y = tokens(0), tokens(1)
+    _, loss = model(x, y)
+    loss.backward()
+    stats = [blk.mlp.stats for blk in model.h]
+    assert all(s["dropped"] + s["tokens_per_expert"].sum() == 3 * 16 * 2 for s in stats)
+    assert all(s["tokens_per_expert"].max() <= 3 * 8 for s in stats)
+
+
+def test_an_expert_without_tokens_trains_and_gets_no_gradient():
+    """Positive inputs and a router column of -1 for expert 3 (+1 for the others): no token picks
+    it; the forward and backward run, expert 3 does no work and its weights get zero gradients."""
+    mlp = Mixtral(CFG, dtype="float64", seed=1).h[0].mlp
+    gate = mlp.gate.weight.data
+    gate[...] = np.random.default_rng(4).uniform(0.5, 1.0, gate.shape)
+    gate[:, 3] = -1.0
+    x = Tensor(np.random.default_rng(5).uniform(0.1, 1.0, (2, 16, CFG.n_embd)), requires_grad=True)
+    out = mlp(x)
+    out.backward(np.ones(out.shape))
+    assert mlp.stats["tokens_per_expert"][3] == 0 and mlp.stats["tokens_per_expert"].sum() == 2 * 16 * 2
+    assert not mlp.w_gate.grad[3].any() and not mlp.w_up.grad[3].any() and not mlp.w_down.grad[3].any()
+    assert mlp.w_gate.grad[:3].any() and np.isfinite(x.grad).all()
