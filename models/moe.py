@@ -73,6 +73,7 @@ class MoEMLP(Module):
     and ``aux_loss`` (the layer's load-balancing loss, mean over the sequences)."""
 
     loss_seed = 1.0
+    stats_keys = ("tokens_per_expert", "dropped", "aux_loss")  # what the monitor reads (expert_figures)
 
     def __init__(self, cfg: MoEConfig, dtype="float32"):
         super().__init__()

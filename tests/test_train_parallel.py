@@ -196,7 +196,8 @@ CAPACITY = ("--model.capacity_factor=1.0",)  # some assignments dropped
 def test_mixture_of_experts_layout_matches_single_rank(tiny_data, tmp_path, moe_reference, ranks, layout, model):
     """The Mixtral-style model (mpirt.models.moe): routing, expert capacity and the load-balancing
     loss are per token and sequence, so every layout gives the single-rank curve, validation loss
-    and weights, capacity drops included; the load-balancing loss changes the run."""
+    and weights, capacity drops included; the load-balancing loss changes the run; the metrics
+    count the tokens per expert and the dropped assignments."""
     losses, summary, weights = run(tiny_data, tmp_path, "--model=mixtral-tiny", *MOE, *model, *layout, ranks=ranks)
     ref_losses, ref_summary, ref_weights = moe_reference(model)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
@@ -204,6 +205,10 @@ def test_mixture_of_experts_layout_matches_single_rank(tiny_data, tmp_path, moe_
     assert "h.3.mlp.w_down" in weights
     for name, w in ref_weights.items():
         np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
+    if layout == ["--dp=2"]:  # the metrics: rank 0's 4 rows x 16 tokens x top-2 in each of the 4 layers
+        last = read_metrics(tmp_path)[-1]
+        assert sum(last["moe_tokens_per_expert"]) + last["moe_dropped"] == 4 * 16 * 2 * 4
+        assert (last["moe_dropped"] > 0) == bool(model) and last["moe_imbalance"] >= 1 and last["moe_aux_loss"] > 0
     if layout == ["--dp=2"] and not model:
         without = moe_reference(("--model.aux_loss_coef=0",))[0]
         assert not np.allclose(without[1:], ref_losses[1:], rtol=1e-9)

@@ -162,7 +162,24 @@ class _TensorBoard:
 
 # per-step figures shown in TensorBoard (rank 0's), beside the ranks' spread
 _TB_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "step_over_gemm_floor",
-            "compute_s", "mpi_wait_s", "comm_s", "bubble_s", "dp_exposed_s", "memory_bytes")
+            "compute_s", "mpi_wait_s", "comm_s", "bubble_s", "dp_exposed_s", "memory_bytes", "moe_imbalance",
+            "moe_dropped", "moe_aux_loss")
+
+
+def expert_figures(routers) -> dict:
+    """A mixture of experts' routing in the step's last micro-batch, over this rank's layers
+    (``routers``: modules whose ``stats`` hold ``tokens_per_expert``, ``dropped``, ``aux_loss``):
+    ``moe_tokens_per_expert`` (summed over the layers), ``moe_imbalance`` (the busiest expert's
+    tokens over the mean, 1 when balanced), ``moe_dropped`` (assignments over capacity) and
+    ``moe_aux_loss`` (the layers' mean load-balancing loss); {} without routers."""
+    stats = [m.stats for m in routers if m.stats]
+    if not stats:
+        return {}
+    counts = [sum(int(s["tokens_per_expert"][e]) for s in stats) for e in range(len(stats[0]["tokens_per_expert"]))]
+    mean = sum(counts) / len(counts)
+    return {"moe_tokens_per_expert": counts, "moe_imbalance": max(counts) / mean if mean else 0.0,
+            "moe_dropped": sum(s["dropped"] for s in stats),
+            "moe_aux_loss": sum(s["aux_loss"] for s in stats) / len(stats)}
 
 
 class RunMonitor:
@@ -182,6 +199,8 @@ class RunMonitor:
         from mpirt.monitor.trace import TraceRecorder
 
         self.cfg, self.ctx, self.grid, self.engine, self.out = cfg, ctx, grid, engine, out
+        self.routers = [m for _, m in engine.model.named_modules()   # a mixture of experts' layers
+                        if "tokens_per_expert" in getattr(m, "stats_keys", ())]
         self.world, self.is_main, self.enabled = ctx.comm, ctx.rank == 0, bool(cfg.monitor)
         self.flops_per_step = flops_per_step
         rows = max(1, Layout.of(cfg, grid.sizes).rows) * (cfg.seq_len // grid.sizes["cp"])  # this rank's tokens
@@ -244,7 +263,8 @@ class RunMonitor:
         """The step's figures for its metrics record: MFU, ``step_over_gemm_floor`` and, with
         monitoring on, the breakdown. ``seconds``: the step's wall time."""
         out = {"mfu": self.flops_per_step / seconds / self.peak_total,
-               "step_over_gemm_floor": seconds * self.gemm_total / self.flops_per_step}
+               "step_over_gemm_floor": seconds * self.gemm_total / self.flops_per_step,
+               **expert_figures(self.routers)}
         if self.stepmon:
             out.update(self.stepmon.end(engine_stats))
             if self.trace is not None and self.trace.recording:
