@@ -189,12 +189,13 @@ class Mixtral(Llama):
 
     @classmethod
     def activation_bytes_of(cls, cfg: MoEConfig, **kwargs) -> dict:
-        """Llama's formulas with an MLP ``top_k`` experts wide (each token's experts keep their gate
-        and up arrays), plus the grouped input and output (``2 k u``) and the router's
-        probabilities."""
+        """Llama's formulas with an MLP ``top_k`` experts wide whose two kept arrays are each
+        token's experts' gate and up products (the grouped op keeps no output of its own: the
+        backward makes ``silu(g) u`` again), plus the grouped input and output (``2 k u``) and the
+        router's probabilities with the load-balancing loss's gradient (``2 b s E``)."""
         import dataclasses
         wide = dataclasses.replace(cfg, n_inner=cfg.top_k * cfg.hidden)
-        out = activation_bytes(wide, mlp_saved=2, **kwargs)
+        out = activation_bytes(wide, mlp_saved=1, **kwargs)
         e = kwargs.get("itemsize", 4)
         tokens = kwargs["batch"] * kwargs["seq_len"]
         extra = int(e * tokens * (2 * cfg.top_k * cfg.n_embd + 2 * cfg.n_expert))
