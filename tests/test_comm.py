@@ -342,6 +342,32 @@ def test_reduce_scatter_then_allgather_flat_equals_allreduce():
     agree(not fails, fails)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_alltoallv_sends_each_rank_its_rows_with_counts_exchanged_first():
+    """Rank r sends (r + d) % 3 rows to rank d (none to some): every rank receives, in rank order,
+    exactly the rows meant for it; a rank with nothing to send or receive still takes part; bad
+    counts are refused naming them."""
+    c, fails = comm.world_comm(), []
+    send = [(c.rank + d) % 3 for d in range(c.size)]
+    rows = np.concatenate([np.full((n, 2), 100 * c.rank + d, dtype=np.float64) for d, n in enumerate(send)]
+                          or [np.empty((0, 2))]).reshape(-1, 2)
+    got, counts = c.alltoallv(rows, send)
+    want = [(s + c.rank) % 3 for s in range(c.size)]
+    if counts != want or got.shape != (sum(want), 2) or \
+            not np.array_equal(got[:, 0], np.concatenate([np.full(n, 100 * s + c.rank) for s, n in enumerate(want)])):
+        fails.append(f"rank {c.rank}: counts {counts} want {want}, rows {got[:, 0].tolist()}")
+    nothing, counts = c.alltoallv(np.empty((0, 3)), [0] * c.size)
+    if nothing.shape != (0, 3) or counts != [0] * c.size:
+        fails.append(f"empty: {nothing.shape} {counts}")
+    try:
+        c.alltoallv(np.zeros((2, 3)), [1] * c.size + [1])
+        fails.append("wrong counts accepted")
+    except ValueError as err:
+        if "do not split the 2 rows" not in str(err):
+            fails.append(str(err))
+    agree(not fails, fails)
+
+
 def _rows(rank: int, layout: str, dtype):
     """Rank ``rank``'s block of rank % 3 + 1 rows of 5 values for allgather."""
     m = rank % 3 + 1

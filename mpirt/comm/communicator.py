@@ -255,6 +255,33 @@ class Comm(PointToPoint):
             displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
             self.mpi.Allgatherv([send, MPI.BYTE], [result, (sizes, displs), MPI.BYTE])
 
+    def alltoallv(self, x, send_counts) -> tuple:
+        """Rows of ``x`` to every rank: the first ``send_counts[0]`` rows to rank 0, the next
+        ``send_counts[1]`` to rank 1, ...; returns ``(rows received, in rank order; the counts
+        received from each rank)``. The counts go first (one MPI_Alltoall of integers), then the
+        rows' bytes (MPI_Alltoallv); a rank may send or receive no rows at all, and still takes
+        part. Trailing shapes and dtypes must agree over the ranks. A device array goes through
+        the host. Recorded as ``alltoall`` with the bytes sent."""
+        counts = np.asarray([int(c) for c in send_counts], dtype=np.int64)
+        if len(counts) != self.size or (counts < 0).any() or counts.sum() != (x.shape[0] if x.ndim else 1):
+            raise ValueError(f"alltoallv: send counts {counts.tolist()} do not split the {x.shape[0] if x.ndim else 1} "
+                             f"rows of rank {self.rank} over {self.size} ranks")
+        call = new_call(self._ch, "alltoall", x.nbytes, -1, _clock())
+        try:
+            host = _contig(B.to_host(x))
+            row = int(np.prod(host.shape[1:], dtype=np.int64)) * host.itemsize
+            received = np.empty(self.size, dtype=np.int64)
+            self.mpi.Alltoall([counts, MPI.INT64_T], [received, MPI.INT64_T])
+            result = np.empty((int(received.sum()), *host.shape[1:]), dtype=host.dtype)
+            sizes_out, sizes_in = (counts * row).tolist(), (received * row).tolist()
+            displs_out = np.concatenate([[0], np.cumsum(sizes_out)[:-1]]).tolist()
+            displs_in = np.concatenate([[0], np.cumsum(sizes_in)[:-1]]).tolist()
+            self.mpi.Alltoallv([host, (sizes_out, displs_out), MPI.BYTE], [result, (sizes_in, displs_in), MPI.BYTE])
+        finally:
+            self._ch.cur = None
+        self._record(call, "host" if host is x else "staged", x.nbytes)
+        return (result if host is x else B.asarray(result)), received.tolist()
+
     def allgather_flat(self, chunk, n: int, out=None):
         """The inverse of :meth:`reduce_scatter`: rank r holds chunk r of a flat array of ``n``
         elements (:func:`chunk_bounds`); returns the whole flat array (or fills ``out``).
