@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 checkpoints in and out, through safetensors only (never pickle).
+"""Hugging Face checkpoints in and out, through safetensors only (never pickle): GPT-2 as below;
+Llama and Mixtral (tied heads) by mapping tensors (:func:`load_hf_decoder`, :data:`HF_FAMILIES`).
 
 A GPT-2 directory holds ``config.json`` and either ``model.safetensors`` or a sharded checkpoint
 (``model.safetensors.index.json`` naming several shard files). Tensor names may carry the
@@ -299,23 +300,101 @@ def mixtral_param_shapes(cfg) -> dict:
 
 
 def mixtral_hf_tensors(cfg, read) -> list:
-    """``(hf name, shape, read)`` of every tensor of a Mixtral-style model under
-    ``MixtralForCausalLM``'s names: the attention and norms as :func:`llama_hf_tensors`, the
-    router transposed to (E, C), each expert's gate and up matrices transposed and stacked as
-    ``experts.gate_up_proj`` (E, 2F, C), the down matrices as ``experts.down_proj`` (E, C, F)."""
+    """``(hf name, shape, read)`` of every tensor of a Mixtral-style model in the Hugging Face
+    Hub's Mixtral files (what ``save_pretrained`` writes and ``from_pretrained`` reads): the
+    attention and norms as :func:`llama_hf_tensors`, under ``block_sparse_moe.`` the router
+    ``gate.weight`` (E, C) and per expert ``j`` its ``w1`` (gate), ``w3`` (up), both (F, C), and
+    ``w2`` (down, (C, F)): mpirt's stacked (in, out) matrices transposed."""
     c, f, e = cfg.n_embd, cfg.hidden, cfg.n_expert
 
-    def experts(i, *names):
-        return lambda: np.ascontiguousarray(np.concatenate([read(f"h.{i}.mlp.{n}").transpose(0, 2, 1) for n in names],
-                                                           axis=1))
+    def expert(i, name, j):
+        return lambda: np.ascontiguousarray(read(f"h.{i}.mlp.{name}")[j].T)
 
     items = [item for item in llama_hf_tensors(cfg, read) if ".mlp." not in item[0]]
     for i in range(cfg.n_layer):
-        theirs = f"model.layers.{i}.mlp."
-        items += [(theirs + "gate.weight", (e, c), lambda i=i: np.ascontiguousarray(read(f"h.{i}.mlp.gate.weight").T)),
-                  (theirs + "experts.gate_up_proj", (e, 2 * f, c), experts(i, "w_gate", "w_up")),
-                  (theirs + "experts.down_proj", (e, c, f), experts(i, "w_down"))]
+        theirs = f"model.layers.{i}.block_sparse_moe."
+        items.append((theirs + "gate.weight", (e, c), lambda i=i: np.ascontiguousarray(read(f"h.{i}.mlp.gate.weight").T)))
+        for j in range(e):
+            items += [(theirs + f"experts.{j}.w1.weight", (f, c), expert(i, "w_gate", j)),
+                      (theirs + f"experts.{j}.w3.weight", (f, c), expert(i, "w_up", j)),
+                      (theirs + f"experts.{j}.w2.weight", (c, f), expert(i, "w_down", j))]
     return items
+
+
+def read_decoder_config(path: Path) -> dict:
+    """Config field values (:class:`~mpirt.models.llama.LlamaConfig` or
+    :class:`~mpirt.models.moe.MoEConfig`) from a Hugging Face Llama or Mixtral ``config.json``;
+    what mpirt does not implement (an untied head, biases, rope scaling, sliding windows) is refused
+    naming the key."""
+    where = f" (in {path})"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model: cannot read {path}: {e}") from None
+    for key, want in (("tie_word_embeddings", True), ("attention_bias", False), ("mlp_bias", False),
+                      ("hidden_act", "silu"), ("rope_scaling", None), ("sliding_window", None)):
+        if data.get(key, want) != want:
+            raise ConfigError(f"{key}: mpirt supports only {want!r}, got {data[key]!r}{where}")
+    heads = data["num_attention_heads"]
+    if (data.get("head_dim") or data["hidden_size"] // heads) * heads != data["hidden_size"]:
+        raise ConfigError(f"head_dim: must be hidden_size / num_attention_heads, got {data['head_dim']!r}{where}")
+    theta = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    out = {"model_type": data.get("model_type", "llama"), "vocab_size": data["vocab_size"],
+           "n_embd": data["hidden_size"], "n_inner": data["intermediate_size"], "n_layer": data["num_hidden_layers"],
+           "n_head": heads, "n_kv_head": data.get("num_key_value_heads") or heads,
+           "n_positions": data["max_position_embeddings"], "rms_norm_eps": data.get("rms_norm_eps", 1e-6),
+           "rope_theta": float(theta), "attn_pdrop": data.get("attention_dropout", 0.0),
+           "initializer_range": data.get("initializer_range", 0.02)}
+    if out["model_type"] == "mixtral":
+        out.update(n_expert=data["num_local_experts"], top_k=data["num_experts_per_tok"],
+                   aux_loss_coef=data.get("router_aux_loss_coef", 0.001))
+    return out
+
+
+def load_hf_decoder(directory, dtype="float32") -> tuple:
+    """``(config, full weights by mpirt name)`` of a Hugging Face Llama or Mixtral directory (tied
+    head), the inverse of :func:`llama_hf_tensors` / :func:`mixtral_hf_tensors`: q, k and v fused
+    into ``c_attn``, matrices back to (in, out), the experts' ``w1``, ``w3``, ``w2`` stacked into
+    ``w_gate``, ``w_up``, ``w_down``. A stored ``lm_head.weight`` must equal the embedding."""
+    from mpirt.core.modeling import config_from_dict
+    directory = Path(directory)
+    cfg = config_from_dict(read_decoder_config(directory / "config.json"))
+    hf = {}
+    for path in _safetensors_files(directory):
+        f = _open(path)
+        for key in f.keys():
+            hf[key] = f.read(key, np.empty(f.shape(key), dtype=dtype))
+    head = hf.pop("lm_head.weight", None)
+    if head is not None and not np.array_equal(head, hf.get("model.embed_tokens.weight")):
+        raise ValueError(f"{directory}: lm_head.weight differs from the embedding: untied lm_head not supported")
+
+    def take(name):
+        try:
+            return hf.pop(name)
+        except KeyError:
+            raise CheckpointError(f"{directory}: tensor {name!r} missing for {cfg.model_type} "
+                                  f"n_layer={cfg.n_layer}") from None
+
+    out = {"wte.weight": take("model.embed_tokens.weight"), "ln_f.weight": take("model.norm.weight")}
+    for i in range(cfg.n_layer):
+        theirs, mine = f"model.layers.{i}.", f"h.{i}."
+        attn = theirs + "self_attn."
+        out[mine + "ln_1.weight"] = take(theirs + "input_layernorm.weight")
+        out[mine + "ln_2.weight"] = take(theirs + "post_attention_layernorm.weight")
+        out[mine + "attn.c_attn.weight"] = np.concatenate([take(attn + f"{x}_proj.weight").T for x in "qkv"], axis=1)
+        out[mine + "attn.c_proj.weight"] = np.ascontiguousarray(take(attn + "o_proj.weight").T)
+        if cfg.model_type == "mixtral":                                     # the Hub's per-expert w1, w3, w2
+            moe = theirs + "block_sparse_moe."
+            out[mine + "mlp.gate.weight"] = np.ascontiguousarray(take(moe + "gate.weight").T)
+            for ours, w in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
+                out[mine + f"mlp.{ours}"] = np.stack([take(moe + f"experts.{j}.{w}.weight").T
+                                                      for j in range(cfg.n_expert)])
+        else:
+            for x in ("gate_proj", "up_proj", "down_proj"):
+                out[mine + f"mlp.{x}.weight"] = np.ascontiguousarray(take(theirs + f"mlp.{x}.weight").T)
+    if hf:
+        raise CheckpointError(f"{directory}: tensors mpirt's {cfg.model_type} does not have: {sorted(hf)[:5]}")
+    return cfg, out
 
 
 # the Hugging Face families an export writes by mapping tensors: model_type -> (config.json,

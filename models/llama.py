@@ -113,6 +113,19 @@ class Llama(TiedLM):
         self._finish(seed)
 
     @classmethod
+    def read_hf_config(cls, path) -> dict:
+        """Config field values from a Hugging Face Llama (or Mixtral) ``config.json``."""
+        from mpirt.models.hf import read_decoder_config
+        return read_decoder_config(path)
+
+    @classmethod
+    def load_hf(cls, directory, dtype="float32"):
+        """``(config, full weights)`` of a Hugging Face Llama (or Mixtral) directory
+        (:func:`.hf.load_hf_decoder`)."""
+        from mpirt.models.hf import load_hf_decoder
+        return load_hf_decoder(directory, dtype=dtype)
+
+    @classmethod
     def check_config(cls, cfg: LlamaConfig) -> None:
         """Whole heads of an even size (rotary embeddings rotate pairs); key/value heads that
         divide the query heads into equal groups."""

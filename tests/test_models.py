@@ -535,6 +535,26 @@ def to_hf_llama(model) -> dict:
     return {name: torch.from_numpy(read()) for name, _, read in llama_hf_tensors(model.config, p.__getitem__)}
 
 
+def test_a_hugging_face_llama_directory_loads_with_its_logits(tmp_path):
+    """A LlamaForCausalLM saved by transformers (safetensors, tied head, grouped-query attention)
+    is read back through :func:`mpirt.core.modeling.load_hf`: the same logits."""
+    torch = pytest.importorskip("torch")
+    from mpirt.core.modeling import build_model, load_hf
+    cfg = LlamaConfig(n_layer=2, n_head=4, n_embd=32, n_positions=16, vocab_size=37, n_inner=48, rope_theta=500.0,
+                      n_kv_head=2)
+    torch.manual_seed(0)
+    hf = hf_llama(cfg)
+    hf.save_pretrained(tmp_path / "hf")
+    loaded, weights = load_hf(tmp_path / "hf")
+    assert (loaded.model_type, loaded.n_kv_head, loaded.hidden, loaded.rope_theta) == ("llama", 2, 48, 500.0)
+    model = build_model(loaded, dtype="float64")
+    model.load_state_dict(weights)
+    idx = np.random.default_rng(2).integers(0, 37, (2, 16))
+    with torch.no_grad():
+        want = hf(torch.from_numpy(idx)).logits.numpy()
+    np.testing.assert_allclose(model(idx).data, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("n_kv_head", [None, 2, 1], ids=["mha", "gqa2", "mqa"])
 def test_llama_logits_equal_hugging_face_llama(n_kv_head):
     """Same weights, same logits as transformers' LlamaForCausalLM (tied head, no biases, rotary

@@ -67,29 +67,36 @@ def test_gradients_include_the_load_balancing_loss():
             assert p.grad[idx] == pytest.approx((up - down) / (2 * eps), rel=1e-4, abs=1e-9), (name, idx)
 
 
-def test_logits_and_load_balancing_loss_equal_hugging_face_mixtral():
-    """The export's tensors (:func:`mpirt.models.hf.mixtral_hf_tensors`) in transformers'
-    MixtralForCausalLM give mpirt's logits (Hugging Face's router runs in float32: ~1e-7), and
-    each layer's load-balancing loss per sequence is ``load_balancing_loss_func`` of that layer's
-    router logits of that sequence."""
-    torch = pytest.importorskip("torch")
-    from transformers import MixtralConfig, MixtralForCausalLM
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+def hf_from_export(model, directory):
+    """transformers' MixtralForCausalLM (float64, eager, router logits out) read from the files
+    mpirt's export mapping writes (:func:`mpirt.models.hf.mixtral_hf_tensors`, the Hub's layout)."""
+    import json
+
+    from safetensors.numpy import save_file
+    from transformers import MixtralForCausalLM
 
     from mpirt.models.hf import mixtral_config_dict, mixtral_hf_tensors
+    weights = {n: q.data for n, q in model.named_parameters()}
+    directory.mkdir()
+    save_file({name: read() for name, _, read in mixtral_hf_tensors(model.config, weights.__getitem__)},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(mixtral_config_dict(model.config, "float64")))
+    hf = MixtralForCausalLM.from_pretrained(directory, output_router_logits=True, attn_implementation="eager",
+                                            experts_implementation="eager").double().eval()
+    return hf
+
+
+def test_logits_and_load_balancing_loss_equal_hugging_face_mixtral(tmp_path):
+    """mpirt's export tensors in transformers' MixtralForCausalLM give mpirt's logits (Hugging
+    Face's router runs in float32: ~1e-7), and each layer's load-balancing loss per sequence is
+    ``load_balancing_loss_func`` of that layer's router logits of that sequence."""
+    torch = pytest.importorskip("torch")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     model = Mixtral(CFG, dtype="float64", seed=1)
     x = tokens(0)
     logits = model(x)
-    hc = MixtralConfig(**{k: v for k, v in mixtral_config_dict(CFG).items() if k not in ("architectures", "torch_dtype")},
-                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    hc.output_router_logits = True
-    hc._attn_implementation = hc._experts_implementation = "eager"
-    hf = MixtralForCausalLM(hc).double().eval()
-    weights = {n: q.data for n, q in model.named_parameters()}
-    state = {name: torch.from_numpy(read()) for name, _, read in mixtral_hf_tensors(CFG, weights.__getitem__)}
-    result = hf.load_state_dict(state, strict=False)
-    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys
+    hf = hf_from_export(model, tmp_path / "hf")
     with torch.no_grad():
         out = hf(torch.from_numpy(x))
     np.testing.assert_allclose(logits.data, out.logits.numpy(), rtol=0, atol=1e-6)
@@ -136,3 +143,32 @@ def test_an_expert_without_tokens_trains_and_gets_no_gradient():
     assert mlp.stats["tokens_per_expert"][3] == 0 and mlp.stats["tokens_per_expert"].sum() == 2 * 16 * 2
     assert not mlp.w_gate.grad[3].any() and not mlp.w_up.grad[3].any() and not mlp.w_down.grad[3].any()
     assert mlp.w_gate.grad[:3].any() and np.isfinite(x.grad).all()
+
+
+def test_a_hugging_face_mixtral_directory_loads_with_its_logits(tmp_path):
+    """A MixtralForCausalLM saved by transformers (safetensors, tied head) is read back through
+    :func:`mpirt.core.modeling.load_hf` (config.json's fields, q | k | v fused, the experts'
+    gate_up_proj split): the same logits; a untied head is refused naming the key."""
+    torch = pytest.importorskip("torch")
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from mpirt.core.modeling import build_model, load_hf
+    from mpirt.core.settings import ConfigError
+    hc = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+                       tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    hf = MixtralForCausalLM(hc).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, weights = load_hf(tmp_path / "hf")
+    assert (cfg.model_type, cfg.n_expert, cfg.top_k, cfg.n_kv_head, cfg.hidden) == ("mixtral", 4, 2, 2, 48)
+    model = build_model(cfg)
+    model.load_state_dict(weights)
+    idx = tokens(3, rows=2)
+    with torch.no_grad():
+        want = hf(torch.from_numpy(idx)).logits.numpy()
+    np.testing.assert_allclose(model(idx).data, want, rtol=0, atol=1e-5)
+    config = (tmp_path / "hf" / "config.json")
+    config.write_text(config.read_text().replace('"tie_word_embeddings": true', '"tie_word_embeddings": false'))
+    with pytest.raises(ConfigError, match="tie_word_embeddings: mpirt supports only True"):
+        load_hf(tmp_path / "hf")
