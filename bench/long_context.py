@@ -1,13 +1,14 @@
 """A sequence too long for one rank's memory budget trains under context parallelism within it.
 
-    python bench/long_context.py                        # seq 4096, cp 4, budget between the two
+    python bench/long_context.py                        # seq 4096, cp 4, a budget only cp 4 fits
     python bench/long_context.py --seq-len 8192 --layout="--cp=2 --tp=2" --budget 300MiB
 
 Each step is a real `mpiexec -n RANKS python -m mpirt.train` run of a small GPT with attention
 dropout (whose per-layer masks are the attention's largest activation, B H T^2 bytes):
 
-1. predicts one rank's peak and the layout's (:func:`mpirt.plan.memory.predict`), and picks the
-   budget halfway between them unless ``--budget`` is given;
+1. predicts one rank's peak, data parallelism's and the layout's (:func:`mpirt.plan.memory.predict`),
+   and picks the budget halfway between the layout's and the smaller of the other two unless
+   ``--budget`` is given;
 2. one rank under ``--memory-budget``: mpirt.train must refuse it before training;
 3. one rank without a budget: the reference losses;
 4. the layout under the budget, and ``--dp RANKS`` (data parallel, the same global batch, no
@@ -93,7 +94,9 @@ def main() -> None:
     single_peak = predict(single_cfg, model_cfg, plan_layout(single_cfg, 1), 0)["peak"]
     layout = plan_layout(cfg, a.ranks)
     layout_peak = max(predict(cfg, model_cfg, layout, r)["peak"] for r in range(a.ranks))
-    budget = parse_size(a.budget) if a.budget else (single_peak + layout_peak) // 2
+    dp_cfg = parse_args(train_args(a, f"--dp={a.ranks}", out / "p"))
+    dp_peak = max(predict(dp_cfg, model_cfg, plan_layout(dp_cfg, a.ranks), r)["peak"] for r in range(a.ranks))
+    budget = parse_size(a.budget) if a.budget else (min(single_peak, dp_peak) + layout_peak) // 2
     if not layout_peak < budget < single_peak:
         sys.exit(f"long_context: the budget {format_size(budget)} must lie between the layout's predicted peak "
                  f"{format_size(layout_peak)} and one rank's {format_size(single_peak)}")
