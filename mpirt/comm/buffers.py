@@ -3,6 +3,8 @@ the array module of an array, and the stream synchronization before MPI touches 
 """
 from __future__ import annotations
 
+import itertools
+
 import functools
 
 import numpy as np
@@ -31,6 +33,13 @@ def chunk_bounds(n: int, size: int) -> list[tuple[int, int]]:
 @functools.lru_cache(maxsize=256)
 def _counts(n: int, size: int) -> tuple[int, ...]:
     return tuple(b - a for a, b in chunk_bounds(n, size))
+
+
+def _byte_layout(counts, unit: int) -> tuple[list, list]:
+    """``(sizes, displacements)`` in bytes of ``counts`` items of ``unit`` bytes laid back to back:
+    the buffer description of MPI's v-collectives."""
+    sizes = [int(c) * unit for c in counts]
+    return sizes, [0, *itertools.accumulate(sizes)][:-1]
 
 _REDUCE_TYPES = {np.dtype(k): v for k, v in [
     (np.float32, MPI.FLOAT), (np.float64, MPI.DOUBLE), (np.int8, MPI.INT8_T), (np.int16, MPI.INT16_T),

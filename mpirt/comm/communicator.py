@@ -7,7 +7,7 @@ from mpi4py import MPI
 
 import mpirt.core.backend as B
 from mpirt.comm import buffers, flight
-from mpirt.comm.buffers import (_OPS, _REDUCE_TYPES, _contig, _counts, _divide, _mpi_op, _put_back,
+from mpirt.comm.buffers import (_OPS, _REDUCE_TYPES, _byte_layout, _contig, _counts, _divide, _mpi_op, _put_back,
                                 _reduce_dtype, _sync)
 from mpirt.comm.engines import _NcclEngine, select_engine
 from mpirt.comm.flight import DONE, NBYTES, OP, T0, new_call
@@ -251,9 +251,7 @@ class Comm(PointToPoint):
         if equal:
             self.mpi.Allgather([send, MPI.BYTE], [result, MPI.BYTE])
         else:
-            sizes = [c * unit for c in counts]
-            displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-            self.mpi.Allgatherv([send, MPI.BYTE], [result, (sizes, displs), MPI.BYTE])
+            self.mpi.Allgatherv([send, MPI.BYTE], [result, _byte_layout(counts, unit), MPI.BYTE])
 
     def alltoallv(self, x, send_counts) -> tuple:
         """Rows of ``x`` to every rank: the first ``send_counts[0]`` rows to rank 0, the next
@@ -273,10 +271,8 @@ class Comm(PointToPoint):
             received = np.empty(self.size, dtype=np.int64)
             self.mpi.Alltoall([counts, MPI.INT64_T], [received, MPI.INT64_T])
             result = np.empty((int(received.sum()), *host.shape[1:]), dtype=host.dtype)
-            sizes_out, sizes_in = (counts * row).tolist(), (received * row).tolist()
-            displs_out = np.concatenate([[0], np.cumsum(sizes_out)[:-1]]).tolist()
-            displs_in = np.concatenate([[0], np.cumsum(sizes_in)[:-1]]).tolist()
-            self.mpi.Alltoallv([host, (sizes_out, displs_out), MPI.BYTE], [result, (sizes_in, displs_in), MPI.BYTE])
+            self.mpi.Alltoallv([host, _byte_layout(counts, row), MPI.BYTE],
+                               [result, _byte_layout(received, row), MPI.BYTE])
         finally:
             self._ch.cur = None
         self._record(call, "host" if host is x else "staged", x.nbytes)
@@ -320,10 +316,7 @@ class Comm(PointToPoint):
         NCCL or staged path) and the handle is already complete. Recorded as ``iallgather``."""
         if hasattr(chunk, "__cuda_array_interface__"):
             return _done_handle(self.allgather_flat(chunk, n))
-        counts = _counts(n, self.size)
-        if chunk.size != counts[self.rank]:
-            raise ValueError(f"iallgather_flat: rank {self.rank} holds {chunk.size} elements, but chunk "
-                             f"{self.rank} of {n} over {self.size} ranks has {counts[self.rank]}")
+        counts = self._chunk_counts("iallgather_flat", chunk, n)
         call = new_call(self._ch, "iallgather", chunk.nbytes, -1, _clock())
         try:
             send = _contig(chunk)
@@ -331,9 +324,7 @@ class Comm(PointToPoint):
             if n % self.size == 0:
                 req = self.mpi.Iallgather([send, MPI.BYTE], [result, MPI.BYTE])
             else:
-                sizes = [c * chunk.itemsize for c in counts]
-                displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-                req = self.mpi.Iallgatherv([send, MPI.BYTE], [result, (sizes, displs), MPI.BYTE])
+                req = self.mpi.Iallgatherv([send, MPI.BYTE], [result, _byte_layout(counts, chunk.itemsize), MPI.BYTE])
         finally:
             self._ch.cur = None
         return Handle(req, None, "host", result, call, keep=send)
@@ -354,16 +345,20 @@ class Comm(PointToPoint):
         if n % self.size == 0:
             self.mpi.Allgather(MPI.IN_PLACE, [flat, MPI.BYTE])
         else:
-            sizes = [c * out.itemsize for c in counts]
-            displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-            self.mpi.Allgatherv(MPI.IN_PLACE, [flat, (sizes, displs), MPI.BYTE])
+            self.mpi.Allgatherv(MPI.IN_PLACE, [flat, _byte_layout(counts, out.itemsize), MPI.BYTE])
         return out
 
-    def _allgather_flat(self, chunk, n, out):
+    def _chunk_counts(self, op: str, chunk, n: int) -> tuple:
+        """The chunk sizes of a flat array of ``n`` over the ranks; ValueError when this rank's
+        ``chunk`` is not its chunk's size."""
         counts = _counts(n, self.size)
         if chunk.size != counts[self.rank]:
-            raise ValueError(f"allgather_flat: rank {self.rank} holds {chunk.size} elements, but chunk "
+            raise ValueError(f"{op}: rank {self.rank} holds {chunk.size} elements, but chunk "
                              f"{self.rank} of {n} over {self.size} ranks has {counts[self.rank]}")
+        return counts
+
+    def _allgather_flat(self, chunk, n, out):
+        counts = self._chunk_counts("allgather_flat", chunk, n)
         if out is not None and (out.size != n or out.dtype != chunk.dtype):
             raise ValueError(f"allgather_flat: out must hold {n} {chunk.dtype}, got {out.size} {out.dtype}")
         direct = out is not None and out.flags.c_contiguous
