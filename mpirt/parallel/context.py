@@ -53,9 +53,20 @@ class ContextShard:
     def __init__(self, comm):
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
 
-    def chunks(self) -> tuple[int, int]:
-        """The global chunk numbers of the rank's two halves, in the order it holds them."""
-        return self.rank, 2 * self.size - 1 - self.rank
+    def chunks(self, rank: int | None = None) -> tuple[int, int]:
+        """The global chunk numbers of cp rank ``rank``'s two halves (default this rank's), in the
+        order it holds them."""
+        rank = self.rank if rank is None else rank
+        return rank, 2 * self.size - 1 - rank
+
+    def owner(self, step: int) -> int:
+        """The cp rank whose keys and values this rank holds at ring step ``step``."""
+        return (self.rank - step) % self.size
+
+    @property
+    def neighbours(self) -> tuple[int, int]:
+        """``(next, previous)`` cp ranks: the ring passes to the next, receives from the previous."""
+        return (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
     def check_length(self, t: int) -> None:
         """Refuse a sequence of ``t`` tokens that does not cut into ``2 cp`` equal chunks."""
@@ -148,8 +159,7 @@ class RingAttention(Function):
         """``(query half, key half, kind)`` of the blocks computed at ring step ``step`` (holding the
         keys and values of cp rank ``rank - step``), skipped pairs left out."""
         shard = self.shard
-        owner = (shard.rank - step) % shard.size
-        k_chunks = (owner, 2 * shard.size - 1 - owner)
+        k_chunks = shard.chunks(shard.owner(step))
         for i, q_chunk in enumerate(shard.chunks()):
             for j, k_chunk in enumerate(k_chunks):
                 kind = pair(q_chunk, k_chunk)
@@ -165,9 +175,8 @@ class RingAttention(Function):
         if key not in self.masks:
             shard, n = self.shard, self.chunk_len
             total = 2 * shard.size * n
-            owner = (shard.rank - step) % shard.size
             q0 = shard.chunks()[i] * n
-            k0 = (owner, 2 * shard.size - 1 - owner)[j] * n
+            k0 = shard.chunks(shard.owner(step))[j] * n
             src = dataclasses.replace(self.source, spans=((2, total, ((q0, n),)), (3, total, ((k0, n),))))
             mask = dropout_mask((b, self.n_head, n, n), self.p, src)
             self.masks[key] = mask.reshape(b, self.n_kv, self.n_head // self.n_kv, n, n)
@@ -199,12 +208,12 @@ class RingAttention(Function):
         """Call ``blocks(kv, step)`` for each of the cp ranks' keys and values in turn, the next
         already travelling (sent on to rank + 1, received from rank - 1) while it computes."""
         shard = self.shard
-        comm, nxt, prv = shard.comm, (shard.rank + 1) % shard.size, (shard.rank - 1) % shard.size
+        nxt, prv = shard.neighbours
         for step in range(shard.size):
             moving = []
             if step < shard.size - 1:
                 incoming = B.xp.empty_like(kvb)
-                moving = [comm.isend(kvb, nxt, tag=_TAG_KV), comm.irecv(incoming, prv, tag=_TAG_KV)]
+                moving = [shard.comm.isend(kvb, nxt, tag=_TAG_KV), shard.comm.irecv(incoming, prv, tag=_TAG_KV)]
             blocks(kvb, step)
             for h in moving:
                 h.wait()
@@ -225,27 +234,25 @@ class RingAttention(Function):
         dq = xp.zeros(q.shape, dtype=q.dtype)
         qs = q * self.scale
         shard = self.shard
-        comm, nxt, prv = shard.comm, (shard.rank + 1) % shard.size, (shard.rank - 1) % shard.size
+        nxt, prv = shard.neighbours
         kvb = xp.ascontiguousarray(self.qkv[..., c:])               # (B, T/cp, 2 Ck): travels with its gradient
-        dkv = xp.zeros(kvb.shape, dtype=kvb.dtype)
-        for step in range(shard.size):
-            moving = []
-            if step < shard.size - 1:
-                incoming = xp.empty_like(kvb)
-                moving = [comm.isend(kvb, nxt, tag=_TAG_KV), comm.irecv(incoming, prv, tag=_TAG_KV)]
+        dkv = [xp.zeros(kvb.shape, dtype=kvb.dtype)]                # the gradient of the keys and values held
+
+        def blocks(kvb, step):
             k, v = _heads(kvb[..., :ck], kv), _heads(kvb[..., ck:], kv)
-            dk, dv = _heads(dkv[..., :ck], kv), _heads(dkv[..., ck:], kv)
+            dk, dv = _heads(dkv[0][..., :ck], kv), _heads(dkv[0][..., ck:], kv)
             for i, j, kind in self._pairs(step):
                 rq, rk = self._rows(i), self._rows(j)
                 self._block_backward(qs[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], go[..., rq, :],
                                      self.lse[..., rq, :], rowdot[..., rq, :], kind, self._mask(i, j, step, b),
                                      dq[..., rq, :], dk[..., rk, :], dv[..., rk, :])
-            back = xp.empty_like(dkv)                               # the keys' gradient moves on with them
-            for hd in [*moving, comm.isend(dkv, nxt, tag=_TAG_DKV), comm.irecv(back, prv, tag=_TAG_DKV)]:
+            back = xp.empty_like(dkv[0])                            # the keys' gradient moves on with them
+            for hd in (shard.comm.isend(dkv[0], nxt, tag=_TAG_DKV), shard.comm.irecv(back, prv, tag=_TAG_DKV)):
                 hd.wait()
-            dkv = back
-            if moving:
-                kvb = incoming
+            dkv[0] = back
+
+        self._ring(kvb, blocks)                                     # after cp passes, this rank's own gradient
+        dkv = dkv[0]
         dqkv = xp.empty(self.qkv.shape, dtype=self.qkv.dtype)
         _merge_heads(dq.reshape(b, h, t, -1), dqkv[..., :c], self.scale)
         dqkv[..., c:c + ck] = dkv[..., :ck] * self.scale           # dK = scale dS^T Q, summed around the ring
