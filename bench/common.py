@@ -218,6 +218,21 @@ def launch(cmd: list[str], ranks: int, timeout: float, check: bool = True):
     return result, wall, peak
 
 
+def workspace(out: str, data: str, prefix: str) -> tuple[Path, str]:
+    """``(the runs' directory, the dataset)`` of a benchmark launching training runs: ``out`` (else a
+    new temporary directory named ``prefix``...) and ``data`` (else this repository's sources,
+    prepared byte-level into the runs' directory once)."""
+    import tempfile
+    root = Path(out or tempfile.mkdtemp(prefix=prefix))
+    root.mkdir(parents=True, exist_ok=True)
+    if not data:
+        data = str(root / "data")
+        if not (Path(data) / "meta.json").exists():
+            from mpirt.data.tokens import prepare
+            prepare(Path(__file__).resolve().parents[1] / "mpirt", Path(data), pattern="*.py", val_fraction=0.2)
+    return root, data
+
+
 def children_cpu_s() -> float:
     """CPU seconds of the child processes waited for so far (the runs a benchmark launched)."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -27,13 +27,12 @@ import dataclasses
 import json
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import LoadMonitor, children_cpu_s, launch, write_results  # noqa: E402
+from common import LoadMonitor, children_cpu_s, launch, workspace, write_results  # noqa: E402
 
 from mpirt.run.config import parse_args  # noqa: E402
 from mpirt.plan.memory import CATEGORIES, format_size, parse_size, predict  # noqa: E402
@@ -73,13 +72,7 @@ def main() -> None:
     ap.add_argument("--results", default="", help="where fit.json/fit.md go (default bench/results)")
     a = ap.parse_args()
 
-    out = Path(a.out or tempfile.mkdtemp(prefix="mpirt-fit-"))
-    out.mkdir(parents=True, exist_ok=True)
-    if not a.data:
-        a.data = str(out / "data")
-        if not (Path(a.data) / "meta.json").exists():
-            from mpirt.data.tokens import prepare
-            prepare(ROOT / "mpirt", Path(a.data), pattern="*.py", val_fraction=0.2)
+    out, a.data = workspace(a.out, a.data, "mpirt-fit-")
     budget = parse_size(a.budget)
     load = LoadMonitor().start()
     children_cpu0 = children_cpu_s()

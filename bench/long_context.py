@@ -26,13 +26,12 @@ import json
 import shlex
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import LoadMonitor, children_cpu_s, launch, write_results  # noqa: E402
+from common import LoadMonitor, children_cpu_s, launch, workspace, write_results  # noqa: E402
 
 from mpirt.core.modeling import load_model_config  # noqa: E402
 from mpirt.plan.memory import format_size, parse_size, predict  # noqa: E402
@@ -77,13 +76,7 @@ def main() -> None:
     ap.add_argument("--results", default="", help="where long_context.json/.md go (default bench/results)")
     a = ap.parse_args()
 
-    out = Path(a.out or tempfile.mkdtemp(prefix="mpirt-long-context-"))
-    out.mkdir(parents=True, exist_ok=True)
-    if not a.data:
-        a.data = str(out / "data")
-        if not (Path(a.data) / "meta.json").exists():
-            from mpirt.data.tokens import prepare
-            prepare(ROOT / "mpirt", Path(a.data), pattern="*.py", val_fraction=0.2)
+    out, a.data = workspace(a.out, a.data, "mpirt-long-context-")
     load = LoadMonitor().start()
     children_cpu0 = children_cpu_s()
 
