@@ -73,6 +73,7 @@ class MoEMLP(Module):
     and ``aux_loss`` (the layer's load-balancing loss, mean over the sequences)."""
 
     loss_seed = 1.0
+    expert_parallel = None  # mpirt.parallel.experts sets it under ep: this rank runs only its experts
     stats_keys = ("tokens_per_expert", "dropped", "aux_loss")  # what the monitor reads (expert_figures)
 
     def __init__(self, cfg: MoEConfig, dtype="float32"):
@@ -86,6 +87,17 @@ class MoEMLP(Module):
         self.n_expert, self.top_k, self.capacity_factor = e, cfg.top_k, cfg.capacity_factor
         self.aux_weight = cfg.aux_loss_coef / cfg.n_layer  # the model's loss is the mean over layers
         self.stats: dict = {}
+
+    def expert_weights(self) -> tuple:
+        """The stacked expert weights (E, C, F), (E, C, F), (E, F, C) (ep splits their dim 0)."""
+        return self.w_gate, self.w_up, self.w_down
+
+    def run_experts(self, x, counts):
+        """The experts' outputs for rows ``x`` grouped by expert (``counts[e]`` for expert ``e``):
+        here, or through the expert-parallel hook on the ranks holding them."""
+        if self.expert_parallel is None:
+            return grouped_swiglu(x, *self.expert_weights(), counts)
+        return self.expert_parallel.run(x, counts, *self.expert_weights())
 
     def route(self, p: np.ndarray, rows: int):
         """``(choice (N, k), kept (N * k,) bool)`` of router probabilities ``p`` (N, E) of ``rows``
@@ -122,7 +134,7 @@ class MoEMLP(Module):
         ids = np.flatnonzero(kept)
         ids = ids[np.argsort(expert[ids], kind="stable")]           # kept assignments grouped by expert
         counts = np.bincount(expert[ids], minlength=e)
-        ys = grouped_swiglu(ops.getitem(flat, ids // k), self.w_gate, self.w_up, self.w_down, counts)  # (M, C)
+        ys = self.run_experts(ops.getitem(flat, ids // k), counts)  # (M, C)
         ys = ys * ops.reshape(ops.getitem(weights, ids), (len(ids), 1))
         slot = np.full(n * k, len(ids))                             # each assignment's row; dropped: the zero row
         slot[ids] = np.arange(len(ids))

@@ -222,7 +222,7 @@ def test_engine_build_holds_its_shard_plus_one_parameter(group, zero, tp, monkey
         make().close()  # warm: imports, communicators
         engine, peak, held = traced(make)
         opt = engine.optimizer
-        own = sum(opt.memory_bytes().values()) if zero else sum(engine.ddp.memory_bytes(opt).values())
+        own = sum(opt.memory_bytes().values()) if zero else sum(engine.ddp[0].memory_bytes(opt).values())
         largest = largest_full(engine.model.parameters())
         detail = f"zero {zero} tp {tp}: own {own} B, largest full {largest} B, peak {peak} B, held {held} B"
         print(detail)
@@ -239,10 +239,10 @@ def _save(comm, model, root):
     """A sharded checkpoint of ``model`` (tp over ``comm`` when it is split) with AdamW state."""
     from mpirt.checkpoint.sharded import save_sharded
     from mpirt.core.optim import AdamW
-    from mpirt.parallel.shards import save_shards
+    from mpirt.parallel.shards import save_shards, tp_axes
     opt = AdamW(model.parameters(), lr=1e-3)
     tp = comm if getattr(model, "tp_info", None) else None
-    return save_sharded(root, comm, lambda w: save_shards(w, model, opt, tp, replica=tp is not None or comm.rank == 0),
+    return save_sharded(root, comm, lambda w: save_shards(w, model, opt, tp_axes(tp), replica=lambda p: tp is not None or comm.rank == 0),
                         step=1, config={}, extra=None, optimizer={"type": "AdamW", "scalars": opt.scalars()})
 
 
@@ -256,7 +256,7 @@ def test_loading_a_sharded_checkpoint_holds_no_box_twice(group, written, loaded)
     from mpirt.checkpoint.store import CheckpointReader
     from mpirt.core.modeling import build_model
     from mpirt.core.optim import AdamW
-    from mpirt.parallel.shards import load_shards
+    from mpirt.parallel.shards import load_shards, tp_axes
     comm = group(2, "tp")
     ok, detail = True, ""
     if comm is not None:
@@ -268,7 +268,7 @@ def test_loading_a_sharded_checkpoint_holds_no_box_twice(group, written, loaded)
         tp = comm if loaded == "tp2" else None
         reader, first, _ = traced(lambda: _load(CheckpointReader(path), model, opt, tp))
         same = _same_as_single_rank(model.named_parameters(), comm.rank if tp else 0, 2 if tp else 1, seed=4)
-        _, again, held = traced(lambda: load_shards(reader, model, opt, tp))  # headers parsed: the boxes alone
+        _, again, held = traced(lambda: load_shards(reader, model, opt, tp_axes(tp)))  # headers parsed: the boxes alone
         box = max(int(np.prod(p.shape)) * 8 for p in model.parameters())
         detail = (f"rank {comm.rank}: load peak {first} B (with the reader: meta.json, checksums), {again - held} B "
                   f"beyond what stays on a second load; largest box {box} B, same weights {same}")
@@ -286,8 +286,8 @@ META_SLACK, BOX_SLACK = 320 << 10, 32 << 10
 
 
 def _load(reader, model, opt, tp):
-    from mpirt.parallel.shards import load_shards
-    load_shards(reader, model, opt, tp)
+    from mpirt.parallel.shards import load_shards, tp_axes
+    load_shards(reader, model, opt, tp_axes(tp))
     return reader
 
 
@@ -343,8 +343,8 @@ def test_hf_init_at_tp1_reads_into_place_and_matches_the_full_load(tmp_path):
     cfg, reader = open_hf(d, dtype="float64")
     model = build_model(cfg, dtype="float64", seed=0)
     opt = AdamW(model.parameters(), lr=1e-3)
-    _, first, _ = traced(lambda: load_shards(reader, model, opt, None, with_optimizer=False))
-    _, again, held = traced(lambda: load_shards(reader, model, opt, None, with_optimizer=False))
+    _, first, _ = traced(lambda: load_shards(reader, model, opt, with_optimizer=False))
+    _, again, held = traced(lambda: load_shards(reader, model, opt, with_optimizer=False))
     print(f"HF load at tp1: peak {first} B with the headers, {again - held} B on a second load")
     assert first <= META_SLACK and again - held <= BOX_SLACK
     assert all(np.array_equal(p.data, full[n]) for n, p in model.named_parameters())
@@ -365,7 +365,7 @@ def test_hf_reader_gives_the_state_the_full_tensor_path_gave(tmp_path, dtype):
         model = build_model(cfg, dtype=dtype, seed=0)
         opt = AdamW(model.parameters(), lr=1e-3)
         if way == "reader":
-            load_shards(reader, model, opt, None, with_optimizer=False)
+            load_shards(reader, model, opt, with_optimizer=False)
         else:
             with opt.full_parameters():
                 model.load_state_dict(load_hf(d, dtype=dtype)[1])
@@ -435,7 +435,7 @@ def test_hf_init_reads_only_this_ranks_boxes_and_gives_the_single_rank_loss(grou
     from mpirt.core.modeling import open_hf
     from mpirt.core.optim import AdamW
     from mpirt.parallel.pipeline.stage import PipelineStage
-    from mpirt.parallel.shards import load_shards
+    from mpirt.parallel.shards import load_shards, tp_axes
     if MPI.COMM_WORLD.size < pp * tp:
         pytest.skip(f"needs {pp * tp} ranks")
     comm = group(pp * tp)
@@ -454,8 +454,8 @@ def test_hf_init_reads_only_this_ranks_boxes_and_gives_the_single_rank_loss(grou
             model = _tp_model(tp_comm, seed=0)
             params = model.parameters()
         opt = AdamW(params, lr=1e-3)
-        _, first, _ = traced(lambda: load_shards(reader, model, opt, tp_comm, with_optimizer=False))
-        _, again, held = traced(lambda: load_shards(reader, model, opt, tp_comm, with_optimizer=False))
+        _, first, _ = traced(lambda: load_shards(reader, model, opt, tp_axes(tp_comm), with_optimizer=False))
+        _, again, held = traced(lambda: load_shards(reader, model, opt, tp_axes(tp_comm), with_optimizer=False))
         same = True
         for name, p in model.named_parameters():
             want = full[name]

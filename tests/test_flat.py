@@ -267,7 +267,7 @@ def test_sum_squares_of_half_gradients_sums_in_float32():
 def test_clip_flat_scales_every_gradient_array_when_the_norm_exceeds_max_norm():
     """Without communicators the norm is sqrt(local_sq); above max_norm every array is scaled by max_norm / (norm + 1e-6)."""
     g1, g2 = np.array([3.0, 0.0]), np.array([[4.0]])
-    norm = clip_flat(25.0, (), 1.0, [g1, g2])
+    norm = clip_flat(25.0, [g1, g2], (), 1.0)
     assert norm == 5.0
     coef = 1.0 / (5.0 + 1e-6)
     np.testing.assert_allclose(g1, [3.0 * coef, 0.0], rtol=1e-15)
@@ -279,7 +279,7 @@ def test_clip_flat_scales_every_gradient_array_when_the_norm_exceeds_max_norm():
 def test_clip_flat_leaves_the_gradients_alone_otherwise(local_sq, max_norm):
     """At or below max_norm, with max_norm None, or for a non-finite norm nothing is scaled; the norm is returned."""
     g = np.array([1.0, -2.0, 3.0])
-    norm = clip_flat(local_sq, (None,), max_norm, [g])
+    norm = clip_flat(local_sq, [g], (None,), max_norm)
     assert norm == math.sqrt(local_sq) or (math.isnan(norm) and math.isnan(local_sq))
     np.testing.assert_array_equal(g, [1.0, -2.0, 3.0])
 
@@ -376,29 +376,29 @@ def checkpoint_params(tp):
 def test_runs_of_a_fused_qkv_slice_have_one_run_per_block():
     """``_runs`` of a q|k|v weight at tp 2: rows whole, columns one (local, global, length) run per block; merged at tp 1."""
     p = Parameter((4, 12), spec=ShardSpec((None, "tp"), blocks=(1, 3)))
-    assert _runs(p, 2, 0) == [[(0, 0, 4)], [(0, 0, 2), (2, 4, 2), (4, 8, 2)]]
-    assert _runs(p, 2, 1) == [[(0, 0, 4)], [(0, 2, 2), (2, 6, 2), (4, 10, 2)]]
-    assert _runs(p, 1, 0) == [[(0, 0, 4)], [(0, 0, 12)]]
+    assert _runs(p, {"tp": 2}, {"tp": 0}) == [[(0, 0, 4)], [(0, 0, 2), (2, 4, 2), (4, 8, 2)]]
+    assert _runs(p, {"tp": 2}, {"tp": 1}) == [[(0, 0, 4)], [(0, 2, 2), (2, 6, 2), (4, 10, 2)]]
+    assert _runs(p, {"tp": 1}, {"tp": 0}) == [[(0, 0, 4)], [(0, 0, 12)]]
     gqa = Parameter((4, 8), spec=ShardSpec((None, "tp"), blocks=(1, (2, 1, 1))))
-    assert _runs(gqa, 2, 1) == [[(0, 0, 4)], [(0, 2, 2), (2, 5, 1), (3, 7, 1)]]
+    assert _runs(gqa, {"tp": 2}, {"tp": 1}) == [[(0, 0, 4)], [(0, 2, 2), (2, 5, 1), (3, 7, 1)]]
 
 
 def test_runs_leave_out_the_padding_rows():
     """``_runs`` cuts a padded embedding's rows to the vocabulary: a rank of padding only has no rows."""
     p = PaddedParameter((6, 3), (4, 3), spec=ShardSpec(("tp", None)))
-    assert _runs(p, 3, 0) == [[(0, 0, 2)], [(0, 0, 3)]]
-    assert _runs(p, 3, 1) == [[(0, 2, 2)], [(0, 0, 3)]]
-    assert _runs(p, 3, 2) == [[], [(0, 0, 3)]]
-    assert list(_boxes(p, 3, 2, np.zeros((2, 3)))) == []
+    assert _runs(p, {"tp": 3}, {"tp": 0}) == [[(0, 0, 2)], [(0, 0, 3)]]
+    assert _runs(p, {"tp": 3}, {"tp": 1}) == [[(0, 2, 2)], [(0, 0, 3)]]
+    assert _runs(p, {"tp": 3}, {"tp": 2}) == [[], [(0, 0, 3)]]
+    assert list(_boxes(p, ({"tp": 3}, {"tp": 2}), np.zeros((2, 3)))) == []
     p2 = PaddedParameter((6, 3), (5, 3), spec=ShardSpec(("tp", None)))
-    assert _runs(p2, 2, 1) == [[(0, 3, 2)], [(0, 0, 3)]]
+    assert _runs(p2, {"tp": 2}, {"tp": 1}) == [[(0, 3, 2)], [(0, 0, 3)]]
 
 
 def check_boxes(p, tp, rank, array, lo, full, logical, seen):
     """Every box of ``array`` lies in the logical tensor and holds exactly its elements (a view into
     ``array``); counts the elements covered in ``seen``. Returns the number of elements boxed."""
     boxed = 0
-    for start, shape, view in _boxes(p, tp, rank, array, lo):
+    for start, shape, view in _boxes(p, ({"tp": tp}, {"tp": rank}), array, lo):
         assert len(start) == len(shape) == len(logical)
         assert all(0 <= s and 1 <= n and s + n <= m for s, n, m in zip(start, shape, logical))
         box = tuple(slice(s, s + n) for s, n in zip(start, shape))
@@ -444,7 +444,7 @@ def test_boxes_of_every_zero_segment_reassemble_the_global_tensors(tp):
                     boxed = check_boxes(p, tp, rank, segment, a, full, logical, seen[p.name])
                     assert boxed == int((segment > 0).sum())
                     loaded = np.zeros_like(segment)
-                    for start, shape, view in _boxes(p, tp, rank, loaded, a):
+                    for start, shape, view in _boxes(p, ({"tp": tp}, {"tp": rank}), loaded, a):
                         view[...] = full[tuple(slice(s, s + n) for s, n in zip(start, shape))]
                     np.testing.assert_array_equal(loaded, np.where(segment > 0, segment, 0))
         for p, _, _ in entries:
@@ -463,6 +463,6 @@ def test_box_views_of_a_segment_never_overlap():
                 if not 0 <= lo < hi <= local.size:
                     continue
                 marks = np.zeros(hi - lo, int)
-                for _, _, view in _boxes(p, tp, rank, marks, lo):
+                for _, _, view in _boxes(p, ({"tp": tp}, {"tp": rank}), marks, lo):
                     view += 1
                 np.testing.assert_array_equal(marks, (local[lo:hi] > 0).astype(int))

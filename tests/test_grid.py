@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, agree
-from mpirt.parallel.grid import AXES, Grid, axis_groups, check_layout, grid_coords, grid_rank, resolve_dp
+from mpirt.parallel.grid import (AXES, Grid, axis_groups, check_layout, expert_groups, grid_coords, grid_rank,
+                                 resolve_dp)
 
 
 def factorisations(n: int):
@@ -194,6 +195,41 @@ def test_grid_with_context_parallelism(pp, cp, tp):
     fails = []
     grid = Grid.from_world(pp=pp, tp=tp, cp=cp)
     _check_grid(grid, fails)
+    grid.free()
+    agree(not fails, fails)
+
+
+def test_expert_groups_are_consecutive_dp_ranks_and_their_strides():
+    assert expert_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert expert_groups(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+    assert expert_groups(2, 1) == ([[0], [1]], [[0, 1]])
+    for dp, ep, message in [(2, 4, "ep: 4 does not divide dp=2 (expert-parallel groups are carved out of the "
+                                   "data-parallel ranks); ep may be at most dp=2"),
+                            (4, 3, "ep: 3 does not divide dp=4"), (4, 0, "ep: must be a positive integer, got 0")]:
+        with pytest.raises(ValueError) as err:
+            expert_groups(dp, ep)
+        assert str(err.value).startswith(message)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("ep,tp", [(2, 1), (4, 1), (2, 2)])
+def test_grid_expert_groups_split_dp(ep, tp):
+    """comm["ep"] holds ep consecutive dp ranks, comm["edp"] the dp ranks at the same place in theirs;
+    an allgather over each returns exactly those dp coordinates."""
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.size % (ep * tp):
+        pytest.skip(f"world size {MPI.COMM_WORLD.size} is not divisible by ep*tp={ep * tp}")
+    grid = Grid.from_world(tp=tp, ep=ep)
+    d = grid.coords["dp"]
+    eps, edps = expert_groups(grid.dp, ep)
+    fails = []
+    for axis, groups in (("ep", eps), ("edp", edps)):
+        got = grid.comm[axis].allgather(np.array([d]), counts=[1] * grid.comm[axis].size).tolist()
+        want = next(g for g in groups if d in g)
+        if got != want:
+            fails.append(f"rank {grid.rank}: {axis} group {got}, want {want}")
+    if grid.coords["ep"] != d % ep or grid.sizes["ep"] != ep:
+        fails.append(f"rank {grid.rank}: ep coordinate {grid.coords['ep']}")
     grid.free()
     agree(not fails, fails)
 

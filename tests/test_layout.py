@@ -31,19 +31,23 @@ def test_derived_values(changes, sizes, want):
     lay = Layout.of(replace(BASE, **changes), dict(zip(("dp", "pp", "tp"), sizes)))
     got = (lay.microbatches, lay.rows, lay.chunks, lay.stages, lay.sequence_parallel, lay.split_backward)
     assert got == want
-    assert dict(lay) == {**dict(zip(("dp", "pp", "tp"), sizes)), "cp": 1} and lay.world_size == sizes[0] * sizes[1] * sizes[2]
+    assert dict(lay) == {**dict(zip(("dp", "pp", "tp"), sizes)), "cp": 1, "ep": 1} and lay.world_size == sizes[0] * sizes[1] * sizes[2]
     assert (lay.pipeline_schedule is None) == (sizes[1] == 1)
 
 
 def test_positions_follow_the_grid_with_tp_innermost():
     lay = Layout.of(BASE, {"dp": 2, "pp": 2, "tp": 2})
     assert [tuple(lay.position(r).values()) for r in range(8)] == [
-        (0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0), (0, 1, 0, 1), (1, 0, 0, 0), (1, 0, 0, 1), (1, 1, 0, 0), (1, 1, 0, 1)]
+        (0, 0, 0, 0, 0), (0, 0, 0, 1, 0), (0, 1, 0, 0, 0), (0, 1, 0, 1, 0), (1, 0, 0, 0, 0), (1, 0, 0, 1, 0),
+        (1, 1, 0, 0, 0), (1, 1, 0, 1, 0)]
     assert [lay.stage_rank(r) for r in range(8)] == [0, 0, 2, 2, 0, 0, 2, 2]
     lay = Layout.of(BASE, {"dp": 1, "pp": 2, "tp": 2, "cp": 2})              # cp between pp and tp
     assert [lay.position(r)["cp"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [lay.stage_rank(r) for r in range(8)] == [0, 0, 0, 0, 4, 4, 4, 4]
     assert lay.describe() == "dp 1 x pp 2 x cp 2 x tp 2, 1f1b schedule, 2 micro-batches"
+    lay = Layout.of(BASE, {"dp": 4, "pp": 1, "tp": 2, "ep": 2})              # ep: the place in a group of dp ranks
+    assert [lay.position(r)["ep"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert lay.describe() == "dp 4 x pp 1 x tp 2, experts over ep 2"
 
 
 def test_plan_layout_resolves_dp_and_describes_itself():
@@ -52,9 +56,9 @@ def test_plan_layout_resolves_dp_and_describes_itself():
     assert isinstance(lay, Layout) and (lay.dp, lay.pp, lay.tp, lay.rows) == (2, 2, 2, 2)
     assert lay.describe() == "dp 2 x pp 2 x tp 2, ZeRO-1, zb-h1 schedule, 4 micro-batches, sequence parallel"
     assert Layout.of(cfg, lay) == lay and Layout.of(replace(cfg, microbatches=8), lay).rows == 1
-    assert lay["cp"] == 1
+    assert lay["cp"] == lay["ep"] == 1
     with pytest.raises(KeyError):
-        lay["ep"]
+        lay["sp"]
 
 
 # (config changes, world size) -> the refusal's start (each names the key to change)
@@ -69,6 +73,10 @@ REFUSALS = [
     ({"grad_accum": 3}, 2, "batch_size: the global batch 16 does not divide into dp=2 x grad_accum=3 = 6"),
     ({"cp": 3}, 4, "dp/pp/tp: world size 4 is not divisible by pp(1)*cp(3)*tp(1)=3"),
     ({"cp": 2, "seq_len": 10}, 2, "cp: seq_len 10 does not cut into 2 x cp = 4 equal chunks"),
+    ({"ep": 4}, 2, "ep: 4 does not divide dp=2 (expert-parallel groups are carved out of the data-parallel ranks); "
+                   "ep may be at most dp=2"),
+    ({"ep": 3, "tp": 2}, 8, "ep: 3 does not divide dp=4"),
+    ({"ep": 2, "zero": 3}, 2, "zero: ZeRO-3 shards the parameters over dp, the experts under ep=2"),
 ]
 
 
@@ -101,10 +109,12 @@ def test_model_refusals():
         ({"tp": 2, "sequence_parallel": True}, moe, "sequence_parallel: model_type 'mixtral' routes each sequence's"),
         ({"cp": 2, "tp": 4, "sequence_parallel": True, "seq_len": 12}, tiny,
          "tp: tensor parallelism: tp=4 must divide seq_len=6"),
+        ({"ep": 2, "dp": 2}, tiny, "ep: model_type 'gpt2' has no experts to split"),
+        ({"ep": 4, "dp": 4}, replace(moe, n_expert=6), "ep: 4 does not divide the model's n_expert=6"),
     ]:
         cfg = replace(BASE, **changes)
         with pytest.raises(LayoutError) as err:
-            Layout.resolve(cfg, cfg.cp * cfg.tp).check_model(cfg, model)
+            Layout.resolve(cfg, max(cfg.dp, 1) * cfg.cp * cfg.tp).check_model(cfg, model)
         assert str(err.value).startswith(message) and err.value.key == message.split(":")[0], str(err.value)
 
 

@@ -192,6 +192,14 @@ CAPACITY = ("--model.capacity_factor=1.0",)  # some assignments dropped
     (2, ["--pp=2", "--schedule=zb", "--microbatches=4", "--recompute=full"], ()),
     (2, ["--dp=2"], CAPACITY),
     (4, ["--dp=2", "--pp=2", "--zero=1"], CAPACITY),
+    (2, ["--dp=2", "--ep=2"], ()),
+    (4, ["--dp=4", "--ep=4"], ()),
+    (4, ["--dp=4", "--ep=2", "--zero=2"], ()),
+    (2, ["--dp=2", "--ep=2", "--zero=1"], CAPACITY),
+    (2, ["--dp=2", "--ep=2", "--zero=2", "--grad-accum=2"], ()),
+    (4, ["--dp=2", "--ep=2", "--tp=2"], ()),
+    (4, ["--dp=2", "--ep=2", "--pp=2", "--schedule=zb", "--microbatches=4"], ()),
+    (4, ["--dp=2", "--ep=2", "--pp=2", "--zero=1"], CAPACITY),
 ], ids=lambda v: v if isinstance(v, int) else " ".join(v) or "dropless")
 def test_mixture_of_experts_layout_matches_single_rank(tiny_data, tmp_path, moe_reference, ranks, layout, model):
     """The Mixtral-style model (mpirt.models.moe): routing, expert capacity and the load-balancing
@@ -212,6 +220,23 @@ def test_mixture_of_experts_layout_matches_single_rank(tiny_data, tmp_path, moe_
     if layout == ["--dp=2"] and not model:
         without = moe_reference(("--model.aux_loss_coef=0",))[0]
         assert not np.allclose(without[1:], ref_losses[1:], rtol=1e-9)
+    if "--ep=2" in layout:  # the all-to-alls are measured on their own axis
+        last = read_metrics(tmp_path)[-1]
+        assert last["comm_ep_bytes"] > 0 and last["comm_ep_s"] > 0
+
+
+def test_mixture_of_experts_checkpoint_saved_at_ep4_resumes_at_ep2(tiny_data, tmp_path, moe_reference):
+    """Each ep rank wrote its experts' boxes; at ep 2 each rank reads two of them: the curve goes on
+    as the single rank's."""
+    out = tmp_path / "run"
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={out}", "--model=mixtral-tiny", *MOE,
+               "--dp=4", "--ep=4", "--stop-after=3", ranks=4, expect=75)
+    losses, _, weights = run(tiny_data, out, "--model=mixtral-tiny", *MOE, "--dp=2", "--ep=2", "--zero=1",
+                             f"--init-from={out / 'ckpt'}", ranks=2)
+    ref_losses, _, ref_weights = moe_reference(())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
+    for name, w in ref_weights.items():
+        np.testing.assert_allclose(weights[name], w, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
 @pytest.mark.parametrize("first, then", [
@@ -258,6 +283,9 @@ def test_an_error_on_one_rank_stops_every_rank(tiny_data, tmp_path):
     (["--pp=2", "--schedule=interleaved", "--model.n_layer=2"], "n_layer=2"),
     (["--cp=2", "--seq-len=14"], "cp: seq_len 14 does not cut into 2 x cp = 4 equal chunks"),
     (["--cp=2", "--dp=2"], "dp(2)*pp(1)*cp(2)*tp(1)=4 != world size 2"),
+    (["--ep=4"], "ep: 4 does not divide dp=2"),
+    (["--ep=2"], "ep: model_type 'gpt2' has no experts to split"),
+    (["--ep=2", "--model=mixtral-tiny", "--model.n_expert=3"], "ep: 2 does not divide the model's n_expert=3"),
 ])
 def test_impossible_layouts_are_refused_before_training(tiny_data, tmp_path, layout, message):
     result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", f"--out-dir={tmp_path}", *layout, ranks=2,

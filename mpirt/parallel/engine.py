@@ -23,6 +23,12 @@ gradient sync, ZeRO's shards and the loss's mean span dp x cp (``grid.comm["dp_c
 ranks that hold the same parameters). Sequence parallelism's
 partial gradients are summed over tp once, and one global-norm clip counts every element once
 over dp (ZeRO shards), tp and pp (:func:`~mpirt.parallel.flat.clip_flat`).
+
+Under expert parallelism (:mod:`mpirt.parallel.experts`, ``--ep``) each rank holds ``1 / ep`` of
+the experts: their weights live in a second store whose sync (DataParallel or ZeRO-1/2) runs over
+the edp group (``grid.comm["edp"]``) while the dense store's runs over dp; one
+:class:`~mpirt.parallel.experts.OptimizerPair` steps both under ZeRO (one AdamW holds both
+without), and the norm adds the experts' squares over ep.
 """
 from __future__ import annotations
 
@@ -35,11 +41,12 @@ from mpirt.core.optim import AdamW
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.ddp import DataParallel
 from mpirt.parallel.context import ContextShard, parallelize_context
-from mpirt.parallel.flat import FlatParams, count_once
+from mpirt.parallel.experts import OptimizerPair, is_expert
+from mpirt.parallel.flat import FlatParams, clip_flat, count_once
 from mpirt.parallel.layout import Layout
 from mpirt.parallel.pipeline.stage import PipelineStage
 from mpirt.parallel.shards import load_shards, save_shards
-from mpirt.parallel.whole import WholeModel
+from mpirt.parallel.whole import WholeModel, parameter_axes
 from mpirt.parallel.zero import ZeroOptimizer
 from mpirt.parallel.zero3 import ShardedParams
 
@@ -60,6 +67,7 @@ class Engine:
         self.grid, self.cfg = grid, cfg
         self.tp_comm, self.pp_comm = grid.comm["tp"], grid.comm["pp"]
         self.dp_comm = grid.comm["dp_cp"]  # the ranks holding the same parameters: dp, and cp when > 1
+        self.ep_comm, self.edp_comm = grid.comm["ep"], grid.comm["edp"]  # experts split / replicated
         tp, pp, cp = grid.sizes["tp"], grid.sizes["pp"], grid.sizes["cp"]
         if layout is None or not layout.bounds:
             layout = Layout.of(cfg, grid.sizes, model_cfg)
@@ -86,7 +94,7 @@ class Engine:
         counted = count_once(grid.coords["tp"] if tp > 1 else 0, self.local.tied_copy)
         norm_comms = (self.tp_comm, self.pp_comm)  # ranks along them hold different parameters
         hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-        self.ddp = None
+        self.ddp, self.expert_store = [], None
         # the parameter store: ZeRO-3's is sharded per unit group, the others hold this rank's part whole
         if cfg.zero == 3:
             self.store = ShardedParams(self.model, self.dp_comm, counted, init=self.local.init,
@@ -96,23 +104,36 @@ class Engine:
                                        runs=self.local.unit_runs)
             if self.local.held_tied:  # a pipeline's tied copies: summed over its ends as gradient shards
                 self.local.tied_grads = self.store.alone_grads
-        else:
-            self.store = FlatParams(self.local.parameters(), counted, init=self.local.init,
+        else:  # the experts split over ep (if any) in a store of their own
+            params = self.local.parameters()
+            experts = [p for p in params if is_expert(p)]
+            self.store = FlatParams([p for p in params if not is_expert(p)], counted, init=self.local.init,
                                     grads=cfg.zero != 2)  # ZeRO-2: a shard only
+            self.expert_store = FlatParams(experts, counted, init=self.local.init, grads=cfg.zero != 2) \
+                if experts else None
         # the dp sync: ZeRO over the store (stage 2 reduces buckets during backward; a pipeline's
-        # tied copies wait for the step), else DataParallel's buckets and AdamW
+        # tied copies wait for the step), else DataParallel's buckets and AdamW; the experts' over edp
         if cfg.zero:
             self.optimizer = ZeroOptimizer(self.store, self.dp_comm, stage=cfg.zero, norm_comms=norm_comms,
                                            stream_grads=True, held=self.local.held_tied, **hyper)
+            if self.expert_store is not None:
+                self.optimizer = OptimizerPair(self.optimizer, ZeroOptimizer(
+                    self.expert_store, self.edp_comm, stage=cfg.zero, norm_comms=norm_comms, stream_grads=True,
+                    **hyper))
         else:
-            if self.dp_comm.size > 1:
-                self.ddp = DataParallel(self.store, self.dp_comm)
-            self.optimizer = AdamW(self.store.params, **hyper)
+            self.ddp = [DataParallel(store, comm) for store, comm in ((self.store, self.dp_comm),
+                                                                     (self.expert_store, self.edp_comm))
+                        if store is not None and comm.size > 1]
+            self.optimizer = AdamW(self.store.params + (self.expert_store.params if self.expert_store else []),
+                                   **hyper)
         self._norm_comms = norm_comms
 
     # --- the step -------------------------------------------------------------------------------
     def _no_sync(self):
-        return self.ddp.no_sync() if self.ddp else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for ddp in self.ddp:
+            stack.enter_context(ddp.no_sync())
+        return stack
 
     def train_step(self, x, y, loss_scale: float = 1.0, step: int | None = None) -> float:
         """Forward and backward of this dp replica's rows (x, y), backward seeded with
@@ -128,8 +149,8 @@ class Engine:
         loss = self.local.train_step(x, y, loss_scale, place=None if step is None else (step, row0),
                                      no_sync=self._no_sync)
         t0 = time.perf_counter()
-        if self.ddp:
-            self.ddp.finish()
+        for ddp in self.ddp:
+            ddp.finish()
         (self.optimizer if self.cfg.zero else self.store).sync_partial_grads(self.tp_comm)
         loss = self.dp_comm.allreduce_scalar(loss, "avg")
         self.local.stats["sync_t0"], self.local.stats["sync_s"] = t0, time.perf_counter() - t0
@@ -143,10 +164,15 @@ class Engine:
 
     def clip(self, max_norm: float | None) -> float:
         """Scale every gradient by ``max_norm / (norm + 1e-6)`` when the global norm exceeds
-        ``max_norm`` (None: only the norm); returns the norm before clipping."""
-        if isinstance(self.optimizer, ZeroOptimizer):
-            return self.optimizer.clip_grad_norm(max_norm)
-        return self.store.clip(max_norm, self._norm_comms)
+        ``max_norm`` (None: only the norm); returns the norm before clipping. The experts' squares
+        are summed over ep (each rank holds others), the whole over tp and pp."""
+        parts = getattr(self.optimizer, "parts", (self.optimizer,)) if self.cfg.zero else \
+            [s for s in (self.store, self.expert_store) if s is not None]
+        sq, grads = parts[0].norm_parts()
+        if len(parts) > 1:
+            expert_sq, expert_grads = parts[1].norm_parts()
+            sq, grads = sq + self.ep_comm.allreduce_scalar(expert_sq), grads + expert_grads
+        return clip_flat(sq, grads, self._norm_comms, max_norm)
 
     def evaluate(self, x, y) -> float:
         """Mean loss of the global batch (this replica's rows ``x``, ``y``), no gradients."""
@@ -161,17 +187,19 @@ class Engine:
     # --- state ------------------------------------------------------------------------------------
     def save_sharded(self, writer) -> None:
         """Add this rank's boxes of the weights and optimizer state to a
-        :class:`mpirt.checkpoint.sharded.ShardWriter` (the first rank of dp x cp without ZeRO; the tied embedding
-        from the first stage only). Local (see :func:`mpirt.parallel.shards.save_shards`)."""
-        save_shards(writer, self.model, self.optimizer, self.tp_comm, replica=self.dp_comm.rank == 0,
-                    skip=set(self.local.tied_copy))
+        :class:`mpirt.checkpoint.sharded.ShardWriter` (without ZeRO the first rank of dp x cp, for
+        the experts under ep the first of edp; the tied embedding from the first stage only).
+        Local (see :func:`mpirt.parallel.shards.save_shards`)."""
+        writes = {False: self.dp_comm.rank == 0, True: self.edp_comm.rank == 0}  # by is_expert
+        save_shards(writer, self.model, self.optimizer, parameter_axes(self.grid),
+                    replica=lambda p: writes[is_expert(p)], skip=set(self.local.tied_copy))
 
     def load_sharded(self, reader, with_optimizer: bool = True) -> None:
         """Read this rank's boxes from a :class:`mpirt.checkpoint.store.CheckpointReader` (both pipeline
         ends read the tied embedding). Collective over dp under ZeRO."""
-        load_shards(reader, self.model, self.optimizer, self.tp_comm, with_optimizer=with_optimizer)
+        load_shards(reader, self.model, self.optimizer, parameter_axes(self.grid), with_optimizer=with_optimizer)
 
     def close(self) -> None:
-        """Stop DataParallel's communication thread, if any."""
-        if self.ddp:
-            self.ddp.close()
+        """Stop DataParallel's communication threads, if any."""
+        for ddp in self.ddp:
+            ddp.close()

@@ -209,7 +209,12 @@ class FlatParams(FlatLayout):
     def clip(self, max_norm: float | None, comms=()) -> float:
         """:func:`clip_flat` of the whole gradient vector: the counted elements' squares summed over
         ``comms`` (the axes over which ranks hold different parameters: tp, pp). Returns the norm."""
-        return clip_flat(sum_squares(self.grad, self._counted_runs), comms, max_norm, [self.grad])
+        return clip_flat(*self.norm_parts(), comms, max_norm)
+
+    def norm_parts(self) -> tuple:
+        """``(this rank's counted sum of squares; the arrays a clip scales)``: the store's part of a
+        global norm (:func:`clip_flat`)."""
+        return sum_squares(self.grad, self._counted_runs), [self.grad]
 
     def sync_partial_grads(self, tp_comm) -> None:
         """Sum over tp the gradients of parameters that saw only this rank's sequence chunk
@@ -252,7 +257,7 @@ def sum_squares(flat, runs) -> float:
     return sum(float(B.xp.vdot(v, v)) for v in (upcast(flat[a:b]) for a, b in runs))
 
 
-def clip_flat(local_sq: float, comms, max_norm: float | None, grads) -> float:
+def clip_flat(local_sq: float, grads, comms, max_norm: float | None) -> float:
     """The one global-norm clip of every layout: ``local_sq`` (this rank's counted sum of squares)
     summed over ``comms`` (the axes over which ranks hold different gradient elements), and when the
     norm exceeds ``max_norm`` every array in ``grads`` scaled by ``max_norm / (norm + 1e-6)``

@@ -6,12 +6,19 @@ every layer), then pp, dp outermost::
 
     rank = ((d * pp + p) * cp + c) * tp + t
 
+Expert parallelism (``ep``) is carved out of dp, as Megatron does: the dp ranks ``d`` with the same
+``d // ep`` form an *ep group* (consecutive dp ranks, each holding ``1/ep`` of every MoE layer's
+experts; tokens travel between them by all-to-all), those with the same ``d % ep`` an *edp group*
+(the ranks holding the same experts, over which the experts' gradients are reduced). ``ep = 1``
+is plain dp.
+
 The coordinate math is pure (``grid_coords``, ``grid_rank``, ``axis_groups``, ``check_layout``)
 and needs no MPI; :class:`Grid` builds the Cartesian communicator and one sub-communicator per
 axis, and addresses collectives by axis name: ``grid.allreduce(x, "dp", op="avg")``. There is no
 module-global state: pass the grid around.
 
-``python -m mpirt.grid --dp 2 --pp 2 --cp 2 --tp 2`` prints the rank map without MPI.
+``python -m mpirt.grid --dp 2 --pp 2 --cp 2 --tp 2`` prints the rank map without MPI (``--ep 2``
+adds the expert groups).
 """
 from __future__ import annotations
 
@@ -67,6 +74,23 @@ def check_layout(dp: int, pp: int, tp: int, world_size: int | None = None, cp: i
         raise ValueError(f"{_product(sizes)}={total} != world size {world_size}")
 
 
+def check_expert_layout(dp: int, ep: int) -> None:
+    """Refuse an ep size that is not a positive integer dividing dp (ep groups are carved out of dp)."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"ep: must be a positive integer, got {ep!r}")
+    if dp % ep:
+        raise ValueError(f"ep: {ep} does not divide dp={dp} (expert-parallel groups are carved out of the "
+                         "data-parallel ranks)" + (f"; ep may be at most dp={dp}" if ep > dp else ""))
+
+
+def expert_groups(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``(ep groups, edp groups)`` as lists of dp ranks: ep groups of ``ep`` consecutive dp ranks,
+    edp groups of the dp ranks at the same place in their ep group."""
+    check_expert_layout(dp, ep)
+    return ([list(range(g * ep, (g + 1) * ep)) for g in range(dp // ep)],
+            [list(range(e, dp, ep)) for e in range(ep)])
+
+
 def resolve_dp(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1, cp: int = 1) -> int:
     """``dp``, or when it is 0, the world size divided by pp*cp*tp (refused when not divisible)."""
     if dp == 0:
@@ -104,8 +128,9 @@ def _axis_indices(axis: str) -> tuple[int, ...]:
     return tuple(AXES.index(p) for p in parts)
 
 
-def format_rank_map(dp: int, pp: int, tp: int, cp: int = 1) -> str:
-    """A table rank -> (dp, pp, cp, tp) and, per axis, the groups of ranks (cp left out when 1)."""
+def format_rank_map(dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1) -> str:
+    """A table rank -> (dp, pp, cp, tp) and, per axis, the groups of ranks (cp left out when 1);
+    with ep > 1 also the ep and edp groups of dp ranks."""
     check_layout(dp, pp, tp, cp=cp)
     sizes = _sizes(dp, pp, tp, cp)
     shown = [i for i, a in enumerate(AXES) if a != "cp" or cp > 1]
@@ -120,6 +145,11 @@ def format_rank_map(dp: int, pp: int, tp: int, cp: int = 1) -> str:
     for i in shown:
         groups = axis_groups(AXES[i], dp, pp, tp, cp)
         lines.append(f"{AXES[i]} groups ({len(groups)} x {len(groups[0])}): " + " ".join(map(str, groups)))
+    if ep > 1:
+        eps, edps = expert_groups(dp, ep)
+        lines.append(f"ep groups of dp ranks ({len(eps)} x {ep}; experts split): " + " ".join(map(str, eps)))
+        lines.append(f"edp groups of dp ranks ({len(edps)} x {dp // ep}; experts' gradients reduced): "
+                     + " ".join(map(str, edps)))
     return "\n".join(lines)
 
 
@@ -131,20 +161,24 @@ class Grid:
       the coordinate along that axis (``world`` is the Cartesian communicator, numbered like
       ``comm``); ``comm["dp_cp"]``: dp and cp together (:data:`DATA_AXES`: the ranks that hold the
       same parameters, over which gradients are averaged; rank ``d * cp + c``), ``comm["dp"]``
-      itself when cp is 1.
-    - ``rank``, ``coords`` and ``sizes`` (dicts keyed by axis), ``dp``, ``pp``, ``cp``, ``tp``.
+      itself when cp is 1; ``comm["ep"]`` and ``comm["edp"]``: this rank's ep and edp groups
+      within dp (ep groups of ``ep`` consecutive dp ranks; ``comm["ep"]`` has one rank when ep is 1,
+      ``comm["edp"]`` is dp itself).
+    - ``rank``, ``coords`` and ``sizes`` (dicts keyed by axis, plus ``ep``: the size, and the place
+      in the ep group), ``dp``, ``pp``, ``cp``, ``tp``, ``ep``.
     - ``prev_rank``/``next_rank``: the previous/next pipeline stage's rank in ``comm["world"]``,
       PROC_NULL at the ends; ``pp_prev``/``pp_next``: the same as ranks in ``comm["pp"]``.
     """
 
-    def __init__(self, dp: int, pp: int, tp: int, comm=None, cp: int = 1):
+    def __init__(self, dp: int, pp: int, tp: int, comm=None, cp: int = 1, ep: int = 1):
         from mpirt import comm as C
 
         if comm is None:
             comm = C.world_comm()
         parent = comm.mpi if isinstance(comm, C.Comm) else comm
         check_layout(dp, pp, tp, parent.Get_size(), cp=cp)
-        self.dp, self.pp, self.cp, self.tp = dp, pp, cp, tp
+        check_expert_layout(dp, ep)
+        self.dp, self.pp, self.cp, self.tp, self.ep = dp, pp, cp, tp, ep
         sizes = _sizes(dp, pp, tp, cp)
         cart = parent.Create_cart(list(sizes), periods=[False] * len(AXES), reorder=False)
         self.rank = cart.Get_rank()
@@ -157,23 +191,27 @@ class Grid:
             self.comm[axis] = C.Comm(cart.Sub([j == i for j in range(len(AXES))]), axis)
         self.comm["dp_cp"] = self.comm["dp"] if cp == 1 else \
             C.Comm(cart.Sub([a in DATA_AXES for a in AXES]), "dp_cp")
+        d, dp_mpi = self.coords["dp"], self.comm["dp"].mpi
+        self.comm["ep"] = C.Comm(dp_mpi.Split(d // ep, d % ep), "ep")
+        self.comm["edp"] = self.comm["dp"] if ep == 1 else C.Comm(dp_mpi.Split(d % ep, d // ep), "edp")
+        self.sizes["ep"], self.coords["ep"] = ep, d % ep
         self.prev_rank, self.next_rank = cart.Shift(AXES.index("pp"), 1)
         p = self.coords["pp"]
         self.pp_prev = p - 1 if p > 0 else C.PROC_NULL
         self.pp_next = p + 1 if p < pp - 1 else C.PROC_NULL
 
     @classmethod
-    def from_world(cls, dp: int = 0, pp: int = 1, tp: int = 1, comm=None, cp: int = 1) -> "Grid":
+    def from_world(cls, dp: int = 0, pp: int = 1, tp: int = 1, comm=None, cp: int = 1, ep: int = 1) -> "Grid":
         """A grid over ``comm`` (default the world) where ``dp=0`` means world size // (pp*cp*tp)."""
         from mpirt import comm as C
 
         if comm is None:
             comm = C.world_comm()
         size = comm.size if isinstance(comm, C.Comm) else comm.Get_size()
-        return cls(resolve_dp(size, dp, pp, tp, cp), pp, tp, comm, cp=cp)
+        return cls(resolve_dp(size, dp, pp, tp, cp), pp, tp, comm, cp=cp, ep=ep)
 
     def __repr__(self) -> str:
-        return (f"Grid(dp={self.dp}, pp={self.pp}, cp={self.cp}, tp={self.tp}, rank={self.rank}, "
+        return (f"Grid(dp={self.dp}, pp={self.pp}, cp={self.cp}, tp={self.tp}, ep={self.ep}, rank={self.rank}, "
                 f"coords={self.coords})")
 
     @property
@@ -217,7 +255,7 @@ class Grid:
 
     def free(self) -> None:
         """Release the sub-communicators and the Cartesian communicator."""
-        for c in {id(c): c for c in self.comm.values()}.values():  # dp_cp may be dp itself
+        for c in {id(c): c for c in self.comm.values()}.values():  # dp_cp and edp may be dp itself
             c.free()
         self.comm = {}
 
@@ -229,6 +267,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (carved out of dp)")
     ap.add_argument("--world", type=int, default=None, help="world size to validate against")
     args = ap.parse_args(argv)
     try:
@@ -236,8 +275,9 @@ def main(argv=None) -> int:
             raise ValueError("dp=0 (derive from the world size) needs --world")
         dp = resolve_dp(args.world, args.dp, args.pp, args.tp, args.cp) if args.world is not None else args.dp
         check_layout(dp, args.pp, args.tp, cp=args.cp)
+        check_expert_layout(dp, args.ep)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(format_rank_map(dp, args.pp, args.tp, args.cp))
+    print(format_rank_map(dp, args.pp, args.tp, args.cp, args.ep))
     return 0

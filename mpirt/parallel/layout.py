@@ -22,7 +22,7 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-AXES = ("dp", "pp", "cp", "tp")
+AXES = ("dp", "pp", "cp", "tp", "ep")  # the grid's axes, and ep: the expert-parallel groups carved out of dp
 
 
 class LayoutError(ValueError):
@@ -52,7 +52,8 @@ def _schedule(name: str, pp: int, microbatches: int, chunks: int):
 
 @dataclass(frozen=True)
 class Layout(Mapping):
-    """dp x pp x cp x tp and what follows from them and the config (see the module docstring).
+    """dp x pp x cp x tp and what follows from them and the config (see the module docstring);
+    ``ep``: the dp ranks over which a mixture of experts' experts are split (divides dp).
 
     ``microbatches``: per step and dp replica, the pipeline schedule's under pp, else
     ``grad_accum``; ``rows``: batch rows per micro-batch; ``chunks``: model chunks per pipeline
@@ -67,6 +68,7 @@ class Layout(Mapping):
     pp: int
     tp: int
     cp: int = 1
+    ep: int = 1
     zero: int = 0
     sequence_parallel: bool = False
     schedule: str = "1f1b"
@@ -79,8 +81,8 @@ class Layout(Mapping):
     @classmethod
     def of(cls, cfg, sizes, model_cfg=None) -> "Layout":
         """The layout of training config ``cfg`` on ``sizes`` (a mapping with dp, pp, tp and
-        optionally cp, a ``Layout`` too: derived again from ``cfg``, which may differ from the one
-        it came from),
+        optionally cp and ep, a ``Layout`` too: derived again from ``cfg``, which may differ from
+        the one it came from),
         with the stage bounds and recomputed blocks of ``model_cfg`` when given (ValueError when
         its blocks cannot fill the stages: :meth:`check_model` says so in its own words first)."""
         from mpirt.core import recompute
@@ -88,7 +90,7 @@ class Layout(Mapping):
         from mpirt.parallel.pipeline.partition import partition
 
         dp, pp, tp = (int(sizes[k]) for k in ("dp", "pp", "tp"))
-        cp = int(sizes.get("cp", 1))
+        cp, ep = int(sizes.get("cp", 1)), int(sizes.get("ep", 1))
         m = pipeline_microbatches(cfg.microbatches, pp) if pp > 1 else cfg.grad_accum
         chunks = cfg.chunks if pp > 1 and cfg.schedule == "interleaved" else 1
         bounds = recomputed = ()
@@ -97,7 +99,7 @@ class Layout(Mapping):
             bounds = tuple(partition(layer_costs(model_cfg, cfg.seq_len), pp * chunks)) if pp > 1 else ((0, n),)
             recomputed = tuple(range(n)) if cfg.zero == 3 else \
                 tuple(recompute.chosen(n, cfg.recompute, cfg.recompute_layers))
-        return cls(dp=dp, pp=pp, tp=tp, cp=cp, zero=cfg.zero,
+        return cls(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, zero=cfg.zero,
                    sequence_parallel=sequence_parallel_in_effect(cfg.sequence_parallel, tp),
                    schedule=cfg.schedule, microbatches=m, chunks=chunks, rows=cfg.batch_size // dp // m,
                    bounds=bounds, recomputed=recomputed)
@@ -124,8 +126,17 @@ class Layout(Mapping):
         final."""
         from mpirt.parallel.pipeline.schedules import check_shape
 
+        from mpirt.parallel.grid import check_expert_layout
+
         dp = cls.axes(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.cp)[0]
-        layout = cls.of(cfg, {"dp": dp, "pp": cfg.pp, "tp": cfg.tp, "cp": cfg.cp})
+        try:
+            check_expert_layout(dp, cfg.ep)
+        except ValueError as err:
+            raise LayoutError("ep", str(err).removeprefix("ep: ")) from None
+        if cfg.ep > 1 and cfg.zero == 3:
+            raise LayoutError("zero", f"ZeRO-3 shards the parameters over dp, the experts under ep={cfg.ep} are "
+                              "already split over it: use --zero 1 or 2 with --ep")
+        layout = cls.of(cfg, {"dp": dp, "pp": cfg.pp, "tp": cfg.tp, "cp": cfg.cp, "ep": cfg.ep})
         if cfg.sequence_parallel and cfg.tp == 1:
             raise LayoutError("sequence_parallel", "needs tp > 1")
         if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
@@ -165,6 +176,12 @@ class Layout(Mapping):
                               "stages")
         if self.cp > 1 and not attention_core(model_cfg):
             raise LayoutError("cp", f"model_type {model_cfg.model_type!r} has no attention to split a sequence over")
+        experts = getattr(model_cfg, "n_expert", 0)
+        if self.ep > 1 and not experts:
+            raise LayoutError("ep", f"model_type {model_cfg.model_type!r} has no experts to split")
+        if self.ep > 1 and experts % self.ep:
+            raise LayoutError("ep", f"{self.ep} does not divide the model's n_expert={experts} (each expert-parallel "
+                              "rank holds n_expert / ep whole experts)")
         if model_class(model_cfg).routes_per_sequence and (self.cp > 1 or self.sequence_parallel):
             raise LayoutError("cp" if self.cp > 1 else "sequence_parallel",
                               f"model_type {model_cfg.model_type!r} routes each sequence's tokens together (expert "
@@ -216,10 +233,11 @@ class Layout(Mapping):
         return self.pp > 1 and self.pipeline_schedule.split_backward
 
     def position(self, rank: int) -> dict:
-        """``{"dp", "pp", "cp", "tp"}`` coordinates of world rank ``rank`` (tp innermost, then cp, as
-        :class:`mpirt.parallel.grid.Grid`)."""
+        """``{"dp", "pp", "cp", "tp", "ep"}`` coordinates of world rank ``rank`` (tp innermost, then cp,
+        as :class:`mpirt.parallel.grid.Grid`; ep: the place in its ep group, dp rank % ep)."""
         from mpirt.parallel.grid import grid_coords
-        return dict(zip(AXES, grid_coords(rank, self.dp, self.pp, self.tp, self.cp)))
+        coords = dict(zip(AXES, grid_coords(rank, self.dp, self.pp, self.tp, self.cp)))
+        return {**coords, "ep": coords["dp"] % self.ep}
 
     def pipeline_rank(self, block: int) -> int:
         """The pp rank that holds global block ``block`` (resolved with a model: :attr:`bounds`)."""
@@ -234,6 +252,8 @@ class Layout(Mapping):
         """``dp 2 x pp 2 x tp 2`` plus the ZeRO stage, the schedule, micro-batches and sequence
         parallelism."""
         out = f"dp {self.dp} x pp {self.pp} x " + (f"cp {self.cp} x " if self.cp > 1 else "") + f"tp {self.tp}"
+        if self.ep > 1:
+            out += f", experts over ep {self.ep}"
         if self.zero:
             out += f", ZeRO-{self.zero}"
         if self.pp > 1:

@@ -1,7 +1,7 @@
 """Layout-independent model and optimizer state for any parallel layout.
 
 Sharded checkpoints (:func:`save_shards` / :func:`load_shards`): each rank describes what it holds
-as boxes of the global tensors, from each parameter's ShardSpec and its tp coordinate (a blocked
+as boxes of the global tensors, from each parameter's ShardSpec and its tp and ep coordinates (a blocked
 dimension, e.g. the fused qkv, gives one box per block) and, under ZeRO, from its flat segments
 (a segment of a flattened tp slice is a few boxes); loading asks the reader for exactly those
 boxes, each read straight into its place, so any layout loads what any other wrote, and no rank
@@ -22,14 +22,15 @@ from mpirt.parallel.zero import ZeroOptimizer
 
 
 # --- sharded checkpoints: each rank writes and reads only its own boxes ------------------------
-def _runs(p, tp: int, rank: int) -> list[list[tuple]]:
-    """Per dimension, the ``(local offset, global offset, length)`` runs in which the tp rank's
-    slice of ``p`` sits in the global tensor (a blocked dimension has one run per block), cut to
-    the unpadded tensor (vocabulary padding is never saved)."""
+def _runs(p, sizes: dict, ranks: dict) -> list[list[tuple]]:
+    """Per dimension, the ``(local offset, global offset, length)`` runs in which this rank's
+    slice of ``p`` (its places ``ranks`` on the axes of ``sizes``) sits in the global tensor (a
+    blocked dimension has one run per block), cut to the unpadded tensor (vocabulary padding is
+    never saved)."""
     logical = getattr(p, "logical_shape", p.global_shape)
     out = []
     for d, n in enumerate(p.global_shape):
-        idx = p.spec.dim_index(d, n, {TP.AXIS: tp}, {TP.AXIS: rank})
+        idx = p.spec.dim_index(d, n, sizes, ranks)
         if isinstance(idx, slice):
             runs = [(0, idx.start or 0, (n if idx.stop is None else idx.stop) - (idx.start or 0))]
         else:
@@ -61,12 +62,13 @@ def _flat_boxes(shape, lo: int, hi: int) -> list[tuple]:
     return out
 
 
-def _boxes(p, tp: int, rank: int, array, lo: int | None = None):
+def _boxes(p, axes: tuple, array, lo: int | None = None):
     """``(global start, shape, view)`` for every box of the global tensor held by ``array``: this
-    tp rank's slice of ``p`` (``lo`` None), or elements ``[lo, lo + array.size)`` of that slice,
-    flattened (a ZeRO segment). Each view is a writable view into ``array``."""
-    runs = _runs(p, tp, rank)
-    local = p.spec.local_shape(p.global_shape, {TP.AXIS: tp})
+    rank's slice of ``p`` (``axes``: the axis sizes and this rank's places, tp and ep) (``lo``
+    None), or elements ``[lo, lo + array.size)`` of that slice, flattened (a ZeRO segment). Each
+    view is a writable view into ``array``."""
+    runs = _runs(p, *axes)
+    local = p.spec.local_shape(p.global_shape, axes[0])
     if lo is None:
         parts = [((0,) * len(local), local, array)]
     else:
@@ -83,14 +85,13 @@ def _boxes(p, tp: int, rank: int, array, lo: int | None = None):
                    view[tuple(slice(c[2], c[2] + c[1]) for c in combo)])
 
 
-def _tp(tp_comm) -> tuple[int, int]:
-    return (tp_comm.size, tp_comm.rank) if tp_comm is not None else (1, 0)
-
-
 def _arrays(model, optimizer, skip) -> list[tuple]:
     """``(kind, name, param, array, lo)`` for everything this rank holds of the checkpoint: the
-    weights (float32 masters under mixed precision) and the optimizer state; ``lo`` is the ZeRO
-    segment's offset in the parameter's flattened tp slice (None: the whole slice)."""
+    weights (float32 masters under mixed precision) and the optimizer state (of each part of an
+    optimizer in parts, e.g. :class:`mpirt.parallel.experts.OptimizerPair`); ``lo`` is the ZeRO
+    segment's offset in the parameter's flattened slice (None: the whole slice)."""
+    if hasattr(optimizer, "parts"):
+        return [a for part in optimizer.parts for a in _arrays(model, part, skip)]
     out = []
     params = {id(p): p for _, p in model.named_parameters()}
     if isinstance(optimizer, ZeroOptimizer):
@@ -111,46 +112,56 @@ def _arrays(model, optimizer, skip) -> list[tuple]:
     return out
 
 
-def save_shards(writer, model, optimizer, tp_comm=None, *, replica: bool = True, skip=()) -> None:
-    """Add this rank's boxes to a :class:`mpirt.checkpoint.sharded.ShardWriter`: its tp slices
-    (a parameter replicated over tp from tp rank 0 only), its ZeRO segments, and without ZeRO only
-    on the dp replica that writes (``replica``: dp rank 0). ``skip``: names another rank writes
-    (the tied embedding on the last pipeline stage). Local: no communication."""
-    tp, rank = _tp(tp_comm)
-    zero = isinstance(optimizer, ZeroOptimizer)
-    if not (zero or replica):
-        return
+def tp_axes(tp_comm) -> tuple[dict, dict]:
+    """The ``axes`` of a rank whose parameters are split over a tp ``comm`` alone (None: not split)."""
+    return ({TP.AXIS: tp_comm.size}, {TP.AXIS: tp_comm.rank}) if tp_comm is not None else ({}, {})
+
+
+def _zero_params(optimizer) -> set:
+    """The ids of the parameters a ZeRO optimizer (or part of one) shards: each rank writes its segments."""
+    return {id(p) for part in getattr(optimizer, "parts", (optimizer,)) if isinstance(part, ZeroOptimizer)
+            for p in part.params}
+
+
+def save_shards(writer, model, optimizer, axes=({}, {}), *, replica=lambda p: True, skip=()) -> None:
+    """Add this rank's boxes to a :class:`mpirt.checkpoint.sharded.ShardWriter`: its slices
+    (``axes``: the sizes of tp and ep and this rank's places; a parameter replicated over tp from
+    tp rank 0 only), its ZeRO segments, and without ZeRO only on the replica that writes
+    (``replica(p)``: e.g. dp rank 0, or for an expert the edp rank 0). ``skip``: names another
+    rank writes (the tied embedding on the last pipeline stage). Local: no communication."""
+    sharded = _zero_params(optimizer)
     for kind, name, p, array, lo in _arrays(model, optimizer, skip):
-        if rank and TP.AXIS not in p.spec.dims:
+        if axes[1].get(TP.AXIS, 0) and TP.AXIS not in p.spec.dims or not (id(p) in sharded or replica(p)):
             continue
         shape = getattr(p, "logical_shape", p.global_shape)
-        for start, _, view in _boxes(p, tp, rank, array, lo):
+        for start, _, view in _boxes(p, axes, array, lo):
             writer.add(kind, name, shape, p.spec.dims, start, view)
 
 
-def load_shards(reader, model, optimizer, tp_comm=None, *, with_optimizer: bool = True) -> None:
+def load_shards(reader, model, optimizer, axes=({}, {}), *, with_optimizer: bool = True) -> None:
     """Fill this rank's weights (and optimizer state and scalars, ``with_optimizer``) from a
     :class:`mpirt.checkpoint.store.CheckpointReader` (or anything with its ``meta``, ``entry`` and
     ``read(kind, name, start, shape, out=)``, such as ``mpirt.models.hf.HFReader``), reading only
     the boxes this rank holds, whatever layout wrote them, each straight into its place (on NumPy no
-    box is held twice). Collective over dp under ZeRO (the parameters are refreshed from shards)."""
-    tp, rank = _tp(tp_comm)
+    box is held twice). ``axes``: as :func:`save_shards`. Collective over dp under ZeRO (the
+    parameters are refreshed from shards)."""
     if with_optimizer and reader.meta["optimizer"] is None:
         raise CheckpointError(f"{reader.path}: the checkpoint holds no optimizer state")
     for kind, name, p, array, lo in _arrays(model, optimizer, ()):
         if kind == "optimizer_state" and not with_optimizer:
             continue
         reader.entry(kind, name, getattr(p, "logical_shape", p.global_shape))
-        for start, shape, view in _boxes(p, tp, rank, array, lo):
+        for start, shape, view in _boxes(p, axes, array, lo):
             if isinstance(view, np.ndarray):  # read straight into the parameter or state
                 reader.read(kind, name, start, shape, out=view)
             else:  # a device array: one box on the host, then copied over
                 view[...] = B.asarray(reader.read(kind, name, start, shape), dtype=view.dtype)
     if with_optimizer:
         optimizer.load_scalars(reader.meta["optimizer"]["scalars"])
-    if isinstance(optimizer, ZeroOptimizer):
-        optimizer.refresh_parameters()
-    else:
-        for p, master in zip(optimizer.params, optimizer.master):
-            if master is not None:
-                p.data[...] = master  # rounded to nearest even
+    for part in getattr(optimizer, "parts", (optimizer,)):
+        if isinstance(part, ZeroOptimizer):
+            part.refresh_parameters()
+        else:
+            for p, master in zip(part.params, part.master):
+                if master is not None:
+                    p.data[...] = master  # rounded to nearest even

@@ -30,8 +30,15 @@ from mpirt.data.tokens import split_microbatches
 from mpirt.core.modeling import build_model
 from mpirt.core.nn import dropout_modules, place_dropouts, seed_losses
 from mpirt.parallel import tensor as TP
+from mpirt.parallel.experts import parallelize_experts
 from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 from mpirt.core.tensor import no_grad
+
+
+def parameter_axes(grid) -> tuple[dict, dict]:
+    """The axes over which a parameter may be split, with their sizes and this rank's places:
+    tp (tensor parallelism) and ep (a mixture of experts' experts)."""
+    return {a: grid.sizes[a] for a in ("tp", "ep")}, {a: grid.coords[a] for a in ("tp", "ep")}
 
 
 def seeded_init(seed: int, axis_sizes: dict, axis_ranks: dict):
@@ -47,7 +54,8 @@ def seeded_init(seed: int, axis_sizes: dict, axis_ranks: dict):
 
 
 class WholeModel:
-    """The whole model (``model_cfg``, made tensor parallel over ``grid``'s tp axis), its rows split
+    """The whole model (``model_cfg``, made tensor parallel over ``grid``'s tp axis, its experts split
+    over ep), its rows split
     into ``grad_accum`` micro-batches whose gradients accumulate.
 
     Built lazily (no arrays): every layout starts from the single-rank weights, each parameter's
@@ -63,7 +71,8 @@ class WholeModel:
         self.model = build_model(model_cfg, dtype=dtype)
         if tp > 1:
             TP.parallelize(self.model, grid.comm["tp"], sequence_parallel=sequence_parallel)
-        self.init = seeded_init(seed, {"tp": tp}, {"tp": grid.coords["tp"]})
+        parallelize_experts(self.model, grid.comm["ep"])
+        self.init = seeded_init(seed, *parameter_axes(grid))
         self.blocks = dict(enumerate(self.model.h))
         self.dropout_roots = (self.model,)
         self._dropouts = list(dropout_modules(self.model).values())

@@ -236,9 +236,15 @@ class ZeroOptimizer(Scalars):
         scale by ``max_norm / (norm + 1e-6)`` when the norm exceeds ``max_norm`` (None: only the
         norm). The norm sums this rank's counted elements of its shard over dp and ``norm_comms``.
         Returns the norm before clipping."""
+        return clip_flat(*self.norm_parts(), self.norm_comms, max_norm)
+
+    def norm_parts(self) -> tuple:
+        """``(the counted sum of squares of the reduced gradient, summed over dp; the arrays a clip
+        scales)``: this optimizer's part of a global norm. Collective over dp."""
         self.reduce_gradients()
-        return clip_flat(sum_squares(self.grad_shard, self._counted_runs), (self.comm, *self.norm_comms),
-                         max_norm, [self.store.grad if self.stage == 1 else self.grad_shard])
+        sq = sum_squares(self.grad_shard, self._counted_runs)
+        return (self.comm.allreduce_scalar(sq) if self.size > 1 else sq), \
+            [self.store.grad if self.stage == 1 else self.grad_shard]
 
     def step(self) -> None:
         """One AdamW update of this rank's shard; stages 1-2 then all-gather the parameters.

@@ -101,6 +101,8 @@ class TrainConfig:
     tp: int = _opt(1, "tensor-parallel size")
     pp: int = _opt(1, "pipeline-parallel size")
     cp: int = _opt(1, "context-parallel size: each sequence split over cp ranks (2 chunks each, ring attention)")
+    ep: int = _opt(1, "expert-parallel size (mixture of experts): the experts split over ep of the dp ranks, "
+                      "tokens sent to them by all-to-all; divides dp and n_expert")
     sequence_parallel: bool = _opt(False, "with tp > 1: split LayerNorm/dropout regions along the sequence")
     zero: int = _opt(0, "ZeRO stage 0-3 (shard optimizer state / gradients / parameters)")
     microbatches: int = _opt(0, "pipeline microbatches per step; 0 = derive from pp")
@@ -168,6 +170,7 @@ class TrainConfig:
         need("tp", self.tp >= 1, ">= 1")
         need("pp", self.pp >= 1, ">= 1")
         need("cp", self.cp >= 1, ">= 1")
+        need("ep", self.ep >= 1, ">= 1")
         need("zero", 0 <= self.zero <= 3, "in 0..3")
         need("microbatches", self.microbatches >= 0, ">= 0")
         need("chunks", self.chunks >= 1, ">= 1")

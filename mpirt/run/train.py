@@ -412,7 +412,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     stops = EARLY_STOPS or jobctl.StopRequests().install()
     # the final config's, with the model's stages and the blocks that recompute
     layout = recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg))
-    grid = Grid(layout["dp"], layout["pp"], layout["tp"], cp=layout["cp"])
+    grid = Grid(layout["dp"], layout["pp"], layout["tp"], cp=layout["cp"], ep=layout["ep"])
     dp = grid.sizes["dp"]
     is_main = ctx.rank == 0
     world_comm = ctx.comm

@@ -40,11 +40,13 @@ import mpirt.core.backend as B
 from mpirt.core.modeling import block_class, build_model, check_config, lm_loss, model_class, seed_dropouts
 from mpirt.core.nn import (Module, dropout_modules, graph_parameters, place_dropouts, seed_losses, stand_ins,
                            zero_grads)
+from mpirt.parallel.experts import parallelize_experts
 from mpirt.parallel.pipeline.partition import layer_costs, partition
 from mpirt.parallel.pipeline.executor import PipelineExecutor
 from mpirt.parallel.pipeline.check import check
 from mpirt.parallel.layout import pipeline_microbatches, sequence_parallel_in_effect
 from mpirt.parallel.pipeline.schedules import Schedule, ScheduleError, build, canonical_name
+from mpirt.parallel.whole import parameter_axes
 from mpirt.core.tensor import Tensor, no_grad
 
 # ---------------------------------------------------------------------------------------------
@@ -144,9 +146,9 @@ class PipelineStage(PipelineExecutor):
         if self.shell is not None:
             seed_dropouts(self.shell, seed)
         if self.tp > 1:
-            self._parallelize(model, seed, registered)
-        else:
-            model.initialize(seed)
+            self._parallelize(model, registered)
+        parallelize_experts(model, self.grid.comm["ep"])
+        model.initialize(seed, *parameter_axes(self.grid))  # this rank's slices of the one-rank model
         self.model = model
         self._params = model.parameters()
         self._dropouts = list(dropout_modules(model, self.shell).values())
@@ -156,7 +158,7 @@ class PipelineStage(PipelineExecutor):
         # the norm counts every element once: the tied copy on the first rank only
         self.tied_copy = self.tied_names if self.pp > 1 and self.has_head else []
 
-    def _parallelize(self, model, seed: int, registered: list) -> None:
+    def _parallelize(self, model, registered: list) -> None:
         """Tensor parallelism inside the stage: the model class's plan applied to this stage's
         modules (entries for the head and loss only on the last stage), then the swapped modules
         handed back to the shell whose embed/head run them."""
@@ -167,7 +169,7 @@ class PipelineStage(PipelineExecutor):
             raise NotImplementedError(f"PipelineStage: model_type {self.cfg.model_type!r} has no tp_plan; "
                                       "tensor parallelism needs one")
         plan = [e for e in plan if e[1] not in ("vocab_head", "vocab_loss") or self.has_head]
-        TP.parallelize(model, self.grid.comm["tp"], sequence_parallel=self.sequence_parallel, seed=seed, plan=plan)
+        TP.parallelize(model, self.grid.comm["tp"], sequence_parallel=self.sequence_parallel, plan=plan)
         for name in registered:
             setattr(self.shell, name, getattr(model, name))
         if self.has_head:

@@ -1,0 +1,180 @@
+"""Expert parallelism: a mixture of experts' experts split over the ``ep`` ranks of an ep group.
+
+The ep groups are carved out of dp (:class:`mpirt.parallel.grid.Grid`: ``ep`` consecutive dp
+ranks; ``edp`` the ranks at the same place in their groups). Each rank of an ep group holds
+``E / ep`` whole experts of every MoE layer (its slice of the stacked ``(E, C, F)`` expert
+weights, ``ShardSpec(("ep", None, None))``) and routes its own tokens (the router is replicated).
+A layer's experts then run as:
+
+1. counts: every rank tells every other how many of its rows go to each of the other's experts
+   (one all-to-all of ``E / ep`` integers per pair);
+2. dispatch: the rows, already grouped by global expert (so by destination rank), go to the
+   ranks holding their experts (``MPI_Alltoallv``); the receiver regroups them by its local
+   expert (source order kept within an expert) and runs the grouped SwiGLU GEMMs;
+3. combine: the outputs go back the same way, in the order their rows came.
+
+Forward and backward are two all-to-alls each (the backward of a dispatch is a combine of the
+gradients, and the reverse); every rank takes part in all of them even when it sends or
+receives no row (an expert nobody chose). Exact: a token's output is its expert's rows'
+product as on one rank, and an expert's weight gradient sums the same rows' contributions (in
+another order).
+
+Gradients: the dense parameters (attention, norms, the router, the embedding) are averaged over
+dp as always. An expert's gradient on its rank already sums the contributions of the whole ep
+group's tokens (each seeded with its own rank's loss); summing over edp adds the other groups',
+and dividing by dp makes the global batch's mean. So the expert weights enter the GEMMs through
+:class:`GradScale` (``1 / ep``, exact for powers of two) and their own store is averaged over edp
+(DataParallel or ZeRO over ``grid.comm["edp"]``; :class:`OptimizerPair` steps the two as one).
+The global norm counts an expert's elements once: summed over ep (different experts), not over
+edp (replicas).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpirt.core.nn import Module, ShardSpec
+from mpirt.core.ops.moe import grouped_swiglu
+from mpirt.core.tensor import Function
+
+AXIS = "ep"
+EXPERT_SPEC = ShardSpec((AXIS, None, None))  # stacked expert weights (E, C, F): whole experts per rank
+
+
+def _inverse(order: np.ndarray) -> np.ndarray:
+    inv = np.empty_like(order)
+    inv[order] = np.arange(len(order))
+    return inv
+
+
+class TokenExchange(Function):
+    """Rows to the ranks of ``comm``: ``x[before]`` (or ``x``), its first ``send[0]`` rows to rank
+    0, the next ``send[1]`` to rank 1, ...; the rows received (in rank order), taken in ``after``
+    order. The backward sends the gradient back the reverse way (an all-to-all with the counts
+    swapped). Collective over ``comm`` in forward and backward."""
+
+    def forward(self, x, comm=None, send=(), before=None, after=None):
+        rows, self.recv = comm.alltoallv(x if before is None else x[before], send)
+        self.comm, self.before, self.after = comm, before, after
+        return rows if after is None else rows[after]
+
+    def backward(self, g):
+        if self.after is not None:
+            g = g[_inverse(self.after)]
+        back, _ = self.comm.alltoallv(g, self.recv)
+        return (back if self.before is None else back[_inverse(self.before)],)
+
+
+class GradScale(Function):
+    """Identity whose backward multiplies the gradient by ``factor``."""
+
+    def forward(self, x, factor=1.0):
+        self.factor = factor
+        return x
+
+    def backward(self, g):
+        return (g * self.factor,)
+
+
+class ExpertParallel:
+    """The hook a MoE layer runs its experts through under ep (``MoEMLP.expert_parallel``): this
+    rank holds experts ``[rank * E / ep, (rank + 1) * E / ep)`` of the ep ``comm``."""
+
+    def __init__(self, comm, n_expert: int):
+        if n_expert % comm.size:
+            raise ValueError(f"ep: {comm.size} does not divide n_expert={n_expert}")
+        self.comm, self.n_expert, self.local = comm, n_expert, n_expert // comm.size
+
+    def run(self, x, counts, w_gate, w_up, w_down):
+        """The experts' outputs for rows ``x`` (M, C) grouped by global expert (``counts[e]`` rows
+        for expert e), in the same order; ``w_*`` this rank's experts' weights. Collective over ep."""
+        ep, local = self.comm.size, self.local
+        sent = np.asarray(counts, dtype=np.int64).reshape(ep, local)   # rows for each rank's experts
+        got, _ = self.comm.alltoallv(sent, [1] * ep)                     # (ep, local): from each source
+        got = np.asarray(got)
+        expert_of_row = np.repeat(np.tile(np.arange(local), ep), got.reshape(-1))  # source-major rows
+        order = np.argsort(expert_of_row, kind="stable")                 # grouped by local expert
+        xs = TokenExchange.apply(x, comm=self.comm, send=sent.sum(axis=1), after=order)
+        weights = [GradScale.apply(w, factor=1.0 / ep) for w in (w_gate, w_up, w_down)]  # the ep group's mean
+        ys = grouped_swiglu(xs, *weights, got.sum(axis=0))
+        return TokenExchange.apply(ys, comm=self.comm, send=got.sum(axis=1), before=_inverse(order))
+
+
+class OptimizerPair:
+    """The dense parameters' optimizer (over dp) and the experts' (over edp) as one to the training
+    loop: ``lr`` and ``grad_scale`` set both, ``step``/``zero_grad`` run both; the step count and
+    hyperparameters (equal in both) are the dense one's. ``parts``: the two."""
+
+    def __init__(self, dense, experts):
+        self.parts = (dense, experts)
+
+    @property
+    def lr(self) -> float:
+        return self.parts[0].lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for part in self.parts:
+            part.lr = value
+
+    @property
+    def grad_scale(self) -> float:
+        return self.parts[0].grad_scale
+
+    @grad_scale.setter
+    def grad_scale(self, value: float) -> None:
+        for part in self.parts:
+            part.grad_scale = value
+
+    @property
+    def step_count(self) -> int:
+        return self.parts[0].step_count
+
+    def scalars(self) -> dict:
+        return self.parts[0].scalars()
+
+    def load_scalars(self, d: dict) -> None:
+        for part in self.parts:
+            part.load_scalars(d)
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def sync_partial_grads(self, tp_comm) -> None:
+        for part in self.parts:
+            part.sync_partial_grads(tp_comm)
+
+    def memory_bytes(self) -> dict:
+        """Both parts' persistent bytes, per category."""
+        held = [part.memory_bytes() for part in self.parts]
+        return {k: sum(h[k] for h in held) for k in held[0]}
+
+
+def expert_layers(model: Module) -> list:
+    """The modules of ``model`` that hold stacked experts (a ``expert_parallel`` hook)."""
+    return [m for _, m in model.named_modules() if hasattr(m, "expert_parallel")]
+
+
+def parallelize_experts(model: Module, comm) -> Module:
+    """Split every MoE layer's experts over the ep ``comm`` in place: the stacked weights get
+    :data:`EXPERT_SPEC` and this rank's shape (lazy: initialise or load them afterwards, e.g.
+    ``model.initialize(seed, {"ep": ep}, {"ep": rank})``) and the layer its
+    :class:`ExpertParallel` hook. Nothing changes when ``comm`` has one rank. Returns ``model``."""
+    if comm.size == 1:
+        return model
+    for layer in expert_layers(model):
+        hook = ExpertParallel(comm, layer.n_expert)
+        for p in layer.expert_weights():
+            p.spec = EXPERT_SPEC
+            p.defer(EXPERT_SPEC.local_shape(p.global_shape, {AXIS: comm.size}))
+        layer.expert_parallel = hook
+    return model
+
+
+def is_expert(p) -> bool:
+    """Whether ``p`` is split over ep (an expert's weight)."""
+    return AXIS in p.spec.dims
