@@ -177,6 +177,11 @@ class Mixtral(Llama):
                              f"{cfg.capacity_factor!r} and {cfg.aux_loss_coef!r}")
 
     @classmethod
+    def expert_weights_of(cls, cfg: MoEConfig) -> int:
+        """One block's stacked expert weights, ``3 E C F`` (what ep splits; tp replicates them)."""
+        return 3 * cfg.n_expert * cfg.n_embd * cfg.hidden
+
+    @classmethod
     def _expert_params(cls, cfg: MoEConfig) -> int:
         """One block's router and experts: ``C E + 3 E C F``."""
         return cfg.n_embd * cfg.n_expert * (1 + 3 * cfg.hidden)
@@ -200,18 +205,27 @@ class Mixtral(Llama):
         return 6.0 * cls.active_parameters_of(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
 
     @classmethod
-    def activation_bytes_of(cls, cfg: MoEConfig, **kwargs) -> dict:
+    def activation_bytes_of(cls, cfg: MoEConfig, ep: int = 1, **kwargs) -> dict:
         """Llama's formulas with an MLP ``top_k`` experts wide whose two kept arrays are each
         token's experts' gate and up products (the grouped op keeps no output of its own: the
         backward makes ``silu(g) u`` again), plus the grouped input and output (``2 k u``) and the
-        router's probabilities with the load-balancing loss's gradient (``2 b s E``)."""
+        router's probabilities with the load-balancing loss's gradient (``2 b s E``); under expert
+        parallelism (``ep`` > 1) the rows sent and the experts' outputs received (``2 k u`` more,
+        taking the rows a rank receives as many as it sends: balanced routing), and two such arrays
+        in the backward of a token exchange."""
         import dataclasses
         wide = dataclasses.replace(cfg, n_inner=cfg.top_k * cfg.hidden)
         out = activation_bytes(wide, mlp_saved=1, **kwargs)
         e = kwargs.get("itemsize", 4)
         tokens = kwargs["batch"] * kwargs["seq_len"]
-        extra = int(e * tokens * (2 * cfg.top_k * cfg.n_embd + 2 * cfg.n_expert))
-        return {**out, "block": out["block"] + extra}
+        routed = e * tokens * cfg.top_k * cfg.n_embd  # one (tokens x top_k, C) array
+        extra = int(2 * routed + e * tokens * 2 * cfg.n_expert)
+        backward = out["backward"]
+        if ep > 1:  # the rows sent and the experts' outputs before they go back (about as many as
+            # sent); in backward an exchange's gradient in the order it travels and the one received
+            extra += 2 * routed
+            backward += 2 * routed
+        return {**out, "block": out["block"] + extra, "backward": backward}
 
     @classmethod
     def layer_costs_of(cls, cfg: MoEConfig, seq_len: int) -> list:

@@ -137,13 +137,15 @@ def test_layout_that_cannot_fit_is_refused(tiny_data, tmp_path):
     (4, ["--dp=2", "--pp=2", "--zero=3", "--microbatches=4", "--schedule=zb-h1"]),
     (2, ["--cp=2"]), (4, ["--cp=4", "--model.attn_pdrop=0.1"]), (4, ["--cp=2", "--tp=2", "--sequence-parallel"]),
     (1, ["--model=mixtral-tiny"]), (2, ["--model=mixtral-tiny", "--pp=2", "--microbatches=4"]),
-    (2, ["--model=mixtral-tiny", "--dp=2", "--zero=2"]),
+    (2, ["--model=mixtral-tiny", "--dp=2", "--zero=2"]), (2, ["--model=mixtral-tiny", "--dp=2", "--ep=2"]),
+    (4, ["--model=mixtral-tiny", "--dp=4", "--ep=2", "--zero=2"]),
+    (4, ["--model=mixtral-tiny", "--dp=2", "--ep=2", "--pp=2", "--microbatches=4", "--zero=1"]),
 ], ids=str)
 def test_run_that_fits_is_predicted(tiny_data, tmp_path, ranks, layout):
     """Every rank's measured peak within 5% of memory.predict's: GPT and Llama (grouped-query
     attention too), pipeline first, middle and last stages, ZeRO 2 and 3, recompute none,
     selective and full, context parallelism (ring attention with its dropout masks), the mixture
-    of experts, float32 and bfloat16 (float16: the test below)."""
+    of experts (its experts split over ep too), float32 and bfloat16 (float16: the test below)."""
     run_module("mpirt.train", *ARGS, f"--data={tiny_data}", f"--out-dir={tmp_path}", "--memory-budget=1GiB",
                *layout, ranks=ranks)
     s = json.loads((tmp_path / "summary.json").read_text())

@@ -168,7 +168,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     """:func:`predict`'s categories with ``cfg.recompute`` applied as it is, and the step's
     activation peak (kept activations plus the backward's transient)."""
     from mpirt.core.precision import bytes_per_parameter, compute_dtype
-    from mpirt.core.modeling import activation_bytes, layer_costs, num_parameters
+    from mpirt.core.modeling import activation_bytes, layer_costs, model_class, num_parameters
     from mpirt.models.lm import kv_heads
 
     lay = Layout.of(cfg, layout, model_cfg)
@@ -180,7 +180,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     costs = layer_costs(model_cfg, cfg.seq_len)
     n_full = num_parameters(model_cfg)
     acts = activation_bytes(model_cfg, batch=rows, seq_len=seq, tp=tp, sequence_parallel=sp, itemsize=e,
-                            **({"cp": lay.cp} if lay.cp > 1 else {}))
+                            **({"cp": lay.cp} if lay.cp > 1 else {}), **({"ep": lay.ep} if lay.ep > 1 else {}))
     mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
     picked = set(lay.recomputed)
 
@@ -212,9 +212,14 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
                        for c, (lo, hi) in enumerate(mine)]
         activations = peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w)
         held = [i for lo, hi in mine for i in range(lo, hi)]
+    # a mixture of experts' stacked experts: replicated over tp, split over ep, sharded over edp
+    experts = len(held) * getattr(model_class(model_cfg), "expert_weights_of", lambda c: 0)(model_cfg)
+    n_local -= experts / tp
     replicas = dp * lay.cp  # ZeRO shards over dp and cp together (the ranks holding the same parameters)
     per_param = bytes_per_parameter(cfg.dtype, replicas, cfg.zero)  # masters and moments in float32 for half
-    params, grads, optimizer = (n_local * per_param[k] for k in ("params", "grads", "optimizer"))
+    per_expert = bytes_per_parameter(cfg.dtype, dp // lay.ep, cfg.zero)
+    params, grads, optimizer = (n_local * per_param[k] + experts / lay.ep * per_expert[k]
+                                for k in ("params", "grads", "optimizer"))
     comm = 0.0
     if cfg.zero == 3:  # the largest unit (its tp slice), gathered with its gradient; the next unit's
         # prefetched parameters are not counted: measured here they reuse freed memory (+0.2 MiB for a
