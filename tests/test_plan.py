@@ -14,6 +14,7 @@ from mpirt.core.modeling import load_model_config
 from mpirt.parallel.pipeline.check import simulate, theoretical_bubble
 from mpirt.parallel.pipeline.schedules import build
 from mpirt.plan import Cluster, coll_time, estimate, hardware, plan, self_check
+from mpirt.plan.search import describe as plan_describe
 from mpirt.plan.published import bubble_table, frontier_rows, megatron_flops, zero_table
 from mpirt.plan.work import ops_per_block
 
@@ -160,6 +161,26 @@ def test_a_long_sequence_that_fits_only_split_is_planned_with_context_parallelis
     budget = min(e.memory["peak"] for e in every if e.layout["cp"] == 1) - 1
     tight, _ = plan(model, c, 4, 4096, "float32", budget=budget, every=True)
     assert tight and all(e.layout["cp"] > 1 and e.memory["peak"] <= budget for e in tight)
+
+
+def test_expert_parallelism_is_searched_and_priced():
+    """A mixture of 16 wide experts on 4 ranks: the plan tries ep 1, 2 and 4; splitting the experts
+    shrinks a rank's weights by exactly the experts' share (the dense ones stay) and its peak, and
+    adds the all-to-alls: the routed rows out and back, forward and backward, 3/4 of them sent;
+    the optimizer updates a quarter of the experts."""
+    model = load_model_config("mixtral-tiny", {"n_expert": 16, "n_inner": 1024})
+    c = cpu(cores=2).with_shape(1, 4)
+    every, _ = plan(model, c, 8, 128, "float32", every=True)
+    assert {e.layout["ep"] for e in every} == {1, 2, 4}
+    one, two, four = (estimate(cfg(dp=4, ep=ep, zero=1, batch_size=8, seq_len=128), model, c) for ep in (1, 2, 4))
+    experts = 4 * 3 * 16 * 128 * 1024 * 4  # bytes of the 4 blocks' expert weights, float32
+    assert one.memory["parameters"] - four.memory["parameters"] == pytest.approx(experts * 3 / 4, rel=1e-6)
+    assert one.memory["peak"] > two.memory["peak"] > four.memory["peak"]
+    assert one.comm["ep"]["bytes"] == 0
+    routed = 2 * 128 * 2 * 128 * 4  # a rank's 2 rows x 128 tokens x top-2, 128 wide, float32
+    assert four.comm["ep"]["bytes"] == pytest.approx(4 * 4 * routed * 3 / 4)  # 4 blocks, 4 exchanges each
+    assert four.comm["ep"]["s"] > 0 and four.parts["optimizer"] < one.parts["optimizer"]  # 1/4 of the experts
+    assert "dp 4 ep 4 tp 1" in plan_describe(four)
 
 
 def test_large_model_plan_on_gpus():

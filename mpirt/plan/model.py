@@ -126,10 +126,12 @@ class _Machine:
 
 
 def _spans_nodes(cluster: Cluster, axis: str, layout: dict) -> bool:
-    """Whether a group of ``axis`` crosses a node (tp innermost, then cp, pp, dp)."""
+    """Whether a group of ``axis`` crosses a node (tp innermost, then cp, pp, dp; ep groups of
+    consecutive dp ranks)."""
     dp, pp, tp, cp = layout["dp"], layout["pp"], layout["tp"], layout.get("cp", 1)
     n = cluster.devices_per_node if not cluster.cores else max(1, (dp * pp * cp * tp) // max(cluster.nodes, 1))
-    extent = {"tp": tp, "cp": cp * tp, "pp": pp * cp * tp, "dp": dp * pp * cp * tp}[axis]
+    extent = {"tp": tp, "cp": cp * tp, "pp": pp * cp * tp, "dp": dp * pp * cp * tp,
+              "ep": layout.get("ep", 1) * pp * cp * tp}[axis]  # ep: consecutive dp ranks
     return extent > n
 
 
@@ -140,15 +142,20 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     computes ``seq_len / cp`` tokens of each sequence at the whole sequence's FLOPs per token
     (1/cp of the attention), and each block's ring attention sends the keys and values ``cp - 1``
     times forward and backward, hidden behind the block's compute where it is shorter, and the
-    keys' gradient ``cp`` times, exposed (each pass waits for it). ``memory_ranks``: ``"stages"`` (rank 0 and the last
+    keys' gradient ``cp`` times, exposed (each pass waits for it). Under expert parallelism each
+    MoE block's routed rows (``rows x seq x top_k``, hidden size wide) go to the ep ranks holding
+    their experts and come back, forward and backward (four all-to-alls sending ``(ep - 1) / ep`` of
+    them, exposed: the block waits for its rows), the experts' weights count ``1 / ep`` on a rank
+    (replicated over tp) and their gradients are synced over edp (``dp / ep`` ranks). ``memory_ranks``: ``"stages"`` (rank 0 and the last
     stage's first rank: the most stashed micro-batches and the logits) or ``"all"``."""
     from mpirt.plan import memory
-    from mpirt.core.modeling import flops_per_token, layer_costs
+    from mpirt.core.modeling import flops_per_token, layer_costs, model_class
     from mpirt.parallel.pipeline.check import simulate
 
     layout = memory.recompute_where_it_pays(  # what the engine runs: with the blocks that recompute
-        cfg, model_cfg, Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp, "cp": cfg.cp}, model_cfg))
-    dp, pp, tp, cp, world = layout.dp, layout.pp, layout.tp, layout.cp, layout.world_size
+        cfg, model_cfg, Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp, "cp": cfg.cp, "ep": cfg.ep},
+                                  model_cfg))
+    dp, pp, tp, cp, ep, world = layout.dp, layout.pp, layout.tp, layout.cp, layout.ep, layout.world_size
     replicas = dp * cp  # the ranks that average gradients (and hold ZeRO's shards): dp, and cp with it
     seq = cfg.seq_len // cp  # the tokens of each sequence a rank holds
     mach = _Machine(cluster, world, cfg.dtype)
@@ -186,13 +193,18 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     times = {k: {op: pass_time([work[i] for i in v], op) for op in (FORWARD, BACKWARD, WEIGHT)} for k, v in stage_layers.items()}
     local_params = {r: sum(costs[i].params for (rr, _), v in stage_layers.items() if rr == r for i in v) / tp
                     for r in range(pp)}
+    # a mixture of experts' stacked experts: replicated over tp, split over ep, synced over edp
+    per_block = getattr(model_class(model_cfg), "expert_weights_of", lambda c: 0)(model_cfg)
+    blocks_of = {r: sum(hi - lo for s, (lo, hi) in enumerate(layout.bounds) if s % pp == r) for r in range(pp)}
+    local_experts = {r: blocks_of[r] * per_block / ep for r in range(pp)}
+    local_params = {r: local_params[r] - blocks_of[r] * per_block / tp for r in range(pp)}  # the dense rest
 
     # data parallel sync of a rank's gradients (bytes: reductions of half dtypes travel as float32)
     red_e = 4 if e == 2 else e
     dp_span = _spans_nodes(cluster, "dp", layout)
 
-    def dp_sync(n_local: float) -> tuple[float, float]:
-        if replicas == 1:
+    def dp_sync(n_local: float, replicas: int = replicas) -> tuple[float, float]:
+        if replicas == 1 or n_local == 0:
             return 0.0, 0.0
         if cfg.zero == 0:
             ops = [("allreduce", n_local * red_e)]
@@ -207,7 +219,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
 
     parts = dict.fromkeys(("forward", "backward", "weight_grad", "bubble", "grad_sync", "optimizer", "other"), 0.0)
     comm = {"tp": {"bytes": 0.0, "s": 0.0}, "pp": {"bytes": 0.0, "s": 0.0}, "dp": {"bytes": 0.0, "s": 0.0},
-            "cp": {"bytes": 0.0, "s": 0.0}}
+            "cp": {"bytes": 0.0, "s": 0.0}, "ep": {"bytes": 0.0, "s": 0.0}}
     act_msg = rows * (seq // (tp if sp else 1)) * model_cfg.n_embd * e
     p2p = coll_time(cluster, "p2p", act_msg, 2, world, _spans_nodes(cluster, "pp", layout)) if pp > 1 else 0.0
     if pp == 1:
@@ -240,8 +252,9 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
                     comm["tp"]["bytes"] += m * sum(n for _, n in work[i][op].tp)
                     comm["tp"]["s"] += m * tp_time(work[i][op])
     # dp sync: the slowest stage's (the most parameters), overlapping the last backward when it can
-    worst = max(range(pp), key=lambda r: local_params[r])
-    dp_s, dp_bytes = dp_sync(local_params[worst])
+    worst = max(range(pp), key=lambda r: local_params[r] + local_experts[r])
+    dp_s, dp_bytes = (a + b for a, b in zip(dp_sync(local_params[worst]),
+                                            dp_sync(local_experts[worst], replicas // ep)))
     exposed = dp_s
     if cluster.overlap and dp_s and cfg.zero != 3:
         exposed = max(dp_s / max(1, -(-dp_bytes // (25 * 2**20))), dp_s - 0.9 * last_b)
@@ -266,7 +279,15 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         hidden = 2 * (cp - 1) * hop
         ring_exposed = blocks * (cp * hop + max(0.0, hidden - block_s))
         comm["cp"] = {"bytes": blocks * (3 * cp - 2) * kv, "s": blocks * (hidden + cp * hop)}
-    n_local = max(local_params.values())
+    exchange_exposed = 0.0
+    if ep > 1:  # per MoE block and micro-batch: the routed rows out and back, forward and backward
+        routed = rows * seq * getattr(model_cfg, "top_k", 1) * model_cfg.n_embd * e
+        sent = routed * (ep - 1) / ep
+        one = coll_time(cluster, "alltoall", sent * ep, ep, world, _spans_nodes(cluster, "ep", layout))
+        blocks = m * model_cfg.n_layer / pp
+        exchange_exposed = blocks * 4 * one
+        comm["ep"] = {"bytes": blocks * 4 * sent, "s": exchange_exposed}
+    n_local = max(local_params[r] + local_experts[r] for r in range(pp))
     shard = n_local / (replicas if cfg.zero else 1)
     blocks_local = model_cfg.n_layer / pp
     tensors = blocks_local * tensors_per_block(model_cfg) + 4
@@ -274,8 +295,10 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         tensors = max(1.0, tensors / replicas)
     parts["optimizer"] = mach.optimizer(tensors, shard * 4, n_local * e) + clip
     parts["other"] = 20 * cluster.op_overhead_s / mach.python_share   # data, monitor (the flags come after the step)
-    step = pipe + ring_exposed + parts["grad_sync"] + parts["optimizer"] + parts["other"]
+    step = pipe + ring_exposed + exchange_exposed + parts["grad_sync"] + parts["optimizer"] + parts["other"]
     parts["backward"] += ring_exposed  # the ring's waits are inside the measured passes
+    parts["forward"] += exchange_exposed / 2  # as the all-to-alls' (half of them each way)
+    parts["backward"] += exchange_exposed / 2
     if pp == 1:
         parts["forward"] += 0.0
     tokens = cfg.batch_size * cfg.seq_len
@@ -292,8 +315,8 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     mem = {**per_rank[big], "rank": big, "per_rank": {r: v["peak"] for r, v in per_rank.items()}}
 
     shares = {"compute": parts["forward"] + parts["backward"] + parts["weight_grad"] - comm["tp"]["s"] - ring_exposed
-              + parts["optimizer"],
-              "dp comm": exposed, "tp comm": comm["tp"]["s"], "cp comm": ring_exposed,
+              - exchange_exposed + parts["optimizer"],
+              "dp comm": exposed, "tp comm": comm["tp"]["s"], "cp comm": ring_exposed, "ep comm": exchange_exposed,
               "bubble": (bubble * pipe) if pp > 1 else 0.0}
     neck = max(shares, key=shares.get)
     if mem["peak"] > 0.9 * cluster.memory_bytes:

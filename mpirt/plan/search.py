@@ -1,7 +1,8 @@
 """The planner: every layout of a model on a cluster, predicted and ranked.
 
 :func:`candidates` enumerates dp x tp x pp over the devices (tp within a node and dividing the
-heads, pp at most the layers), the rows per micro-batch (powers of two dividing a replica's
+heads, pp at most the layers; cp and, for a mixture of experts, ep dividing dp and the experts),
+the rows per micro-batch (powers of two dividing a replica's
 rows), the pipeline schedule (1F1B, interleaved with 2 chunks where the micro-batches are a
 multiple of pp, ZB-H1) and sequence parallelism, each kept only if the runtime's
 :class:`~mpirt.parallel.layout.Layout` accepts it; for each it keeps the first memory setting,
@@ -45,6 +46,13 @@ def cp_options(cluster: Cluster, tp: int) -> list[int]:
     return [cp for cp in _divisors(cluster.devices // tp) if cp * tp <= per_node]
 
 
+def ep_options(model_cfg, dp: int) -> list[int]:
+    """The expert-parallel sizes a plan tries: divisors of dp that divide the model's experts (1
+    for a model without experts)."""
+    experts = getattr(model_cfg, "n_expert", 0)
+    return [ep for ep in _divisors(dp) if experts and experts % ep == 0] or [1]
+
+
 def runs(cfg, model_cfg, world: int) -> bool:
     """Whether the runtime would start ``cfg`` for ``model_cfg`` on ``world`` ranks: the
     :class:`~mpirt.parallel.layout.Layout`'s rules, so the planner never proposes a layout that
@@ -76,9 +84,11 @@ def candidates(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype
                     continue
                 scheds = [(s, 2 if s == "interleaved" else 1) for s in schedules] if pp > 1 else [("1f1b", 1)]
                 for sched, chunks in scheds:
-                    for sp in ([False, True] if tp > 1 else [False]):
-                        shape = dict(dp=dp, tp=tp, pp=pp, cp=cp, schedule=sched, chunks=chunks, sequence_parallel=sp,
-                                     microbatches=m if pp > 1 else 0, grad_accum=1 if pp > 1 else m)
+                    for sp, ep in ((sp, ep) for sp in ([False, True] if tp > 1 else [False])
+                                   for ep in ep_options(model_cfg, dp)):
+                        shape = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, schedule=sched, chunks=chunks,
+                                     sequence_parallel=sp, microbatches=m if pp > 1 else 0,
+                                     grad_accum=1 if pp > 1 else m)
                         group = []
                         for rc in ("none", "selective", "full"):
                             for zero in (0, 1, 2, 3) if dp > 1 else (0,):
@@ -112,15 +122,16 @@ def plan(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype: str,
 
 
 def describe(est: Estimate) -> str:
-    """``dp 8 tp 1 pp 8 1f1b m=32 b=2 zero 1 recompute none`` (``cp 2`` after tp when > 1): a
-    layout in one phrase."""
+    """``dp 8 tp 1 pp 8 1f1b m=32 b=2 zero 1 recompute none`` (``ep 4`` after dp, ``cp 2`` after tp
+    when > 1): a layout in one phrase."""
     l = est.layout
     sched = f" {l['schedule']}" + (f"(v={l['chunks']})" if l["chunks"] > 1 else "") + f" m={l['microbatches']}" \
         if l["pp"] > 1 else (f" accum {l['microbatches']}" if l["microbatches"] > 1 else "")
     extra = (" sp" if l["sequence_parallel"] else "") + (f" zero {l['zero']}" if l["zero"] else "") + \
         (f" recompute {l['recompute']}" if l["recompute"] != "none" else "")
     cp = f" cp {l['cp']}" if l.get("cp", 1) > 1 else ""
-    return f"dp {l['dp']} tp {l['tp']}{cp} pp {l['pp']}{sched} b={l['rows_per_microbatch']}{extra}"
+    ep = f" ep {l['ep']}" if l.get("ep", 1) > 1 else ""
+    return f"dp {l['dp']}{ep} tp {l['tp']}{cp} pp {l['pp']}{sched} b={l['rows_per_microbatch']}{extra}"
 
 
 def table(ests: list[Estimate], top: int = 15) -> str:
