@@ -1,7 +1,7 @@
 """The pre-flight proof of a whole step's communication (mpirt.parallel.preflight): the programs
 the layouts make pass, and mis-ordered variants (collectives swapped, a ring exchange before a
-gather its peer waits in, a message of the wrong size) are refused naming the ranks and
-operations. Pure: no MPI."""
+gather its peer waits in, a message of the wrong size, the experts' all-to-alls swapped or run
+ahead of the pipeline) are refused naming the ranks and operations. Pure: no MPI."""
 from dataclasses import replace
 
 import pytest
@@ -12,12 +12,13 @@ from mpirt.parallel.preflight import StepCommError, check_step, reduced, simulat
 from mpirt.run.config import TrainConfig
 
 MODEL = load_model_config("tiny", {})  # 4 blocks
+MOE = load_model_config("mixtral-tiny", {})  # 4 blocks of 4 experts
 SEQ = 64
 
 
-def layout_of(world: int, **changes) -> Layout:
+def layout_of(world: int, model=MODEL, **changes) -> Layout:
     cfg = replace(TrainConfig(), batch_size=16, seq_len=SEQ, **changes)
-    return Layout.of(cfg, Layout.resolve(cfg, world), MODEL)
+    return Layout.of(cfg, Layout.resolve(cfg, world), model)
 
 
 @pytest.mark.parametrize("world, changes", [
@@ -38,9 +39,28 @@ def test_the_layouts_steps_pass(world, changes):
     assert ("exchange:cp" in kinds) == (lay.cp > 1) and ("allgather:dp_cp" in kinds) == (lay.zero == 3)
 
 
-def programs_of(**changes):
-    lay = reduced(layout_of(2, **changes))
-    return lay, step_programs(lay, MODEL, SEQ, 4)
+@pytest.mark.parametrize("world, changes", [
+    (2, dict(ep=2)),
+    (4, dict(ep=4, zero=1)),
+    (8, dict(dp=4, ep=2, pp=2, schedule="zb-h1", microbatches=4)),
+    (8, dict(dp=2, ep=2, pp=2, tp=2, schedule="interleaved", microbatches=4, chunks=2, recompute="full")),
+], ids=str)
+def test_the_expert_parallel_steps_pass(world, changes):
+    """The experts' all-to-alls on the ep groups, between the pipeline's messages: 3 a MoE chunk
+    forward, 2 backward (and 3 again where it reruns)."""
+    lay = layout_of(world, MOE, **changes)
+    check_step(lay, MOE, SEQ, 4)
+    small = reduced(lay)
+    programs = step_programs(small, MOE, SEQ, 4)
+    exchanges = [op for op in programs[0] if op.what == "alltoall"]
+    per_chunk = 3 + 2 + (3 if lay.recomputed else 0)
+    assert exchanges and all(op.comm == "ep" for op in exchanges)
+    assert len(exchanges) == per_chunk * small.microbatches * small.chunks
+
+
+def programs_of(model=MODEL, **changes):
+    lay = reduced(layout_of(2, model, **changes))
+    return lay, step_programs(lay, model, SEQ, 4)
 
 
 def test_collectives_in_another_order_on_one_rank_are_refused():
@@ -53,6 +73,32 @@ def test_collectives_in_another_order_on_one_rank_are_refused():
                                             r"on dp_cp \(F mb 0 embed\), rank 1 iallgather of \d+ B on dp_cp "
                                             r"\(F mb 0 embed, prefetching h\.0-3\)$"):
         simulate_step(lay, programs)
+
+
+def test_experts_rows_sent_before_their_counts_on_one_rank_are_refused():
+    lay, programs = programs_of(MOE, ep=2)
+    ops = programs[1]
+    ops[0], ops[1] = ops[1], ops[0]  # rank 1 sends its rows before the counts
+    with pytest.raises(StepCommError, match=r"^ep group \[0, 1\], collective #0: rank 0 runs alltoall of 32 B on ep "
+                                            r"\(F mb 0 h\.0-3 expert counts\), rank 1 alltoall of \d+ B on ep "
+                                            r"\(F mb 0 h\.0-3 rows out\)$"):
+        simulate_step(lay, programs)
+
+
+def test_an_activation_sent_after_the_experts_exchange_it_feeds_deadlocks():
+    """dp 2 x ep 2 x pp 2: first-stage rank 1 sends its first activation only at the end of its
+    step; its last stage waits for it, so that stage's ep peer waits in the experts' exchange,
+    never sends the gradient back, and the first stages wait in theirs: a cycle over pp and ep."""
+    lay = reduced(layout_of(4, MOE, ep=2, pp=2))
+    programs = step_programs(lay, MOE, SEQ, 4)
+    first = next(r for r in programs if lay.position(r) == {"dp": 1, "pp": 0, "cp": 0, "tp": 0, "ep": 1})
+    ops = programs[first]
+    send = next(i for i, op in enumerate(ops) if op.what == "exchange" and op.sends)
+    ops.append(ops.pop(send))
+    with pytest.raises(StepCommError, match="^deadlock: ") as err:
+        simulate_step(lay, programs)
+    assert "rank 1 waits in alltoall of 32 B on ep (F mb 1 h.2-3 expert counts)" in str(err.value)  # rank 3's ep peer
+    assert f"rank 3 waits in receive 131072 B from rank {first} on pp" in str(err.value)
 
 
 def test_a_ring_exchange_before_the_gather_its_peer_waits_in_deadlocks():

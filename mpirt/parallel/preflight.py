@@ -5,7 +5,11 @@ Each rank's program for one training step is derived from the :class:`~mpirt.par
 exchanges (cp: per block and micro-batch, ``cp - 1`` key/value passes forward; backward the
 forward's again where the block reruns, then ``cp`` steps each passing the keys' gradient, with
 the keys and values but the last); ZeRO-3's unit gathers (the next unit's started, not waited
-for, while a unit runs) and gradient reduce-scatters (over dp x cp). :func:`simulate_step` runs
+for, while a unit runs) and gradient reduce-scatters (over dp x cp); a mixture of experts' token
+exchanges under ep (per MoE chunk and micro-batch, on the ep group: the counts, the rows out and
+the outputs back forward, again where the block reruns, then the two gradients' exchanges
+backward; each all-to-all priced at the rows a rank sends when routing is balanced, which every
+member passes alike). :func:`simulate_step` runs
 all ranks' programs together: a collective is started in order on its group, whose members must
 agree on the n-th one's operation and bytes, and completes once every member has started it; an
 exchange posts its sends (non-blocking) and completes when each of its
@@ -15,15 +19,17 @@ and operations) or, when ranks wait on each other, what every stuck rank waits i
 
 What it covers of the runtime: the operations that interleave across communicators within a
 step, in the order the engine issues them (the executor walks the schedule; ring attention posts
-a step's sends and receives and waits for them before the next; ZeRO-3's unit gathers the way
+a step's sends and receives and waits for them before the next; the experts' all-to-alls are
+blocking collectives; ZeRO-3's unit gathers the way
 :class:`~mpirt.parallel.zero3.ShardedParams` takes and starts them). Left out: the gradient
-sync of ZeRO-1/2 and data parallelism (buckets on dp x cp, each rank in the same order), the
+sync of ZeRO-1/2 and data parallelism (buckets on dp x cp, the experts' on edp, each rank in the same order), the
 pipeline's tied-embedding sum and the loss's average after the step, and tp's collectives
 inside ops.
 
-The grid is reduced for the proof: at most two dp ranks and one tp rank (every dp and tp rank of a
-stage runs the same program, and tp's collectives live inside ops), and each chunk's blocks as
-one block (the ranks of a cp ring or a dp group hold the same stage).
+The grid is reduced for the proof: at most two dp ranks (ep at most 2 with them) and one tp
+rank (every dp and tp rank of a stage runs the same program, and tp's collectives live inside
+ops), and each chunk's blocks as one block (the ranks of a cp ring, a dp or an ep group hold the
+same stage).
 """
 from __future__ import annotations
 
@@ -31,14 +37,14 @@ import dataclasses
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from mpirt.parallel.grid import axis_groups, grid_rank
+from mpirt.parallel.grid import axis_groups, expert_groups, grid_rank
 from mpirt.parallel.pipeline.schedules import Action, BACKWARD, FORWARD, WEIGHT
 
 
 @dataclass(frozen=True)
 class Op:
     """One communication step of a rank. ``what``: a collective on ``comm`` (``allgather``,
-    ``reduce_scatter``: started and waited for; ``iallgather``: only started), ``wait`` (for the
+    ``reduce_scatter``, ``alltoall``: started and waited for; ``iallgather``: only started), ``wait`` (for the
     rank's collective number ``index`` on ``comm``, started earlier), or ``exchange``
     (non-blocking ``sends`` and ``recvs`` on ``comm``, each ``(world rank, bytes)``, waited for
     together); ``label`` says where in the step it is."""
@@ -61,7 +67,7 @@ class Op:
         return f"{self.what} of {self.nbytes} B on {self.comm} ({self.label})"
 
 
-BLOCKING = ("allgather", "reduce_scatter")
+BLOCKING = ("allgather", "reduce_scatter", "alltoall")
 STARTED = BLOCKING + ("iallgather",)
 
 
@@ -70,8 +76,8 @@ class StepCommError(ValueError):
 
 
 def reduced(layout):
-    """``layout`` on the grid the proof runs on: dp at most 2, tp 1."""
-    return dataclasses.replace(layout, dp=min(layout.dp, 2), tp=1, sequence_parallel=False)
+    """``layout`` on the grid the proof runs on: dp at most 2 (ep at most 2 with it), tp 1."""
+    return dataclasses.replace(layout, dp=min(layout.dp, 2), ep=min(layout.ep, 2), tp=1, sequence_parallel=False)
 
 
 class _Gathers:
@@ -112,6 +118,9 @@ def step_programs(layout, model_cfg, seq_len: int, itemsize: int) -> dict[int, l
     kv_heads = getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head
     kv_bytes = layout.rows * held * 2 * kv_heads * (model_cfg.n_embd // model_cfg.n_head) // tp * max(itemsize, 4)
     act_bytes = layout.rows * held * model_cfg.n_embd * itemsize
+    experts = getattr(model_cfg, "n_expert", 0)
+    routed = act_bytes * getattr(model_cfg, "top_k", 1)  # a rank's rows out to the experts (balanced)
+    counts_bytes = experts // layout.ep * 8 * layout.ep
     stages = layout.stages
 
     def world(pos: dict, **moved) -> int:
@@ -145,6 +154,17 @@ def step_programs(layout, model_cfg, seq_len: int, itemsize: int) -> dict[int, l
                        recvs=((prv, kv_bytes),) * (2 if s < cp - 1 else 1), label=f"{label} ring backward step {s}")
                     for s in range(cp)]
 
+        def exchanges(label: str, backward: bool) -> list[Op]:
+            """A MoE layer's all-to-alls on the ep group (none without expert parallelism)."""
+            if layout.ep == 1 or not experts:
+                return []
+            if backward:
+                return [Op("alltoall", "ep", routed, label=f"{label} {step}")
+                        for step in ("outputs' gradient out", "rows' gradient back")]
+            return [Op("alltoall", "ep", counts_bytes, label=f"{label} expert counts"),
+                    Op("alltoall", "ep", routed, label=f"{label} rows out"),
+                    Op("alltoall", "ep", routed, label=f"{label} outputs back")]
+
         recomputed = set(layout.recomputed)
         ops: list[Op] = []
         gathers = _Gathers(ops)
@@ -169,9 +189,11 @@ def step_programs(layout, model_cfg, seq_len: int, itemsize: int) -> dict[int, l
                 if layout.zero == 3 and a.op != WEIGHT:
                     gathers.gather(unit, mine[order[k + 1]] if k + 1 < len(order) else None, label)
                 if blocks and a.op == FORWARD:
-                    ops += ring(label, backward=False)
+                    ops += ring(label, backward=False) + exchanges(label, backward=False)
                 if blocks and a.op == BACKWARD:
-                    ops += (ring(label + " rerun", backward=False) if rerun else []) + ring(label, backward=True)
+                    if rerun:
+                        ops += ring(label + " rerun", backward=False) + exchanges(label + " rerun", backward=False)
+                    ops += exchanges(label, backward=True) + ring(label, backward=True)
                 if layout.zero == 3 and (a.op == WEIGHT or (a.op == BACKWARD and not layout.split_backward)):
                     gathers.reduce_scatter(unit, label)
         programs[rank] = ops
@@ -188,6 +210,10 @@ def simulate_step(layout, programs: dict[int, list[Op]]) -> None:
         for members in axis_groups(comm, layout.dp, layout.pp, layout.tp, layout.cp):
             for r in members:
                 groups[(comm, r)] = tuple(members)
+    for members in axis_groups("dp", layout.dp, layout.pp, layout.tp, layout.cp):  # ep: within each dp group
+        for ep_group in expert_groups(layout.dp, layout.ep)[0]:
+            for d in ep_group:
+                groups[("ep", members[d])] = tuple(members[i] for i in ep_group)
     at = {r: 0 for r in programs}
     posted = {r: False for r in programs}
     waiting = {r: None for r in programs}          # the receives an exchange still waits for
@@ -252,8 +278,8 @@ def simulate_step(layout, programs: dict[int, list[Op]]) -> None:
 
 def check_step(layout, model_cfg, seq_len: int, itemsize: int) -> None:
     """The pre-flight proof of ``layout``'s step (see the module docstring); StepCommError when it
-    fails. Nothing to prove without cp, pp or ZeRO-3."""
-    if layout.cp == 1 and layout.pp == 1 and layout.zero != 3:
+    fails. Nothing to prove without cp, pp, ep or ZeRO-3."""
+    if layout.cp == 1 and layout.pp == 1 and layout.ep == 1 and layout.zero != 3:
         return
     small = reduced(layout)
     simulate_step(small, step_programs(small, model_cfg, seq_len, itemsize))
