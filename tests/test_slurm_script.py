@@ -111,6 +111,8 @@ def test_a_notice_that_does_not_fit_the_time_is_shortened_or_refused(capsys):
     (["--ntasks-per-node", "4", "--cp", "4", "--", "--seq-len", "100"],
      "--cp: seq_len 100 does not cut into 2 x cp = 8 equal chunks"),
     (["--ntasks-per-node", "2", "--cp", "2", "--model", "mlp"], "--cp: model_type 'mlp' has no attention"),
+    (["--ntasks-per-node", "2", "--ep", "4", "--model", "mixtral-tiny"], "--ep: 4 does not divide dp=2"),
+    (["--ntasks-per-node", "2", "--ep", "2", "--model", "gpt2"], "--ep: model_type 'gpt2' has no experts to split"),
 ])
 def test_training_arguments_are_checked_at_render_time(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -121,6 +123,11 @@ def test_training_arguments_are_checked_at_render_time(argv, message, capsys):
 def test_context_parallelism_reaches_the_training_command(capsys):
     main(["--nodes", "2", "--ntasks-per-node", "4", "--cp", "4", "--model", "gpt2", "--", "--seq-len", "1024"])
     assert "--model gpt2 --cp 4 --seq-len 1024" in capsys.readouterr().out.replace("'", "")
+
+
+def test_expert_parallelism_reaches_the_training_command(capsys):
+    main(["--nodes", "2", "--ntasks-per-node", "4", "--ep", "4", "--model", "mixtral-tiny"])
+    assert "--model mixtral-tiny --ep 4" in capsys.readouterr().out.replace("'", "")
 
 
 def test_a_model_file_only_the_cluster_has_is_left_to_the_run(capsys):

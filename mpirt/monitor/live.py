@@ -353,6 +353,9 @@ def monitor_lines(s: dict, out: Path) -> list[str]:
     line = "mpirt:   step " + " + ".join(f"{k} {v:.0f}%" for k, v in share.items() if v >= 0.5 or k == "compute")
     if s["layout"]["dp"] * s["layout"].get("cp", 1) > 1:
         line += f"; dp sync exposed {1e3 * b['dp_exposed_s']:.1f} ms, hidden {1e3 * b['dp_hidden_s']:.1f} ms"
+    if s["layout"].get("ep", 1) > 1:  # the experts' token exchanges, a step's median
+        line += (f"; expert all-to-alls {1e3 * b.get('comm_ep_s', 0.0):.1f} ms "
+                 f"({b.get('comm_ep_bytes', 0.0) / 2**20:.2f} MiB sent)")
     agg = mon.get("stragglers")
     if agg and s["world_size"] > 1:
         line += (f"; slowest rank {agg['slowest_rank']} (compute x{agg['slowest_compute_over_median']:.2f} "

@@ -34,7 +34,7 @@ PARTS = (("data", "data", "#bbbbbb"), ("forward", "forward", "#4c72b0"), ("backw
          ("grad_sync", "gradient sync", "#937860"), ("optimizer", "optimizer", "#8172b3"),
          ("injected", "injected delay", "#000000"), ("other", "other", "#e5e5e5"))
 AXIS_COLORS = {"dp": "#c44e52", "tp": "#4c72b0", "pp": "#55a868", "cp": "#8172b2", "dp_cp": "#dd8452",
-               "world": "#8c8c8c"}
+               "world": "#8c8c8c", "ep": "#937860", "edp": "#da8bc3"}
 MIB = 2 ** 20
 
 
@@ -278,9 +278,9 @@ def headline(run: dict, table: dict) -> list[str]:
     mon = s.get("monitor") or {}
     b = mon.get("breakdown", {})
     t = s["step_time_s"]
-    cp = s["layout"].get("cp", 1)
+    cp, ep = s["layout"].get("cp", 1), s["layout"].get("ep", 1)
     lines = [f"- layout dp {s['layout']['dp']} x pp {s['layout']['pp']} x " + (f"cp {cp} x " if cp > 1 else "") +
-             f"tp {s['layout']['tp']} "
+             f"tp {s['layout']['tp']} " + (f"(experts over ep {ep}) " if ep > 1 else "") +
              f"({s['world_size']} ranks), {s['num_parameters'] / 1e6:.2f}M parameters, {s['steps']} steps",
              f"- loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, validation "
              + (f"{s['val_loss']:.4f}" if s.get("val_loss") is not None else "not measured"),

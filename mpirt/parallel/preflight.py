@@ -20,11 +20,10 @@ and operations) or, when ranks wait on each other, what every stuck rank waits i
 What it covers of the runtime: the operations that interleave across communicators within a
 step, in the order the engine issues them (the executor walks the schedule; ring attention posts
 a step's sends and receives and waits for them before the next; the experts' all-to-alls are
-blocking collectives; ZeRO-3's unit gathers the way
-:class:`~mpirt.parallel.zero3.ShardedParams` takes and starts them). Left out: the gradient
-sync of ZeRO-1/2 and data parallelism (buckets on dp x cp, the experts' on edp, each rank in the same order), the
-pipeline's tied-embedding sum and the loss's average after the step, and tp's collectives
-inside ops.
+blocking collectives; ZeRO-3's unit gathers the way :class:`~mpirt.parallel.zero3.ShardedParams`
+takes and starts them). Left out: the gradient sync of ZeRO-1/2 and data parallelism (buckets on
+dp x cp, the experts' on edp, each rank in the same order), the pipeline's tied-embedding sum
+and the loss's average after the step, and tp's collectives inside ops.
 
 The grid is reduced for the proof: at most two dp ranks (ep at most 2 with them) and one tp
 rank (every dp and tp rank of a stage runs the same program, and tp's collectives live inside

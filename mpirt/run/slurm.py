@@ -90,6 +90,7 @@ class JobSpec:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     model: str = ""
     data: str = ""
     run_dir: str = ""
@@ -229,7 +230,7 @@ def validate(spec: JobSpec) -> None:
     """Refuse settings that are malformed or could not be rendered safely, naming the flag (the
     grid's sizes through :meth:`~mpirt.parallel.layout.Layout.axes`)."""
     for name, low in (("nodes", 1), ("ntasks_per_node", 1), ("cpus_per_task", 1), ("gpus_per_node", 0),
-                      ("dp", 0), ("tp", 1), ("pp", 1), ("cp", 1), ("notice", 0)):
+                      ("dp", 0), ("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1), ("notice", 0)):
         v = getattr(spec, name)
         _need(_is_int(v) and v >= low, "--" + name.replace("_", "-"), f"an integer >= {low}", v)
     _need(isinstance(spec.time, str) and bool(_TIME.fullmatch(spec.time))
@@ -282,14 +283,16 @@ def training_args(spec: JobSpec) -> list[str]:
         train += ["--tp", str(spec.tp), "--pp", str(spec.pp)]
     if spec.cp > 1:
         train += ["--cp", str(spec.cp)]
+    if spec.ep > 1:
+        train += ["--ep", str(spec.ep)]
     return train + list(spec.train_args)
 
 
 def _refusal(spec: JobSpec, err: LayoutError, model: str = "") -> SlurmScriptError:
     """A layout refusal in this script's terms: the flag to change when it is one of its own
     (the grid's sizes with the job's rank count, tp with the model), else the training argument."""
-    if err.key == "cp":
-        return SlurmScriptError(f"--cp: {err.reason}")
+    if err.key in ("cp", "ep"):
+        return SlurmScriptError(f"--{err.key}: {err.reason}" + (f" (model {model})" if model else ""))
     if err.key == "dp/pp/tp":
         flags = "--dp/--tp/--pp" + ("/--cp" if spec.cp > 1 else "")
         return SlurmScriptError(f"{flags}: {err.reason} (--nodes {spec.nodes} x --ntasks-per-node "
@@ -429,6 +432,7 @@ def _parser() -> argparse.ArgumentParser:
                                      "empty: the script's first argument")
     for flag, typ, help_ in (("--dp", int, "data-parallel size (0: derive)"), ("--tp", int, "tensor-parallel size"),
                              ("--pp", int, "pipeline-parallel size"), ("--cp", int, "context-parallel size"),
+                             ("--ep", int, "expert-parallel size (mixture of experts; divides dp)"),
                              ("--model", str, "model preset or file"),
                              ("--data", str, "dataset directory"),
                              ("--mpi", str, "srun --mpi type (default: MPI_TYPE from the site env, else pmi2)"),
