@@ -40,6 +40,31 @@ def test_grouped_experts_equal_one_product_per_expert():
     assert not ws[0].grad[1].any() and not ws[2].grad[1].any()  # the empty expert
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["joint", "deferred-weight-pass"])
+def test_grouped_experts_add_their_weight_gradients_into_grad_in_place(defer):
+    """Weights that already hold a gradient (a second micro-batch): each expert's products are
+    added into the same buffers (never rebound), scaled by weight_grad_scale, equal to the fresh
+    gradient plus the old; a zero-bubble schedule's deferred weight pass gives the same."""
+    rng = np.random.default_rng(1)
+    e, c, f, counts = 3, 6, 10, [4, 0, 3]
+    x = rng.standard_normal((7, c))
+    ws = [Tensor(rng.standard_normal(s), requires_grad=True) for s in ((e, c, f), (e, c, f), (e, f, c))]
+    g = rng.standard_normal((7, c))
+    grouped_swiglu(Tensor(x, requires_grad=True), *ws, counts).backward(g)
+    fresh = [w.grad.copy() for w in ws]
+    buffers = [w.grad for w in ws]
+    y = grouped_swiglu(Tensor(x, requires_grad=True), *ws, counts, weight_grad_scale=0.5)
+    if defer:
+        weight_pass = y.backward(g, defer_weight_grad=True)
+        np.testing.assert_array_equal(ws[0].grad, fresh[0])  # not yet: the W pass adds it
+        weight_pass.run()
+    else:
+        y.backward(g)
+    for w, b, once in zip(ws, buffers, fresh):
+        assert w.grad is b
+        np.testing.assert_allclose(w.grad, 1.5 * once, rtol=1e-13, atol=1e-14)
+
+
 def total_loss(model, x, y):
     """The cross-entropy plus the load-balancing loss the layers add to the gradient."""
     logits, loss = model(x, y)

@@ -22,8 +22,8 @@ another order).
 Gradients: the dense parameters (attention, norms, the router, the embedding) are averaged over
 dp as always. An expert's gradient on its rank already sums the contributions of the whole ep
 group's tokens (each seeded with its own rank's loss); summing over edp adds the other groups',
-and dividing by dp makes the global batch's mean. So the expert weights enter the GEMMs through
-:class:`GradScale` (``1 / ep``, exact for powers of two) and their own store is averaged over edp
+and dividing by dp makes the global batch's mean. So the grouped GEMMs scale the experts' weight
+gradients by ``1 / ep`` (exact for powers of two) and their own store is averaged over edp
 (DataParallel or ZeRO over ``grid.comm["edp"]``; :class:`OptimizerPair` steps the two as one).
 The global norm counts an expert's elements once: summed over ep (different experts), not over
 edp (replicas).
@@ -64,17 +64,6 @@ class TokenExchange(Function):
         return (back if self.before is None else back[_inverse(self.before)],)
 
 
-class GradScale(Function):
-    """Identity whose backward multiplies the gradient by ``factor``."""
-
-    def forward(self, x, factor=1.0):
-        self.factor = factor
-        return x
-
-    def backward(self, g):
-        return (g * self.factor,)
-
-
 class ExpertParallel:
     """The hook a MoE layer runs its experts through under ep (``MoEMLP.expert_parallel``): this
     rank holds experts ``[rank * E / ep, (rank + 1) * E / ep)`` of the ep ``comm``."""
@@ -94,8 +83,7 @@ class ExpertParallel:
         expert_of_row = np.repeat(np.tile(np.arange(local), ep), got.reshape(-1))  # source-major rows
         order = np.argsort(expert_of_row, kind="stable")                 # grouped by local expert
         xs = TokenExchange.apply(x, comm=self.comm, send=sent.sum(axis=1), after=order)
-        weights = [GradScale.apply(w, factor=1.0 / ep) for w in (w_gate, w_up, w_down)]  # the ep group's mean
-        ys = grouped_swiglu(xs, *weights, got.sum(axis=0))
+        ys = grouped_swiglu(xs, w_gate, w_up, w_down, got.sum(axis=0), weight_grad_scale=1.0 / ep)  # the group's mean
         return TokenExchange.apply(ys, comm=self.comm, send=got.sum(axis=1), before=_inverse(order))
 
 
