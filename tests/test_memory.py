@@ -140,12 +140,15 @@ def test_layout_that_cannot_fit_is_refused(tiny_data, tmp_path):
     (2, ["--model=mixtral-tiny", "--dp=2", "--zero=2"]), (2, ["--model=mixtral-tiny", "--dp=2", "--ep=2"]),
     (4, ["--model=mixtral-tiny", "--dp=4", "--ep=2", "--zero=2"]),
     (4, ["--model=mixtral-tiny", "--dp=2", "--ep=2", "--pp=2", "--microbatches=4", "--zero=1"]),
+    (4, ["--model=mixtral-tiny", "--dp=4", "--batch-size=4", "--model.n_expert=16", "--model.n_inner=512"]),
+    (4, ["--model=mixtral-tiny", "--dp=4", "--ep=2", "--zero=1", "--model.n_expert=16", "--model.n_inner=512"]),
 ], ids=str)
 def test_run_that_fits_is_predicted(tiny_data, tmp_path, ranks, layout):
     """Every rank's measured peak within 5% of memory.predict's: GPT and Llama (grouped-query
     attention too), pipeline first, middle and last stages, ZeRO 2 and 3, recompute none,
     selective and full, context parallelism (ring attention with its dropout masks), the mixture
-    of experts (its experts split over ep too), float32 and bfloat16 (float16: the test below)."""
+    of experts (its experts split over ep too), data parallelism's allreduce temporaries (50 MiB
+    of gradients in two buckets, beside one row's activations), float32 and bfloat16 (float16: the test below)."""
     run_module("mpirt.train", *ARGS, f"--data={tiny_data}", f"--out-dir={tmp_path}", "--memory-budget=1GiB",
                *layout, ranks=ranks)
     s = json.loads((tmp_path / "summary.json").read_text())

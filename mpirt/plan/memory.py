@@ -146,7 +146,8 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     gathered unit (parameters and gradient), ring attention's keys and values in flight (context
     parallelism); ``workspace``: the larger transient of the backward's
     gradient of the logits (plus one recomputed block, whole again) and, less the activations
-    (freed by then), what saving a checkpoint holds: every rank streams the boxes it owns (format 3),
+    (freed by then), data parallelism's allreduce temporaries (MPI's, one per bucket in flight: at
+    worst the whole gradient) or what saving a checkpoint holds: every rank streams the boxes it owns (format 3),
     one at a time, so at most the largest local tensor once and its finiteness mask. Split
     (zero-bubble) schedules hold a micro-batch's weight-pass bytes from its B to its W. Rank 0's
     writing (metrics, summary, TensorBoard) is in its baseline: its writer's modules are loaded
@@ -259,8 +260,15 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     if not checkpoint_gather:  # format 3: boxes stream from the arrays, one at a time copied when not
         # contiguous, after a finiteness mask (1 byte per element); the token table is the largest
         checkpoint = max(costs[0].params, max(c.params for c in costs[1:-1]) / 4) / tp * (state_e + 1)
+    # DataParallel: each bucket's non-blocking allreduce holds MPI's temporary of its size (half:
+    # reduced from a float32 copy, a second one), at worst every bucket at once as backward ends,
+    # when the activations are freed (measured: +80 MiB at dp 4 for 100 MiB of float64 gradients
+    # in 25 MiB buckets, where a micro-batch's activations were a few MiB)
+    red = 4 if e == 2 else e
+    buckets = 0 if cfg.zero else (n_local * (replicas > 1) + experts / lay.ep * (dp // lay.ep > 1)) * red * (
+        2 if e == 2 else 1)
     # the step's transient comes on top of the activations, the end of the run's after they are freed
-    workspace = max(backward, checkpoint - activations)
+    workspace = max(backward, checkpoint - activations, buckets - activations)
     out = {"baseline": PROCESS_BYTES if process_bytes is None else process_bytes, "data": data_bytes, "parameters": params, "gradients": grads, "optimizer_state": optimizer,
            "activations": activations, "communication": comm, "workspace": workspace}
     out = {k: int(v) for k, v in out.items()}
