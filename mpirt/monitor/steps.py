@@ -11,8 +11,8 @@ runs, ``end`` with the engine's own timers) and returns flat per-step figures fo
 - communication from the registry (:data:`mpirt.comm.stats`, the calls completed inside the
   step), per axis: ``comm_<axis>_bytes``, ``comm_<axis>_s`` (in flight: a non-blocking call
   from its post to its completion) and ``comm_<axis>_wait_s`` (this rank blocked in it);
-  ``dp_exposed_s`` / ``dp_hidden_s``: the dp traffic's blocked time and its in-flight time that
-  overlapped compute;
+  ``dp_exposed_s`` / ``dp_hidden_s``: the gradient sync's blocked time and its in-flight time that
+  overlapped compute (dp, or dp x cp, and the experts' over edp);
 - ``mpi_wait_s`` (all blocked time), ``compute_s`` = step - ``mpi_wait_s`` (what the rank did
   itself: a slow rank has more of it, the ranks waiting for it more ``mpi_wait_s``), ``comm_s``
   (blocked time but the pipeline's p2p waits inside its schedule, which are the bubble): a step
@@ -120,9 +120,10 @@ class StepMonitor:
                 outside += r.blocked  # the pipeline's own waits inside its schedule are the bubble
         for axis, (nbytes, seconds, blocked) in axes.items():
             out[f"comm_{axis}_bytes"], out[f"comm_{axis}_s"], out[f"comm_{axis}_wait_s"] = nbytes, seconds, blocked
-        dp = axes.get("dp") or axes.get("dp_cp")  # the gradient sync: over dp, or dp x cp under cp
-        out["dp_exposed_s"] = dp[2] if dp else 0.0
-        out["dp_hidden_s"] = max(0.0, dp[1] - dp[2]) if dp else 0.0
+        # the gradient sync: over dp (dp x cp under cp), and the experts' over edp under ep
+        sync = [a for a in (axes.get("dp") or axes.get("dp_cp"), axes.get("edp")) if a]
+        out["dp_exposed_s"] = sum(a[2] for a in sync)
+        out["dp_hidden_s"] = sum(max(0.0, a[1] - a[2]) for a in sync)
         out.update(mpi_wait_s=wait, compute_s=max(0.0, step_s - wait), comm_s=outside, memory_bytes=owned_bytes())
         if B.name == "cupy":
             out["gpu_pool_bytes"] = B.pool_bytes()[0]

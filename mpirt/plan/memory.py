@@ -234,6 +234,8 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         from mpirt.parallel.zero import BUCKET_BYTES
         bucket = min(BUCKET_BYTES, n_local * e)
         grads += bucket * (2 - 1 / replicas) + 2 * min(max(c.params for c in costs[1:-1]) / 3 / tp * e, n_local * e)
+        if experts and lay.ep > 1:  # the experts' own stream: its staging bucket and reduction buffer
+            grads += min(BUCKET_BYTES, experts / lay.ep * e) * (2 - lay.ep / dp)
         if pp > 1 and pos["pp"] in (0, pp - 1):  # the tied embedding's gradient, held for the step
             grads += costs[0].params / tp * e
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each

@@ -288,7 +288,8 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         exchange_exposed = blocks * 4 * one
         comm["ep"] = {"bytes": blocks * 4 * sent, "s": exchange_exposed}
     n_local = max(local_params[r] + local_experts[r] for r in range(pp))
-    shard = n_local / (replicas if cfg.zero else 1)
+    # ZeRO shards the dense part over dp x cp, the experts over the dp / ep ranks holding them
+    shard = local_params[worst] / replicas + local_experts[worst] / (replicas // ep) if cfg.zero else n_local
     blocks_local = model_cfg.n_layer / pp
     tensors = blocks_local * tensors_per_block(model_cfg) + 4
     if cfg.zero:

@@ -16,7 +16,7 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt.core.ops.basic import _sigmoid
-from mpirt.core.precision import float32_compute
+from mpirt.core.precision import float32_compute, upcast
 from mpirt.core.tensor import GRAD_ADDED, Function
 
 
@@ -62,8 +62,11 @@ class GroupedSwiGLU(Function):
     def backward_input(self, g):
         """dx, keeping each expert's intermediate gradients for :meth:`backward_weight` (deferred)."""
         dx = B.xp.zeros(self.x.shape, dtype=self.x.dtype)
+        half = getattr(self, "_half", None)  # float32_compute's: kept half until W, as the activations
         for e, lo, hi in _segments(self.counts):
             dx[lo:hi] = self._input_pass(e, lo, hi, g)
+            if half is not None:
+                self.pre[e] = tuple(a.astype(half) for a in self.pre[e])
         self.hidden = {}
         return dx, None, None, None
 
@@ -99,7 +102,7 @@ class GroupedSwiGLU(Function):
 
     def _weight_pass(self, e: int, lo: int, hi: int, grad, dws) -> None:
         """Add expert ``e``'s weight gradients (``dW = input^T dy``, times ``weight_grad_scale``)."""
-        dg, du, a = self.pre.pop(e)
+        dg, du, a = (upcast(v) for v in self.pre.pop(e))
         x = self.x[lo:hi]
         for dw, part in zip(dws, (x.T @ dg, x.T @ du, a.T @ grad[lo:hi])):
             if self.scale != 1.0:
