@@ -44,6 +44,9 @@ import mpirt.core.backend as B
 from mpirt.parallel.flat import FlatParams
 
 
+BUCKET_BYTES = 25 * 2**20  # a gradient bucket's target size (PyTorch DDP's default)
+
+
 def broadcast_parameters(params, comm, root: int = 0) -> None:
     """Give every rank of ``comm`` the weights of rank ``root``, in place: a
     :class:`~mpirt.parallel.flat.FlatParams` store's data vector in one broadcast (no copy), or a
@@ -98,7 +101,7 @@ class DataParallel:
     weights of the previous step.
     """
 
-    def __init__(self, model, comm, bucket_bytes: int = 25 * 2**20, overlap: bool = True,
+    def __init__(self, model, comm, bucket_bytes: int = BUCKET_BYTES, overlap: bool = True,
                  progress: str = "test", check_every: int = 0):
         if progress not in ("test", "thread"):
             raise ValueError(f"DataParallel: progress must be 'test' or 'thread', got {progress!r}")

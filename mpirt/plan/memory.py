@@ -234,8 +234,6 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         from mpirt.parallel.zero import BUCKET_BYTES
         bucket = min(BUCKET_BYTES, n_local * e)
         grads += bucket * (2 - 1 / replicas) + 2 * min(max(c.params for c in costs[1:-1]) / 3 / tp * e, n_local * e)
-        if experts and lay.ep > 1:  # the experts' own stream: its staging bucket and reduction buffer
-            grads += min(BUCKET_BYTES, experts / lay.ep * e) * (2 - lay.ep / dp)
         if pp > 1 and pos["pp"] in (0, pp - 1):  # the tied embedding's gradient, held for the step
             grads += costs[0].params / tp * e
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
@@ -263,12 +261,14 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         # contiguous, after a finiteness mask (1 byte per element); the token table is the largest
         checkpoint = max(costs[0].params, max(c.params for c in costs[1:-1]) / 4) / tp * (state_e + 1)
     # DataParallel: each bucket's non-blocking allreduce holds MPI's temporary of its size (half:
-    # reduced from a float32 copy, a second one), at worst every bucket at once as backward ends,
-    # when the activations are freed (measured: +80 MiB at dp 4 for 100 MiB of float64 gradients
-    # in 25 MiB buckets, where a micro-batch's activations were a few MiB)
+    # reduced from a float32 copy, a second one) as backward ends, when the activations are freed:
+    # measured +75-85 MiB at dp 4 for 100 MiB of float64 gradients in 25 MiB buckets, +30 MiB for 50
+    # MiB of float32 ones, nothing visible for one bucket (the allocator reuses the freed
+    # activations): the gradients less half a bucket, from two buckets on
+    from mpirt.parallel.ddp import BUCKET_BYTES as DDP_BUCKET
     red = 4 if e == 2 else e
-    buckets = 0 if cfg.zero else (n_local * (replicas > 1) + experts / lay.ep * (dp // lay.ep > 1)) * red * (
-        2 if e == 2 else 1)
+    synced = 0 if cfg.zero else (n_local * (replicas > 1) + experts / lay.ep * (dp // lay.ep > 1)) * red
+    buckets = (synced - DDP_BUCKET / 2) * (2 if e == 2 else 1) if synced > DDP_BUCKET else 0
     # the step's transient comes on top of the activations, the end of the run's after they are freed
     workspace = max(backward, checkpoint - activations, buckets - activations)
     out = {"baseline": PROCESS_BYTES if process_bytes is None else process_bytes, "data": data_bytes, "parameters": params, "gradients": grads, "optimizer_state": optimizer,
