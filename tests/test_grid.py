@@ -121,7 +121,7 @@ def _check_grid(grid: Grid, fails: list) -> None:
     rank, (dp, pp, cp, tp) = MPI.COMM_WORLD.rank, (grid.dp, grid.pp, grid.cp, grid.tp)
     name = f"{dp}x{pp}x{cp}x{tp}"
     d, p, k, t = grid_coords(rank, dp, pp, tp, cp)
-    if grid.rank != rank or grid.coords != {"dp": d, "pp": p, "cp": k, "tp": t}:
+    if grid.rank != rank or grid.coords != {"dp": d, "pp": p, "cp": k, "tp": t, "ep": 0}:
         fails.append(f"{name}: rank/coords {grid.rank} {grid.coords}")
     for axis in (*AXES, "dp_cp"):
         c = grid.comm[axis]

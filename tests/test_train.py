@@ -18,7 +18,7 @@ def test_train_writes_summary_checkpoint_and_samples(tiny_data, tmp_path):
                 "world_size", "layout"):
         assert key in summary, key
     assert summary["steps"] == 6 and summary["world_size"] == 1
-    assert summary["layout"] == {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "zero": 0, "sequence_parallel": False,
+    assert summary["layout"] == {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "sequence_parallel": False,
                                  "schedule": None, "microbatches": None, "recompute": "none"}
     assert summary["last_loss"] < summary["first_loss"]
     assert 0 < summary["mfu"] < 1 and summary["tokens_per_s"] > 0
