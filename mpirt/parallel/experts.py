@@ -79,7 +79,6 @@ class ExpertParallel:
         ep, local = self.comm.size, self.local
         sent = np.asarray(counts, dtype=np.int64).reshape(ep, local)   # rows for each rank's experts
         got, _ = self.comm.alltoallv(sent, [1] * ep)                     # (ep, local): from each source
-        got = np.asarray(got)
         expert_of_row = np.repeat(np.tile(np.arange(local), ep), got.reshape(-1))  # source-major rows
         order = np.argsort(expert_of_row, kind="stable")                 # grouped by local expert
         xs = TokenExchange.apply(x, comm=self.comm, send=sent.sum(axis=1), after=order)
@@ -95,23 +94,16 @@ class OptimizerPair:
     def __init__(self, dense, experts):
         self.parts = (dense, experts)
 
-    @property
-    def lr(self) -> float:
-        return self.parts[0].lr
+    def _set_on_both(name: str):
+        """A property read from the dense part and set on both."""
+        def set_both(self, value) -> None:
+            for part in self.parts:
+                setattr(part, name, value)
+        return property(lambda self: getattr(self.parts[0], name), set_both)
 
-    @lr.setter
-    def lr(self, value: float) -> None:
-        for part in self.parts:
-            part.lr = value
-
-    @property
-    def grad_scale(self) -> float:
-        return self.parts[0].grad_scale
-
-    @grad_scale.setter
-    def grad_scale(self, value: float) -> None:
-        for part in self.parts:
-            part.grad_scale = value
+    lr = _set_on_both("lr")
+    grad_scale = _set_on_both("grad_scale")  # 1 / the loss scale
+    del _set_on_both
 
     @property
     def step_count(self) -> int:

@@ -52,12 +52,11 @@ class GroupedSwiGLU(Function):
     def backward(self, g):
         """Both passes, expert by expert: only one expert's intermediate gradients at a time."""
         dx = B.xp.zeros(self.x.shape, dtype=self.x.dtype)
-        dws, added = self._weight_grads()
+        dws = self._weight_grads()
         for e, lo, hi in _segments(self.counts):
             dx[lo:hi] = self._input_pass(e, lo, hi, g)
             self._weight_pass(e, lo, hi, g, dws)
-        self.hidden = self.pre = {}
-        return (dx, *(GRAD_ADDED if a else dw for dw, a in zip(dws, added)))
+        return (dx, *self._handed_back(dws))
 
     def backward_input(self, g):
         """dx, keeping each expert's intermediate gradients for :meth:`backward_weight` (deferred)."""
@@ -67,15 +66,13 @@ class GroupedSwiGLU(Function):
             dx[lo:hi] = self._input_pass(e, lo, hi, g)
             if half is not None:
                 self.pre[e] = tuple(a.astype(half) for a in self.pre[e])
-        self.hidden = {}
         return dx, None, None, None
 
     def backward_weight(self, g):
-        dws, added = self._weight_grads()
+        dws = self._weight_grads()
         for e, lo, hi in _segments(self.counts):
             self._weight_pass(e, lo, hi, g, dws)
-        self.pre = {}
-        return (None, *(GRAD_ADDED if a else dw for dw, a in zip(dws, added)))
+        return (None, *self._handed_back(dws))
 
     def _input_pass(self, e: int, lo: int, hi: int, grad):
         """Expert ``e``'s rows' dx; its gradients of the gate and up products (and the down
@@ -89,16 +86,19 @@ class GroupedSwiGLU(Function):
         self.pre[e] = (dg, du, silu * u)
         return dg @ self.w_gate[e].T + du @ self.w_up[e].T
 
-    def _weight_grads(self):
-        """``(the three weight gradients' arrays, whether each is the weight's own grad)``: the
-        ``grad`` the engine handed (``grad_into``, same dtype) to add into, else a new zeroed one
-        (an expert without rows keeps zero)."""
-        dws, added = [], []
+    def _weight_grads(self) -> list:
+        """The three weight gradients' arrays to add into: the ``grad`` the engine handed
+        (``grad_into``, when of the weight's dtype), else a new zeroed one (an expert without rows
+        keeps zero)."""
+        dws = []
         for i, w in enumerate((self.w_gate, self.w_up, self.w_down), start=1):
             into = self.grad_into.get(i)
-            added.append(into is not None and into.dtype == w.dtype)
-            dws.append(into if added[-1] else B.xp.zeros(w.shape, dtype=w.dtype))
-        return dws, added
+            dws.append(into if into is not None and into.dtype == w.dtype else B.xp.zeros(w.shape, dtype=w.dtype))
+        return dws
+
+    def _handed_back(self, dws) -> tuple:
+        """What the backward returns for the weights: GRAD_ADDED where it added into the weight's grad."""
+        return tuple(GRAD_ADDED if dw is self.grad_into.get(i) else dw for i, dw in enumerate(dws, start=1))
 
     def _weight_pass(self, e: int, lo: int, hi: int, grad, dws) -> None:
         """Add expert ``e``'s weight gradients (``dW = input^T dy``, times ``weight_grad_scale``)."""
