@@ -254,6 +254,9 @@ def test_allreduce_scalar():
     c = comm.world_comm()
     agree((c.allreduce_scalar(c.rank + 1), c.allreduce_scalar(0.5, "max")) ==
           (c.size * (c.size + 1) // 2, 0.5), "allreduce_scalar")
+    # an integer 0 on rank 0 beside floats elsewhere: every rank sends and reads float64
+    mixed = c.allreduce_scalar(0 if c.rank == 0 else 1.5)
+    agree(mixed == 1.5 * (c.size - 1) and type(mixed) is float, f"mixed int/float: {mixed!r}")
 
 
 @pytest.mark.mpi(min_size=2)

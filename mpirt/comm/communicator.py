@@ -424,10 +424,12 @@ class Comm(PointToPoint):
         self._record(call)
         return result
 
-    def allreduce_scalar(self, value, op: str = "sum"):
-        """Reduce one Python number (e.g. a squared gradient norm) as float64 or int64."""
-        a = np.array([value], np.int64 if isinstance(value, (int, np.integer)) else np.float64)
-        return self.allreduce(a, op, out=a)[0].item()
+    def allreduce_scalar(self, value, op: str = "sum") -> float:
+        """Reduce one number (a loss, a squared gradient norm) as float64 on every rank. The dtype
+        is fixed here, never taken from ``value``: a rank whose part is the integer 0 (a ZeRO shard
+        holding nothing counted) must still send the float64 its peers send and read."""
+        a = np.array([value], np.float64)
+        return float(self.allreduce(a, op, out=a)[0])
 
     # -- communicators -------------------------------------------------------------------------
 

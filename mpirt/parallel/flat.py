@@ -253,8 +253,9 @@ def count_once(tp_rank: int, tied_copy=()) -> "callable":
 
 
 def sum_squares(flat, runs) -> float:
-    """Sum of squares of ``flat`` over ``runs`` (``[start, stop)`` pairs); half sums in float32."""
-    return sum(float(B.xp.vdot(v, v)) for v in (upcast(flat[a:b]) for a, b in runs))
+    """Sum of squares of ``flat`` over ``runs`` (``[start, stop)`` pairs) as a float, 0.0 for no
+    runs; half sums in float32."""
+    return sum((float(B.xp.vdot(v, v)) for v in (upcast(flat[a:b]) for a, b in runs)), 0.0)
 
 
 def clip_flat(local_sq: float, grads, comms, max_norm: float | None) -> float:
