@@ -92,12 +92,13 @@ class MoEMLP(Module):
         """The stacked expert weights (E, C, F), (E, C, F), (E, F, C) (ep splits their dim 0)."""
         return self.w_gate, self.w_up, self.w_down
 
-    def run_experts(self, x, counts):
-        """The experts' outputs for rows ``x`` grouped by expert (``counts[e]`` for expert ``e``):
-        here, or through the expert-parallel hook on the ranks holding them."""
+    def run_experts(self, x, counts, assignments: int):
+        """The experts' outputs for rows ``x`` grouped by expert (``counts[e]`` for expert ``e``) of
+        ``assignments`` (tokens x top_k, dropped ones included): here, or through the
+        expert-parallel hook on the ranks holding them."""
         if self.expert_parallel is None:
             return grouped_swiglu(x, *self.expert_weights(), counts)
-        return self.expert_parallel.run(x, counts, *self.expert_weights())
+        return self.expert_parallel.run(x, counts, *self.expert_weights(), assignments=assignments)
 
     def route(self, p: np.ndarray, rows: int):
         """``(choice (N, k), kept (N * k,) bool)`` of router probabilities ``p`` (N, E) of ``rows``
@@ -134,7 +135,7 @@ class MoEMLP(Module):
         ids = np.flatnonzero(kept)
         ids = ids[np.argsort(expert[ids], kind="stable")]           # kept assignments grouped by expert
         counts = np.bincount(expert[ids], minlength=e)
-        ys = self.run_experts(ops.getitem(flat, ids // k), counts)  # (M, C)
+        ys = self.run_experts(ops.getitem(flat, ids // k), counts, n * k)  # (M, C)
         ys = ys * ops.reshape(ops.getitem(weights, ids), (len(ids), 1))
         slot = np.full(n * k, len(ids))                             # each assignment's row; dropped: the zero row
         slot[ids] = np.arange(len(ids))
@@ -205,26 +206,30 @@ class Mixtral(Llama):
         return 6.0 * cls.active_parameters_of(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
 
     @classmethod
-    def activation_bytes_of(cls, cfg: MoEConfig, ep: int = 1, **kwargs) -> dict:
+    def activation_bytes_of(cls, cfg: MoEConfig, ep: int = 1, expert_load: float = 1.0, **kwargs) -> dict:
         """Llama's formulas with an MLP ``top_k`` experts wide whose two kept arrays are each
         token's experts' gate and up products (the grouped op keeps no output of its own: the
         backward makes ``silu(g) u`` again), plus the grouped input and output (``2 k u``) and the
-        router's probabilities with the load-balancing loss's gradient (``2 b s E``); under expert
-        parallelism (``ep`` > 1) the rows sent and the experts' outputs received (``2 k u`` more,
-        taking the rows a rank receives as many as it sends: balanced routing), and two such arrays
-        in the backward of a token exchange."""
+        router's probabilities with the load-balancing loss's gradient (``2 b s E``).
+
+        Under expert parallelism (``ep`` > 1) a rank runs the rows the whole ep group routed to
+        its experts: ``expert_load`` times the ``k b s`` it sends (1: even routing; the rest of
+        the block does not depend on routing). The experts' arrays (gate and up products, the
+        rows received and the outputs before they go back) scale with it; the rows sent and the
+        outputs received back are ``2 k u`` more; the backward of a token exchange holds the
+        gradient in the order it travels beside the one received."""
         import dataclasses
-        wide = dataclasses.replace(cfg, n_inner=cfg.top_k * cfg.hidden)
+        load = expert_load if ep > 1 else 1.0  # one rank runs every routed row: no imbalance
+        wide = dataclasses.replace(cfg, n_inner=cfg.top_k * cfg.hidden * load)
         out = activation_bytes(wide, mlp_saved=1, **kwargs)
         e = kwargs.get("itemsize", 4)
         tokens = kwargs["batch"] * kwargs["seq_len"]
         routed = e * tokens * cfg.top_k * cfg.n_embd  # one (tokens x top_k, C) array
-        extra = int(2 * routed + e * tokens * 2 * cfg.n_expert)
+        extra = int(2 * routed * load + e * tokens * 2 * cfg.n_expert)
         backward = out["backward"]
-        if ep > 1:  # the rows sent and the experts' outputs before they go back (about as many as
-            # sent); in backward an exchange's gradient in the order it travels and the one received
+        if ep > 1:
             extra += 2 * routed
-            backward += 2 * routed
+            backward += int(routed * (1 + load))
         return {**out, "block": out["block"] + extra, "backward": backward}
 
     @classmethod

@@ -16,7 +16,7 @@ import pytest
 from conftest import run_module
 from mpirt.run.config import TrainConfig
 from mpirt.plan.memory import CATEGORIES, LATE_BYTES, decode_over_budget, format_size, over_budget_flag, parse_size, \
-    peak_in_flight, predict
+    expert_load_bound, peak_in_flight, predict
 from mpirt.core.modeling import load_model_config
 from mpirt.parallel.pipeline.check import simulate
 from mpirt.parallel.pipeline.schedules import build
@@ -87,6 +87,24 @@ def test_peak_in_flight_counts_the_schedule(name, m):
         assert peak_in_flight(sched, rank, [1]) == simulate(sched).peak_stash[rank]
 
 
+def test_expert_load_is_planned_at_its_bound():
+    """Under ep the prediction plans for the busiest rank's routed rows: the capacity factor when
+    routing has one, else --moe-imbalance, never more than every rank's rows on one rank's
+    experts; without ep a rank runs every routed row (load 1). The peak grows with the load."""
+    moe = load_model_config("mixtral-tiny", {})  # 4 experts, top 2
+    cfg = replace(TrainConfig(), dp=2, ep=2, seq_len=128, batch_size=8)
+    assert expert_load_bound(cfg, moe, 1) == 1.0 and expert_load_bound(cfg, MODEL, 2) == 1.0
+    assert expert_load_bound(cfg, moe, 2) == 2.0                                   # the default, = the most here
+    assert expert_load_bound(replace(cfg, moe_imbalance=1.5), moe, 2) == 1.5
+    assert expert_load_bound(replace(cfg, moe_imbalance=3.0), moe, 2) == 2.0       # 2 ranks x 2 of 2 experts / 2
+    assert expert_load_bound(cfg, replace(moe, capacity_factor=1.25), 2) == 1.25
+    assert expert_load_bound(replace(cfg, moe_imbalance=3.0), replace(moe, n_expert=16), 4) == 3.0
+    lay = {"dp": 2, "pp": 1, "tp": 1, "ep": 2}
+    peaks = [predict(cfg, moe, lay, 0, expert_load=load)["activations"] for load in (0.5, 1.0, 2.0)]
+    assert peaks[0] < peaks[1] < peaks[2]
+    assert predict(cfg, moe, lay, 0) == predict(cfg, moe, lay, 0, expert_load=2.0)
+
+
 def test_first_pipeline_stage_holds_more():
     lay = {"dp": 1, "pp": 2, "tp": 1}
     first, last = (predict(_cfg(pp=2, microbatches=4), MODEL, lay, r) for r in (0, 1))
@@ -147,13 +165,22 @@ def test_run_that_fits_is_predicted(tiny_data, tmp_path, ranks, layout):
     attention too), pipeline first, middle and last stages, ZeRO 2 and 3, recompute none,
     selective and full, context parallelism (ring attention with its dropout masks), the mixture
     of experts (its experts split over ep too), data parallelism's allreduce temporaries (50 MiB
-    of gradients in two buckets, beside one row's activations), float32 and bfloat16 (float16: the test below)."""
+    of gradients in two buckets, beside one row's activations), float32 and bfloat16 (float16: the test below).
+
+    Under ep the rows a rank's experts run follow the routing (0.7-1.6x the even share here): the
+    prediction at each rank's measured load is within 5%, and the plan the budget was checked
+    against (the load bound, --moe-imbalance 2) is at least the measured peak on every rank."""
     run_module("mpirt.train", *ARGS, f"--data={tiny_data}", f"--out-dir={tmp_path}", "--memory-budget=1GiB",
                *layout, ranks=ranks)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["memory_budget_bytes"] == 2**30 and s["peak_memory_bytes"] <= 2**30
     for measured, predicted in zip(s["peak_memory_bytes_per_rank"], s["predicted_peak_bytes_per_rank"]):
         assert predicted == pytest.approx(measured, rel=0.05), (measured / 2**20, predicted / 2**20)
+    if any(a.startswith("--ep=") for a in layout):
+        assert len(s["moe_expert_load_per_rank"]) == ranks and s["moe_expert_load_planned"] == 2.0
+        assert all(p >= m for m, p in zip(s["peak_memory_bytes_per_rank"], s["planned_peak_bytes_per_rank"])), s
+    else:
+        assert s["planned_peak_bytes_per_rank"] == s["predicted_peak_bytes_per_rank"]
 
 
 def test_prediction_starts_from_the_process_as_measured(tiny_data, tmp_path):

@@ -163,7 +163,7 @@ class _TensorBoard:
 # per-step figures shown in TensorBoard (rank 0's), beside the ranks' spread
 _TB_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "step_over_gemm_floor",
             "compute_s", "mpi_wait_s", "comm_s", "bubble_s", "dp_exposed_s", "memory_bytes", "moe_imbalance",
-            "moe_dropped", "moe_aux_loss")
+            "moe_expert_load", "moe_dropped", "moe_aux_loss")
 
 
 def expert_figures(routers) -> dict:
@@ -171,15 +171,23 @@ def expert_figures(routers) -> dict:
     (``routers``: modules whose ``stats`` hold ``tokens_per_expert``, ``dropped``, ``aux_loss``):
     ``moe_tokens_per_expert`` (summed over the layers), ``moe_imbalance`` (the busiest expert's
     tokens over the mean, 1 when balanced), ``moe_dropped`` (assignments over capacity) and
-    ``moe_aux_loss`` (the layers' mean load-balancing loss); {} without routers."""
+    ``moe_aux_loss`` (the layers' mean load-balancing loss); under expert parallelism
+    ``moe_expert_load``: the rows this rank's experts ran in the step's layers and micro-batches
+    over its own tokens x top_k (1: even routing; what the memory prediction's ``expert_load``
+    means; the hooks' count restarts). {} without routers."""
     stats = [m.stats for m in routers if m.stats]
     if not stats:
         return {}
     counts = [sum(int(s["tokens_per_expert"][e]) for s in stats) for e in range(len(stats[0]["tokens_per_expert"]))]
     mean = sum(counts) / len(counts)
-    return {"moe_tokens_per_expert": counts, "moe_imbalance": max(counts) / mean if mean else 0.0,
-            "moe_dropped": sum(s["dropped"] for s in stats),
-            "moe_aux_loss": sum(s["aux_loss"] for s in stats) / len(stats)}
+    out = {"moe_tokens_per_expert": counts, "moe_imbalance": max(counts) / mean if mean else 0.0,
+           "moe_dropped": sum(s["dropped"] for s in stats),
+           "moe_aux_loss": sum(s["aux_loss"] for s in stats) / len(stats)}
+    hooks = [m.expert_parallel for m in routers if m.expert_parallel is not None]
+    if hooks:
+        ran, assigned = (sum(part) for part in zip(*(h.take_load() for h in hooks)))
+        out["moe_expert_load"] = ran / assigned if assigned else 0.0
+    return out
 
 
 class RunMonitor:

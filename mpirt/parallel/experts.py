@@ -72,18 +72,30 @@ class ExpertParallel:
         if n_expert % comm.size:
             raise ValueError(f"ep: {comm.size} does not divide n_expert={n_expert}")
         self.comm, self.n_expert, self.local = comm, n_expert, n_expert // comm.size
+        self.routed = [0, 0]  # rows run and assignments of the training forwards since the monitor last read them
 
-    def run(self, x, counts, w_gate, w_up, w_down):
+    def run(self, x, counts, w_gate, w_up, w_down, assignments: int):
         """The experts' outputs for rows ``x`` (M, C) grouped by global expert (``counts[e]`` rows
-        for expert e), in the same order; ``w_*`` this rank's experts' weights. Collective over ep."""
+        for expert e), in the same order; ``w_*`` this rank's experts' weights; ``assignments``:
+        this rank's tokens x top_k, the rows it would run under even routing (the load's
+        denominator, :meth:`take_load`). Collective over ep."""
         ep, local = self.comm.size, self.local
         sent = np.asarray(counts, dtype=np.int64).reshape(ep, local)   # rows for each rank's experts
         got, _ = self.comm.alltoallv(sent, [1] * ep)                     # (ep, local): from each source
+        if x.requires_grad:  # what a training step keeps for backward (an evaluation keeps nothing)
+            self.routed[0] += int(got.sum())
+            self.routed[1] += assignments
         expert_of_row = np.repeat(np.tile(np.arange(local), ep), got.reshape(-1))  # source-major rows
         order = np.argsort(expert_of_row, kind="stable")                 # grouped by local expert
         xs = TokenExchange.apply(x, comm=self.comm, send=sent.sum(axis=1), after=order)
         ys = grouped_swiglu(xs, w_gate, w_up, w_down, got.sum(axis=0), weight_grad_scale=1.0 / ep)  # the group's mean
         return TokenExchange.apply(ys, comm=self.comm, send=got.sum(axis=1), before=_inverse(order))
+
+    def take_load(self) -> tuple[int, int]:
+        """``(rows this rank's experts ran, this rank's assignments)`` over the training forwards
+        since the last call; their ratio is the load the memory prediction plans for (1: even)."""
+        taken, self.routed = tuple(self.routed), [0, 0]
+        return taken
 
 
 class OptimizerPair:

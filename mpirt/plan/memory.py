@@ -129,8 +129,22 @@ def recompute_where_it_pays(cfg, model_cfg, layout: Layout) -> Layout:
                                                         if layout.pipeline_rank(i) not in idle))
 
 
+def expert_load_bound(cfg, model_cfg, ep: int) -> float:
+    """The rows a rank's experts run, over the even share (its own tokens x top_k), that the
+    prediction plans for under expert parallelism: ``capacity_factor`` when routing has a capacity
+    (each expert takes at most that share of a sequence's assignments), else ``cfg.moe_imbalance``
+    (dropless routing has no bound of its own); never more than the whole ep group's rows on one
+    rank's ``E / ep`` experts can be. 1 without ep (a rank runs every routed row)."""
+    n_expert, top_k = getattr(model_cfg, "n_expert", 0), getattr(model_cfg, "top_k", 1)
+    if ep <= 1 or not n_expert:
+        return 1.0
+    most = ep * min(top_k, n_expert // ep) / top_k
+    capacity = getattr(model_cfg, "capacity_factor", 0.0)
+    return min(capacity if capacity > 0 else cfg.moe_imbalance, most)
+
+
 def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
-            checkpoint_gather: bool = False) -> dict:
+            checkpoint_gather: bool = False, expert_load: float | None = None) -> dict:
     """Predicted peak bytes of world rank ``rank`` by category (:data:`CATEGORIES`) plus ``"peak"``,
     their sum, from the run's config alone (pure: nothing is built or communicated).
 
@@ -156,16 +170,18 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     The options (defaults give the figures above): ``process_bytes`` replaces
     :data:`PROCESS_BYTES` (a run's :func:`measured_baseline`, or the planner's calibrated baseline of
     a machine's environment); ``checkpoint_gather=True`` models the older whole-state checkpoints instead (the
-    full state gathered on every rank without pp, on pp rank 0 with it).
+    full state gathered on every rank without pp, on pp rank 0 with it); ``expert_load``: under
+    expert parallelism, the rows this rank's experts run over the even share (a run's measured
+    ``moe_expert_load``; None: :func:`expert_load_bound`, what a budget is checked against).
     """
     if not recompute_pays(cfg, model_cfg, layout, rank):
         cfg = dataclasses.replace(cfg, recompute="none")  # what the engine runs on this stage
     return _predict(cfg, model_cfg, layout, rank, data_bytes, process_bytes=process_bytes,
-                    checkpoint_gather=checkpoint_gather)[0]
+                    checkpoint_gather=checkpoint_gather, expert_load=expert_load)[0]
 
 
 def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
-             checkpoint_gather: bool = False) -> dict:
+             checkpoint_gather: bool = False, expert_load: float | None = None) -> dict:
     """:func:`predict`'s categories with ``cfg.recompute`` applied as it is, and the step's
     activation peak (kept activations plus the backward's transient)."""
     from mpirt.core.precision import bytes_per_parameter, compute_dtype
@@ -181,7 +197,9 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     costs = layer_costs(model_cfg, cfg.seq_len)
     n_full = num_parameters(model_cfg)
     acts = activation_bytes(model_cfg, batch=rows, seq_len=seq, tp=tp, sequence_parallel=sp, itemsize=e,
-                            **({"cp": lay.cp} if lay.cp > 1 else {}), **({"ep": lay.ep} if lay.ep > 1 else {}))
+                            **({"cp": lay.cp} if lay.cp > 1 else {}),
+                            **({"ep": lay.ep, "expert_load": expert_load_bound(cfg, model_cfg, lay.ep)
+                                if expert_load is None else expert_load} if lay.ep > 1 else {}))
     mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
     picked = set(lay.recomputed)
 

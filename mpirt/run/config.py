@@ -114,6 +114,9 @@ class TrainConfig:
     recompute_layers: str = _opt("", "blocks that recompute: global indices and ranges ('0-3,8'; a pipeline "
                                      "stage takes those it holds), whether or not it lowers the peak; empty = "
                                      "every block of the stages where it does")
+    moe_imbalance: float = _opt(2.0, "mixture of experts under ep, dropless routing: the rows the busiest rank's "
+                                     "experts run over the even share, as the memory prediction and --memory-budget "
+                                     "plan for them (a capacity_factor bounds them instead)")
     memory_budget: str = _opt("", "per-rank memory budget ('1.5GiB', '800MB'): refuse a layout predicted not "
                                   "to fit, stop (exit 5) when a rank's measured peak exceeds it; empty = none")
     model_overrides: dict = field(default_factory=dict, metadata={
@@ -172,6 +175,7 @@ class TrainConfig:
         need("cp", self.cp >= 1, ">= 1")
         need("ep", self.ep >= 1, ">= 1")
         need("zero", 0 <= self.zero <= 3, "in 0..3")
+        need("moe_imbalance", self.moe_imbalance >= 1, ">= 1 (1: even routing)")
         need("microbatches", self.microbatches >= 0, ">= 0")
         need("chunks", self.chunks >= 1, ">= 1")
         try:  # an alias (zb, interleaved-1f1b, ...) is stored as its canonical name

@@ -33,8 +33,8 @@ from mpirt.run.config import ConfigError, parse_args, parse_duration
 from mpirt.data.tokens import MetaError, TokenDataset, TokenIdError, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.run.distributed import init_distributed, input_fingerprint
 from mpirt.parallel.grid import Grid
-from mpirt.plan.memory import (check_budget, decode_over_budget, format_size, measured_baseline, over_budget_flag,
-                               parse_size, predict, recompute_where_it_pays)
+from mpirt.plan.memory import (check_budget, decode_over_budget, expert_load_bound, format_size, measured_baseline,
+                               over_budget_flag, parse_size, predict, recompute_where_it_pays)
 from mpirt.monitor.live import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, tensorboard_writer_class
 from mpirt.monitor.steps import owned_bytes
 from mpirt.core.optim import cosine_lr
@@ -418,9 +418,10 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     world_comm = ctx.comm
     baselines = baselines or [None] * ctx.size
 
-    def predicted_peaks() -> list[int]:  # every rank's, as the end block's model check counts them
-        return [predict(cfg, model_cfg, layout, r, process_bytes=baselines[r])["peak"]
-                for r in range(ctx.size)]
+    def predicted_peaks(loads=None) -> list[int]:  # every rank's, as the end block's model check counts them;
+        # ``loads``: each rank's measured expert load (None: the bound the budget is checked against)
+        return [predict(cfg, model_cfg, layout, r, process_bytes=baselines[r],
+                        expert_load=loads[r] if loads else None)["peak"] for r in range(ctx.size)]
 
     B.limit_pool(parse_size(cfg.memory_budget))  # on a GPU the pool itself holds the budget
     # one dropout seed for every rank: the masks depend on each element's place in the global batch
@@ -636,7 +637,11 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     grid.free()
 
     peaks = world_comm.allgather_object(owned_bytes(peak=True))
-    predicted = predicted_peaks()
+    # under ep the rows a rank's experts ran follow the routing: the model is held at the measured
+    # load, the budget was checked at its bound (memory.expert_load_bound)
+    loads = world_comm.allgather_object(max((r.get("moe_expert_load", 0.0) for r in metrics.records), default=0.0))
+    loads = loads if layout["ep"] > 1 and all(loads) else None
+    planned, predicted = predicted_peaks(), predicted_peaks(loads)
     summary = {
         "steps": step,
         "total_steps": cfg.steps,
@@ -665,6 +670,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "last_checkpoint_step": last_save["step"],
         "predicted_peak_bytes": max(predicted),
         "predicted_peak_bytes_per_rank": predicted,
+        "planned_peak_bytes_per_rank": planned,
+        **({"moe_expert_load_per_rank": loads, "moe_expert_load_planned": expert_load_bound(cfg, model_cfg, layout["ep"])}
+           if loads else {}),
         "process_baseline_bytes_per_rank": baselines,
         "memory_budget_bytes": budget,
         **monitored,
