@@ -3,6 +3,7 @@ and the script's own logic (stop notice, requeue, MPICH cleanup) run against stu
 scontrol on PATH. tests/slurm/ runs the same scripts on a real SLURM."""
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -381,3 +382,26 @@ def test_epilog_removes_only_unused_mpich_files_of_the_job_owner(tmp_path):
         for h in holders:
             h.kill()
             h.wait()
+
+
+def _as_non_root(cmd: list) -> list:
+    """``cmd`` run as an ordinary user: as it is when this is one, through ``runuser -u nobody`` as root."""
+    return cmd if os.geteuid() else ["runuser", "-u", "nobody", "--", *cmd]
+
+
+def test_the_real_slurm_tier_says_why_a_normal_user_cannot_run_it(tmp_path):
+    """tests/run.sh skips the real-SLURM tier on ``--why-not``'s line (never under CI=true, where
+    it runs as root): for a user without root the line names root; run anyway, the tier fails at
+    once on the same reason, before it installs or starts anything. The closing table marks the
+    skipped tier as such, not as failed."""
+    tier = str(ROOT / "tests" / "slurm" / "run.sh")
+    why = subprocess.run(_as_non_root(["bash", tier, "--why-not"]), capture_output=True, text=True, timeout=30)
+    assert why.returncode == 0 and why.stdout.startswith("it needs root"), why
+    run = subprocess.run(_as_non_root(["bash", tier]), capture_output=True, text=True, timeout=30)
+    assert run.returncode == 1 and f"FAILED: {why.stdout.strip()}" in run.stderr, run
+    if os.geteuid() == 0:  # root here, SLURM or apt-get present (CI): the tier has nothing to say
+        assert subprocess.run(["bash", tier, "--why-not"], capture_output=True, text=True).stdout == ""
+    (tmp_path / "tiers").write_text("single 0 10\nslurm skipped 0\n")
+    table = subprocess.run([sys.executable, str(ROOT / "tests" / "tier_report.py"), str(tmp_path)],
+                           capture_output=True, text=True, check=True).stdout
+    assert re.search(r"^slurm +SKIPPED \(see its line above\)", table, re.M) and "FAILED" not in table, table

@@ -1,6 +1,7 @@
 """The closing table of tests/run.sh: ``python tests/tier_report.py RESULTS_DIR``.
 
-RESULTS_DIR holds ``tiers`` (one ``name exit-code seconds`` line per tier) and, per tier, the
+RESULTS_DIR holds ``tiers`` (one ``name exit-code seconds`` line per tier; ``skipped`` for the
+exit code of a tier this machine cannot run) and, per tier, the
 JUnit XML of each rank (``<tier>/rank<R>.xml``) and the output of ranks other than 0
 (``<tier>/rank<R>.log``). Counts come from rank 0's XML (every rank runs the same tests). For a
 failed tier, the output of every other rank that failed or wrote no XML (it was aborted) is
@@ -38,9 +39,10 @@ def main(results: Path) -> None:
     for line in (results / "tiers").read_text().splitlines():
         name, rc, seconds = line.split()
         c = counts(results / name / "rank0.xml") or {}
-        rows.append((name, "ok" if rc == "0" else f"FAILED (exit {rc})", *(str(c.get(k, "-")) for k in
+        result = {"0": "ok", "skipped": "SKIPPED (see its line above)"}.get(rc, f"FAILED (exit {rc})")
+        rows.append((name, result, *(str(c.get(k, "-")) for k in
                      ("passed", "failed", "skipped")), seconds))
-        if rc != "0" and (results / name).is_dir():
+        if rc not in ("0", "skipped") and (results / name).is_dir():
             shown = other_ranks_output(results / name)
             if shown:
                 print(f"\n=== tier {name} failed: output of the other ranks ===\n{shown}")

@@ -11,6 +11,8 @@
 #   bash tests/slurm/run.sh --up            start the cluster and leave it running (prints how to
 #                                           use and stop it), for working on the templates
 #   bash tests/slurm/run.sh --down DIR      stop a cluster started with --up
+#   bash tests/slurm/run.sh --why-not       print why this user cannot run the tier here (nothing
+#                                           when it can); tests/run.sh skips it on that line
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 USER_NAME=${MPIRT_SLURM_USER:-mpirtci}       # the non-root user that submits the jobs
@@ -47,6 +49,17 @@ stop_daemons() {  # stop what this tier started, by the PIDs in their pid files 
     fi
 }
 
+why_not() {
+    if [ "$(id -u)" != 0 ]; then
+        echo "it needs root (it installs SLURM, starts its daemons and adds a user)"
+    elif ! command -v slurmctld >/dev/null && ! command -v apt-get >/dev/null; then
+        echo "SLURM is not installed and there is no apt-get to install it"
+    fi
+}
+if [ "${1:-}" = "--why-not" ]; then
+    why_not
+    exit 0
+fi
 if [ "${1:-}" = "--down" ]; then
     [ -d "${2:-}" ] || die "--down needs the directory that --up printed"
     stop_daemons "$2"
@@ -54,7 +67,8 @@ if [ "${1:-}" = "--down" ]; then
     exit 0
 fi
 
-[ "$(id -u)" = 0 ] || die "run as root: the tier installs packages, starts daemons and adds a user"
+reason=$(why_not)
+[ -z "$reason" ] || die "$reason"
 exec 9>/tmp/mpirt-slurm-tier.lock
 flock -n 9 || die "another run of this tier is in progress (/tmp/mpirt-slurm-tier.lock)"
 # another cluster's daemons (a site's, or one left up with --up) may run here: noted, left alone
