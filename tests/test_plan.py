@@ -134,6 +134,35 @@ def test_ops_per_block_counts_functions():
     assert ops_per_block(load_model_config("llama-tiny")) >= ops_per_block(TINY)
 
 
+@pytest.mark.parametrize("preset, fields", [
+    ("llama-tiny", {"n_embd": 4096, "n_head": 32, "n_kv_head": 8, "n_inner": 14336}),   # Llama 3 8B's ratios
+    ("llama-tiny", {"n_embd": 16384, "n_head": 128, "n_kv_head": 8, "n_inner": 53248}),  # 405B's: 16 per KV head
+    ("mixtral-tiny", {"n_embd": 4096, "n_head": 32, "n_kv_head": 8, "n_inner": 14336, "n_expert": 8}),
+], ids=["llama3-8b", "llama3-405b", "mixtral-8x7b"])
+def test_ops_are_counted_on_a_copy_that_keeps_the_head_ratios(preset, fields):
+    """The narrow copy the Function count runs keeps heads per KV head (it was 2 heads beside 8 KV
+    heads: the attention refused it, and the planner read every layout as infeasible)."""
+    model = load_model_config(preset, fields)
+    assert ops_per_block(model) == ops_per_block(load_model_config(preset, {"n_kv_head": 2}))
+
+
+def test_an_estimate_that_raises_is_a_planner_bug_naming_the_layout(monkeypatch, capsys):
+    """An error inside an estimate never reads as "does not fit": the search raises EstimateError
+    with the layout and the exception, and the CLI exits 3 on one line saying so."""
+    import mpirt.plan.search as search
+    from mpirt.plan.__main__ import main
+
+    def broken(cfg, model_cfg, cluster, **kw):
+        raise ZeroDivisionError("injected")
+    monkeypatch.setattr(search, "estimate", broken)
+    with pytest.raises(search.EstimateError, match=r"the estimate of dp \d+ ep 1 tp \d+ .* failed: ZeroDivisionError: injected"):
+        plan(TINY, cpu(), 8, 64, "float32")
+    assert main(["--model", "tiny", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch", "8",
+                 "--seq-len", "64"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: planner bug: the estimate of dp ") and "injected" in err[0], err
+
+
 def test_planner_ranks_feasible_layouts_and_respects_budget():
     c = cpu(cores=2).with_shape(1, 4)
     ests, tried = plan(TINY, c, 8, 128, "float32")

@@ -12,14 +12,14 @@ import sys
 
 from mpirt.plan.memory import format_size, parse_size
 from mpirt.plan import hardware
-from mpirt.plan.search import describe, plan, table, tp_options
+from mpirt.plan.search import EstimateError, describe, plan, table, tp_options
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mpirt.plan", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny", help="preset name, model TOML or HF directory")
-    ap.add_argument("--model-override", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a model config field (repeatable), e.g. n_positions=2048")
+    ap.add_argument("--model-override", action="extend", nargs="+", default=[], metavar="FIELD=VALUE",
+                    help="model config fields (one or more, repeatable), e.g. n_positions=2048 n_kv_head=8")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8, help="devices (ranks) per node")
     ap.add_argument("--gpu", default="h100", help=f"hardware preset: {', '.join(hardware.PRESETS)}, a calibrated "
@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     except (ValueError, KeyError, OSError) as err:   # a bad preset, model, size or file: one line
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except EstimateError as err:  # a bug in the planner, not an answer: say so, with the layout
+        print(f"error: planner bug: {err}", file=sys.stderr)
+        return 3
 
 
 def run(a) -> int:

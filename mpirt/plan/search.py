@@ -100,10 +100,22 @@ def candidates(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype
     return groups
 
 
+class EstimateError(RuntimeError):
+    """An estimate raised for a layout the runtime accepts: a bug in the model of the step, never
+    a reason to call the layout infeasible. Names the layout and the error."""
+
+
+def config_phrase(cfg) -> str:
+    """``dp 2 tp 4 pp 2 1f1b m=8 zero 1 recompute none``: a candidate config in one phrase."""
+    return (f"dp {cfg.dp} ep {cfg.ep} tp {cfg.tp} cp {cfg.cp} pp {cfg.pp} {cfg.schedule} m={cfg.microbatches} "
+            f"accum {cfg.grad_accum} sp {cfg.sequence_parallel} zero {cfg.zero} recompute {cfg.recompute}")
+
+
 def plan(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype: str, budget: float | None = None,
          every: bool = False, **kw) -> tuple[list[Estimate], int]:
     """(feasible estimates sorted by step time, layouts tried). ``budget``: bytes per device
-    (default the cluster's device memory)."""
+    (default the cluster's device memory). A layout is infeasible only by its predicted peak; an
+    estimate that raises is :class:`EstimateError`."""
     budget = budget or cluster.memory_bytes
     out, tried = [], 0
     for group in candidates(model_cfg, cluster, batch_size, seq_len, dtype, **kw):
@@ -111,8 +123,9 @@ def plan(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype: str,
             tried += 1
             try:
                 est = estimate(cfg, model_cfg, cluster)
-            except ValueError:
-                continue
+            except Exception as err:
+                raise EstimateError(f"the estimate of {config_phrase(cfg)} failed: "
+                                    f"{type(err).__name__}: {err}") from err
             if est.memory["peak"] <= budget:
                 out.append(est)
                 if not every:

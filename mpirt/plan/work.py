@@ -4,7 +4,8 @@ For every layer (embed, each block, head) and each pass (F, B, W) a :class:`Work
 (and the GEMMs' smallest dimension, which sets their rate), bytes the elementwise passes move,
 autograd Functions called, and the tensor-parallel collectives the pass makes. From the model
 interface only (``layer_costs``, ``activation_bytes``) and a count of the Functions in one block
-(:func:`ops_per_block`: a two-head copy of the model's block is run once on a 2 x 4 batch).
+(:func:`ops_per_block`: a narrow copy of the model's block, its head and expert ratios kept,
+is run once on a 2 x 4 batch).
 """
 from __future__ import annotations
 
@@ -62,7 +63,14 @@ def tensors_per_block(model_cfg) -> int:
 
 
 def _block_counts(model_cfg) -> tuple:
-    small = dataclasses.replace(model_cfg, n_embd=2 * 8, n_head=2, n_positions=8, vocab_size=16, n_layer=1)
+    """(Functions, parameter tensors) of one block, counted on a narrow copy of the model that
+    keeps its own ratios: the heads per key/value head (grouped-query attention), the experts and
+    top-k, so that the copy is a model the architecture accepts."""
+    kv = getattr(model_cfg, "n_kv_head", None)
+    group = model_cfg.n_head // kv if kv else 1  # query heads per key/value head
+    heads = 2 * group
+    small = dataclasses.replace(model_cfg, n_embd=8 * heads, n_head=heads, n_positions=8, vocab_size=16, n_layer=1,
+                                **({"n_kv_head": 2} if kv else {}))
     if hasattr(small, "n_inner") and model_cfg.n_inner is not None:
         small = dataclasses.replace(small, n_inner=32)
     if hasattr(small, "intermediate_size"):
