@@ -47,7 +47,8 @@ def stack_costs(cfg, embed: LayerCost, block: LayerCost, head: LayerCost) -> lis
 
 
 def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
-                     itemsize: int = 4, positions: bool = False, mlp_saved: int = 1, cp: int = 1) -> dict:
+                     itemsize: int = 4, positions: bool = False, mlp_saved: int = 1, cp: int = 1,
+                     mlp_width: float | None = None) -> dict:
     """Bytes one micro-batch keeps alive for backward, per rank, in a model built from this module's
     pre-norm block (see ``CausalLM.activation_bytes_of``; docs/memory.md has the table beside
     Korthikanti et al. 2022). The autograd keeps what each op saved and nothing else (an op's
@@ -77,6 +78,9 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     e' b s / p``, the loss's probabilities ``b s V' / t`` (float32 in half precision; ``V'``
     padded to a multiple of t) with 1/rowsum per row, the targets and their mask.
 
+    ``mlp_width``: the MLP's ``f`` when it is not ``cfg.hidden`` (a mixture of experts' routed
+    rows, counted as one MLP that many wide).
+
     ``weight_pass``: what a block holds between its input-gradient pass and its deferred weight
     pass (split pipeline schedules): the norms' normalised inputs and output gradients ``4u/p``,
     the projections' inputs ``2u/p + (u + bsf)/t``, the column projections' output gradients
@@ -96,7 +100,7 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     Returns ``{"block", "core", "rerun", "input", "embed", "head", "weight_pass", "embed_weight_pass",
     "head_weight_pass", "widened", "backward"}`` in bytes.
     """
-    b, s, h, t, a, f = batch, seq_len, cfg.n_embd, tp, cfg.n_head, cfg.hidden
+    b, s, h, t, a, f = batch, seq_len, cfg.n_embd, tp, cfg.n_head, cfg.hidden if mlp_width is None else mlp_width
     p = t if sequence_parallel else 1
     u, e = b * s * h, itemsize
     qkv_out = (2 + 2 * kv_heads(cfg) / a) * u  # qkv and the attention output

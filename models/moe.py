@@ -218,10 +218,8 @@ class Mixtral(Llama):
         rows received and the outputs before they go back) scale with it; the rows sent and the
         outputs received back are ``2 k u`` more; the backward of a token exchange holds the
         gradient in the order it travels beside the one received."""
-        import dataclasses
         load = expert_load if ep > 1 else 1.0  # one rank runs every routed row: no imbalance
-        wide = dataclasses.replace(cfg, n_inner=cfg.top_k * cfg.hidden * load)
-        out = activation_bytes(wide, mlp_saved=1, **kwargs)
+        out = activation_bytes(cfg, mlp_saved=1, mlp_width=cfg.top_k * cfg.hidden * load, **kwargs)
         e = kwargs.get("itemsize", 4)
         tokens = kwargs["batch"] * kwargs["seq_len"]
         routed = e * tokens * cfg.top_k * cfg.n_embd  # one (tokens x top_k, C) array

@@ -227,7 +227,7 @@ def check_config(cfg) -> None:
 
 def num_parameters(cfg) -> int:
     """Parameters of the full model (tied weights once), computed from the config alone."""
-    return model_class(cfg).num_parameters_of(cfg)
+    return _of_config("num_parameters_of", cfg)
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
@@ -237,7 +237,34 @@ def flops_per_token(cfg, seq_len: int) -> float:
 
 def layer_costs(cfg, seq_len: int | None = None) -> list:
     """Costs of ``[embed, h.0, ..., h.{L-1}, head]`` at ``seq_len`` (default n_positions)."""
-    return model_class(cfg).layer_costs_of(cfg, seq_len or cfg.n_positions)
+    return list(_of_config("layer_costs_of", cfg, seq_len or cfg.n_positions))
+
+
+_OF_CONFIG: dict = {}  # answers of the model classes' pure functions of a config (see _of_config)
+
+
+def config_key(cfg) -> tuple:
+    """A hashable key of a model config's every field (a config changed in place is another key),
+    cheap enough to compute thousands of times; the ``repr`` where a field is unhashable."""
+    try:
+        key = (type(cfg).__name__, tuple(vars(cfg).items()))
+        hash(key)
+        return key
+    except TypeError:
+        return (type(cfg).__name__, repr(cfg))
+
+
+def _of_config(method: str, cfg, *args):
+    """``model_class(cfg).method(cfg, *args)``, remembered: the planner and the memory prediction
+    ask thousands of times for the same model (keyed by :func:`config_key`); lists come back as
+    tuples."""
+    key = (method, config_key(cfg), args)
+    if key not in _OF_CONFIG:
+        if len(_OF_CONFIG) >= 1024:
+            _OF_CONFIG.clear()
+        value = getattr(model_class(cfg), method)(cfg, *args)
+        _OF_CONFIG[key] = tuple(value) if isinstance(value, list) else value
+    return _OF_CONFIG[key]
 
 
 def hf_model_class(directory) -> type:

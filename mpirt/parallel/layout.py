@@ -44,6 +44,24 @@ def pipeline_microbatches(asked: int | None, pp: int) -> int:
     return asked or pp
 
 
+_BOUNDS: dict = {}
+
+
+def _stage_bounds(model_cfg, seq_len: int, stages: int) -> tuple:
+    """The FLOP-balanced block ranges of ``stages`` virtual stages
+    (:func:`mpirt.parallel.pipeline.partition.partition`), remembered per model config and sequence
+    length: the planner resolves thousands of layouts of one model."""
+    from mpirt.core.modeling import config_key, layer_costs
+    from mpirt.parallel.pipeline.partition import partition
+
+    key = (config_key(model_cfg), seq_len, stages)
+    if key not in _BOUNDS:
+        if len(_BOUNDS) >= 1024:
+            _BOUNDS.clear()
+        _BOUNDS[key] = tuple(partition(layer_costs(model_cfg, seq_len), stages))
+    return _BOUNDS[key]
+
+
 @functools.lru_cache(maxsize=64)
 def _schedule(name: str, pp: int, microbatches: int, chunks: int):
     from mpirt.parallel.pipeline.schedules import build
@@ -86,8 +104,6 @@ class Layout(Mapping):
         with the stage bounds and recomputed blocks of ``model_cfg`` when given (ValueError when
         its blocks cannot fill the stages: :meth:`check_model` says so in its own words first)."""
         from mpirt.core import recompute
-        from mpirt.core.modeling import layer_costs
-        from mpirt.parallel.pipeline.partition import partition
 
         dp, pp, tp = (int(sizes[k]) for k in ("dp", "pp", "tp"))
         cp, ep = int(sizes.get("cp", 1)), int(sizes.get("ep", 1))
@@ -96,7 +112,7 @@ class Layout(Mapping):
         bounds = recomputed = ()
         if model_cfg is not None:
             n = model_cfg.n_layer
-            bounds = tuple(partition(layer_costs(model_cfg, cfg.seq_len), pp * chunks)) if pp > 1 else ((0, n),)
+            bounds = _stage_bounds(model_cfg, cfg.seq_len, pp * chunks) if pp > 1 else ((0, n),)
             recomputed = tuple(range(n)) if cfg.zero == 3 else \
                 tuple(recompute.chosen(n, cfg.recompute, cfg.recompute_layers))
         return cls(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, zero=cfg.zero,

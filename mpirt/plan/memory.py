@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import numpy as np
@@ -73,9 +74,14 @@ def planned_baseline(rank: int, process_bytes: int | None = None) -> int:
     """The baseline the planner gives world rank ``rank`` (no process to measure):
     ``process_bytes`` (a calibrated one) or :data:`PROCESS_BYTES`, plus on rank 0
     :data:`WRITER_BYTES` when the ``tensorboard`` package is installed (rank 0 writes its scalars)."""
-    import importlib.util
-    writer = rank == 0 and importlib.util.find_spec("tensorboard") is not None
+    writer = rank == 0 and _tensorboard_installed()
     return (process_bytes or PROCESS_BYTES) + (WRITER_BYTES if writer else 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _tensorboard_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def peak_in_flight(schedule, rank: int, chunk_bytes: list, weight_bytes: list | None = None) -> int:
@@ -84,18 +90,41 @@ def peak_in_flight(schedule, rank: int, chunk_bytes: list, weight_bytes: list | 
     :class:`mpirt.parallel.pipeline.executor.PipelineExecutor` holds them. When the backward is split,
     a B leaves ``weight_bytes[chunk]`` (the weight passes' inputs and output gradients) until its
     W; without ``weight_bytes`` the stash itself stays until W."""
-    live = peak = 0
     split = schedule.split_backward
     weight_bytes = weight_bytes if split and weight_bytes is not None else chunk_bytes
+    sizes = list(chunk_bytes) + list(weight_bytes)
+    return max(sum(n * b for n, b in zip(held, sizes)) for held in _holdings(schedule, rank))
+
+
+_HOLDINGS: dict = {}
+
+
+def _holdings(schedule, rank: int) -> list:
+    """The distinct states of what ``rank`` holds along its action list (each after an action),
+    as counts ``[stashes of chunk 0 .. v-1, weight-pass holds of chunk 0 .. v-1]``: the peak of
+    any byte sizes is the largest of their dot products with these (the planner asks for the same
+    schedule with thousands of sizes). Keyed by the schedule's identity (the built schedules are
+    cached, :func:`mpirt.parallel.layout._schedule`), the schedule kept alive with the answer."""
+    key = (id(schedule), rank)
+    if key in _HOLDINGS and _HOLDINGS[key][0] is schedule:
+        return _HOLDINGS[key][1]
+    v, split = schedule.chunks, schedule.split_backward
+    held, states = [0] * (2 * v), {(0,) * (2 * v)}
     for a in schedule.actions[rank]:
         if a.op == FORWARD:
-            live += chunk_bytes[a.chunk]
+            held[a.chunk] += 1
         elif a.op == BACKWARD:
-            live += weight_bytes[a.chunk] - chunk_bytes[a.chunk] if split else -chunk_bytes[a.chunk]
+            held[a.chunk] -= 1
+            held[v + a.chunk] += split  # without a split, nothing waits for W
         elif a.op == WEIGHT:
-            live -= weight_bytes[a.chunk]
-        peak = max(peak, live)
-    return peak
+            held[v + a.chunk] -= 1
+        else:
+            continue
+        states.add(tuple(held))
+    if len(_HOLDINGS) >= 4096:
+        _HOLDINGS.clear()
+    _HOLDINGS[key] = (schedule, sorted(states))
+    return _HOLDINGS[key][1]
 
 
 def _kept(acts: dict, mode: str, recomputed: bool) -> int:
@@ -117,8 +146,7 @@ def recompute_pays(cfg, model_cfg, layout: dict, rank: int) -> bool:
     if cfg.recompute == "none" or cfg.zero == 3 or cfg.recompute_layers:
         return cfg.zero == 3 or cfg.recompute != "none"
     first = Layout.of(cfg, layout).stage_rank(rank)
-    without = dataclasses.replace(cfg, recompute="none")
-    return _predict(cfg, model_cfg, layout, first)[1] < _predict(without, model_cfg, layout, first)[1]
+    return _predict(cfg, model_cfg, layout, first)[1] < _predict(cfg, model_cfg, layout, first, recompute="none")[1]
 
 
 def recompute_where_it_pays(cfg, model_cfg, layout: Layout) -> Layout:
@@ -174,16 +202,15 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     expert parallelism, the rows this rank's experts run over the even share (a run's measured
     ``moe_expert_load``; None: :func:`expert_load_bound`, what a budget is checked against).
     """
-    if not recompute_pays(cfg, model_cfg, layout, rank):
-        cfg = dataclasses.replace(cfg, recompute="none")  # what the engine runs on this stage
     return _predict(cfg, model_cfg, layout, rank, data_bytes, process_bytes=process_bytes,
-                    checkpoint_gather=checkpoint_gather, expert_load=expert_load)[0]
+                    checkpoint_gather=checkpoint_gather, expert_load=expert_load,
+                    recompute=None if recompute_pays(cfg, model_cfg, layout, rank) else "none")[0]  # as the engine runs
 
 
 def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
-             checkpoint_gather: bool = False, expert_load: float | None = None) -> dict:
-    """:func:`predict`'s categories with ``cfg.recompute`` applied as it is, and the step's
-    activation peak (kept activations plus the backward's transient)."""
+             checkpoint_gather: bool = False, expert_load: float | None = None, recompute: str | None = None) -> dict:
+    """:func:`predict`'s categories with ``recompute`` (default ``cfg.recompute``) applied as it
+    is, and the step's activation peak (kept activations plus the backward's transient)."""
     from mpirt.core.precision import bytes_per_parameter, compute_dtype
     from mpirt.core.modeling import activation_bytes, layer_costs, model_class, num_parameters
     from mpirt.models.lm import kv_heads
@@ -200,7 +227,8 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
                             **({"cp": lay.cp} if lay.cp > 1 else {}),
                             **({"ep": lay.ep, "expert_load": expert_load_bound(cfg, model_cfg, lay.ep)
                                 if expert_load is None else expert_load} if lay.ep > 1 else {}))
-    mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
+    recompute = cfg.recompute if recompute is None else recompute
+    mode = "full" if cfg.zero == 3 and recompute == "none" else recompute
     picked = set(lay.recomputed)
 
     def stage_bytes(lo: int, hi: int, first: bool, last: bool, how: str = mode) -> int:

@@ -135,6 +135,35 @@ def _spans_nodes(cluster: Cluster, axis: str, layout: dict) -> bool:
     return extent > n
 
 
+def _engine_layout(cfg, model_cfg) -> Layout:
+    """The layout the engine runs for ``cfg``: resolved with the model, recomputing only where it pays."""
+    from mpirt.plan import memory
+
+    return memory.recompute_where_it_pays(
+        cfg, model_cfg, Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp, "cp": cfg.cp, "ep": cfg.ep},
+                                  model_cfg))
+
+
+def peak_memory(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks: str = "stages",
+                layout: Layout | None = None) -> dict:
+    """The memory part of :func:`estimate` alone (the planner prunes by it before timing a layout):
+    :func:`mpirt.plan.memory.predict` for rank 0 and the last stage's first rank (the first stage
+    stashes the most micro-batches, the last holds the logits, rank 0 writes), every rank with
+    ``memory_ranks="all"``. Returns the largest rank's categories and ``"peak"``, its ``"rank"``
+    and ``"per_rank"``: {rank: peak}."""
+    from mpirt.plan import memory
+
+    layout = layout or _engine_layout(cfg, model_cfg)
+    pp, cp, tp = layout.pp, layout.cp, layout.tp
+    ranks = range(layout.world_size) if memory_ranks == "all" else sorted({0, (pp - 1) * cp * tp})
+    mcfg = dataclasses.replace(cfg, dp=layout.dp, microbatches=layout.microbatches if pp > 1 else cfg.microbatches)
+    per_rank = {r: memory.predict(mcfg, model_cfg, layout, r, data_bytes, checkpoint_gather=cluster.checkpoint_gather,
+                                  process_bytes=memory.planned_baseline(r, int(cluster.process_bytes)))
+                for r in ranks}
+    big = max(per_rank, key=lambda r: per_rank[r]["peak"])
+    return {**per_rank[big], "rank": big, "per_rank": {r: v["peak"] for r, v in per_rank.items()}}
+
+
 def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks: str = "stages") -> Estimate:
     """Predict one step of the layout ``cfg`` (a :class:`mpirt.run.config.TrainConfig`: dp, tp, pp,
     cp, microbatches, schedule, chunks, zero, sequence_parallel, recompute, dtype, batch_size,
@@ -148,13 +177,10 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     them, exposed: the block waits for its rows), the experts' weights count ``1 / ep`` on a rank
     (replicated over tp) and their gradients are synced over edp (``dp / ep`` ranks). ``memory_ranks``: ``"stages"`` (rank 0 and the last
     stage's first rank: the most stashed micro-batches and the logits) or ``"all"``."""
-    from mpirt.plan import memory
     from mpirt.core.modeling import flops_per_token, layer_costs, model_class
     from mpirt.parallel.pipeline.check import simulate
 
-    layout = memory.recompute_where_it_pays(  # what the engine runs: with the blocks that recompute
-        cfg, model_cfg, Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp, "cp": cfg.cp, "ep": cfg.ep},
-                                  model_cfg))
+    layout = _engine_layout(cfg, model_cfg)
     dp, pp, tp, cp, ep, world = layout.dp, layout.pp, layout.tp, layout.cp, layout.ep, layout.world_size
     replicas = dp * cp  # the ranks that average gradients (and hold ZeRO's shards): dp, and cp with it
     seq = cfg.seq_len // cp  # the tokens of each sequence a rank holds
@@ -305,15 +331,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     tokens = cfg.batch_size * cfg.seq_len
     mfu = flops_per_token(model_cfg, cfg.seq_len) * tokens / step / (world * cluster.peak(cfg.dtype))
 
-    # memory: memory.predict for each stage's first rank and rank 0 (all ranks on request)
-    # (the first stage stashes the most micro-batches, the last holds the logits, rank 0 writes)
-    ranks = range(world) if memory_ranks == "all" else sorted({0, (pp - 1) * cp * tp})
-    mcfg = dataclasses.replace(cfg, dp=dp, microbatches=m if pp > 1 else cfg.microbatches)
-    per_rank = {r: memory.predict(mcfg, model_cfg, layout, r, data_bytes, checkpoint_gather=cluster.checkpoint_gather,
-                                  process_bytes=memory.planned_baseline(r, int(cluster.process_bytes)))
-                for r in ranks}
-    big = max(per_rank, key=lambda r: per_rank[r]["peak"])
-    mem = {**per_rank[big], "rank": big, "per_rank": {r: v["peak"] for r, v in per_rank.items()}}
+    mem = peak_memory(cfg, model_cfg, cluster, data_bytes, memory_ranks, layout)
 
     shares = {"compute": parts["forward"] + parts["backward"] + parts["weight_grad"] - comm["tp"]["s"] - ring_exposed
               - exchange_exposed + parts["optimizer"],

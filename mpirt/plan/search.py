@@ -16,7 +16,7 @@ import dataclasses
 
 from mpirt.parallel.layout import Layout, LayoutError
 from mpirt.plan.hardware import Cluster
-from mpirt.plan.model import Estimate, estimate
+from mpirt.plan.model import Estimate, estimate, peak_memory
 
 
 def _divisors(n: int) -> list[int]:
@@ -121,15 +121,15 @@ def plan(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype: str,
     for group in candidates(model_cfg, cluster, batch_size, seq_len, dtype, **kw):
         for cfg in group:
             tried += 1
-            try:
-                est = estimate(cfg, model_cfg, cluster)
+            try:  # memory first: only a layout that fits is timed
+                if peak_memory(cfg, model_cfg, cluster)["peak"] > budget:
+                    continue
+                out.append(estimate(cfg, model_cfg, cluster))
             except Exception as err:
                 raise EstimateError(f"the estimate of {config_phrase(cfg)} failed: "
                                     f"{type(err).__name__}: {err}") from err
-            if est.memory["peak"] <= budget:
-                out.append(est)
-                if not every:
-                    break
+            if not every:
+                break
     out.sort(key=lambda e: e.step_s)
     return out, tried
 
