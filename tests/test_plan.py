@@ -313,3 +313,60 @@ def test_calibration_measures_compute_and_mpi_at_a_rank_count():
     assert est.parts["grad_sync"] >= got[2]["allreduce"][0]
     alone = estimate(cfg(dp=2), TINY, dataclasses.replace(c, compute_by_ranks={}))
     assert est.parts["forward"] == pytest.approx(2 * alone.parts["forward"], rel=1e-6)  # cores / 2 = 1: no slowdown
+
+
+@pytest.mark.parametrize("model, fields, nodes, gpu", [
+    ("tiny", [], 1, "cpu"),
+    ("llama-tiny", ["n_head=8", "n_kv_head=2", "n_embd=128"], 2, "h100"),
+], ids=["tiny-cpu", "gqa-2-nodes"])
+def test_the_best_layout_is_written_as_a_job_script_that_mpirt_train_accepts(tmp_path, capsys, model, fields, nodes,
+                                                                             gpu):
+    """``--emit-slurm FILE`` writes the best layout's sbatch script; its training arguments (the
+    grid, batch, schedule, ZeRO, recomputation, dtype and the model's overrides) resolve as
+    mpirt.train resolves them, batch rules included, on the job's rank count."""
+    import shlex
+
+    from mpirt.parallel.layout import Layout
+    from mpirt.plan.__main__ import main
+    from mpirt.run.config import parse_args
+
+    script = tmp_path / "job.sbatch"
+    overrides = [arg for f in fields for arg in ("--model-override", f)]
+    assert main(["--model", model, *overrides, "--gpu", gpu, "--nodes", str(nodes), "--gpus-per-node", "4",
+                 "--global-batch", "16", "--seq-len", "128", "--emit-slurm", str(script)]) == 0
+    best = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("best: "))
+    text = script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert f"#SBATCH --nodes={nodes}" in text and "#SBATCH --ntasks-per-node=4" in text
+    train = shlex.split(next(line for line in text.splitlines() if line.startswith("TRAIN_ARGS="))[len("TRAIN_ARGS=("):-1])
+    cfg = parse_args(train)
+    model_cfg = load_model_config(cfg.model, cfg.model_overrides)
+    Layout.resolve(cfg, 4 * nodes).check_model(cfg, model_cfg)  # raises if mpirt.train would refuse it
+    assert f"dp {cfg.dp} " in best and f"tp {cfg.tp} " in best and f"pp {cfg.pp}" in best, (best, train)
+    assert model_cfg == load_model_config(model, {k: int(v) for k, v in (f.split("=") for f in fields)})
+
+
+LLAMA3 = {"n_head": 32, "n_kv_head": 8, "vocab_size": 128256, "n_positions": 8192}
+PUBLISHED_SHAPES = {  # name: (preset, fields, nodes of 8 H100, global batch, sequence)
+    "Llama 3 8B": ("llama-tiny", {**LLAMA3, "n_layer": 32, "n_embd": 4096, "n_inner": 14336}, 2, 64, 8192),
+    "Llama 3 70B": ("llama-tiny", {**LLAMA3, "n_layer": 80, "n_embd": 8192, "n_head": 64, "n_inner": 28672}, 4, 32,
+                    8192),
+    "Mixtral 8x7B": ("mixtral-tiny", {"n_layer": 32, "n_embd": 4096, "n_head": 32, "n_kv_head": 8, "n_inner": 14336,
+                                      "n_expert": 8, "vocab_size": 32000, "n_positions": 4096}, 4, 32, 4096),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_SHAPES)
+def test_published_shapes_with_grouped_query_attention_plan(name):
+    """Llama 3 and Mixtral shapes (8 KV heads) have feasible layouts on the GPUs they need (every
+    layout was "infeasible" while the Function count's copy broke their head ratio)."""
+    preset, fields, nodes, batch, seq = PUBLISHED_SHAPES[name]
+    cluster = hardware.load("h100").with_shape(nodes, 8)
+    ests, tried = plan(load_model_config(preset, fields), cluster, batch, seq, "bfloat16", schedules=("1f1b",))
+    assert ests and tried > len(ests), (name, len(ests), tried)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mlp", "llama-tiny", "mixtral-tiny", "gpt2", "gpt2-medium"])
+def test_every_bundled_preset_plans(preset):
+    ests, _ = plan(load_model_config(preset), cpu(cores=4).with_shape(1, 4), 8, 64, "float32")
+    assert ests, preset

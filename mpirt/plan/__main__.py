@@ -12,7 +12,7 @@ import sys
 
 from mpirt.plan.memory import format_size, parse_size
 from mpirt.plan import hardware
-from mpirt.plan.search import EstimateError, describe, plan, table, tp_options
+from mpirt.plan.search import EstimateError, describe, plan, table, tp_options, training_flags
 
 
 def main(argv=None) -> int:
@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--all", action="store_true", help="every memory setting that fits, not only the cheapest")
     ap.add_argument("--json", default="", help="also write the ranked estimates to this file")
+    ap.add_argument("--emit-slurm", default="", metavar="FILE",
+                    help="also write the sbatch script (python -m mpirt.slurm) that trains the best layout")
     ap.add_argument("--calibrate", action="store_true", help="measure this machine and save it as a preset")
     ap.add_argument("--ranks", default="2,4,8", help="--calibrate: the MPI rank counts to measure at")
     ap.add_argument("--save-as", default="local", help="--calibrate: the preset's name")
@@ -96,7 +98,32 @@ def run(a) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump([e.as_dict() for e in ests], f, indent=1, default=str)
+    if a.emit_slurm:
+        base = load_model_config(a.model, {})
+        with open(a.emit_slurm, "w") as f:
+            f.write(job_script(best, a, training_flags(best, a.global_batch, a.seq_len, model_cfg, base), cluster))
+        print(f"job script of the best layout: {a.emit_slurm} (sbatch {a.emit_slurm} RUN_DIR)")
     return 0
+
+
+def job_script(est, a, flags: list, cluster) -> str:
+    """The sbatch script (:func:`mpirt.run.slurm.render`) that trains layout ``est`` of the parsed
+    planner arguments ``a`` on its cluster: the multi-node template's settings across nodes, the
+    single-node one's on one, the CPU one's on a CPU preset; the run directory left to sbatch's
+    command line. SlurmScriptError (a ValueError: one line, exit 2) names what the job writer refused."""
+    import dataclasses
+
+    from mpirt.run.slurm import TEMPLATES, job_layout, render
+
+    name = "cpu" if cluster.cores else "multi_node" if a.nodes > 1 else "single_node"
+    lay = est.layout
+    spec = dataclasses.replace(TEMPLATES[name][1], template=name, nodes=a.nodes, ntasks_per_node=a.gpus_per_node,
+                               gpus_per_node=0 if cluster.cores else a.gpus_per_node, model=a.model,
+                               dp=lay["dp"], tp=lay["tp"], pp=lay["pp"], cp=lay.get("cp", 1), ep=lay.get("ep", 1),
+                               train_args=flags)
+    text = render(spec)
+    job_layout(spec)  # its training arguments as mpirt.train reads them, against the model
+    return text
 
 
 if __name__ == "__main__":

@@ -147,6 +147,25 @@ def describe(est: Estimate) -> str:
     return f"dp {l['dp']}{ep} tp {l['tp']}{cp} pp {l['pp']}{sched} b={l['rows_per_microbatch']}{extra}"
 
 
+def training_flags(est: Estimate, batch_size: int, seq_len: int, model_cfg, base_model_cfg) -> list[str]:
+    """The ``mpirt.train`` arguments of a planned layout beside its grid sizes: the batch, the
+    schedule, ZeRO, sequence parallelism, recomputation and dtype, and ``--model.FIELD=VALUE``
+    for every field of ``model_cfg`` that differs from ``base_model_cfg`` (the preset's)."""
+    l = est.layout
+    flags = [f"--batch-size={batch_size}", f"--seq-len={seq_len}", f"--dtype={l['dtype']}",
+             f"--zero={l['zero']}", f"--recompute={l['recompute']}"]
+    if l["pp"] > 1:
+        flags += [f"--schedule={l['schedule']}", f"--microbatches={l['microbatches']}"]
+        if l["chunks"] > 1:
+            flags.append(f"--chunks={l['chunks']}")
+    elif l["microbatches"] > 1:
+        flags.append(f"--grad-accum={l['microbatches']}")
+    if l["sequence_parallel"]:
+        flags.append("--sequence-parallel")
+    flags += [f"--model.{k}={v}" for k, v in vars(model_cfg).items() if getattr(base_model_cfg, k, None) != v]
+    return flags
+
+
 def table(ests: list[Estimate], top: int = 15) -> str:
     """The ranked layouts as a Markdown table."""
     rows = ["| # | layout | step s | tokens/s | MFU | peak mem/rank | bottleneck | bubble |",
