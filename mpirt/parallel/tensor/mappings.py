@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 import mpirt.core.backend as B
+from mpirt.core.injected import injected
 from mpirt.core.nn import ShardSpec
 from mpirt.core.tensor import Function
 
@@ -77,9 +78,12 @@ class ReduceFromTP(Function):
     """Megatron's ``g``: forward ``y = allreduce_sum(x)`` over tp; backward ``dx = dy``."""
 
     def forward(self, x, comm=None):
+        self.comm = comm
         return comm.allreduce(x) if comm.size > 1 else x
 
     def backward(self, g):
+        if self.comm.size > 1 and injected("tp-row-scale"):  # test-only (mpirt.core.injected)
+            return (g * self.comm.size,)
         return (g,)
 
 
