@@ -36,7 +36,7 @@ from mpirt.run.config import ConfigError, TrainConfig, parse_args
 from mpirt.run.distributed import init_distributed
 from mpirt.run.train import comm_timeout, open_dataset, resolve_model, vocab_from_data
 from mpirt.verify.compare import TOLERANCES, build_report, compare_tensors, format_table
-from mpirt.verify.sides import layout_config, resolve, run_side, short_shape
+from mpirt.verify.sides import check_axes, layout_config, resolve, run_side, short_shape
 
 EXIT_EQUAL, EXIT_DIFFERS, EXIT_BAD_INPUT = 0, 1, 2
 VERIFY_LR = 1e-2       # AdamW moves every weight by about this much a step: a wrong gradient shows at once
@@ -106,6 +106,8 @@ def plan_verify(own: dict, argv: list[str], given: set, world_size: int) -> Plan
     ref_world = ref.dp * ref.pp * ref.cp * ref.tp
     if ref_world > world_size:
         raise ConfigError(f"reference: {own['reference']!r} needs {ref_world} ranks, the launch has {world_size}")
+    check_axes(base, world_size, "layout")
+    check_axes(ref, ref_world, f"reference {own['reference']}" if "reference" in own else "reference")
     stages = max(c.pp * (c.chunks if c.schedule == "interleaved" and c.pp > 1 else 1) for c in (base, ref))
     model_cfg = apply_overrides(model_cfg, {"n_layer": own.get("layers", stages)})
     seq_len, batch = short_shape([(base, world_size), (ref, ref_world)],

@@ -52,6 +52,15 @@ def layout_config(cfg: TrainConfig, text: str, flag: str) -> TrainConfig:
     return out
 
 
+def check_axes(cfg: TrainConfig, world_size: int, what: str) -> None:
+    """Refuse axes that cannot make a layout of ``world_size`` ranks before any size is derived
+    from them (ConfigError starting with ``what``); the batch rules wait for :func:`resolve`."""
+    try:
+        Layout.resolve(cfg, world_size, batch_rules=False)
+    except LayoutError as err:
+        raise ConfigError(f"{what}: {err}") from None
+
+
 def resolve(cfg: TrainConfig, model_cfg, world_size: int, what: str) -> Layout:
     """The layout of ``cfg`` on ``world_size`` ranks, resolved with the model and checked as the
     training script checks it (the budget too, when ``--memory-budget`` is given); ConfigError
