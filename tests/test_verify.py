@@ -152,14 +152,16 @@ def test_verify_command_passes_a_layout_and_fails_an_injected_bug(tmp_path):
     assert not list((tmp_path / "w").iterdir())  # the snapshots are removed
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--tp", "3"], "error: layout: dp/pp/tp: "),
-    (["--reference", "tp=2"], "error: reference: 'tp=2' needs 2 ranks, the launch has 1"),
-    (["--reference", "tq=2"], "error: reference: 'tq=2' is not KEY=VALUE"),
-    (["--against", "dp=1"], "error: --against: names the second layout of a --replay"),
+@pytest.mark.parametrize("ranks, args, message", [
+    (0, ["--tp", "3"], "error: layout: dp/pp/tp: "),
+    (0, ["--reference", "tp=2"], "error: reference: 'tp=2' needs 2 ranks, the launch has 1"),
+    (0, ["--reference", "tq=2"], "error: reference: 'tq=2' is not KEY=VALUE"),
+    (0, ["--against", "dp=1"], "error: --against: names the second layout of a --replay"),
+    (2, ["--model.n_embd", "512", "--model.n_head", "8", "--tp", "2", "--memory-budget", "130MiB"],
+     "error: reference one rank: memory_budget: rank 0: predicted peak"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
-    result = run_module("mpirt.verify", *TINY, *args, "--work", tmp_path, expect=2)
+def test_bad_input_is_one_line_and_exit_2(ranks, args, message, tmp_path):
+    result = run_module("mpirt.verify", *TINY, *args, "--work", tmp_path, ranks=ranks, expect=2)
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
 
 

@@ -115,7 +115,10 @@ def plan_verify(own: dict, argv: list[str], given: set, world_size: int) -> Plan
                                  cfg.batch_size if "batch_size" in given else None, model_cfg.n_positions)
     base, ref = (dataclasses.replace(c, seq_len=seq_len, batch_size=batch) for c in (base, ref))
     run_layout = resolve(base, model_cfg, world_size, "layout")
-    ref_layout = resolve(ref, model_cfg, ref_world, f"reference {own.get('reference', 'one rank')}")
+    try:
+        ref_layout = resolve(ref, model_cfg, ref_world, f"reference {own.get('reference', 'one rank')}")
+    except ConfigError as err:
+        raise ConfigError(f"{err} (--reference names a smaller layout to hold this one to)") from None
     widths = ", ".join(f"{k} {getattr(model_cfg, k)}" for k in ("n_embd", "n_head", "n_kv_head", "n_inner",
                                                                  "n_expert", "vocab_size") if getattr(model_cfg, k, None))
     dropout = {k: v for k, v in dataclasses.asdict(model_cfg).items() if "drop" in k and v}
