@@ -123,13 +123,14 @@ def test_eight_rank_layout_with_dropout_and_recompute_equals_one_rank(group, tmp
 
 
 # --- proven able to fail -----------------------------------------------------------------------------
-BUGS = {"tp-row-scale": ["--tp", "2"], "zero-shard-offset": ["--dp", "2", "--zero", "1"],
+BUGS = {"tp-row-scale": ["--tp", "2"], "sp-dropped-reduce-scatter": ["--tp", "2", "--sequence-parallel"],
+        "cp-ring-step": ["--cp", "2"], "zero-shard-offset": ["--dp", "2", "--zero", "1"],
         "pp-microbatch-order": ["--pp", "2", "--layers", "2"],
         "ep-expert-swap": ["--model", "mixtral-tiny", "--model.n_embd", "32", "--dp", "2", "--ep", "2"]}
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("pair", [0, 1])
+@pytest.mark.parametrize("pair", [0, 1, 2])
 def test_each_injected_bug_is_named_by_step_and_tensor(pair, group, tmp_path_factory):
     bug = _by_group(list(BUGS)[2 * pair:2 * pair + 2], 2)
     report = _verify(group, 2, TINY + BUGS[bug], tmp_path_factory, inject=bug)

@@ -7,6 +7,11 @@ change it between runs in one process) turns on, in the runtime code that owns e
 - ``tp-row-scale``: the backward of a row-parallel layer's output reduction (Megatron's ``g``,
   :class:`mpirt.parallel.tensor.mappings.ReduceFromTP`) returns ``tp * dy``: the replicated gradient
   summed over tp without its ``1/tp`` (tp > 1 only);
+- ``sp-dropped-reduce-scatter``: under sequence parallelism a row-parallel layer keeps its own chunk
+  of its partial sum instead of reduce-scattering the partial sums
+  (:class:`mpirt.parallel.tensor.mappings.ReduceScatterToSeq`, tp > 1 only);
+- ``cp-ring-step``: ring attention computes each ring step's keys and values as if they were the
+  next step's (the causal mask and chunk pairing of the wrong step, :mod:`mpirt.parallel.context`);
 - ``zero-shard-offset``: ZeRO-1/2's first dp rank updates the parameter elements one place after its
   shard (:class:`mpirt.parallel.zero.ZeroOptimizer`, dp > 1 only);
 - ``pp-microbatch-order``: the last pipeline stage pairs each micro-batch's activations with the
@@ -21,7 +26,8 @@ from __future__ import annotations
 import os
 
 ENV = "MPIRT_VERIFY_INJECT"
-BUGS = ("tp-row-scale", "zero-shard-offset", "pp-microbatch-order", "ep-expert-swap")
+BUGS = ("tp-row-scale", "sp-dropped-reduce-scatter", "cp-ring-step", "zero-shard-offset", "pp-microbatch-order",
+        "ep-expert-swap")
 
 
 def injected(name: str) -> bool:

@@ -141,6 +141,8 @@ def plan_replay(own: dict, argv: list[str], given: set, world_size: int) -> Plan
         sizes, data_dir = meta["extra"]["layout"], meta["extra"]["data"]
     except (KeyError, TypeError) as err:
         raise ConfigError(f"replay: {meta['path']}/meta.json is not a checkpoint of mpirt.train (no {err})") from None
+    if meta.get("optimizer") is None:
+        raise ConfigError(f"replay: {meta['path']} holds no optimizer state: the step after it cannot be replayed")
     _check_replay_flags(argv, given, model_cfg, meta["path"])
     run = dataclasses.replace(saved, **{k: sizes.get(k, 1) for k in ("dp", "tp", "pp", "cp", "ep")})
     run_world = run.dp * run.pp * run.cp * run.tp
