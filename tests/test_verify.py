@@ -95,11 +95,14 @@ def _by_group(cases: list, size: int):
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("pair", [0, 1])
+@pytest.mark.parametrize("pair", [0, 1, 2])
 def test_two_rank_layouts_equal_one_rank(pair, group, tmp_path_factory):
-    """dp2 ZeRO-2 and tp2 + SP side by side, then pp2 and cp2 (each group of 2 ranks takes one)."""
+    """dp2 ZeRO-2 and tp2 + SP side by side, then pp2 (1f1b) and cp2, then pp2 under the interleaved
+    and zero-bubble schedules (each group of 2 ranks takes one)."""
     cases = [[["--dp", "2", "--zero", "2"], ["--tp", "2", "--sequence-parallel"]],
-             [["--pp", "2", "--layers", "2"], ["--cp", "2"]]][pair]
+             [["--pp", "2", "--layers", "2"], ["--cp", "2"]],
+             [["--pp", "2", "--schedule", "interleaved"], ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"]]
+             ][pair]
     flags = _by_group(cases, 2)
     report = _verify(group, 2, TINY + flags, tmp_path_factory)
     agree(report is None or report["equal"], f"{flags}: {report and report['verdict']}")
@@ -112,6 +115,13 @@ def test_experts_over_ep_equal_one_rank(group, tmp_path_factory):
                                 "--dp", "2", "--ep", "2", "--zero", "1"], tmp_path_factory)
     agree(report is None or report["equal"] and all(s["routing_equal"] for s in report["steps"]),
           report and (report["verdict"], report["steps"]))
+
+
+@pytest.mark.mpi(min_size=4)
+def test_grouped_query_attention_over_cp_and_tp_equals_one_rank(group, tmp_path_factory):
+    report = _verify(group, 4, ["--model", "llama-tiny", "--model.n_embd", "32", "--model.n_kv_head", "2",
+                                "--progress", "false", "--cp", "2", "--tp", "2", "--sequence-parallel"], tmp_path_factory)
+    agree(report is None or report["equal"], report and report["verdict"])
 
 
 @pytest.mark.mpi(min_size=8)
