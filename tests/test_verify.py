@@ -176,16 +176,21 @@ def test_bad_input_is_one_line_and_exit_2(ranks, args, message, tmp_path):
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
 
 
-def test_replay_of_a_dp2_tp2_checkpoint_is_equal_at_pp2_and_refuses_another_model(tiny_data, tmp_path):
+def test_replay_of_a_dp2_tp2_checkpoint_is_the_runs_next_step_at_pp2_and_refuses_another_model(tiny_data, tmp_path):
+    """A dp2 x tp2 run (dropout on) checkpoints after steps 1 and 2; replaying the first version at
+    dp2 x tp2 and at pp2 gives equal steps, and the loss and gradient norm the run logged at step 2."""
     out = tmp_path / "run"
     run_module("mpirt.train", *TINY, "--model.n_layer", "2", "--data", tiny_data, "--dp", "2", "--tp", "2",
-               "--dtype", "float64", "--steps", "2", "--batch-size", "4", "--seq-len", "16", "--eval-batches", "1",
-               "--monitor", "false", "--out-dir", out, "--model.resid_pdrop", "0.1", ranks=4)
-    result = run_module("mpirt.verify", "--replay", out / "ckpt", "--against", "dp=1 pp=2", "--json",
-                        tmp_path / "replay.json", "--work", tmp_path / "w", ranks=4)
+               "--dtype", "float64", "--steps", "2", "--ckpt-interval", "1", "--batch-size", "4", "--seq-len", "16",
+               "--eval-batches", "1", "--monitor", "false", "--out-dir", out, "--model.resid_pdrop", "0.1", ranks=4)
+    result = run_module("mpirt.verify", "--replay", out / "ckpt" / "step-00000001", "--against", "dp=1 pp=2",
+                        "--json", tmp_path / "replay.json", "--work", tmp_path / "w", ranks=4)
     report = json.loads((tmp_path / "replay.json").read_text())
-    assert report["equal"] and report["steps"][0]["step"] == 3, result.stdout
-    assert "step 3 on the run's layout dp 2 x pp 1 x tp 2" in result.stdout
+    logged = json.loads((out / "metrics" / "rank0.jsonl").read_text().splitlines()[1])
+    step = report["steps"][0]
+    assert report["equal"] and step["step"] == 2 and "step 2 on the run's layout dp 2 x pp 1 x tp 2" in result.stdout
+    assert abs(step["loss"] - logged["loss"]) < 1e-12 and abs(step["grad_norm"] - logged["grad_norm"]) < 1e-12, \
+        (step, logged)
     other = run_module("mpirt.verify", "--replay", out / "ckpt", "--model", "mixtral-tiny", expect=2)
     assert other.stderr.startswith(f"error: replay: {out / 'ckpt'}") and "holds another model than --model " \
         "mixtral-tiny" in other.stderr and other.stderr.count("\n") == 1, other.stderr
