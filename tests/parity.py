@@ -15,6 +15,7 @@ from mpirt.data.tokens import get_batch
 from mpirt.models import GPT, GPTConfig
 from mpirt.core.optim import AdamW, clip_grad_norm
 from mpirt.core.tensor import no_grad
+from mpirt.verify.compare import comparable
 
 SEQ, STEPS, LR, WD = 8, 5, 1e-3, 0.1
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=16, n_positions=SEQ, vocab_size=37)
@@ -111,17 +112,6 @@ def rel_err(got, ref, norm=np.inf) -> float:
     denominator is floored at 1e-300: against an all-zero ``ref`` any difference fails."""
     got, ref = np.asarray(got, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
     return float(np.linalg.norm(got - ref, norm) / max(np.linalg.norm(ref, norm), 1e-300))
-
-
-def comparable(name, a):
-    """``a`` without the part whose gradient is identically zero: the key bias of attention
-    (q.(k + b) shifts a whole row of scores, which softmax ignores). Its gradient is rounding
-    noise, which AdamW normalises into steps of size lr, so its values are noise in any run; on a
-    tp shard the middle third is this rank's k part."""
-    if name.endswith("attn.c_attn.bias"):
-        c = a.shape[0] // 3
-        return np.concatenate([a[:c], a[2 * c:]])
-    return a
 
 
 def max_rel_err(got: dict, ref: dict, norm=2, whole=False) -> float:

@@ -15,7 +15,7 @@ FLOORS = [
      ["mpirt.core", "mpirt.models", "mpirt.checkpoint", "mpirt.comm", "mpirt.data"]),
     ("parallel layouts", ["mpirt.parallel"]),
     ("prediction, watching a run, the training config", ["mpirt.plan", "mpirt.monitor", "mpirt.run.config"]),
-    ("running a job", ["mpirt.run"]),
+    ("running a job", ["mpirt.run", "mpirt.verify"]),
     ("public entry modules", []),
 ]
 ROOT_MODULES = {"mpirt"} | {f"mpirt.{p.stem}" for p in (ROOT / "mpirt").glob("*.py") if p.stem != "__init__"}

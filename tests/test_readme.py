@@ -55,6 +55,27 @@ def train_args(cmd: str) -> tuple[int, list[str]] | None:
     return None
 
 
+def verify_args(cmd: str) -> tuple[int, list[str]] | None:
+    """(world size, arguments) of ``mpiexec -n N python -m mpirt.verify ARGS``; None otherwise."""
+    words = shlex.split(cmd)
+    if words[:1] == ["mpiexec"] and words[3:6] == ["python", "-m", "mpirt.verify"]:
+        return int(words[2]), words[6:]
+    return None
+
+
+def check_verify(world: int, args: list[str]) -> None:
+    """What verify refuses before it starts (its plan: flags, both layouts, the reduced model); a
+    --replay's checkpoint is not here, so only its flags and --against layout are read."""
+    from mpirt.run.config import TrainConfig
+    from mpirt.verify.cli import make_plan, split_args
+    from mpirt.verify.sides import layout_config
+    own, _, _ = split_args(args)
+    if "replay" in own:
+        layout_config(TrainConfig(), own.get("against", "dp=1"), "against")
+    else:
+        make_plan(args, world)
+
+
 def check_training(world: int, args: list[str]) -> None:
     """What the run's pre-flight checks before anything starts: keys and values, the layout for
     ``world`` ranks, the model's tp, the sequence length."""
@@ -70,12 +91,18 @@ def check_training(world: int, args: list[str]) -> None:
 
 
 def test_every_readme_command_is_classified_and_the_launches_check():
-    seen = {"train": 0, "run": 0}
+    seen = {"train": 0, "run": 0, "verify": 0}
     for cmd in commands():
         if cmd.startswith(NOT_RUN) or cmd.startswith(SYNOPSIS):
             continue
         launch = train_args(cmd)
-        if launch is not None and "--help" not in cmd:
+        if verify_args(cmd) is not None:
+            try:
+                check_verify(*verify_args(cmd))
+            except Exception as err:  # noqa: BLE001 - the README line is what fails
+                pytest.fail(f"README: {cmd}\n  refused: {err}")
+            seen["verify"] += 1
+        elif launch is not None and "--help" not in cmd:
             try:
                 check_training(*launch)
             except Exception as err:  # noqa: BLE001 - the README line is what fails
@@ -85,7 +112,7 @@ def test_every_readme_command_is_classified_and_the_launches_check():
             seen["run"] += 1
         else:
             pytest.fail(f"README: a command of no known kind (classify it in tests/test_readme.py): {cmd}")
-    assert seen["train"] >= 9 and seen["run"] >= 6, seen
+    assert seen["train"] >= 9 and seen["run"] >= 6 and seen["verify"] >= 2, seen
 
 
 def test_the_readme_tools_run_as_written(tmp_path, tiny_data):
@@ -112,4 +139,4 @@ def test_the_readme_tools_run_as_written(tmp_path, tiny_data):
         assert result.returncode == 0, f"README: {cmd}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
         ran.append(words[2])
     assert {"mpirt.plan", "mpirt.grid", "mpirt.schedule", "mpirt.slurm", "mpirt.data", "mpirt.sample",
-            "mpirt.train"} <= set(ran), ran
+            "mpirt.train", "mpirt.verify"} <= set(ran), ran

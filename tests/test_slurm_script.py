@@ -235,6 +235,25 @@ def test_template_needs_a_run_directory(job_env):
     assert stub_args(where, "srun") is None
 
 
+def test_verify_first_checks_the_layout_before_training(job_env):
+    """--verify-first: mpirt.verify runs with the training arguments first (a tenth of the limit at
+    most); a layout that differs from one rank (exit 1) ends the job untrained; a short limit, or a
+    job that resumes a checkpoint, skips the check."""
+    where, env = job_env
+    text = render(cpu_spec(run_dir="r", verify_first=True, time="01:00:00", train_args=["--tp", "2"]))
+    assert "VERIFY_SECONDS=360" in text
+    rc, out = run_job(text, where, env, STUB_RC="1")
+    assert rc == 1 and "verify failed (exit 1): not training" in out, out
+    args = stub_args(where, "srun")
+    assert args[3:6] == ["python", "-m", "mpirt.verify"] and args[-2:] == ["--tp", "2"], args
+    rc, out = run_job(text, where, env, STUB_CKPT="step-00000010")
+    assert rc == 0 and "verify: the layout computes what one rank computes" in out, out
+    assert stub_args(where, "srun")[5] == "mpirt.train"
+    rc, out = run_job(text, where, env)   # the checkpoint the first start left: a resume, not checked again
+    assert rc == 0 and "checking the layout" not in out, out
+    assert "VERIFY_SECONDS=0" in render(cpu_spec(run_dir="r", verify_first=True, time="00:30:00"))
+
+
 def test_missing_site_env_is_named(job_env):
     where, env = job_env
     rc, out = run_job(render(cpu_spec(run_dir="r")), where, env, MPIRT_SITE_ENV=str(where / "nope.env"))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpirt.core.injected import injected
 from mpirt.core.nn import Module, ShardSpec
 from mpirt.core.ops.moe import grouped_swiglu
 from mpirt.core.tensor import Function
@@ -85,10 +86,13 @@ class ExpertParallel:
         if x.requires_grad:  # what a training step keeps for backward (an evaluation keeps nothing)
             self.routed[0] += int(got.sum())
             self.routed[1] += assignments
-        expert_of_row = np.repeat(np.tile(np.arange(local), ep), got.reshape(-1))  # source-major rows
+        local_ids, per_expert = np.arange(local), got.sum(axis=0)
+        if local > 1 and injected("ep-expert-swap"):  # test-only (mpirt.core.injected): rows meet the wrong weights
+            local_ids, per_expert = local_ids[::-1], per_expert[::-1]
+        expert_of_row = np.repeat(np.tile(local_ids, ep), got.reshape(-1))  # source-major rows
         order = np.argsort(expert_of_row, kind="stable")                 # grouped by local expert
         xs = TokenExchange.apply(x, comm=self.comm, send=sent.sum(axis=1), after=order)
-        ys = grouped_swiglu(xs, w_gate, w_up, w_down, got.sum(axis=0), weight_grad_scale=1.0 / ep)  # the group's mean
+        ys = grouped_swiglu(xs, w_gate, w_up, w_down, per_expert, weight_grad_scale=1.0 / ep)  # the group's mean
         return TokenExchange.apply(ys, comm=self.comm, send=got.sum(axis=1), before=_inverse(order))
 
     def take_load(self) -> tuple[int, int]:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 
 import mpirt.core.backend as B
+from mpirt.core.injected import injected
 from mpirt.core.nn import Module
 from mpirt.core.optim import AdamW, Scalars, adamw_update
 from mpirt.core.precision import compute_dtype, is_half
@@ -150,6 +151,8 @@ class ZeroOptimizer(Scalars):
                 broadcast_parameters(self.store, comm)
             self.flat_param = self.store.data
             self.param_shard = self.flat_param[g.lo:g.hi]
+            if self.rank == 0 and self.size > 1 and injected("zero-shard-offset"):  # test-only (mpirt.core.injected)
+                self.param_shard = self.flat_param[g.lo + 1:g.hi + 1]
             if stage == 1:
                 self.grad_shard = self.store.grad[g.lo:g.hi]
             else:

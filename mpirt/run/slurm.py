@@ -15,6 +15,11 @@ What a rendered job does (the shell body, :data:`BODY`):
 - starts the ranks with ``srun --mpi=$MPI_TYPE --kill-on-bad-exit=1`` (without ``--mpi`` a site
   with ``MpiDefault=none`` starts N singletons that each train alone) and
   ``SRUN_CPUS_PER_TASK`` exported (``srun`` in SLURM 22.05 does not inherit ``--cpus-per-task``);
+- with ``--verify-first``, on the job's first start (no checkpoint yet) and when the limit leaves
+  time for it, first runs ``python -m mpirt.verify`` with the training arguments (a tenth of the
+  time limit at most, :data:`VERIFY_SHARE`): a layout that does not compute what one rank computes
+  (exit 1) or bad input (exit 2) ends the job before training; a check that runs out of its share
+  is reported and training goes on;
 - trains with ``--out-dir RUN_DIR --resume auto --time-limit slurm``: one explicit run directory
   per experiment, and resubmitting the same script continues it;
 - on ``--signal=B:USR1@NOTICE`` (to the batch shell only) asks the ranks to stop with a checkpoint
@@ -45,6 +50,8 @@ _OUTPUT = re.compile(r"[A-Za-z0-9_./%+-]+")
 _TIME = re.compile(r"(?:[0-9]+-[0-9]+(?::[0-9]{1,2}){0,2}|[0-9]+(?::[0-9]{1,2}){0,2})")
 
 
+VERIFY_SHARE = 10     # --verify-first: the check takes at most 1/VERIFY_SHARE of the time limit
+VERIFY_MIN_S = 300    # ... and runs only when that share is at least this long
 EARLY_SIGNAL_S = 60   # SLURM may deliver --signal up to this many seconds before its time (timer resolution)
 
 
@@ -96,6 +103,7 @@ class JobSpec:
     run_dir: str = ""
     train_args: list[str] = field(default_factory=list)
     preemptible: bool = False
+    verify_first: bool = False
     mpi: str = ""
     notice: int = 120
     site_env: str = ""
@@ -177,6 +185,17 @@ trap 'got_term=1; say "TERM: the ranks got their own from SLURM"' TERM
 ckpt_before=$(cat "$RUN_DIR/ckpt/latest" 2>/dev/null || true)
 say "run directory $RUN_DIR, ${SLURM_NNODES:-?} node(s), ${SLURM_NTASKS:-?} ranks," \
     "srun --mpi=$MPI_TYPE, restart ${SLURM_RESTART_COUNT:-0}"
+if [ "$VERIFY_SECONDS" -gt 0 ] && [ -z "$ckpt_before" ]; then  # the first start only: a resume was checked
+    say "checking the layout against one rank first (python -m mpirt.verify, at most $VERIFY_SECONDS s)"
+    vrc=0
+    timeout "$VERIFY_SECONDS" srun --mpi="$MPI_TYPE" --kill-on-bad-exit=1 --cpu-bind=cores python -m mpirt.verify \
+        --out-dir "$RUN_DIR" ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@" || vrc=$?
+    case $vrc in
+        0) say "verify: the layout computes what one rank computes" ;;
+        124) say "verify: did not finish in its $VERIFY_SECONDS s: training without its verdict" ;;
+        *) say "verify failed (exit $vrc): not training"; exit "$vrc" ;;
+    esac
+fi
 srun --mpi="$MPI_TYPE" --kill-on-bad-exit=1 --cpu-bind=cores python -m mpirt.train \
     --out-dir "$RUN_DIR" --resume auto --time-limit slurm ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@" &
 step=$!
@@ -383,11 +402,20 @@ def render(spec: JobSpec) -> str:
         f"RUN_DIR={q(spec.run_dir)}" + ("" if spec.run_dir else "  # empty: the first argument"),
         "TRAIN_ARGS=(" + " ".join(q(a) for a in train) + ")",
         f"PREEMPTIBLE={int(spec.preemptible)}",
+        f"VERIFY_SECONDS={verify_seconds(spec)}" + ("  # --verify-first: the check's share of the time limit"
+                                                    if spec.verify_first else ""),
         f"MPI_TYPE_FLAG={q(spec.mpi)}" + ("" if spec.mpi else "  # empty: MPI_TYPE from the site env, else pmi2"),
         "SITE_ENV=" + (q(spec.site_env) if spec.site_env else '"${SLURM_SUBMIT_DIR:-$PWD}/slurm/site.env"'),
         "",
     ]
     return "\n".join(lines) + "\n" + BODY
+
+
+def verify_seconds(spec: JobSpec) -> int:
+    """The seconds a ``--verify-first`` check may take: a tenth of the time limit, 0 (no check)
+    without the flag or when that share is under :data:`VERIFY_MIN_S` (the time does not permit)."""
+    share = time_seconds(spec.time) // VERIFY_SHARE
+    return share if spec.verify_first and share >= VERIFY_MIN_S else 0
 
 
 def epilog() -> str:
@@ -427,6 +455,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--exclusive", action=argparse.BooleanOptionalAction, help="whole nodes")
     g.add_argument("--preemptible", action=argparse.BooleanOptionalAction,
                    help="requeue on preemption and after a stop with a checkpoint; append to the output")
+    g.add_argument("--verify-first", action=argparse.BooleanOptionalAction,
+                   help=f"on the first start, run python -m mpirt.verify with the training arguments before "
+                        f"training (at most 1/{VERIFY_SHARE} of --time, when that is >= {VERIFY_MIN_S} s); "
+                        f"train only if the layout computes what one rank computes")
     t = ap.add_argument_group("training")
     t.add_argument("--run-dir", metavar="DIR", help="the experiment's own directory (checkpoints, metrics); "
                                      "empty: the script's first argument")

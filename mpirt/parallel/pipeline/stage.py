@@ -37,6 +37,7 @@ import dataclasses
 import numpy as np
 
 import mpirt.core.backend as B
+from mpirt.core.injected import injected
 from mpirt.core.modeling import block_class, build_model, check_config, lm_loss, model_class, seed_dropouts
 from mpirt.core.nn import (Module, dropout_modules, graph_parameters, place_dropouts, seed_losses, stand_ins,
                            zero_grads)
@@ -306,6 +307,8 @@ class PipelineStage(PipelineExecutor):
                 raise ValueError("pipeline batch: the last stage needs the targets y")
             ya = B.xp.asarray(y)
             ys = [ya[i * self.act_shape[0]:(i + 1) * self.act_shape[0]] for i in range(self.m)]
+            if injected("pp-microbatch-order"):  # test-only (mpirt.core.injected)
+                ys.reverse()
         return xs, ys
 
     def _forward(self, chunk, mb, inp, xs, ys):

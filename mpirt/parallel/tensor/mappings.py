@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 import mpirt.core.backend as B
+from mpirt.core.injected import injected
 from mpirt.core.nn import ShardSpec
 from mpirt.core.tensor import Function
 
@@ -77,9 +78,12 @@ class ReduceFromTP(Function):
     """Megatron's ``g``: forward ``y = allreduce_sum(x)`` over tp; backward ``dx = dy``."""
 
     def forward(self, x, comm=None):
+        self.comm = comm
         return comm.allreduce(x) if comm.size > 1 else x
 
     def backward(self, g):
+        if self.comm.size > 1 and injected("tp-row-scale"):  # test-only (mpirt.core.injected)
+            return (g * self.comm.size,)
         return (g,)
 
 
@@ -101,6 +105,8 @@ class ReduceScatterToSeq(Function):
 
     def forward(self, x, comm=None, dim=1):
         self.comm, self.dim = comm, dim
+        if comm.size > 1 and injected("sp-dropped-reduce-scatter"):  # test-only (mpirt.core.injected)
+            return _split_dim(x, comm, dim)
         return _reduce_scatter_dim(x, comm, dim)
 
     def backward(self, g):
