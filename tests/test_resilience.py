@@ -544,14 +544,23 @@ def test_resume_auto_of_a_run_started_from_other_weights_is_not_held_to_model(ti
 
 
 def test_resume_auto_never_replaces_a_damaged_checkpoint(tiny_data, tmp_path):
+    """--resume auto refuses a damaged newest version naming the intact older one and the flag
+    that resumes from it (which then works); sampling from it is one line, not a traceback."""
     out = tmp_path / "run"
-    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=3", f"--out-dir={out}")
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=3", "--ckpt-interval=2", f"--out-dir={out}")
     meta_path = out / "ckpt" / "step-00000003" / "meta.json"
     meta_path.write_text(meta_path.read_text().replace('"step": 3', '"step": 2'))
-    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=6", f"--out-dir={out}",
+    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=4", f"--out-dir={out}",
                         "--resume=auto", check=False)
     assert result.returncode == 2 and "meta.json was edited or corrupted" in result.stderr
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["latest", "step-00000003"]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["latest", "step-00000002", "step-00000003"]
+    older = out / "ckpt" / "step-00000002"
+    assert f"{older} is intact: resume from it with --init-from {older}" in result.stderr, result.stderr
+    sample = run_module("mpirt.sample", f"--ckpt={out / 'ckpt'}", "--tokens=2", check=False)
+    assert sample.returncode == 2 and "Traceback" not in sample.stderr, sample.stderr
+    assert sample.stderr.startswith(f"error: --ckpt {out / 'ckpt'}: ") and str(meta_path) in sample.stderr
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=4", f"--out-dir={out}", f"--init-from={older}")
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
 
 
 def test_the_vocabulary_comes_from_the_dataset_unless_set(tiny_data, tmp_path):

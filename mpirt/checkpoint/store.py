@@ -281,6 +281,16 @@ def _newest_verified(root: Path) -> Path:
     raise CheckpointError(f"{root / LATEST} is missing and no version there verifies ({'; '.join(problems)})")
 
 
+def intact_version(root) -> Path | None:
+    """The newest version under the checkpoint root ``root`` that verifies end to end, or None
+    (none does, or ``root`` is not a root): what a run whose newest version is damaged can
+    resume from instead."""
+    try:
+        return _newest_verified(Path(root)) if Path(root).is_dir() and _versions(Path(root)) else None
+    except CheckpointError:
+        return None
+
+
 def _format_version(raw: bytes):
     try:
         return json.loads(raw).get("version")

@@ -26,7 +26,7 @@ import mpirt.core.backend as B
 from mpirt import comm
 from mpirt.cpu import blas, kernels
 from mpirt.run import faults, jobctl
-from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, looks_like_checkpoint,
+from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, intact_version, looks_like_checkpoint,
                                     read_checkpoint_meta, verify_checkpoint)
 from mpirt.checkpoint.sharded import save_sharded
 from mpirt.run.config import ConfigError, parse_args, parse_duration
@@ -85,7 +85,9 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
         try:
             meta = verify_checkpoint(path)
         except (CheckpointError, FileNotFoundError) as err:
-            raise ConfigError(f"init_from: {err}") from None
+            older = intact_version(path)   # the damaged one is the newest: name what is still intact
+            raise ConfigError(f"init_from: {err}" + (f"; {older} is intact: resume from it with --init-from {older}"
+                                                     if older else "")) from None
         try:
             loaded, weights, resume = config_from_dict(meta["extra"]["model_config"]), None, True
         except (KeyError, TypeError) as err:
@@ -203,7 +205,8 @@ def plan_out_dir(cfg, out: Path):
     if cfg.resume == "auto":  # the one flag a requeued job needs: continue, or start afresh
         return dataclasses.replace(cfg, init_from=str(ckpt)) if looks_like_checkpoint(ckpt) else cfg
     found = run_evidence(out)
-    resumes_own = bool(cfg.init_from) and Path(cfg.init_from).resolve() in (ckpt.resolve(), out.resolve())
+    source = Path(cfg.init_from).resolve() if cfg.init_from else None   # the run's own checkpoint, or one of its versions
+    resumes_own = source is not None and (source == out.resolve() or ckpt.resolve() in (source, *source.parents))
     if found and not cfg.overwrite and not resumes_own:
         raise ConfigError(f"out_dir: {out} holds an earlier run ({found}); pass --resume auto to continue it, "
                           f"--overwrite to replace it, or another --out-dir")
@@ -707,8 +710,14 @@ def end_block(summary: dict, out: Path, start_step: int) -> str:
                                      "nothing was saved after the failure: " + (
                                          f"the last good checkpoint is step {s['last_checkpoint_step']}"
                                          if s["last_checkpoint_step"] is not None else "no checkpoint was written")
-                                     + "; fix the cause (e.g. a lower --lr) before resuming"))
+                                     + f"; {STOP_ADVICE.get(s['exit_code'], 'fix the cause before resuming')}"))
     return "\n".join(lines)
+
+
+# what to change before resuming a run that stopped with this exit code (end_block's last line)
+STOP_ADVICE = {jobctl.EXIT_NONFINITE: "fix the cause (e.g. a lower --lr) before resuming",
+               jobctl.EXIT_MEMORY: "lower the peak (--zero 1, --recompute full, a larger tp or pp, a smaller "
+                                   "--batch-size) or raise --memory-budget before resuming"}
 
 
 def _write_json(path: Path, record: dict) -> None:
