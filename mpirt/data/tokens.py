@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mpirt.cpu import sysinfo
+
 MAX_VOCAB = 65536  # ids are stored as uint16: 0..65535
 BYTE_EOS = 0  # document separator of the byte tokenizer (NUL never occurs in text)
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eos|>")
@@ -433,7 +435,7 @@ def prepare(src_dir, out_dir, tokenizer=None, val_fraction=0.05, pattern="*", ex
 
 def _builtin_paths(cache_dir=None) -> tuple[Path, Path]:
     """(cache, the built-in corpus's directory in it): cache_dir, else $MPIRT_CACHE, else ~/.cache/mpirt."""
-    cache = Path(cache_dir or os.environ.get("MPIRT_CACHE") or Path.home() / ".cache" / "mpirt")
+    cache = Path(cache_dir) if cache_dir else sysinfo.cache_dir()
     return cache, cache / f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-bytes"
 
 
