@@ -533,14 +533,20 @@ def test_resume_auto_refuses_an_edited_model_file_naming_the_fields(tiny_data, t
 
 
 def test_resume_auto_of_a_run_started_from_other_weights_is_not_held_to_model(tiny_data, tmp_path):
-    """A run started from a Hugging Face directory (its --model the default) resumes: its model is
-    the weights', which --model never described."""
-    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=1", f"--out-dir={tmp_path / 'first'}")
+    """A run started from a Hugging Face Llama directory (its --model the default) resumes: its model
+    is the weights', which --model never described; the banner and the checkpoint name it as the
+    Llama from that directory, not as the default `tiny`."""
+    run_module("mpirt.train", "--model=llama-tiny", *TINY, "--model.n_kv_head=2", f"--data={tiny_data}", "--steps=1",
+               f"--out-dir={tmp_path / 'first'}")
     run_module("mpirt.checkpoint", "export", tmp_path / "first" / "ckpt", tmp_path / "hf")
     common = [*TINY[4:], f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}"]
-    run_module("mpirt.train", *common, f"--init-from={tmp_path / 'hf'}", "--steps=2", ranks=2)
-    run_module("mpirt.train", *common, "--steps=3", "--resume=auto", ranks=2)
+    named = f"mpirt: model llama from {tmp_path / 'hf'}: "
+    started = run_module("mpirt.train", *common, f"--init-from={tmp_path / 'hf'}", "--steps=2", ranks=2)
+    resumed = run_module("mpirt.train", *common, "--steps=3", "--resume=auto", ranks=2)
+    assert named in started.stderr and named in resumed.stderr, started.stderr
     assert summary(tmp_path / "run")["steps"] == 3
+    info = run_module("mpirt.checkpoint", "info", tmp_path / "run" / "ckpt").stdout
+    assert f"  model llama from {tmp_path / 'hf'} (llama: " in info, info
 
 
 def test_resume_auto_never_replaces_a_damaged_checkpoint(tiny_data, tmp_path):

@@ -247,10 +247,10 @@ class RunMonitor:
 
     def describe(self) -> str:
         """The banner line: the peak and where it comes from, the GEMM rate, GPU sampling."""
-        ranks = "" if self.ctx.size == 1 else f", total of {self.ctx.size} ranks"
-        line = (f"mpirt: MFU peak {self.peak_total / 1e12:.3g} TFLOP/s{ranks} ({self.peak.source}: {self.peak.detail}"
-                f"{'' if self.ctx.size == 1 else ' (rank 0)'}); GEMM rate {self.gemm_total / 1e12:.3g} TFLOP/s"
-                f"{ranks}")
+        ranks = "" if self.ctx.size == 1 else f" for all {self.ctx.size} ranks"
+        line = (f"mpirt: MFU against a peak of {self.peak_total / 1e12:.3g} TFLOP/s{ranks}, by "
+                f"{self.peak.source}{'' if self.ctx.size == 1 else ' on rank 0'}: {self.peak.detail}; "
+                f"GEMM rate {self.gemm_total / 1e12:.3g} TFLOP/s{ranks}")
         if self.enabled:
             line += f"; GPU: {self.gpu_note}"
         return line
