@@ -248,12 +248,12 @@ def machine() -> dict:
 
 
 def write_results(name: str, title: str, header: list[str], rows: list[list], load: LoadMonitor,
-                  data: dict, notes: list[str] = (), directory: Path | None = None) -> tuple[bool, str]:
-    """Print the table and the load verdict; write ``NAME.json`` (``data`` plus machine and load)
-    and ``NAME.md`` under ``directory`` (default ``bench/results``). Returns :func:`verdict`."""
+                  data: dict, notes: list[str] = (), directory: Path | None = None,
+                  save: bool = True) -> tuple[bool, str]:
+    """Print the table and the load verdict; with ``save``, write ``NAME.json`` (``data`` plus
+    machine and load) and ``NAME.md`` under ``directory`` (default ``bench/results``, whose .md
+    tables are tracked: a benchmark may leave them alone unless asked). Returns :func:`verdict`."""
     ok, why = verdict(load)
-    directory = Path(directory or RESULTS)
-    directory.mkdir(parents=True, exist_ok=True)
     info = machine()
     command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
     print(f"{title}\n{text_table(header, rows)}")
@@ -261,6 +261,10 @@ def write_results(name: str, title: str, header: list[str], rows: list[list], lo
         print(line)
     print(load_line(load))
     print(("" if ok else "WARNING: ") + why, file=sys.stdout if ok else sys.stderr)
+    if not save:
+        return ok, why
+    directory = Path(directory or RESULTS)
+    directory.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     md = [f"# {title}", "", markdown_table(header, rows), ""]
     md += [f"{line}  " for line in notes]
