@@ -89,11 +89,13 @@ class Metrics:
 
     A fresh run (``resume_step`` None) starts the file empty. A resumed run keeps the records up to
     ``resume_step`` (the checkpoint's step) and drops the later ones, which the resumed run is
-    about to redo: the file then holds each step once, as an uninterrupted run's would."""
+    about to redo: the file then holds each step once, as an uninterrupted run's would. Its first
+    record has ``resumed_from``: the checkpoint's step (the report marks the resume there)."""
 
     def __init__(self, path: str | Path | None, resume_step: int | None = None):
         self.records: list[dict] = []
         self.file = None
+        self.resumed_from = resume_step
         if path is not None:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +108,8 @@ class Metrics:
             self.file = open(path, "a", buffering=1)
 
     def log(self, **record) -> None:
+        if self.resumed_from is not None:
+            record["resumed_from"], self.resumed_from = self.resumed_from, None
         self.records.append(record)
         if self.file:
             try:

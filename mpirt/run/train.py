@@ -425,10 +425,13 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     world_comm = ctx.comm
     baselines = baselines or [None] * ctx.size
 
-    def predicted_peaks(loads=None) -> list[int]:  # every rank's, as the end block's model check counts them;
+    def predictions(loads=None) -> list[dict]:  # every rank's, as the end block's model check counts them;
         # ``loads``: each rank's measured expert load (None: the bound the budget is checked against)
         return [predict(cfg, model_cfg, layout, r, process_bytes=baselines[r],
-                        expert_load=loads[r] if loads else None)["peak"] for r in range(ctx.size)]
+                        expert_load=loads[r] if loads else None) for r in range(ctx.size)]
+
+    def predicted_peaks(loads=None) -> list[int]:
+        return [p["peak"] for p in predictions(loads)]
 
     B.limit_pool(parse_size(cfg.memory_budget))  # on a GPU the pool itself holds the budget
     # one dropout seed for every rank: the masks depend on each element's place in the global batch
@@ -649,7 +652,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     # load, the budget was checked at its bound (memory.expert_load_bound)
     loads = world_comm.allgather_object(max((r.get("moe_expert_load", 0.0) for r in metrics.records), default=0.0))
     loads = loads if layout["ep"] > 1 and all(loads) else None
-    planned, predicted = predicted_peaks(), predicted_peaks(loads)
+    planned, expected = predicted_peaks(), predictions(loads)
+    predicted = [p["peak"] for p in expected]
     summary = {
         "steps": step,
         "total_steps": cfg.steps,
@@ -679,6 +683,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "predicted_peak_bytes": max(predicted),
         "predicted_peak_bytes_per_rank": predicted,
         "planned_peak_bytes_per_rank": planned,
+        # what the report draws where no pipeline stash was measured (a whole model's activations)
+        "predicted_activations_bytes_per_rank": [p["activations"] for p in expected],
         **({"moe_expert_load_per_rank": loads, "moe_expert_load_planned": expert_load_bound(cfg, model_cfg, layout["ep"])}
            if loads else {}),
         "process_baseline_bytes_per_rank": baselines,
