@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpirt.cpu.sysinfo import cpu_model
+from mpirt.cpu.sysinfo import cpu_model, cpu_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OTHERS_MAX = 0.10     # share of the machine's CPU time other processes may take during a run
@@ -45,15 +45,6 @@ def cores() -> int:
 def loadavg() -> list[float]:
     """The 1-, 5- and 15-minute load averages."""
     return list(os.getloadavg())
-
-
-def _cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of all CPUs since boot from /proc/stat; steal counts as busy."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    user, nice, system, idle, iowait, irq, softirq, steal = v
-    busy = user + nice + system + irq + softirq + steal
-    return busy, busy + idle + iowait
 
 
 def own_cpu_seconds() -> float:
@@ -76,11 +67,7 @@ class LoadMonitor:
 
     def start(self) -> "LoadMonitor":
         self.before = loadavg()
-        try:
-            jiffies = _cpu_jiffies()
-        except OSError:
-            jiffies = None
-        self._t0 = (time.perf_counter(), jiffies, own_cpu_seconds())
+        self._t0 = (time.perf_counter(), cpu_seconds(), own_cpu_seconds())
         return self
 
     def own_since_start(self) -> float:
@@ -88,16 +75,16 @@ class LoadMonitor:
         return own_cpu_seconds() - self._t0[2]
 
     def stop(self, own: float | None = None) -> "LoadMonitor":
-        t0, jiffies0, _ = self._t0
+        t0, seconds0, _ = self._t0
         self.wall_s = time.perf_counter() - t0
         self.after = loadavg()
         own = self.own_since_start() if own is None else own
-        if jiffies0 is not None:
-            busy, total = (b - a for a, b in zip(jiffies0, _cpu_jiffies()))
-            hz = os.sysconf("SC_CLK_TCK")
-            capacity = total / hz if total else self.wall_s * cores()
-            self.machine_share = busy / hz / capacity if capacity else 0.0
-            self.others_share = max(0.0, busy / hz - own) / capacity if capacity else 0.0
+        now = cpu_seconds()
+        if seconds0 is not None and now is not None:
+            busy, total = (b - a for a, b in zip(seconds0, now))
+            capacity = total or self.wall_s * cores()
+            self.machine_share = busy / capacity if capacity else 0.0
+            self.others_share = max(0.0, busy - own) / capacity if capacity else 0.0
         return self
 
     def as_dict(self) -> dict:
@@ -261,12 +248,12 @@ def machine() -> dict:
 
 
 def write_results(name: str, title: str, header: list[str], rows: list[list], load: LoadMonitor,
-                  data: dict, notes: list[str] = (), directory: Path | None = None) -> tuple[bool, str]:
-    """Print the table and the load verdict; write ``NAME.json`` (``data`` plus machine and load)
-    and ``NAME.md`` under ``directory`` (default ``bench/results``). Returns :func:`verdict`."""
+                  data: dict, notes: list[str] = (), directory: Path | None = None,
+                  save: bool = True) -> tuple[bool, str]:
+    """Print the table and the load verdict; with ``save``, write ``NAME.json`` (``data`` plus
+    machine and load) and ``NAME.md`` under ``directory`` (default ``bench/results``, whose .md
+    tables are tracked: a benchmark may leave them alone unless asked). Returns :func:`verdict`."""
     ok, why = verdict(load)
-    directory = Path(directory or RESULTS)
-    directory.mkdir(parents=True, exist_ok=True)
     info = machine()
     command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
     print(f"{title}\n{text_table(header, rows)}")
@@ -274,6 +261,10 @@ def write_results(name: str, title: str, header: list[str], rows: list[list], lo
         print(line)
     print(load_line(load))
     print(("" if ok else "WARNING: ") + why, file=sys.stdout if ok else sys.stderr)
+    if not save:
+        return ok, why
+    directory = Path(directory or RESULTS)
+    directory.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     md = [f"# {title}", "", markdown_table(header, rows), ""]
     md += [f"{line}  " for line in notes]

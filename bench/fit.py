@@ -1,13 +1,16 @@
 """The headline run: a GPT too big for one rank's memory budget trains on 8 ranks within it.
 
-    python bench/fit.py                       # gpt2-medium, 1.5 GiB per rank, dp2 x tp4, ZeRO-1
+    python bench/fit.py                       # gpt2-medium on dp2 x tp4, ZeRO-1, the budget from its prediction
+    python bench/fit.py --plan-only           # the prediction and the budget only (seconds)
     python bench/fit.py --model gpt2 --budget 700MiB --single --layout="--dp=2 --tp=4 --zero=1"
 
 What it does, each step a real `mpiexec -n RANKS python -m mpirt.train` (or mpirt.checkpoint) run:
 
 1. predicts, from the config alone (:func:`mpirt.plan.memory.predict`), the single-rank training
    memory (weights, gradients, AdamW state, one micro-batch's activations, the process) and each
-   rank's peak under the layout; refuses to go on when the single rank needs < 4x the budget;
+   rank's peak under the layout; the budget (``--budget auto``, the default) is the largest rank's
+   predicted peak plus :data:`HEADROOM` (what a measured peak may exceed its prediction by),
+   rounded up; refuses to go on when the single rank needs < ``--min-ratio`` (4) x the budget;
 2. trains ``--steps`` steps under ``--memory-budget`` (the run itself refuses a layout predicted not
    to fit and stops with exit 5 when a rank's measured peak passes the budget) and writes a
    sharded checkpoint;
@@ -17,15 +20,20 @@ What it does, each step a real `mpiexec -n RANKS python -m mpirt.train` (or mpir
 5. with ``--single``, trains the same steps on one rank without a budget and compares the losses.
 
 It prints, per rank, the predicted and measured peak and the measured parameters, gradients and
-optimizer state against the budget, and the step times; and writes them to
-``bench/results/fit.json`` and ``bench/results/fit.md``.
+optimizer state against the budget, and the step times; with ``--save`` it writes them to
+``bench/results/fit.json`` and ``fit.md`` (tracked: only when asked), with ``--results DIR`` there.
+The runs (checkpoints and the export: about 9 GB for gpt2-medium) go to ``--out``, kept; without
+it to a temporary directory, named at the start and removed at the end (kept, and named, when a
+step fails).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -46,6 +54,16 @@ def train_args(a, layout: str, out: Path, steps: int, extra=()) -> list[str]:
             "--log-interval=1", "--progress=false", "--warmup-steps=1", "--overwrite", *shlex.split(layout), *extra]
 
 
+HEADROOM = 0.15   # a rank's measured peak over its pre-run prediction (gpt2-medium, dp2 x tp4: +6%), with margin
+
+
+def auto_budget(largest_peak: int) -> int:
+    """The per-rank budget the layout is run under by default: its largest rank's predicted peak
+    plus :data:`HEADROOM`, rounded up to 10 MiB below 1 GiB and to 0.05 GiB above."""
+    step = 10 * 2**20 if largest_peak < 2**30 else 2**30 // 20
+    return math.ceil(round(largest_peak * (1 + HEADROOM) / step, 6)) * step   # round: 115.00000000000001 is 115
+
+
 def losses_of(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
 
@@ -56,7 +74,8 @@ def main() -> None:
     ap.add_argument("--model-args", default="--model.vocab_size=50257",
                     help="--model.<field>=... overrides (default: GPT-2's vocabulary, which training from "
                          "scratch would otherwise take from the byte-level data: 256)")
-    ap.add_argument("--budget", default="1.5GiB", help="per-rank --memory-budget")
+    ap.add_argument("--budget", default="auto", help="per-rank --memory-budget (auto: the layout's largest "
+                                                      "predicted peak plus 15%%, rounded up)")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--layout", default="--dp=2 --tp=4 --zero=1 --recompute=selective")
     ap.add_argument("--then", default="--tp=8", help="the layout the checkpoint resumes on")
@@ -65,20 +84,37 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--data", default="", help="a prepared dataset (default: this repository's sources, bytes)")
-    ap.add_argument("--out", default="", help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--out", default="", help="where the runs go, kept (default: a temporary directory, removed "
+                                              "at the end)")
+    ap.add_argument("--plan-only", action="store_true", help="print the prediction and the budget, run nothing")
+    ap.add_argument("--save", action="store_true", help="write fit.json/fit.md to bench/results (tracked)")
     ap.add_argument("--single", action="store_true", help="also train on one rank and compare the losses")
     ap.add_argument("--min-ratio", type=float, default=4.0, help="single-rank need / budget at least this")
     ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--results", default="", help="where fit.json/fit.md go (default bench/results)")
+    ap.add_argument("--results", default="", help="write fit.json/fit.md to this directory")
     a = ap.parse_args()
 
     out, a.data = workspace(a.out, a.data, "mpirt-fit-")
-    budget = parse_size(a.budget)
+    if not a.out:
+        print(f"fit: the runs go to {out} (removed at the end; --out DIR keeps them)", flush=True)
+    try:
+        run(a, out)
+    except BaseException:
+        if not a.out:
+            print(f"fit: stopped; the runs are kept in {out} (remove it when done)", file=sys.stderr)
+        raise
+    if not a.out:
+        shutil.rmtree(out)
+        print(f"fit: removed {out}")
+
+
+def run(a, out: Path) -> None:
+    """Steps 1-5 of the module docstring, the runs under ``out``."""
     load = LoadMonitor().start()
     children_cpu0 = children_cpu_s()
 
     # 1. the prediction, from the config alone
-    cfg = parse_args(train_args(a, a.layout, out / "run", a.steps, [f"--memory-budget={a.budget}"]))
+    cfg = parse_args(train_args(a, a.layout, out / "run", a.steps))
     layout = plan_layout(cfg, a.ranks)
     model_cfg = vocab_from_data(cfg, load_model_config(cfg.model, cfg.model_overrides), open_dataset(cfg.data),
                                 layout["tp"])  # the model train.py builds
@@ -87,14 +123,21 @@ def main() -> None:
                                      sequence_parallel=False, memory_budget="")
     single = predict(single_cfg, model_cfg, {"dp": 1, "pp": 1, "tp": 1}, 0, data_bytes)
     predicted = [predict(cfg, model_cfg, layout, r, data_bytes) for r in range(a.ranks)]
+    largest = max(p["peak"] for p in predicted)
+    budget = auto_budget(largest) if a.budget == "auto" else parse_size(a.budget)
+    a.budget = f"{budget}B"
+    cfg = dataclasses.replace(cfg, memory_budget=a.budget)
     ratio = single["peak"] / budget
     print(f"fit: {a.model}: single rank needs {format_size(single['peak'])} "
           f"({', '.join(f'{k} {format_size(single[k])}' for k in CATEGORIES)}) = {ratio:.2f}x the budget "
           f"{format_size(budget)}; on {a.ranks} ranks ({a.layout}) the largest predicted peak is "
-          f"{format_size(max(p['peak'] for p in predicted))}", flush=True)
+          f"{format_size(largest)}", flush=True)
     if ratio < a.min_ratio:
-        sys.exit(f"fit: the single rank needs only {ratio:.2f}x the budget (< {a.min_ratio}); pick a bigger model "
-                 "or a smaller --budget")
+        sys.exit(f"fit: the single rank needs only {ratio:.2f}x the budget {format_size(budget)} (< {a.min_ratio}), "
+                 f"its layout's largest rank {format_size(largest)}: pick a bigger model, a layout that shards more "
+                 "(a larger tp, --zero 2 or 3) or a smaller --budget")
+    if a.plan_only:
+        return
 
     # 2. train under the budget, 3. resume on another layout, 4. export
     run, then = out / "run", out / "then"
@@ -152,7 +195,7 @@ def main() -> None:
                   {"model": a.model, "budget": budget, "ranks": a.ranks, "layout": a.layout, "then": a.then,
                    "single_rank_prediction": single, "ratio": ratio, "rows": rows, "summary": summary,
                    "resumed": resumed, "export_s": export_wall, "compare": compare, "within_budget": within},
-                  notes, directory=Path(a.results) if a.results else None)
+                  notes, directory=Path(a.results) if a.results else None, save=bool(a.results or a.save))
     if not within:
         sys.exit(1)
 

@@ -319,7 +319,7 @@ def test_default_dataset_prepared_once(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "prepare", lambda *a, **k: calls.append(a) or real(*a, **k))
     monkeypatch.setenv("MPIRT_CACHE", str(tmp_path / "cache"))
     results = []
-    threads = [threading.Thread(target=lambda: results.append(default_dataset_dir()))
+    threads = [threading.Thread(target=lambda: results.append(data.prepare_default()))
                for _ in range(2)]  # flock excludes separate open()s, even in one process
     for t in threads:
         t.start()
@@ -349,6 +349,31 @@ def test_cli(src, tmp_path):
     assert f"train {meta['train_tokens']} tokens" in r.stdout and "vocab 256" in r.stdout
     r = run_cli("prepare", tmp_path / "nope", tmp_path / "ds2")
     assert r.returncode == 2 and "nope" in r.stderr and not (tmp_path / "ds2").exists()
-    r = run_cli("default", "--cache-dir", tmp_path / "cache")  # CLI wiring only; small cache
+    r = run_cli("prepare", src, tmp_path / "ds3", "--tokenizer", tmp_path / "missing.json")
+    assert r.returncode == 2 and r.stderr.strip() == f"error: tokenizer file not found: {tmp_path / 'missing.json'}"
+    assert not (tmp_path / "ds3").exists()
+
+
+def test_first_run_prepares_the_corpus_outside_its_memory(tmp_path):
+    """A fresh machine's first `python -m mpirt.train` prepares the built-in corpus in a child
+    process: the run's measured peak is its training's (within 10% of the prediction, under a
+    budget that fits it), not the preparation's (584 MiB against 94 predicted when it ran in the
+    training process)."""
+    from conftest import run_module
+    from mpirt.cpu.sysinfo import cache_dir
+
+    cache = tmp_path / "cache"   # a fresh data directory that shares the built kernels and GEMM choice
+    cache.mkdir()
+    for entry in cache_dir().glob("*"):
+        if not entry.name.startswith("stdlib-"):
+            (cache / entry.name).symlink_to(entry)
+    run = run_module("mpirt.train", "--steps", 2, "--batch-size", 4, "--seq-len", 64, "--eval-batches", 1,
+                     "--progress", "false", "--memory-budget", "150MiB", "--out-dir", tmp_path / "out",
+                     env={"MPIRT_CACHE": str(cache)}, timeout=180)
+    assert "preparing the built-in corpus" in run.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["peak_memory_bytes"] <= 1.1 * summary["predicted_peak_bytes"], summary
+    assert summary["exit_code"] == 0
+    r = run_cli("default", "--cache-dir", cache)  # the CLI finds what the run prepared
     assert r.returncode == 0, r.stderr
-    assert Path(r.stdout.strip()) == default_dataset_dir(tmp_path / "cache")
+    assert Path(r.stdout.strip()) == default_dataset_dir(cache) and (Path(r.stdout.strip()) / "meta.json").is_file()

@@ -271,6 +271,8 @@ def test_measured_peak_over_budget_stops_every_rank(tiny_data, tmp_path, monkeyp
                                     for e in errors)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["exit_code"] == 5 and s["steps"] == 2 and not (tmp_path / "ckpt").exists()
+    advice = r.stderr.strip().splitlines()[-1]   # the cause is memory: the advice says how to lower the peak
+    assert "raise --memory-budget" in advice and "--lr" not in advice, advice
 
 
 def test_budget_caps_the_cupy_pool(monkeypatch):

@@ -186,6 +186,52 @@ def test_report_of_one_rank_draws_no_communication_and_no_budget_it_was_not_give
         report._save = real
     assert not any("budget" in t for t in seen["texts"]), seen     # no --memory-budget was set
     assert any("memory per rank on the node" in t for t in seen["texts"]), seen
+    # no pipeline stash to measure: the activations drawn are the run's prediction, and say so
+    assert "activations kept for backward (predicted)" in seen["texts"], seen
+
+
+def _drawn_texts(report, plot, run, path) -> list[str]:
+    """Every title, tick label, legend entry and annotation of the figure ``plot`` draws (and saves)."""
+    seen, real = {}, report._save
+    report._save = lambda plt, fig, p: seen.update(texts=[t.get_text() for ax in fig.axes for t in [
+        ax.title, *ax.get_xticklabels(), *(ax.get_legend().get_texts() if ax.get_legend() else []), *ax.texts]]) \
+        or real(plt, fig, p)
+    try:
+        assert plot(run, path) == path
+    finally:
+        report._save = real
+    return seen["texts"]
+
+
+def test_report_shows_routing_the_resume_and_names_internal_axes(tiny_data, tmp_path):
+    """A mixture of experts stopped and resumed on dp 2 x ep 2: moe.png draws tokens per expert,
+    the imbalance and the dropped assignments; loss.png marks the resume; comm.png names each axis,
+    dp_cp (the gradient sync over dp x cp) included. The PNGs are left in tmp_path/report to look at."""
+    pytest.importorskip("matplotlib")
+    from mpirt.monitor import report
+    out = tmp_path / "run"
+    moe = ["--model=mixtral-tiny", *TINY, "--model.n_kv_head=2", "--model.capacity_factor=1.0", "--log-interval=1",
+           "--dp=2", "--ep=2", "--steps=4", f"--data={tiny_data}", f"--out-dir={out}"]
+    run_module("mpirt.train", *moe, "--stop-after=2", ranks=2, expect=75)
+    run_module("mpirt.train", *moe, "--resume=auto", ranks=2)
+    assert [r.get("resumed_from") for r in records(out)] == [None, None, 2, None]
+    run = report.load_run(out)
+    pngs = tmp_path / "report"
+    pngs.mkdir()
+    texts = _drawn_texts(report, report.plot_moe, run, pngs / "moe.png")
+    assert {"Tokens per expert", "expert 0", "expert 3", "even share", "imbalance (busiest / mean)",
+            "dropped (over capacity)"} <= set(texts), texts
+    assert png_is_drawn(pngs / "moe.png")
+    texts = _drawn_texts(report, report.plot_loss, run, pngs / "loss.png")
+    assert "resumed from a checkpoint" in texts and "resumed from step 2" in texts, texts
+    assert "dp\n(gradient sync)" in _drawn_texts(report, report.plot_comm, run, pngs / "comm.png")
+    for rank in run["ranks"].values():   # the same run as a dp x cp one: its gradient sync's axis is dp_cp
+        for r in rank:
+            r["comm_dp_cp_bytes"], r["comm_dp_cp_s"], r["comm_dp_cp_wait_s"] = r.pop("comm_dp_bytes"), \
+                r.pop("comm_dp_s"), r.pop("comm_dp_wait_s")
+    texts = _drawn_texts(report, report.plot_comm, run, pngs / "comm_cp.png")
+    assert "dp_cp\n(gradient sync\nover dp x cp)" in texts, texts
+    assert report.plot_moe({"ranks": {0: [{"step": 1, "loss": 5.0}]}}, pngs / "none.png") is None
 
 
 def test_report_refuses_a_directory_without_a_run(tmp_path):

@@ -370,3 +370,43 @@ def test_published_shapes_with_grouped_query_attention_plan(name):
 def test_every_bundled_preset_plans(preset):
     ests, _ = plan(load_model_config(preset), cpu(cores=4).with_shape(1, 4), 8, 64, "float32")
     assert ests, preset
+
+
+def test_calibration_under_load_is_refused_naming_the_load(monkeypatch):
+    """A calibration never saves a machine that load shaped: over 0.5 load per core it does not
+    start; when others took the CPU meanwhile, or 4 ranks on 2 cores each 'ran at 1.42 of a core'
+    (the one rank alone was slowed), it refuses naming the load. Measured quietly, it returns."""
+    from mpirt.plan import calibrate as cal
+
+    local = {"gemm_rates": {256.0: 1e10}, "bandwidth": 1e10, "op_overhead_s": 1e-5, "ew_passes": 2.0,
+             "block_fb_s": 0.01, "opt_tensor_s": 1e-6, "opt_byte_s": 1e-10, "threads_per_core": 0.0, "cores": 2}
+    slowdown = {"4": 0.7}   # 4 ranks' block time over one rank's alone: impossible below 2 on 2 cores
+    monkeypatch.setattr(cal, "_cores", lambda: 2)
+    monkeypatch.setattr(cal, "measure_local", lambda model: dict(local))
+    monkeypatch.setattr(cal, "measure_process_bytes", lambda: {"process_bytes": 80 * 2**20})
+    monkeypatch.setattr(cal, "measure_mpi", lambda ranks: {4: {0: {"block_fb_s": 0.01 * slowdown["4"]}}})
+    monkeypatch.setattr(cal, "_own_cpu_s", lambda: 0.0)
+    clock = iter([(10.0, 100.0), (10.5, 110.0)] * 3)   # busy, total CPU seconds: others took 5% meanwhile
+    monkeypatch.setattr("mpirt.cpu.sysinfo.cpu_seconds", lambda: next(clock))
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.1, 2.0, 1.0))
+    with pytest.raises(cal.BusyMachine, match=r"1-minute load 3.10 on 2 cores"):
+        cal.calibrate([4])
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+    with pytest.raises(cal.BusyMachine, match=r"4 ranks on 2 cores each ran at 1.43 of a core, more than the 0.50"):
+        cal.calibrate([4])
+    slowdown["4"] = 2.1
+    assert cal.calibrate([4]).compute_by_ranks[4]["slowdown"] == pytest.approx(2.1)
+    clock = iter([(10.0, 100.0), (13.0, 110.0)])   # others: 30% of the machine's CPU time
+    with pytest.raises(cal.BusyMachine, match=r"other processes took 30% of the CPU time"):
+        cal.calibrate([4])
+
+
+def test_calibrated_presets_live_in_mpirt_cache(tmp_path, monkeypatch):
+    """Calibrated presets go to $MPIRT_CACHE/plan beside the rest of mpirt's cache; the older
+    $MPIRT_PLAN_CACHE still wins when set."""
+    monkeypatch.delenv("MPIRT_PLAN_CACHE", raising=False)
+    monkeypatch.setenv("MPIRT_CACHE", str(tmp_path / "cache"))
+    path = hardware.save(cpu(name="here"))
+    assert path == tmp_path / "cache" / "plan" / "here.json" and hardware.load("here").cores == 2
+    monkeypatch.setenv("MPIRT_PLAN_CACHE", str(tmp_path / "old"))
+    assert hardware.save(cpu(name="here")) == tmp_path / "old" / "here.json"

@@ -533,25 +533,40 @@ def test_resume_auto_refuses_an_edited_model_file_naming_the_fields(tiny_data, t
 
 
 def test_resume_auto_of_a_run_started_from_other_weights_is_not_held_to_model(tiny_data, tmp_path):
-    """A run started from a Hugging Face directory (its --model the default) resumes: its model is
-    the weights', which --model never described."""
-    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=1", f"--out-dir={tmp_path / 'first'}")
+    """A run started from a Hugging Face Llama directory (its --model the default) resumes: its model
+    is the weights', which --model never described; the banner and the checkpoint name it as the
+    Llama from that directory, not as the default `tiny`."""
+    run_module("mpirt.train", "--model=llama-tiny", *TINY, "--model.n_kv_head=2", f"--data={tiny_data}", "--steps=1",
+               f"--out-dir={tmp_path / 'first'}")
     run_module("mpirt.checkpoint", "export", tmp_path / "first" / "ckpt", tmp_path / "hf")
     common = [*TINY[4:], f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}"]
-    run_module("mpirt.train", *common, f"--init-from={tmp_path / 'hf'}", "--steps=2", ranks=2)
-    run_module("mpirt.train", *common, "--steps=3", "--resume=auto", ranks=2)
+    named = f"mpirt: model llama from {tmp_path / 'hf'}: "
+    started = run_module("mpirt.train", *common, f"--init-from={tmp_path / 'hf'}", "--steps=2", ranks=2)
+    resumed = run_module("mpirt.train", *common, "--steps=3", "--resume=auto", ranks=2)
+    assert named in started.stderr and named in resumed.stderr, started.stderr
     assert summary(tmp_path / "run")["steps"] == 3
+    info = run_module("mpirt.checkpoint", "info", tmp_path / "run" / "ckpt").stdout
+    assert f"  model llama from {tmp_path / 'hf'} (llama: " in info, info
 
 
 def test_resume_auto_never_replaces_a_damaged_checkpoint(tiny_data, tmp_path):
+    """--resume auto refuses a damaged newest version naming the intact older one and the flag
+    that resumes from it (which then works); sampling from it is one line, not a traceback."""
     out = tmp_path / "run"
-    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=3", f"--out-dir={out}")
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=3", "--ckpt-interval=2", f"--out-dir={out}")
     meta_path = out / "ckpt" / "step-00000003" / "meta.json"
     meta_path.write_text(meta_path.read_text().replace('"step": 3', '"step": 2'))
-    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=6", f"--out-dir={out}",
+    result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=4", f"--out-dir={out}",
                         "--resume=auto", check=False)
     assert result.returncode == 2 and "meta.json was edited or corrupted" in result.stderr
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["latest", "step-00000003"]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["latest", "step-00000002", "step-00000003"]
+    older = out / "ckpt" / "step-00000002"
+    assert f"{older} is intact: resume from it with --init-from {older}" in result.stderr, result.stderr
+    sample = run_module("mpirt.sample", f"--ckpt={out / 'ckpt'}", "--tokens=2", check=False)
+    assert sample.returncode == 2 and "Traceback" not in sample.stderr, sample.stderr
+    assert sample.stderr.startswith(f"error: --ckpt {out / 'ckpt'}: ") and str(meta_path) in sample.stderr
+    run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=4", f"--out-dir={out}", f"--init-from={older}")
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
 
 
 def test_the_vocabulary_comes_from_the_dataset_unless_set(tiny_data, tmp_path):

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from conftest import run_module
+from mpirt.plan.memory import format_size
 from runs import TINY, read_metrics
 
 
@@ -12,7 +13,7 @@ def test_train_writes_summary_checkpoint_and_samples(tiny_data, tmp_path):
     out = tmp_path / "run"
     # lr 1e-2: six steps lower the loss by ~1 (at 1e-3 by ~0.1, within the batches' spread: the
     # data are this repository's sources, so each commit's are other batches)
-    run_module("mpirt.train", *TINY, "--steps=6", "--lr=1e-2", f"--data={tiny_data}", f"--out-dir={out}")
+    log = run_module("mpirt.train", *TINY, "--steps=6", "--lr=1e-2", f"--data={tiny_data}", f"--out-dir={out}").stderr
     summary = json.loads((out / "summary.json").read_text())
     for key in ("steps", "first_loss", "last_loss", "val_loss", "tokens_per_s", "step_time_s", "mfu",
                 "world_size", "layout"):
@@ -28,10 +29,25 @@ def test_train_writes_summary_checkpoint_and_samples(tiny_data, tmp_path):
     assert pred["step_time_s"]["measured"] == summary["step_time_s"] and pred["step_time_s"]["predicted"] > 0
     assert pred["peak_memory_bytes"]["measured"] == summary["peak_memory_bytes"]
     assert pred["peak_memory_bytes"]["error_pct"] is not None
+    # one predicted peak in the run's output: the banner's, the summary's and the model check's
+    predicted = format_size(summary["predicted_peak_bytes"])
+    assert pred["peak_memory_bytes"]["predicted"] == summary["predicted_peak_bytes"]
+    assert f"predicted peak {predicted} on the largest rank" in log, log
+    assert f"peak memory {summary['predicted_peak_bytes'] / 2**20:.3g} MiB predicted" in log, log
     assert len(read_metrics(out)) == 6
 
     text = run_module("mpirt.sample", f"--ckpt={out / 'ckpt'}", "--tokens=20", "--prompt=def ").stdout
     assert text.startswith("def ") and len(text) > 4
+
+
+def test_sample_help_shows_the_defaults(capsys):
+    from mpirt.run import sample
+
+    with pytest.raises(SystemExit):
+        sample.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: out/ckpt)", "(default: 300)", "(default: 0.8)", "(default: 40)", "(default: 0)"):
+        assert default in text, text
 
 
 def test_resume_equals_uninterrupted_run(tiny_data, tmp_path):

@@ -1,7 +1,7 @@
 """``python -m mpirt.checkpoint info DIR`` and ``python -m mpirt.checkpoint export DIR OUT``.
 
 ``info`` prints what a checkpoint holds (step, format, layout, files, every tensor's shape, dtype
-and number of shards) after checking meta.json. ``export`` writes a Hugging Face GPT-2 directory
+and number of shards) after checking meta.json. ``export`` writes a Hugging Face directory (GPT-2, Llama or Mixtral)
 (config.json + model.safetensors) reading one tensor at a time: nothing larger than one tensor is
 in memory. Checksums are verified first by both.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mpirt.checkpoint.store import CheckpointError, CheckpointReader, verify_checkpoint
 from mpirt.checkpoint.sharded import write_safetensors
+from mpirt.core.modeling import model_label
 
 
 def info(directory) -> str:
@@ -28,7 +29,8 @@ def info(directory) -> str:
                       if k in model)
     loss = extra.get("loss")
     lines = [f"{meta['path']}: {meta['format']} version {meta['version']}, step {meta['step']}",
-             f"  model {config.get('model', '?')} ({model.get('model_type', '?')}: {shape or 'no model config'}), "
+             f"  model {model_label(config.get('model', '?'), extra.get('model_source'), model.get('model_type', '?'))}"
+             f" ({model.get('model_type', '?')}: {shape or 'no model config'}), "
              f"dtype {config.get('dtype', '?')}, training loss at this step "
              + (f"{loss:.4f}" if isinstance(loss, (int, float)) else "not recorded"),
              f"  saved on layout {extra.get('layout')}; optimizer "
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpirt.checkpoint", description=__doc__.split("\n\n")[1])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="describe a checkpoint").add_argument("dir")
-    export = sub.add_parser("export", help="write a Hugging Face GPT-2 directory")
+    export = sub.add_parser("export", help="write a Hugging Face directory (GPT-2, Llama or Mixtral, as the model is)")
     export.add_argument("dir")
     export.add_argument("out")
     export.add_argument("--dtype", default="float32", choices=["float32", "float16"])

@@ -33,7 +33,7 @@ version 3) has each rank write its own boxes into ``rank-NNNNN.safetensors``.
 shards that hold it, so every version (1-3) loads into any layout.
 
 ``python -m mpirt.checkpoint info DIR`` describes a checkpoint and ``python -m mpirt.checkpoint
-export DIR OUT`` writes a Hugging Face GPT-2 directory (:mod:`mpirt.checkpoint.cli`).
+export DIR OUT`` writes a Hugging Face directory (:mod:`mpirt.checkpoint.cli`).
 """
 from __future__ import annotations
 
@@ -279,6 +279,16 @@ def _newest_verified(root: Path) -> Path:
         except (CheckpointError, OSError) as err:
             problems.append(f"{version.name}: {err}")
     raise CheckpointError(f"{root / LATEST} is missing and no version there verifies ({'; '.join(problems)})")
+
+
+def intact_version(root) -> Path | None:
+    """The newest version under the checkpoint root ``root`` that verifies end to end, or None
+    (none does, or ``root`` is not a root): what a run whose newest version is damaged can
+    resume from instead."""
+    try:
+        return _newest_verified(Path(root)) if Path(root).is_dir() and _versions(Path(root)) else None
+    except CheckpointError:
+        return None
 
 
 def _format_version(raw: bytes):

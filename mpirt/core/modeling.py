@@ -329,6 +329,16 @@ def load_model_config(name_or_path: str, overrides: dict | None = None):
     return load(name_or_path, overrides)
 
 
+def model_label(model: str, source: str | None, model_type: str) -> str:
+    """How the banner and ``checkpoint info`` name a run's model: ``model`` (the ``--model``
+    preset, file or directory) when it built the model, else the architecture and the weights it
+    started from (``source``: a checkpoint's ``model_source``, ``"init_from PATH"``), e.g.
+    ``llama from /data/hf-llama``: an imported Llama is not the ``tiny`` that ``--model`` defaults to."""
+    if not source or source == model or not source.startswith("init_from "):
+        return source or model
+    return f"{model_type} from {source[len('init_from '):]}"
+
+
 def missing_model_file(name_or_path: str) -> bool:
     """Whether ``--model`` names a file or directory (a path or a ``.toml``) that is not here: one
     that only another machine (a cluster's) holds, so its checks are left to where it exists."""

@@ -67,6 +67,20 @@ def cpu_model() -> str:
     return cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
+def cpu_seconds() -> tuple[float, float] | None:
+    """(busy, total) seconds of all the machine's CPUs since boot, from ``/proc/stat`` (steal
+    counts as busy): two readings give the share of the machine that was busy in between. None
+    where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = user + nice + system + irq + softirq + steal
+    return busy / hz, (busy + idle + iowait) / hz
+
+
 def cache_dir() -> Path:
     """Where mpirt keeps what it measured or built for this machine (the GEMM verdict, the compiled
     kernels): ``$MPIRT_CACHE``, default ``~/.cache/mpirt``."""

@@ -32,11 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
+from mpirt.cpu import sysinfo
+
 MAX_VOCAB = 65536  # ids are stored as uint16: 0..65535
 BYTE_EOS = 0  # document separator of the byte tokenizer (NUL never occurs in text)
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eos|>")
-_CHUNK = 1 << 24  # bytes read at a time when streaming a file
-_SCAN = 1 << 24  # tokens looked at a time when scanning a split for its largest id
+_CHUNK = 1 << 22  # bytes read at a time when streaming a file
+_SCAN = 1 << 22  # tokens looked at a time when scanning a split for its largest id
 SPLITS = ("train", "val")
 
 
@@ -125,7 +127,9 @@ class TokenFile:
             if not picked:
                 return np.empty(0, dtype=self.dtype)
             lo = min(picked[0], picked[-1])
-            return self.read(lo, abs(picked[-1] - picked[0]) + 1)[np.asarray(picked) - lo]
+            # a strided view of the span read (an index array would be 8 bytes a token: 4x the read)
+            span = self.read(lo, abs(picked[-1] - picked[0]) + 1)
+            return span[::picked.step] if picked.step > 0 else span[::-1][::-picked.step]
         if isinstance(key, (int, np.integer)):
             i = int(key) + self.n if key < 0 else int(key)
             return self.read(i, 1)[0]
@@ -345,7 +349,12 @@ def _document_tokens(path, tok):
 def _load_tokenizer(path):
     """(tokenizer, vocab_size, eos_id) of a HF tokenizers JSON file."""
     from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(path))
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises its own untyped errors for a file it cannot parse
+        raise ValueError(f"tokenizer {path}: not a Hugging Face tokenizers JSON file ({err})") from None
     vocab = tok.get_vocab_size(with_added_tokens=True)
     if vocab > MAX_VOCAB:
         raise ValueError(f"tokenizer {path} has vocab_size {vocab} > {MAX_VOCAB}, "
@@ -424,23 +433,49 @@ def prepare(src_dir, out_dir, tokenizer=None, val_fraction=0.05, pattern="*", ex
     return meta
 
 
-def default_dataset_dir(cache_dir=None):
-    """Directory of the built-in corpus, preparing it on first use: the .py files of this
-    Python's standard library (no site-packages, no test dirs), byte-level.
+def _builtin_paths(cache_dir=None) -> tuple[Path, Path]:
+    """(cache, the built-in corpus's directory in it): cache_dir, else $MPIRT_CACHE, else ~/.cache/mpirt."""
+    cache = Path(cache_dir) if cache_dir else sysinfo.cache_dir()
+    return cache, cache / f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-bytes"
 
-    Cache: cache_dir, else $MPIRT_CACHE, else ~/.cache/mpirt. Safe for many ranks at once: an
-    fcntl lock serialises preparation and later callers find the finished directory.
-    """
-    cache = Path(cache_dir or os.environ.get("MPIRT_CACHE") or Path.home() / ".cache" / "mpirt")
-    out = cache / f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-bytes"
+
+def prepare_default(cache_dir=None) -> Path:
+    """Prepare the built-in corpus in this process if it is not there yet (see
+    :func:`default_dataset_dir`); returns its directory. Safe for many processes at once: an
+    fcntl lock serialises preparation and later callers find the finished directory."""
+    cache, out = _builtin_paths(cache_dir)
     if (out / "meta.json").exists():
         return out
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not (out / "meta.json").exists():
+            print(f"mpirt: preparing the built-in corpus (this Python's standard library sources, byte-level) "
+                  f"into {out}, once", file=sys.stderr, flush=True)
             prepare(sysconfig.get_paths()["stdlib"], out, pattern="*.py",
                     exclude=("site-packages", "dist-packages", "test", "tests", "idle_test"))
+    return out
+
+
+def default_dataset_dir(cache_dir=None) -> Path:
+    """Directory of the built-in corpus, preparing it on first use: the .py files of this
+    Python's standard library (no site-packages, no test dirs), byte-level, in
+    ``cache_dir``, else $MPIRT_CACHE, else ~/.cache/mpirt.
+
+    The preparation runs in a child process (``python -m mpirt.data default``), so that what it
+    reads and writes never counts in the caller's memory: a training run measures its baseline
+    and its peak in its own process, and a first run must not look like one that needs more.
+    Raises OSError naming the directory and the child's last line when the preparation fails."""
+    cache, out = _builtin_paths(cache_dir)
+    if (out / "meta.json").exists():
+        return out
+    import subprocess
+    child = subprocess.run([sys.executable, "-m", "mpirt.data", "default", "--cache-dir", str(cache)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sys.stderr.write("".join(line + "\n" for line in child.stderr.splitlines() if line.startswith("mpirt: ")))
+    if child.returncode or not (out / "meta.json").exists():
+        last = (child.stderr.strip().splitlines() or [f"exit code {child.returncode}"])[-1]
+        raise OSError(f"preparing the built-in corpus into {out} failed: {last}")
     return out
 
 
@@ -459,8 +494,8 @@ def main(argv=None):
     d.add_argument("--cache-dir")
     args = parser.parse_args(argv)
     try:
-        if args.command == "default":
-            print(default_dataset_dir(args.cache_dir))
+        if args.command == "default":  # this process is the one that prepares
+            print(prepare_default(args.cache_dir))
             return 0
         meta = prepare(args.src_dir, args.out_dir, args.tokenizer, args.val_fraction, args.pattern)
     except (OSError, ValueError) as e:

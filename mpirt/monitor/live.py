@@ -89,11 +89,13 @@ class Metrics:
 
     A fresh run (``resume_step`` None) starts the file empty. A resumed run keeps the records up to
     ``resume_step`` (the checkpoint's step) and drops the later ones, which the resumed run is
-    about to redo: the file then holds each step once, as an uninterrupted run's would."""
+    about to redo: the file then holds each step once, as an uninterrupted run's would. Its first
+    record has ``resumed_from``: the checkpoint's step (the report marks the resume there)."""
 
     def __init__(self, path: str | Path | None, resume_step: int | None = None):
         self.records: list[dict] = []
         self.file = None
+        self.resumed_from = resume_step
         if path is not None:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +108,8 @@ class Metrics:
             self.file = open(path, "a", buffering=1)
 
     def log(self, **record) -> None:
+        if self.resumed_from is not None:
+            record["resumed_from"], self.resumed_from = self.resumed_from, None
         self.records.append(record)
         if self.file:
             try:
@@ -247,10 +251,10 @@ class RunMonitor:
 
     def describe(self) -> str:
         """The banner line: the peak and where it comes from, the GEMM rate, GPU sampling."""
-        ranks = "" if self.ctx.size == 1 else f", total of {self.ctx.size} ranks"
-        line = (f"mpirt: MFU peak {self.peak_total / 1e12:.3g} TFLOP/s{ranks} ({self.peak.source}: {self.peak.detail}"
-                f"{'' if self.ctx.size == 1 else ' (rank 0)'}); GEMM rate {self.gemm_total / 1e12:.3g} TFLOP/s"
-                f"{ranks}")
+        ranks = "" if self.ctx.size == 1 else f" for all {self.ctx.size} ranks"
+        line = (f"mpirt: MFU against a peak of {self.peak_total / 1e12:.3g} TFLOP/s{ranks}, by "
+                f"{self.peak.source}{'' if self.ctx.size == 1 else ' on rank 0'}: {self.peak.detail}; "
+                f"GEMM rate {self.gemm_total / 1e12:.3g} TFLOP/s{ranks}")
         if self.enabled:
             line += f"; GPU: {self.gpu_note}"
         return line

@@ -4,17 +4,22 @@ Reads what ``python -m mpirt.train`` left in RUN_DIR (``summary.json``, ``metric
 ``trace.json``) and writes into ``RUN_DIR/report/`` (or ``--out``) PNGs made with matplotlib (the
 ``monitor`` extra) and ``report.md`` with the headline figures:
 
-- ``loss.png``: training loss per step and the validation loss where it was measured;
+- ``loss.png``: training loss per step and the validation loss where it was measured, a dashed
+  line where a job resumed from a checkpoint;
 - ``step_breakdown.png``: per rank, the median step split into its parts (forward, backward,
   weight gradients, pipeline bubble, gradient sync, optimizer, ...) and, beside it, the same
   step split into the rank's own compute and its time waiting in MPI (a straggler computes
   longest; the others wait for it);
-- ``comm.png``: per communication axis (dp, tp, pp, cp, dp_cp, world), time per step (blocked, and in
-  flight for non-blocking calls) and the achieved bandwidth (bytes over in-flight time);
+- ``comm.png``: per communication axis (dp, tp, pp, cp, ep, world; dp_cp: the gradient sync over
+  dp x cp, edp: the experts' over dp / ep; each named under its bar), time per step (blocked, and
+  in flight for non-blocking calls) and the achieved bandwidth (bytes over in-flight time);
 - ``timeline.png``: the last traced step, a row per rank coloured by forward / backward /
   weight gradient / optimizer / MPI wait, idle left blank: the pipeline schedule and its bubble;
-- ``memory.png``: per rank, parameters, gradients, optimizer state, pipeline activations and the
-  rest of the peak resident memory, against the budget;
+- ``memory.png``: per rank, parameters, gradients, optimizer state, activations (a pipeline's
+  measured stash, else the run's prediction: what cp or recomputation saves shows) and the rest
+  of the peak resident memory, against the budget;
+- ``moe.png`` (mixture of experts): tokens per expert against the even share, the imbalance and
+  the dropped assignments per step;
 - ``gpu.png`` (GPU runs): utilisation and memory-bandwidth utilisation over time per rank.
 
 ``report.md`` also has the performance model's prediction for the run's layout beside the
@@ -29,13 +34,19 @@ import statistics
 import sys
 from pathlib import Path
 
+from mpirt.monitor.report_text import MIB, headline, prediction_section  # noqa: F401  (the report's text)
+
 PARTS = (("data", "data", "#bbbbbb"), ("forward", "forward", "#4c72b0"), ("backward", "backward", "#dd8452"),
          ("weight_grad", "weight grad", "#55a868"), ("bubble", "pipeline bubble", "#f0e442"),
          ("grad_sync", "gradient sync", "#937860"), ("optimizer", "optimizer", "#8172b3"),
          ("injected", "injected delay", "#000000"), ("other", "other", "#e5e5e5"))
+# what each communication axis is, under its name on comm.png (dp_cp and edp are internal groups)
+AXIS_NAMES = {"dp": "dp\n(gradient sync)", "tp": "tp\n(tensor parallel)", "pp": "pp\n(pipeline sends)",
+              "cp": "cp\n(ring attention)", "dp_cp": "dp_cp\n(gradient sync\nover dp x cp)",
+              "ep": "ep\n(expert all-to-alls)", "edp": "edp\n(experts' gradient\nsync: dp / ep)",
+              "world": "world\n(loss, flags)"}
 AXIS_COLORS = {"dp": "#c44e52", "tp": "#4c72b0", "pp": "#55a868", "cp": "#8172b2", "dp_cp": "#dd8452",
                "world": "#8c8c8c", "ep": "#937860", "edp": "#da8bc3"}
-MIB = 2 ** 20
 
 
 def load_run(run: Path) -> dict:
@@ -91,6 +102,11 @@ def plot_loss(run: dict, path: Path) -> Path:
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss", color="#dd8452")
+    for i, r in enumerate(r for r in records if r.get("resumed_from") is not None):  # each job that resumed
+        ax.axvline(r["resumed_from"] + 0.5, color="#55a868", linestyle="--", linewidth=1,
+                   label="resumed from a checkpoint" if i == 0 else None)
+        ax.annotate(f"resumed from step {r['resumed_from']}", (r["resumed_from"] + 0.5, 1), xytext=(3, -12),
+                    xycoords=("data", "axes fraction"), textcoords="offset points", fontsize=8, color="#55a868")
     ax.set(xlabel="step", ylabel="loss (cross-entropy, nats/token)", title="Loss")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -156,11 +172,13 @@ def plot_comm(run: dict, path: Path) -> Path | None:
            color=[AXIS_COLORS.get(a, "#999999") for a in names])
     ax.bar([i + 0.2 for i in x], [1e3 * table[a]["in_flight_s"] for a in names], 0.4, label="in flight (post to done)",
            color=[AXIS_COLORS.get(a, "#999999") for a in names], alpha=0.4, hatch="//")
-    ax.set_xticks(list(x), names)
+    labels = [AXIS_NAMES.get(a, a) for a in names]
+    ax.set_xticks(list(x), labels, fontsize=8)
     ax.set(ylabel="milliseconds per step (median rank)", title="Communication time per axis")
     ax.legend(fontsize=8)
     bw = [table[a]["bandwidth"] / 1e9 for a in names]
-    bars = ax2.bar(names, bw, color=[AXIS_COLORS.get(a, "#999999") for a in names])
+    bars = ax2.bar(list(x), bw, color=[AXIS_COLORS.get(a, "#999999") for a in names])
+    ax2.set_xticks(list(x), labels, fontsize=8)
     for bar, a in zip(bars, names):
         ax2.annotate(f"{table[a]['bytes'] / MIB:.2f} MiB/step", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                      ha="center", va="bottom", fontsize=8)
@@ -222,13 +240,19 @@ def plot_memory(run: dict, path: Path) -> Path | None:
         return None
     plt, fig, (ax,) = _figure(width=10, height=max(3.5, 0.45 * len(memory) + 2.8))
     labels = [f"rank {r}" for r in range(len(memory))]
-    cats = (("params", "parameters", "#4c72b0"), ("grads", "gradients", "#dd8452"),
-            ("optimizer", "optimizer state", "#55a868"), ("activations_peak", "pipeline activations (peak)", "#8172b3"))
+    # a pipeline measures its stash; a whole model's activations are the run's prediction (cp's saving shows)
+    stashed = any(m.get("activations_peak") for m in memory)
+    predicted_acts = s.get("predicted_activations_bytes_per_rank") or [0] * len(memory)
+    memory = [{**m, "activations": m.get("activations_peak", 0) if stashed else a} for m, a in zip(memory, predicted_acts)]
+    cats = (("params", "parameters", "#4c72b0", None), ("grads", "gradients", "#dd8452", None),
+            ("optimizer", "optimizer state", "#55a868", None),
+            ("activations", "pipeline activations (peak stash)" if stashed else
+             "activations kept for backward (predicted)", "#8172b3", None if stashed else "//"))
     left = [0.0] * len(memory)
-    for key, name, color in cats:
+    for key, name, color, hatch in cats:
         v = [m.get(key, 0) / MIB for m in memory]
         if any(v):
-            ax.barh(labels, v, left=left, color=color, label=name)
+            ax.barh(labels, v, left=left, color=color, label=name, hatch=hatch, edgecolor="white" if hatch else None)
             left = [a + b for a, b in zip(left, v)]
     peak_key = "gpu_pool_peak" if any("gpu_pool_peak" in m for m in memory) else "host_peak"
     rest = [max(0.0, m.get(peak_key, 0) / MIB - lo) for m, lo in zip(memory, left)]
@@ -253,6 +277,37 @@ def plot_memory(run: dict, path: Path) -> Path | None:
     return _save(plt, fig, path)
 
 
+def plot_moe(run: dict, path: Path) -> Path | None:
+    """A mixture of experts' routing from rank 0's records (its layers, each step's last
+    micro-batch): tokens per expert over the run against the even share, and per step the busiest
+    expert over the mean (imbalance) and the assignments dropped over capacity. None without MoE."""
+    records = [r for r in run["ranks"].get(0, []) if r.get("moe_tokens_per_expert")]
+    if not records:
+        return None
+    plt, fig, (ax, ax2) = _figure(1, 2, width=12)
+    counts = [sum(r["moe_tokens_per_expert"][e] for r in records) / len(records)
+              for e in range(len(records[0]["moe_tokens_per_expert"]))]
+    ax.bar(range(len(counts)), counts, color="#8172b3")
+    ax.axhline(sum(counts) / len(counts), color="#c44e52", linestyle="--", label="even share")
+    ax.set_xticks(range(len(counts)), [f"expert {e}" for e in range(len(counts))], fontsize=8)
+    ax.set(ylabel="tokens routed per step (mean, rank 0's layers)", title="Tokens per expert")
+    ax.legend(fontsize=8)
+    steps = [r["step"] for r in records]
+    ax2.plot(steps, [r["moe_imbalance"] for r in records], "o-", color="#4c72b0", label="imbalance (busiest / mean)")
+    ax2.axhline(1.0, color="#4c72b0", linestyle=":", linewidth=1)
+    ax2.set(xlabel="step", ylabel="busiest expert's tokens / mean", title="Routing imbalance and dropped tokens")
+    dropped = ax2.twinx()
+    dropped.bar(steps, [r.get("moe_dropped", 0) for r in records], color="#c44e52", alpha=0.35,
+                label="dropped (over capacity)")
+    dropped.set_ylabel("assignments dropped")
+    dropped.set_ylim(bottom=0, top=max(1, max(r.get("moe_dropped", 0) for r in records)) * 1.2)
+    lines, names = ax2.get_legend_handles_labels()
+    more, more_names = dropped.get_legend_handles_labels()
+    ax2.legend(lines + more, names + more_names, fontsize=8, loc="upper right")
+    ax2.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
 def plot_gpu(run: dict, path: Path) -> Path | None:
     series = {r: [(x["step"], x["gpu_util"], x["gpu_mem_bw_util"]) for x in recs if "gpu_util" in x]
               for r, recs in run["ranks"].items()}
@@ -272,74 +327,6 @@ def plot_gpu(run: dict, path: Path) -> Path | None:
     return _save(plt, fig, path)
 
 
-def headline(run: dict, table: dict) -> list[str]:
-    """The report's headline figures, one per line (markdown bullets)."""
-    s = run["summary"]
-    mon = s.get("monitor") or {}
-    b = mon.get("breakdown", {})
-    t = s["step_time_s"]
-    cp, ep = s["layout"].get("cp", 1), s["layout"].get("ep", 1)
-    lines = [f"- layout dp {s['layout']['dp']} x pp {s['layout']['pp']} x " + (f"cp {cp} x " if cp > 1 else "") +
-             f"tp {s['layout']['tp']} " + (f"(experts over ep {ep}) " if ep > 1 else "") +
-             f"({s['world_size']} ranks), {s['num_parameters'] / 1e6:.2f}M parameters, {s['steps']} steps",
-             f"- loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, validation "
-             + (f"{s['val_loss']:.4f}" if s.get("val_loss") is not None else "not measured"),
-             f"- {s['tokens_per_s']:,.0f} tokens/s, step {1e3 * t:.1f} ms (median)",
-             f"- MFU {100 * s['mfu']:.1f}% of {s['peak_flops'] / 1e12:.3g} TFLOP/s (peak, all ranks) "
-             f"({s.get('peak_flops_source')}: {s.get('peak_flops_detail')})"]
-    if s.get("step_over_gemm_floor"):
-        lines.append(f"- step / GEMM floor {s['step_over_gemm_floor']:.2f}x (GEMM rate "
-                     f"{s['gemm_rate_flops'] / 1e12:.3g} TFLOP/s, all ranks, on the model's layer shapes)")
-    if b and t > 0:
-        comm, bubble = 100 * b.get("comm_s", 0) / t, 100 * b.get("bubble_s", 0) / t
-        lines.append(f"- step on rank 0: compute {100 - comm - bubble:.0f}%, communication {comm:.0f}%, "
-                     f"pipeline bubble {bubble:.0f}%")
-    for axis, v in table.items():
-        lines.append(f"- {axis}: {v['bytes'] / MIB:.2f} MiB per step, blocked {1e3 * v['wait_s']:.2f} ms, in flight "
-                     f"{1e3 * v['in_flight_s']:.2f} ms, {v['bandwidth'] / 1e9:.2f} GB/s")
-    agg = mon.get("stragglers")
-    if agg and s["world_size"] > 1:
-        c, w = agg["ranks"]["compute_s"], agg["ranks"]["mpi_wait_s"]
-        lines.append(f"- slowest rank {agg['slowest_rank']}: compute {agg['slowest_compute_over_median']:.2f}x the "
-                     f"median (compute {1e3 * c['min']:.1f}-{1e3 * c['max']:.1f} ms, MPI wait "
-                     f"{1e3 * w['min']:.1f}-{1e3 * w['max']:.1f} ms over the ranks)")
-    lines.append(f"- peak memory {s['peak_memory_bytes'] / MIB:.0f} MiB (largest rank); GPU: {mon.get('gpu', 'n/a')}")
-    return lines
-
-
-def prediction_section(summary: dict) -> list[str]:
-    """The performance model's prediction for the run's layout beside what was measured
-    (``summary["prediction"]``, :func:`mpirt.plan.self_check`): a table of quantity, predicted,
-    measured and the error in percent."""
-    pred = summary.get("prediction")
-    if not pred:
-        return ["No prediction in summary.json (a run before the planner's self-check)."]
-    if "error" in pred:
-        return [f"The prediction failed: {pred['error']}"]
-
-    def row(name: str, d: dict, scale: float, unit: str) -> str:
-        meas = d.get("measured")
-        err = d.get("error_pct")
-        return (f"| {name} | {d['predicted'] * scale:.3g} {unit} | "
-                + (f"{meas * scale:.3g} {unit}" if meas is not None else "n/a") + " | "
-                + (f"{err:+.1f}%" if err is not None else "n/a") + " |")
-
-    lines = [f"Hardware model: `{pred['hardware']}` ({pred['hardware_source']}); predicted bottleneck: "
-             f"{pred['bottleneck']}." + (" " + "; ".join(pred.get("notes", [])) if pred.get("notes") else ""), "",
-             "| quantity | predicted | measured | error |", "|---|---|---|---|",
-             row("step time", pred["step_time_s"], 1e3, "ms"), row("tokens/s", pred["tokens_per_s"], 1, ""),
-             row("peak memory (largest rank)", pred["peak_memory_bytes"], 1 / MIB, "MiB")]
-    for part, d in pred["parts_s"].items():
-        if d.get("measured") or d["predicted"] > 0:
-            lines.append(row(part.replace("_", " "), d, 1e3, "ms"))
-    bub = pred.get("bubble_fraction") or {}
-    if bub.get("predicted"):
-        meas = bub.get("measured")
-        lines.append(f"| pipeline bubble (share of the step) | {100 * bub['predicted']:.1f}% | "
-                     + (f"{100 * meas:.1f}%" if meas is not None else "n/a") + " | |")
-    return lines
-
-
 def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     """Write the PNGs and report.md for ``run_dir``; returns the files written."""
     run = load_run(run_dir)
@@ -351,6 +338,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
              ("comm.png", plot_comm, "communication time and achieved bandwidth per axis"),
              ("timeline.png", plot_timeline, "the last traced step, a row per rank (blank = idle)"),
              ("memory.png", plot_memory, "memory per rank by category against the budget"),
+             ("moe.png", plot_moe, "a mixture of experts' routing: tokens per expert, imbalance, dropped"),
              ("gpu.png", plot_gpu, "GPU and memory-bandwidth utilisation over the run")]
     written, md = [], []
     for name, fn, what in plots:

@@ -23,7 +23,7 @@ layer's collectives run; a barrier before every single call would add a reschedu
 oversubscribed ranks to each); each fitted ``alpha + beta n`` (alpha: the 64-byte time; beta: the
 slope to 4 MiB). The process baseline of memory: a 2-rank run of a one-block model
 (:func:`measure_process_bytes`). Saved as the preset ``--save-as`` (default ``local``) in
-:data:`mpirt.plan.hardware.CACHE`.
+:func:`mpirt.plan.hardware.plan_cache`.
 """
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ def _timeit(fn, seconds: float = 0.2, min_reps: int = 3, stat=min) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return stat(times)
+
+
+def _cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _set_threads(n: int) -> None:
@@ -144,7 +149,7 @@ def measure_block(calib_model: str = "tiny") -> float:
 
 def measure_local(calib_model: str = "tiny") -> dict:
     """The in-process constants at one thread, and a second thread's GEMM speed-up."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = _cores()
     _set_threads(1)
     out = measure_compute(calib_model)
     one = _products_rate(256)
@@ -268,10 +273,65 @@ def measure_process_bytes(launcher: str = "mpiexec") -> dict:
     return {"process_bytes": memory.PROCESS_BYTES + resid[1], "residual_per_rank": resid}
 
 
+LOAD_MAX = 0.5      # 1-minute load average per core above which a calibration is not started
+OTHERS_MAX = 0.10   # share of the machine's CPU time other processes may take while it measures
+SHARE_SLACK = 1.2   # a rank of N on C cores may measure up to this times its C/N share (timer noise)
+
+
+class BusyMachine(ValueError):
+    """A calibration taken, or about to be taken, while other processes loaded the machine: its
+    figures would describe that load, not the machine (the message names the load)."""
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and the children it waited for (the MPI workers, the memory run)."""
+    import resource
+    mine, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return mine.ru_utime + mine.ru_stime + children.ru_utime + children.ru_stime
+
+
+def check_quiet(cores: int) -> None:
+    """Refuse (:class:`BusyMachine`) to start on a machine whose 1-minute load is above
+    :data:`LOAD_MAX` per core: one rank's speed alone, the figure every slowdown divides by, would
+    be taken under that load."""
+    load = os.getloadavg()[0]
+    if load > LOAD_MAX * cores:
+        raise BusyMachine(f"calibrate: the machine is busy (1-minute load {load:.2f} on {cores} cores, above "
+                          f"{LOAD_MAX * cores:.1f}): its figures would describe that load; nothing measured, rerun "
+                          f"when it is quiet")
+
+
+def check_measured_quietly(before, own_before: float, compute: dict, cores: int) -> None:
+    """Refuse (:class:`BusyMachine`) what was measured when other processes took more than
+    :data:`OTHERS_MAX` of the CPU time meanwhile (``before``: :func:`mpirt.cpu.sysinfo.cpu_seconds`
+    at the start, ``own_before``: :func:`_own_cpu_s` then), or when N ranks sharing ``cores`` cores
+    each ran faster than their share of a core allows (the one rank alone was slowed by load)."""
+    from mpirt.cpu.sysinfo import cpu_seconds
+
+    after, load = cpu_seconds(), os.getloadavg()[0]
+    if before is not None and after is not None and after[1] > before[1]:
+        others = max(0.0, after[0] - before[0] - (_own_cpu_s() - own_before)) / (after[1] - before[1])
+        if others > OTHERS_MAX:
+            raise BusyMachine(f"calibrate: other processes took {100 * others:.0f}% of the CPU time while it "
+                              f"measured (more than {100 * OTHERS_MAX:.0f}%; 1-minute load now {load:.2f} on "
+                              f"{cores} cores): the figures describe that load; nothing saved, rerun when it is quiet")
+    for n, c in sorted(compute.items()):
+        share, most = 1 / c["slowdown"], min(1.0, cores / n)
+        if n > 1 and share > SHARE_SLACK * most:
+            raise BusyMachine(f"calibrate: {n} ranks on {cores} cores each ran at {share:.2f} of a core, more than "
+                              f"the {most:.2f} they can share: one rank alone was measured slowed by other load "
+                              f"(1-minute load now {load:.2f}); nothing saved, rerun when it is quiet")
+
+
 def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):
-    """Measure this machine (see the module docstring); returns the :class:`Cluster` (not saved)."""
+    """Measure this machine (see the module docstring); returns the :class:`Cluster` (not saved).
+    Raises :class:`BusyMachine` naming the load when other processes would have shaped the figures."""
+    from mpirt.cpu.sysinfo import cpu_seconds
     from mpirt.plan import hardware
 
+    cores = _cores()
+    check_quiet(cores)
+    before, own_before = cpu_seconds(), _own_cpu_s()
     loc = measure_local(calib_model)
     loc.update(measure_process_bytes())
     coll = measure_mpi(ranks)
@@ -280,8 +340,8 @@ def calibrate(ranks: list[int], name: str = "local", calib_model: str = "tiny"):
     compute[1] = {"block_fb_s": loc["block_fb_s"]}
     for n in compute:
         compute[n]["slowdown"] = compute[n]["block_fb_s"] / loc["block_fb_s"]
+    check_measured_quietly(before, own_before, compute, cores)
     p2p = coll.get(min(coll), {}).get(2, {}).get("p2p", [2e-6, 1 / 5e9]) if coll else [2e-6, 1 / 5e9]
-    cores = loc["cores"]
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = max(loc["gemm_rates"].values())
     return hardware.Cluster(name=name, devices_per_node=max(ranks + [1]), nodes=1,

@@ -15,7 +15,8 @@ allreduce, allgather and point-to-point at that rank count (see :mod:`mpirt.plan
 
 Presets (``PRESETS``) come from vendor data sheets; the efficiencies are assumptions, marked as
 such in the planner's output. ``load(name)`` also reads calibrated presets saved as JSON under
-``~/.cache/mpirt/plan/<name>.json`` (or a path).
+``$MPIRT_CACHE/plan/<name>.json`` (default ``~/.cache/mpirt/plan``; ``$MPIRT_PLAN_CACHE``, the
+older name, still wins when set) or a path.
 """
 from __future__ import annotations
 
@@ -25,7 +26,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CACHE = Path(os.environ.get("MPIRT_PLAN_CACHE", Path.home() / ".cache" / "mpirt" / "plan"))
+
+
+def plan_cache() -> Path:
+    """Where calibrated presets are saved: ``$MPIRT_PLAN_CACHE`` (kept as an alias) when set, else
+    ``plan/`` in mpirt's cache (``$MPIRT_CACHE``, default ``~/.cache/mpirt``), beside the rest of what
+    mpirt measures of this machine."""
+    from mpirt.cpu.sysinfo import cache_dir
+    return Path(os.environ.get("MPIRT_PLAN_CACHE") or cache_dir() / "plan")
 
 
 @dataclass
@@ -127,23 +135,23 @@ def describe_source(cluster: Cluster) -> str:
 
 
 def load(name: str) -> Cluster:
-    """A preset by name, a calibrated preset saved under :data:`CACHE`, or a JSON file path. A
+    """A preset by name, a calibrated preset saved under :func:`plan_cache`, or a JSON file path. A
     calibrated file of the same name wins over the built-in (``cpu`` after ``--calibrate``)."""
     path = Path(name)
     if path.suffix == ".json" and path.exists():
         return Cluster.from_dict(json.loads(path.read_text()))
-    saved = CACHE / f"{name}.json"
+    saved = plan_cache() / f"{name}.json"
     if saved.exists():
         return Cluster.from_dict(json.loads(saved.read_text()))
     if name.lower() in PRESETS:
         return dataclasses.replace(PRESETS[name.lower()])
-    raise ValueError(f"unknown hardware {name!r}: one of {', '.join(PRESETS)}, a calibrated preset in {CACHE} "
+    raise ValueError(f"unknown hardware {name!r}: one of {', '.join(PRESETS)}, a calibrated preset in {plan_cache()} "
                      f"(`python -m mpirt.plan --calibrate --save-as {name}` makes one of this machine) or a JSON file")
 
 
 def save(cluster: Cluster, path: Path | None = None) -> Path:
-    """Write ``cluster`` as JSON (default ``CACHE/<name>.json``); returns the path."""
-    path = Path(path) if path else CACHE / f"{cluster.name}.json"
+    """Write ``cluster`` as JSON (default ``plan_cache()/<name>.json``); returns the path."""
+    path = Path(path) if path else plan_cache() / f"{cluster.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cluster.to_dict(), indent=1) + "\n")
     return path

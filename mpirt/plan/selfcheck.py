@@ -59,10 +59,15 @@ def self_check(cfg, model_cfg, layout: dict, measured: dict, data_bytes: int = 0
     except Exception as err:  # the check must never fail a finished run
         return {"error": f"{type(err).__name__}: {err}"}
     br = (measured.get("monitor") or {}).get("breakdown", {})
+    # the run's own memory prediction (from the baselines its ranks measured) where it made one: a
+    # run's output names one predicted peak, not the banner's and the planner's planned baselines
+    peak = measured.get("predicted_peak_bytes", est.memory["peak"])
+    peaks = dict(enumerate(measured["predicted_peak_bytes_per_rank"])) if measured.get(
+        "predicted_peak_bytes_per_rank") else est.memory["per_rank"]
     out = {"hardware": cluster.name, "hardware_source": hardware.describe_source(cluster),
            "step_time_s": _err(est.step_s, measured.get("step_time_s")),
            "tokens_per_s": _err(est.tokens_per_s, measured.get("tokens_per_s")),
-           "peak_memory_bytes": _err(est.memory["peak"], measured.get("peak_memory_bytes")),
+           "peak_memory_bytes": _err(peak, measured.get("peak_memory_bytes")),
            "parts_s": {p: _err(est.parts[p], br.get(f"{p}_s")) for p in PARTS},
            # rank 0's idle time inside the schedule over its step, as the monitor measures it
            "bubble_fraction": {"predicted": est.parts["bubble"] / est.step_s, "schedule_all_ranks": est.bubble,
@@ -71,8 +76,7 @@ def self_check(cfg, model_cfg, layout: dict, measured: dict, data_bytes: int = 0
            "bottleneck": est.bottleneck, "notes": est.notes}
     per_rank = measured.get("peak_memory_bytes_per_rank")
     if per_rank:
-        out["peak_memory_per_rank"] = [_err(est.memory["per_rank"][r], m) for r, m in enumerate(per_rank)
-                                       if r in est.memory["per_rank"]]
+        out["peak_memory_per_rank"] = [_err(peaks[r], m) for r, m in enumerate(per_rank) if r in peaks]
     return out
 
 

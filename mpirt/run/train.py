@@ -26,7 +26,7 @@ import mpirt.core.backend as B
 from mpirt import comm
 from mpirt.cpu import blas, kernels
 from mpirt.run import faults, jobctl
-from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, looks_like_checkpoint,
+from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, intact_version, looks_like_checkpoint,
                                     read_checkpoint_meta, verify_checkpoint)
 from mpirt.checkpoint.sharded import save_sharded
 from mpirt.run.config import ConfigError, parse_args, parse_duration
@@ -44,7 +44,7 @@ from mpirt.parallel.layout import Layout, LayoutError
 from mpirt.parallel.preflight import check_step
 from mpirt.plan import format_lines as prediction_lines, self_check
 from mpirt.core.modeling import apply_overrides, config_from_dict, flops_per_token, load_model_config, \
-    missing_model_file, num_parameters, open_hf
+    missing_model_file, model_label, num_parameters, open_hf
 
 
 def plan_layout(cfg, world_size: int) -> Layout:
@@ -85,7 +85,9 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
         try:
             meta = verify_checkpoint(path)
         except (CheckpointError, FileNotFoundError) as err:
-            raise ConfigError(f"init_from: {err}") from None
+            older = intact_version(path)   # the damaged one is the newest: name what is still intact
+            raise ConfigError(f"init_from: {err}" + (f"; {older} is intact: resume from it with --init-from {older}"
+                                                     if older else "")) from None
         try:
             loaded, weights, resume = config_from_dict(meta["extra"]["model_config"]), None, True
         except (KeyError, TypeError) as err:
@@ -95,7 +97,7 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
         (loaded, weights), resume = open_hf(path, dtype=cfg.dtype), False
     else:
         raise ConfigError(f"init_from: {source} is neither an mpirt checkpoint (no {path / 'latest'} or "
-                          f"{path / 'meta.json'}) nor a Hugging Face GPT-2 directory (no {path / 'config.json'})")
+                          f"{path / 'meta.json'}) nor a Hugging Face model directory (no {path / 'config.json'})")
     changed = apply_overrides(loaded, cfg.model_overrides)
     for key in FIXED_BY_WEIGHTS:
         before, after = getattr(loaded, key, None), getattr(changed, key, None)
@@ -203,7 +205,8 @@ def plan_out_dir(cfg, out: Path):
     if cfg.resume == "auto":  # the one flag a requeued job needs: continue, or start afresh
         return dataclasses.replace(cfg, init_from=str(ckpt)) if looks_like_checkpoint(ckpt) else cfg
     found = run_evidence(out)
-    resumes_own = bool(cfg.init_from) and Path(cfg.init_from).resolve() in (ckpt.resolve(), out.resolve())
+    source = Path(cfg.init_from).resolve() if cfg.init_from else None   # the run's own checkpoint, or one of its versions
+    resumes_own = source is not None and (source == out.resolve() or ckpt.resolve() in (source, *source.parents))
     if found and not cfg.overwrite and not resumes_own:
         raise ConfigError(f"out_dir: {out} holds an earlier run ({found}); pass --resume auto to continue it, "
                           f"--overwrite to replace it, or another --out-dir")
@@ -257,8 +260,10 @@ def check_resumed_model(cfg, resumed, data: TokenDataset) -> None:
 
 
 def banner(ctx, cfg, layout: Layout, model_cfg, data, out: Path, start_step: int, end_step: int,
-           engine_name: str, predicted_peak: int) -> str:
-    """The start-up lines on rank 0: enough to see a wrong launch before a long run starts."""
+           engine_name: str, predicted_peak: int, model_source: str | None = None) -> str:
+    """The start-up lines on rank 0: enough to see a wrong launch before a long run starts.
+    ``model_source``: what built the model (the checkpoint's record), so that weights imported from
+    Hugging Face are named as such, not as the ``--model`` default."""
     launch = jobctl.launcher_info()
     where = f"resuming {cfg.init_from} at step {start_step}" if start_step else "fresh start"
     stops = []
@@ -266,27 +271,29 @@ def banner(ctx, cfg, layout: Layout, model_cfg, data, out: Path, start_step: int
         stops.append(f"every {cfg.ckpt_interval} steps")
     if cfg.ckpt_minutes:
         stops.append(f"every {cfg.ckpt_minutes:g} min")
+    timeout = comm_timeout(cfg, model_cfg)
+    half = is_half(cfg.dtype) and " with float32 master weights, AdamW moments and reductions" + (
+        f"; loss scale from {cfg.initial_loss_scale:g}, doubled after {cfg.loss_scale_window} steps without overflow"
+        if cfg.dtype == "float16" else "")
     lines = [
-        f"mpirt: world_size {ctx.size} ({launch['name']}, PMI {launch['pmi']}), layout {layout.describe()}",
-        f"mpirt: backend {ctx.backend}, comm engine {engine_name}, threads/rank {ctx.threads} "
-        f"(OpenBLAS {ctx.blas_threads if ctx.blas_threads is not None else 'not found'}; {ctx.blas_note}), "
-        f"comm timeout " + (f"{comm_timeout(cfg, model_cfg):.0f} s" if comm_timeout(cfg, model_cfg) else "off"),
+        f"mpirt: world_size {ctx.size}, launched by {launch['name']}"
+        + (f" over {launch['pmi']}" if launch["pmi"] != "none" else "") + f"; layout {layout.describe()}",
+        f"mpirt: backend {ctx.backend}; communication by {engine_name}; {ctx.threads} thread(s) per rank, OpenBLAS "
+        f"{ctx.blas_threads if ctx.blas_threads is not None else 'not found'}: {ctx.blas_note}; a stuck call ends "
+        f"the job " + (f"after {timeout:.0f} s" if timeout else "never (watchdog off)"),
         *([f"mpirt: GEMM {blas.describe()}; kernels {kernels.describe()}"] if ctx.backend == "numpy" else []),
-        f"mpirt: model {cfg.model} ({num_parameters(model_cfg) / 1e6:.2f}M parameters, {model_cfg.n_layer} layers, "
-        f"n_embd {model_cfg.n_embd}, vocab {model_cfg.vocab_size}), {cfg.dtype}" + (
-            " (float32 master weights, moments and reductions" + (
-                f"; dynamic loss scale from {cfg.initial_loss_scale:g}, x2 after {cfg.loss_scale_window} clean steps"
-                if cfg.dtype == "float16" else "") + ")" if is_half(cfg.dtype) else ""),
-        f"mpirt: data {data.directory} (train {len(data.train):,} tokens, val {len(data.val):,}), "
+        f"mpirt: model {model_label(cfg.model, model_source, model_cfg.model_type)}: "
+        f"{num_parameters(model_cfg) / 1e6:.2f}M parameters, {model_cfg.n_layer} layers, n_embd {model_cfg.n_embd}, "
+        f"vocab {model_cfg.vocab_size}; {cfg.dtype}" + (half or ""),
+        f"mpirt: data {data.directory}: train {len(data.train):,} tokens, val {len(data.val):,}; "
         f"batch {cfg.batch_size} x {cfg.seq_len}",
-        f"mpirt: memory: recompute {cfg.recompute}" + (f" (blocks {cfg.recompute_layers})" if cfg.recompute_layers
-                                                         and cfg.recompute != "none" else "")
-        + _recompute_skipped(cfg, model_cfg, layout)
-        + f", predicted peak {format_size(predicted_peak)}"
-        + f" (largest rank), budget {cfg.memory_budget or 'none'}",
-        f"mpirt: out {out} ({where}; steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
+        f"mpirt: memory: predicted peak {format_size(predicted_peak)} on the largest rank, budget "
+        f"{cfg.memory_budget or 'none'}; recompute {cfg.recompute}"
+        + (f" on blocks {cfg.recompute_layers}" if cfg.recompute_layers and cfg.recompute != "none" else "")
+        + _recompute_skipped(cfg, model_cfg, layout),
+        f"mpirt: out {out}: {where}, steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
         f"{', '.join(stops) or 'at the end'}, keep {cfg.keep_checkpoints}"
-        + (f"; time limit {cfg.time_limit}" if cfg.time_limit else "") + ")",
+        + (f"; time limit {cfg.time_limit}" if cfg.time_limit else ""),
     ]
     return "\n".join(lines)
 
@@ -299,8 +306,8 @@ def _recompute_skipped(cfg, model_cfg, layout: Layout) -> str:
     if not stages:
         return ""
     if len(stages) == layout.pp:
-        return " (skipped: it would not lower the peak)"
-    return f" (not on pp stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}: it would not lower the peak there)"
+        return ", skipped: it would not lower the peak"
+    return f", not on pp stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}: it would not lower the peak there"
 
 
 def main(argv=None) -> dict:
@@ -418,10 +425,13 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     world_comm = ctx.comm
     baselines = baselines or [None] * ctx.size
 
-    def predicted_peaks(loads=None) -> list[int]:  # every rank's, as the end block's model check counts them;
+    def predictions(loads=None) -> list[dict]:  # every rank's, as the end block's model check counts them;
         # ``loads``: each rank's measured expert load (None: the bound the budget is checked against)
         return [predict(cfg, model_cfg, layout, r, process_bytes=baselines[r],
-                        expert_load=loads[r] if loads else None)["peak"] for r in range(ctx.size)]
+                        expert_load=loads[r] if loads else None) for r in range(ctx.size)]
+
+    def predicted_peaks(loads=None) -> list[int]:
+        return [p["peak"] for p in predictions(loads)]
 
     B.limit_pool(parse_size(cfg.memory_budget))  # on a GPU the pool itself holds the budget
     # one dropout seed for every rank: the masks depend on each element's place in the global batch
@@ -519,7 +529,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     metrics = Metrics(out / "metrics" / f"rank{ctx.rank}.jsonl", resume_step=start_step if resume else None)
     if is_main:
         print(banner(ctx, cfg, layout, model_cfg, data, out, start_step, end_step,
-                     comm.describe_engines(B.xp.empty(1)), max(predicted_peaks())), file=sys.stderr, flush=True)
+                     comm.describe_engines(B.xp.empty(1)), max(predicted_peaks()), model_source),
+              file=sys.stderr, flush=True)
         print(monitor.describe(), file=sys.stderr, flush=True)
     progress = Progress(cfg.steps, start_step, enabled=is_main and cfg.progress, end=end_step)
     val_loss = math.nan
@@ -641,7 +652,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     # load, the budget was checked at its bound (memory.expert_load_bound)
     loads = world_comm.allgather_object(max((r.get("moe_expert_load", 0.0) for r in metrics.records), default=0.0))
     loads = loads if layout["ep"] > 1 and all(loads) else None
-    planned, predicted = predicted_peaks(), predicted_peaks(loads)
+    planned, expected = predicted_peaks(), predictions(loads)
+    predicted = [p["peak"] for p in expected]
     summary = {
         "steps": step,
         "total_steps": cfg.steps,
@@ -671,6 +683,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "predicted_peak_bytes": max(predicted),
         "predicted_peak_bytes_per_rank": predicted,
         "planned_peak_bytes_per_rank": planned,
+        # what the report draws where no pipeline stash was measured (a whole model's activations)
+        "predicted_activations_bytes_per_rank": [p["activations"] for p in expected],
         **({"moe_expert_load_per_rank": loads, "moe_expert_load_planned": expert_load_bound(cfg, model_cfg, layout["ep"])}
            if loads else {}),
         "process_baseline_bytes_per_rank": baselines,
@@ -707,8 +721,14 @@ def end_block(summary: dict, out: Path, start_step: int) -> str:
                                      "nothing was saved after the failure: " + (
                                          f"the last good checkpoint is step {s['last_checkpoint_step']}"
                                          if s["last_checkpoint_step"] is not None else "no checkpoint was written")
-                                     + "; fix the cause (e.g. a lower --lr) before resuming"))
+                                     + f"; {STOP_ADVICE.get(s['exit_code'], 'fix the cause before resuming')}"))
     return "\n".join(lines)
+
+
+# what to change before resuming a run that stopped with this exit code (end_block's last line)
+STOP_ADVICE = {jobctl.EXIT_NONFINITE: "fix the cause (e.g. a lower --lr) before resuming",
+               jobctl.EXIT_MEMORY: "lower the peak (--zero 1, --recompute full, a larger tp or pp, a smaller "
+                                   "--batch-size) or raise --memory-budget before resuming"}
 
 
 def _write_json(path: Path, record: dict) -> None:
