@@ -328,9 +328,10 @@ def main(argv=None) -> dict:
         if not (resume or hf_weights is not None):
             model_cfg = vocab_from_data(cfg, model_cfg, data, layout["tp"])
         notes = [f"mpirt: data: {note}" for note in check_fit(cfg, model_cfg, data, layout)]
-        # the step's communication (pipeline, ring attention, ZeRO-3 gathers) proven consistent
+        # the step's communication (pipeline, ring attention, ZeRO-3 gathers) proven consistent: each
+        # rank checks its own program against its stage's, and the stages' together
         check_step(recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg)), model_cfg,
-                   cfg.seq_len, np.dtype(cfg.dtype).itemsize)
+                   cfg.seq_len, np.dtype(cfg.dtype).itemsize, rank=world.rank)
         cfg, eval_warning = fit_eval_batches(cfg, data)
         for line in notes + ([eval_warning] if eval_warning else []):
             if world.rank == 0:
