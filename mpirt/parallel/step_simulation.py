@@ -140,6 +140,8 @@ def simulate_step(layout, programs: dict[int, list[Op]], symmetric: bool = False
     program)."""
     grid = Grid3(layout)
     if symmetric:
+        if sorted(programs) != [grid.rank(0, p, 0) for p in range(grid.pp)]:
+            raise ValueError("a symmetric simulation takes the program of each stage's rank at dp 0, cp 0, and only those")
         here, moved = grid.representative, grid.moved
     else:
         here, moved = (lambda r: r), (lambda r, by: r)
