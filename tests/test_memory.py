@@ -167,7 +167,7 @@ def test_a_layout_above_what_the_ranks_can_have_is_refused_by_default(tiny_data,
     assert not (tmp_path / "run" / "metrics").exists()
 
 
-def test_the_default_budget_is_what_each_rank_can_have(monkeypatch):
+def test_the_default_budget_is_what_each_rank_can_have():
     """auto (the default) checks each rank against its own available bytes and names where they
     come from; none and 0 check nothing; an explicit size is every rank's."""
     cfg = replace(TrainConfig(), seq_len=128, batch_size=16, pp=2)

@@ -39,7 +39,8 @@ from mpirt.parallel.grid import grid_rank
 from mpirt.parallel.pipeline.schedules import Action, BACKWARD, FORWARD, WEIGHT
 from mpirt.parallel.step_simulation import Grid3, Op, StepCommError, first_difference, simulate_step
 
-__all__ = ["Op", "StepCommError", "StepPrograms", "check_step", "reduced", "simulate_step", "step_programs"]
+__all__ = ["Op", "StepCommError", "StepPrograms", "check_step", "proof_rank", "reduced", "simulate_step",
+           "step_programs"]
 
 
 def reduced(layout):
@@ -133,7 +134,8 @@ class StepPrograms:
             if cp == 1:
                 return []
             if not backward:
-                return [Op("exchange", "cp", sends=out, recvs=back, label=f"{label} ring step {s}") for s in range(cp - 1)]
+                return [Op("exchange", "cp", sends=out, recvs=back, label=f"{label} ring step {s}")
+                        for s in range(cp - 1)]
             return [Op("exchange", "cp", sends=out * 2, recvs=back * 2, label=f"{label} ring backward step {s}")
                     for s in range(cp - 1)] + [Op("exchange", "cp", sends=out, recvs=back,
                                                   label=f"{label} ring backward step {cp - 1}")]

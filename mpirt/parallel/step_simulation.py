@@ -141,7 +141,11 @@ def simulate_step(layout, programs: dict[int, list[Op]], symmetric: bool = False
     grid = Grid3(layout)
     if symmetric:
         if sorted(programs) != [grid.rank(0, p, 0) for p in range(grid.pp)]:
-            raise ValueError("a symmetric simulation takes the program of each stage's rank at dp 0, cp 0, and only those")
+            raise ValueError("a symmetric simulation takes the program of each stage's rank at dp 0, cp 0, "
+                             "and only those")
+        if grid.ep not in (1, grid.dp):  # a move along dp must carry ep groups onto ep groups
+            raise ValueError(f"a symmetric simulation needs ep 1 or ep = dp (the proof's grid), not ep {grid.ep} "
+                             f"of dp {grid.dp}")
         here, moved = grid.representative, grid.moved
     else:
         here, moved = (lambda r: r), (lambda r, by: r)
