@@ -6,6 +6,7 @@ The measured peak is the process's peak RSS, of which the baseline (Python, NumP
 is most on these small models; the layouts below are sized so activations are a third to half of it.
 """
 import json
+import re
 import os
 import subprocess
 import sys
@@ -16,7 +17,12 @@ import pytest
 from conftest import run_module
 from mpirt.run.config import TrainConfig
 from mpirt.plan.memory import CATEGORIES, LATE_BYTES, decode_over_budget, format_size, over_budget_flag, parse_size, \
-    expert_load_bound, peak_in_flight, predict
+    check_budget, expert_load_bound, explicit_budget, peak_in_flight, predict
+from mpirt.plan.budget import available_budget, node_available
+from mpirt.monitor.steps import owned_bytes
+from mpirt.run.config import parse_args
+from mpirt.parallel.layout import Layout
+from mpirt.core.settings import ConfigError
 from mpirt.core.modeling import load_model_config
 from mpirt.parallel.pipeline.check import simulate
 from mpirt.parallel.pipeline.schedules import build
@@ -142,6 +148,61 @@ def test_layout_that_cannot_fit_is_refused(tiny_data, tmp_path):
     assert "> budget 80.0 MiB; largest term baseline" in lines[0] and "optimizer state" in lines[0]
     assert "try a larger budget: the process alone needs it" in lines[0]
     assert not (tmp_path / "metrics").exists()  # refused before training
+
+
+def test_a_layout_above_what_the_ranks_can_have_is_refused_by_default(tiny_data, tmp_path):
+    """No --memory-budget: each rank's budget is what it can have, here its share of a node with
+    100 MiB available (MPIRT_MEMINFO) over 2 ranks, plus what it holds: refused in one line
+    before training (no MemoryError traceback from the first step), saying how to override."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       1048576 kB\nMemFree:          102400 kB\nMemAvailable:     102400 kB\n")
+    r = run_module("mpirt.train", *ARGS, f"--data={tiny_data}", f"--out-dir={tmp_path / 'run'}", "--pp=2",
+                   ranks=2, check=False, env={"MPIRT_MEMINFO": str(meminfo)})
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert re.fullmatch(r"error: memory_budget: rank \d \(pp stage \d\): predicted peak \S+ \S+ > the \S+ \S+ it can "
+                        r"have \(the node's available memory 100\.0 MiB over its 2 ranks, and the \S+ \S+ the rank "
+                        r"holds; --memory-budget SIZE sets a budget, none checks none\); largest term .*", lines[0]), lines
+    assert not (tmp_path / "run" / "metrics").exists()
+
+
+def test_the_default_budget_is_what_each_rank_can_have():
+    """auto (the default) checks each rank against its own available bytes and names where they
+    come from; none and 0 check nothing; an explicit size is every rank's."""
+    cfg = replace(TrainConfig(), seq_len=128, batch_size=16, pp=2)
+    model = load_model_config("tiny", {})
+    lay = Layout.resolve(cfg, 2)
+    assert cfg.memory_budget == "auto"
+    peaks = [p["peak"] for p in check_budget(cfg, model, lay, 2)]  # nothing known: nothing checked
+    roomy = [(peaks[0] + 1, "room"), (peaks[1] + 1, "room")]
+    check_budget(cfg, model, lay, 2, available=roomy)
+    short = [roomy[0], (peaks[1] - 1, "the GPU's memory, 1.00 GiB")]
+    with pytest.raises(ValueError, match=r"^memory_budget: rank 1 \(pp stage 1\): predicted peak .* > the .* it can "
+                                         r"have \(the GPU's memory, 1\.00 GiB; --memory-budget SIZE sets a budget, none "
+                                         r"checks none\); largest term"):
+        check_budget(cfg, model, lay, 2, available=short)
+    for off in ("none", "0", "NONE"):
+        check_budget(replace(cfg, memory_budget=off), model, lay, 2, available=short)
+    with pytest.raises(ValueError, match=r"^memory_budget: rank \d \(pp stage \d\): predicted peak .* > budget 1\.0 MiB;"):
+        check_budget(replace(cfg, memory_budget="1MiB"), model, lay, 2, available=roomy)
+    assert [explicit_budget(t) for t in ("auto", "none", "0", "", "2GiB")] == [None, None, None, None, 2 << 30]
+    with pytest.raises(ConfigError, match=r"^memory_budget: cannot read 'lots' as a size \(e\.g\. 1\.5GiB, 800MB\), auto "
+                                          r"or none$"):
+        parse_args(["--memory-budget=lots"])
+
+
+def test_what_a_cpu_rank_can_have_is_its_share_of_the_nodes_available_memory(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 8388608 kB\nMemAvailable: 4194304 kB\n")
+    monkeypatch.setenv("MPIRT_MEMINFO", str(meminfo))
+    assert node_available() == 4 << 30
+    held = owned_bytes()
+    budget, source = available_budget("numpy", 0, 4)
+    assert budget == pytest.approx((1 << 30) + held, rel=0.05)
+    assert source.startswith("the node's available memory 4.00 GiB over its 4 ranks, and the ")
+    meminfo.write_text("MemTotal: 8388608 kB\n")  # a kernel without MemAvailable: nothing to check against
+    assert node_available() is None and available_budget("numpy", 0, 4) is None
 
 
 @pytest.mark.parametrize("ranks, layout", [

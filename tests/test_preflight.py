@@ -8,7 +8,8 @@ import pytest
 
 from mpirt.core.modeling import load_model_config
 from mpirt.parallel.layout import Layout
-from mpirt.parallel.preflight import StepCommError, check_step, reduced, simulate_step, step_programs
+from mpirt.parallel.preflight import (StepCommError, StepPrograms, check_step, proof_rank, reduced, simulate_step,
+                                      step_programs)
 from mpirt.run.config import TrainConfig
 
 MODEL = load_model_config("tiny", {})  # 4 blocks
@@ -35,6 +36,7 @@ def test_the_layouts_steps_pass(world, changes):
     lay = layout_of(world, **changes)
     check_step(lay, MODEL, SEQ, 4)
     programs = step_programs(reduced(lay), MODEL, SEQ, 4)
+    simulate_step(reduced(lay), programs)  # every rank simulated, as the proof's stages stand for them
     kinds = {op.what + ":" + op.comm for ops in programs.values() for op in ops}
     assert ("exchange:cp" in kinds) == (lay.cp > 1) and ("allgather:dp_cp" in kinds) == (lay.zero == 3)
 
@@ -131,3 +133,55 @@ def test_a_message_of_another_size_is_refused():
     with pytest.raises(StepCommError, match=r"^rank 1 receives \d+ B from rank 0 \(F mb 0 h\.0-3 ring step 0\) but "
                                             r"rank 0 sent \d+ B"):
         simulate_step(lay, programs)
+
+
+DEEP = load_model_config("tiny", {"n_layer": 16, "n_head": 8})
+
+
+def large_layout() -> Layout:
+    """16,384 ranks: dp 8 x pp 16 x cp 16 x tp 8, 16 micro-batches."""
+    cfg = replace(TrainConfig(), tp=8, pp=16, cp=16, batch_size=8 * 16, seq_len=SEQ, microbatches=16)
+    return Layout.of(cfg, Layout.resolve(cfg, 16384), DEEP)
+
+
+def altered(monkeypatch, which, change) -> None:
+    """Programs where ``change`` rewrites the first ring exchange of each rank ``which`` picks."""
+    made = StepPrograms.program
+
+    def program(self, rank):
+        ops = made(self, rank)
+        if which(self.layout, rank):
+            first = next(i for i, op in enumerate(ops) if op.comm == "cp")
+            ops[first] = change(ops[first])
+        return ops
+
+    monkeypatch.setattr(StepPrograms, "program", program)
+
+
+def test_a_mismatch_on_a_far_rank_of_a_large_layout_is_found_by_that_rank(monkeypatch):
+    """The last of 16,384 ranks sends its first ring message 8 B longer: that rank's own check (it
+    runs its stage's program moved along dp and cp, or the proof does not hold) refuses the step,
+    naming the rank and the operation; every rank's verdict reaches all through the start-up's
+    error agreement."""
+    lay = large_layout()
+    far = proof_rank(lay, lay.world_size - 1)
+    altered(monkeypatch, lambda small, rank: rank == far,
+            lambda op: replace(op, sends=((op.sends[0][0], op.sends[0][1] + 8),)))
+    check_step(lay, DEEP, SEQ, 4, rank=0)
+    with pytest.raises(StepCommError, match=rf"^rank 16383 \(the proof's rank {far}\) does not run its pipeline "
+                                            rf"stage's step program.*: operation #1: rank {far} runs send 4104 B to "
+                                            r"rank \d+, receive 4096 B from rank \d+ on cp \(F mb 0 h\.15-15 ring step "
+                                            r"0\), its stage's rank \d+ send 4096 B"):
+        check_step(lay, DEEP, SEQ, 4, rank=lay.world_size - 1)
+
+
+def test_a_mismatch_on_the_far_stage_of_a_large_layout_is_found_by_the_stages_simulation(monkeypatch):
+    """Every rank of the last of 16 stages sends its first ring message 8 B longer than its ring
+    peer receives: symmetric, so each rank's own check passes, and the simulation of one rank per
+    stage finds the mismatch."""
+    lay = large_layout()
+    altered(monkeypatch, lambda small, rank: small.position(rank)["pp"] == small.pp - 1,
+            lambda op: replace(op, sends=((op.sends[0][0], op.sends[0][1] + 8),)))
+    with pytest.raises(StepCommError, match=r"^rank \d+ receives 4096 B from rank \d+ \(F mb 0 h\.15-15 ring step "
+                                            r"0\) but rank \d+ sent 4104 B"):
+        check_step(lay, DEEP, SEQ, 4, rank=lay.world_size - 1)

@@ -100,6 +100,14 @@ def device_info() -> dict | None:
             "total_memory": int(dev.mem_info[1])}
 
 
+def device_memory(local_rank: int) -> int:
+    """Total memory (bytes) of the GPU :func:`bind_device` gives local rank ``local_rank``, read
+    before any is bound (CuPy must see a GPU)."""
+    import cupy
+    device = local_rank % cupy.cuda.runtime.getDeviceCount()
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["totalGlobalMem"])
+
+
 def pool_bytes() -> tuple[int, int]:
     """(bytes in use, bytes held) of CuPy's default memory pool; (0, 0) on NumPy."""
     if name != "cupy":

@@ -9,13 +9,11 @@ for, while a unit runs) and gradient reduce-scatters (over dp x cp); a mixture o
 exchanges under ep (per MoE chunk and micro-batch, on the ep group: the counts, the rows out and
 the outputs back forward, again where the block reruns, then the two gradients' exchanges
 backward; each all-to-all priced at the rows a rank sends when routing is balanced, which every
-member passes alike). :func:`simulate_step` runs
-all ranks' programs together: a collective is started in order on its group, whose members must
-agree on the n-th one's operation and bytes, and completes once every member has started it; an
-exchange posts its sends (non-blocking) and completes when each of its
-receives finds its send, matched first in, first out per (source, destination, communicator) as
-MPI's non-overtaking rule matches them, of the same size. It names the first disagreement (ranks
-and operations) or, when ranks wait on each other, what every stuck rank waits in.
+member passes alike). :func:`~mpirt.parallel.step_simulation.simulate_step` runs the programs
+together (a collective completes once every member of its group started it, members agreeing
+on the n-th one's operation and bytes; an exchange's receives match its peers' sends first in,
+first out), naming the first disagreement (ranks and operations) or, when ranks wait on each
+other, what every stuck rank waits in.
 
 What it covers of the runtime: the operations that interleave across communicators within a
 step, in the order the engine issues them (the executor walks the schedule; ring attention posts
@@ -28,50 +26,21 @@ and the loss's average after the step, and tp's collectives inside ops.
 The grid is reduced for the proof: at most two dp ranks (ep at most 2 with them) and one tp
 rank (every dp and tp rank of a stage runs the same program, and tp's collectives live inside
 ops), and each chunk's blocks as one block (the ranks of a cp ring, a dp or an ep group hold the
-same stage).
+same stage). And it scales with the pipeline's depth, not the world (:func:`check_step`): each
+rank checks that its own program is its stage's moved along dp and cp, and the stages' programs,
+one rank each, stand for all their ranks in the simulation (65,536 ranks, tp 8 x pp 64 x cp 32:
+64 programs; ``bench/preflight_scale.py``).
 """
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict, deque
-from dataclasses import dataclass
 
-from mpirt.parallel.grid import axis_groups, expert_groups, grid_rank
+from mpirt.parallel.grid import grid_rank
 from mpirt.parallel.pipeline.schedules import Action, BACKWARD, FORWARD, WEIGHT
+from mpirt.parallel.step_simulation import Grid3, Op, StepCommError, first_difference, simulate_step
 
-
-@dataclass(frozen=True)
-class Op:
-    """One communication step of a rank. ``what``: a collective on ``comm`` (``allgather``,
-    ``reduce_scatter``, ``alltoall``: started and waited for; ``iallgather``: only started), ``wait`` (for the
-    rank's collective number ``index`` on ``comm``, started earlier), or ``exchange``
-    (non-blocking ``sends`` and ``recvs`` on ``comm``, each ``(world rank, bytes)``, waited for
-    together); ``label`` says where in the step it is."""
-
-    what: str
-    comm: str
-    nbytes: int = 0
-    sends: tuple = ()
-    recvs: tuple = ()
-    label: str = ""
-    index: int = -1
-
-    def describe(self) -> str:
-        if self.what == "exchange":
-            parts = [f"send {n} B to rank {r}" for r, n in self.sends] + \
-                    [f"receive {n} B from rank {r}" for r, n in self.recvs]
-            return f"{', '.join(parts)} on {self.comm} ({self.label})"
-        if self.what == "wait":
-            return f"wait for collective #{self.index} on {self.comm} ({self.label})"
-        return f"{self.what} of {self.nbytes} B on {self.comm} ({self.label})"
-
-
-BLOCKING = ("allgather", "reduce_scatter", "alltoall")
-STARTED = BLOCKING + ("iallgather",)
-
-
-class StepCommError(ValueError):
-    """The step's communication would mismatch or deadlock (:func:`simulate_step`)."""
+__all__ = ["Op", "StepCommError", "StepPrograms", "check_step", "proof_rank", "reduced", "simulate_step",
+           "step_programs"]
 
 
 def reduced(layout):
@@ -105,180 +74,138 @@ class _Gathers:
         self._start("reduce_scatter", unit[1], label)
 
 
-def step_programs(layout, model_cfg, seq_len: int, itemsize: int) -> dict[int, list[Op]]:
-    """Every rank's program of one step on ``layout`` (resolved with the model; use
-    :func:`reduced` for the proof's grid), for ``model_cfg`` at ``seq_len`` in ``itemsize``-byte
-    elements (ring attention's keys and values travel in float32 in half precision)."""
-    from mpirt.core.modeling import layer_costs
+class StepPrograms:
+    """The programs of one step on ``layout`` (resolved with the model; use :func:`reduced` for the
+    proof's grid), for ``model_cfg`` at ``seq_len`` in ``itemsize``-byte elements (ring
+    attention's keys and values travel in float32 in half precision): :meth:`program` makes one
+    rank's, from what every rank shares (made once here)."""
 
-    costs = layer_costs(model_cfg, seq_len)
-    dp, pp, cp, tp = layout.dp, layout.pp, layout.cp, layout.tp
-    held = seq_len // cp
-    kv_heads = getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head
-    kv_bytes = layout.rows * held * 2 * kv_heads * (model_cfg.n_embd // model_cfg.n_head) // tp * max(itemsize, 4)
-    act_bytes = layout.rows * held * model_cfg.n_embd * itemsize
-    experts = getattr(model_cfg, "n_expert", 0)
-    routed = act_bytes * getattr(model_cfg, "top_k", 1)  # a rank's rows out to the experts (balanced)
-    counts_bytes = experts // layout.ep * 8 * layout.ep
-    stages = layout.stages
+    def __init__(self, layout, model_cfg, seq_len: int, itemsize: int):
+        from mpirt.core.modeling import layer_costs
 
-    def world(pos: dict, **moved) -> int:
-        c = {**pos, **moved}
-        return grid_rank((c["dp"], c["pp"], c["cp"], c["tp"]), dp, pp, tp, cp)
+        self.layout, self.itemsize = layout, itemsize
+        self.costs = layer_costs(model_cfg, seq_len)
+        held = seq_len // layout.cp
+        kv_heads = getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head
+        self.kv_bytes = layout.rows * held * 2 * kv_heads * (model_cfg.n_embd // model_cfg.n_head) // layout.tp * \
+            max(itemsize, 4)
+        self.act_bytes = layout.rows * held * model_cfg.n_embd * itemsize
+        self.experts = getattr(model_cfg, "n_expert", 0)
+        self.routed = self.act_bytes * getattr(model_cfg, "top_k", 1)  # a rank's rows out to the experts (balanced)
+        self.counts_bytes = self.experts // layout.ep * 8 * layout.ep
 
-    def units(chunk: int, p: int) -> list[tuple[str, int, bool]]:
+    def world(self, pos: dict, **moved) -> int:
+        lay, c = self.layout, {**pos, **moved}
+        return grid_rank((c["dp"], c["pp"], c["cp"], c["tp"]), lay.dp, lay.pp, lay.tp, lay.cp)
+
+    def units(self, chunk: int, p: int) -> list[tuple[str, int, bool]]:
         """(name, parameter bytes, whether it is blocks) of the units of chunk ``chunk`` on pp
         rank ``p``, in forward order (a chunk's blocks as one)."""
-        s = chunk * pp + p
-        lo, hi = layout.bounds[s]
+        lay, costs = self.layout, self.costs
+        s = chunk * lay.pp + p
+        lo, hi = lay.bounds[s]
         out = [("embed", costs[0].params, False)] if s == 0 else []
         if hi > lo:
             out.append((f"h.{lo}-{hi - 1}", sum(costs[1 + i].params for i in range(lo, hi)), True))
-        if s == stages - 1:
+        if s == lay.stages - 1:
             out.append(("head", costs[-1].params, False))
-        return [(name, int(n // tp * itemsize), blocks) for name, n, blocks in out]
+        return [(name, int(n // lay.tp * self.itemsize), blocks) for name, n, blocks in out]
 
-    programs = {}
-    for rank in range(layout.world_size):
-        pos = layout.position(rank)
-        nxt, prv = world(pos, cp=(pos["cp"] + 1) % cp), world(pos, cp=(pos["cp"] - 1) % cp)
+    def exchanges(self, label: str, backward: bool) -> list[Op]:
+        """A MoE layer's all-to-alls on the ep group (none without expert parallelism)."""
+        if self.layout.ep == 1 or not self.experts:
+            return []
+        if backward:
+            return [Op("alltoall", "ep", self.routed, label=f"{label} {step}")
+                    for step in ("outputs' gradient out", "rows' gradient back")]
+        return [Op("alltoall", "ep", self.counts_bytes, label=f"{label} expert counts"),
+                Op("alltoall", "ep", self.routed, label=f"{label} rows out"),
+                Op("alltoall", "ep", self.routed, label=f"{label} outputs back")]
+
+    def program(self, rank: int) -> list[Op]:
+        """Rank ``rank``'s program of one step."""
+        lay = self.layout
+        pp, cp = lay.pp, lay.cp
+        pos = lay.position(rank)
+        nxt, prv = self.world(pos, cp=(pos["cp"] + 1) % cp), self.world(pos, cp=(pos["cp"] - 1) % cp)
+        out, back = ((nxt, self.kv_bytes),), ((prv, self.kv_bytes),)
 
         def ring(label: str, backward: bool) -> list[Op]:
             if cp == 1:
                 return []
             if not backward:
-                return [Op("exchange", "cp", sends=((nxt, kv_bytes),), recvs=((prv, kv_bytes),),
-                           label=f"{label} ring step {s}") for s in range(cp - 1)]
-            return [Op("exchange", "cp", sends=((nxt, kv_bytes),) * (2 if s < cp - 1 else 1),
-                       recvs=((prv, kv_bytes),) * (2 if s < cp - 1 else 1), label=f"{label} ring backward step {s}")
-                    for s in range(cp)]
+                return [Op("exchange", "cp", sends=out, recvs=back, label=f"{label} ring step {s}")
+                        for s in range(cp - 1)]
+            return [Op("exchange", "cp", sends=out * 2, recvs=back * 2, label=f"{label} ring backward step {s}")
+                    for s in range(cp - 1)] + [Op("exchange", "cp", sends=out, recvs=back,
+                                                  label=f"{label} ring backward step {cp - 1}")]
 
-        def exchanges(label: str, backward: bool) -> list[Op]:
-            """A MoE layer's all-to-alls on the ep group (none without expert parallelism)."""
-            if layout.ep == 1 or not experts:
-                return []
-            if backward:
-                return [Op("alltoall", "ep", routed, label=f"{label} {step}")
-                        for step in ("outputs' gradient out", "rows' gradient back")]
-            return [Op("alltoall", "ep", counts_bytes, label=f"{label} expert counts"),
-                    Op("alltoall", "ep", routed, label=f"{label} rows out"),
-                    Op("alltoall", "ep", routed, label=f"{label} outputs back")]
-
-        recomputed = set(layout.recomputed)
+        recomputed = set(lay.recomputed)
         ops: list[Op] = []
         gathers = _Gathers(ops)
-        actions = layout.pipeline_schedule.actions[pos["pp"]] if pp > 1 else \
-            [Action(op, mb) for mb in range(layout.microbatches) for op in (FORWARD, BACKWARD)]
+        actions = lay.pipeline_schedule.actions[pos["pp"]] if pp > 1 else \
+            [Action(op, mb) for mb in range(lay.microbatches) for op in (FORWARD, BACKWARD)]
         for a in actions:
-            tag = f"{a.op} mb {a.mb}" + (f" chunk {a.chunk}" if layout.chunks > 1 else "")
+            tag = f"{a.op} mb {a.mb}" + (f" chunk {a.chunk}" if lay.chunks > 1 else "")
             if a.op not in (FORWARD, BACKWARD, WEIGHT):   # the pipeline's messages, one micro-batch each
-                peer = world(pos, pp=a.peer)
-                one = ((peer, act_bytes),)
+                one = ((self.world(pos, pp=a.peer), self.act_bytes),)
                 ops.append(Op("exchange", "pp", sends=one if a.is_send else (), recvs=() if a.is_send else one,
                               label=f"{a.op} mb {a.mb}"))
                 continue
-            mine = units(a.chunk, pos["pp"])
-            lo, hi = layout.bounds[a.chunk * pp + pos["pp"]]
-            rerun = layout.zero == 3 or any(i in recomputed for i in range(lo, hi))
+            mine = self.units(a.chunk, pos["pp"])
+            lo, hi = lay.bounds[a.chunk * pp + pos["pp"]]
+            rerun = lay.zero == 3 or any(i in recomputed for i in range(lo, hi))
             order = list(range(len(mine))) if a.op == FORWARD else list(reversed(range(len(mine))))
             for k, j in enumerate(order):            # a chunk's units prefetch their neighbours in it
                 unit = mine[j]
                 name, _, blocks = unit
                 label = f"{tag} {name}"
-                if layout.zero == 3 and a.op != WEIGHT:
+                if lay.zero == 3 and a.op != WEIGHT:
                     gathers.gather(unit, mine[order[k + 1]] if k + 1 < len(order) else None, label)
                 if blocks and a.op == FORWARD:
-                    ops += ring(label, backward=False) + exchanges(label, backward=False)
+                    ops += ring(label, backward=False) + self.exchanges(label, backward=False)
                 if blocks and a.op == BACKWARD:
                     if rerun:
-                        ops += ring(label + " rerun", backward=False) + exchanges(label + " rerun", backward=False)
-                    ops += exchanges(label, backward=True) + ring(label, backward=True)
-                if layout.zero == 3 and (a.op == WEIGHT or (a.op == BACKWARD and not layout.split_backward)):
+                        ops += ring(label + " rerun", backward=False) + self.exchanges(label + " rerun", backward=False)
+                    ops += self.exchanges(label, backward=True) + ring(label, backward=True)
+                if lay.zero == 3 and (a.op == WEIGHT or (a.op == BACKWARD and not lay.split_backward)):
                     gathers.reduce_scatter(unit, label)
-        programs[rank] = ops
-    return programs
+        return ops
 
 
-def simulate_step(layout, programs: dict[int, list[Op]]) -> None:
-    """Run ``programs`` (:func:`step_programs` on ``layout``) together; StepCommError naming the
-    ranks and operations of the first disagreement, or of a deadlock. A collective is started in
-    order (members must agree on the n-th collective of a group: MPI matches them by order) and
-    completes once every member has started it."""
-    groups = {}
-    for comm in ("dp_cp", "cp", "pp"):
-        for members in axis_groups(comm, layout.dp, layout.pp, layout.tp, layout.cp):
-            for r in members:
-                groups[(comm, r)] = tuple(members)
-    for members in axis_groups("dp", layout.dp, layout.pp, layout.tp, layout.cp):  # ep: within each dp group
-        for ep_group in expert_groups(layout.dp, layout.ep)[0]:
-            for d in ep_group:
-                groups[("ep", members[d])] = tuple(members[i] for i in ep_group)
-    at = {r: 0 for r in programs}
-    posted = {r: False for r in programs}
-    waiting = {r: None for r in programs}          # the receives an exchange still waits for
-    channels: dict = defaultdict(deque)             # (source, destination, comm) -> [(bytes, label)]
-    started: dict = defaultdict(list)               # (comm, rank) -> the collectives it started, in order
-
-    def current(r):
-        return programs[r][at[r]] if at[r] < len(programs[r]) else None
-
-    def start(r, op) -> int:
-        mine = started[(op.comm, r)]
-        n = len(mine)
-        for m in groups[(op.comm, r)]:
-            theirs = started[(op.comm, m)]
-            if m != r and len(theirs) > n and (theirs[n].what, theirs[n].nbytes) != (op.what, op.nbytes):
-                raise StepCommError(f"{op.comm} group {list(groups[(op.comm, r)])}, collective #{n}: rank {m} runs "
-                                    f"{theirs[n].describe()}, rank {r} {op.describe()}")
-        mine.append(op)
-        return n
-
-    def complete(r, comm, index) -> bool:
-        return all(len(started[(comm, m)]) > index for m in groups[(comm, r)])
-
-    progress = True
-    while progress:
-        progress = False
-        for r in programs:
-            op = current(r)
-            if op is None:
-                continue
-            if op.what == "exchange":
-                if not posted[r]:
-                    for dst, n in op.sends:
-                        channels[(r, dst, op.comm)].append((n, op.label))
-                    posted[r], waiting[r], progress = True, list(op.recvs), True
-                for src, n in list(waiting[r]):
-                    queue = channels[(src, r, op.comm)]
-                    if queue:
-                        sent, label = queue.popleft()
-                        if sent != n:
-                            raise StepCommError(f"rank {r} receives {n} B from rank {src} ({op.label}) but rank {src} "
-                                                f"sent {sent} B ({label})")
-                        waiting[r].remove((src, n))
-                        progress = True
-                if not waiting[r]:
-                    at[r], posted[r], progress = at[r] + 1, False, True
-            elif op.what in STARTED:
-                if not posted[r]:
-                    posted[r], waiting[r], progress = True, start(r, op), True
-                if op.what not in BLOCKING or complete(r, op.comm, waiting[r]):
-                    at[r], posted[r], progress = at[r] + 1, False, True
-            elif complete(r, op.comm, op.index):       # a wait
-                at[r], progress = at[r] + 1, True
-    stuck = {r: current(r) for r in programs if current(r) is not None}
-    if stuck:
-        raise StepCommError("deadlock: " + "; ".join(f"rank {r} waits in {op.describe()}" for r, op in stuck.items()))
-    unread = {k: q for k, q in channels.items() if q}
-    if unread:
-        (src, dst, comm), q = next(iter(unread.items()))
-        raise StepCommError(f"rank {src} sends {q[0][0]} B to rank {dst} on {comm} ({q[0][1]}) that it never receives")
+def step_programs(layout, model_cfg, seq_len: int, itemsize: int) -> dict[int, list[Op]]:
+    """Every rank's program of one step (:class:`StepPrograms`), rank -> its operations."""
+    make = StepPrograms(layout, model_cfg, seq_len, itemsize)
+    return {rank: make.program(rank) for rank in range(layout.world_size)}
 
 
-def check_step(layout, model_cfg, seq_len: int, itemsize: int) -> None:
+def proof_rank(layout, rank: int) -> int:
+    """Where world rank ``rank`` of ``layout`` stands on the proof's grid (:func:`reduced`)."""
+    small = reduced(layout)
+    pos = layout.position(rank)
+    return grid_rank((pos["dp"] % small.dp, pos["pp"], pos["cp"], 0), small.dp, small.pp, 1, small.cp)
+
+
+def check_step(layout, model_cfg, seq_len: int, itemsize: int, rank: int | None = None) -> None:
     """The pre-flight proof of ``layout``'s step (see the module docstring); StepCommError when it
-    fails. Nothing to prove without cp, pp, ep or ZeRO-3."""
+    fails. Nothing to prove without cp, pp, ep or ZeRO-3.
+
+    Two parts: ``rank``'s own program is its pipeline stage's moved along dp and cp (every rank
+    checks its own, in the time of one program; ``rank=None`` checks every rank of the proof's
+    grid, one after the other), and the stages' programs, one rank each, run together without a
+    mismatch or a deadlock (:func:`~mpirt.parallel.step_simulation.simulate_step`, symmetric)."""
     if layout.cp == 1 and layout.pp == 1 and layout.ep == 1 and layout.zero != 3:
         return
     small = reduced(layout)
-    simulate_step(small, step_programs(small, model_cfg, seq_len, itemsize))
+    make = StepPrograms(small, model_cfg, seq_len, itemsize)
+    grid = Grid3(small)
+    stages = {grid.rank(0, p, 0): make.program(grid.rank(0, p, 0)) for p in range(small.pp)}
+    mine = range(small.world_size) if rank is None else [proof_rank(layout, rank)]
+    for r in mine:
+        rep = grid.representative(r)
+        why = None if r == rep else first_difference(grid, r, make.program(r), stages[rep])
+        if why:
+            who = f"rank {r} of the proof's grid" if rank is None else f"rank {rank} (the proof's rank {r})"
+            raise StepCommError(f"{who} does not run its pipeline stage's step program, which the proof takes "
+                                f"every rank of a stage to run: {why}")
+    simulate_step(small, stages, symmetric=True)

@@ -26,6 +26,22 @@ def parse_size(text: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
+AUTO_BUDGET = "auto"
+NO_BUDGET = ("none", "0", "")  # "": what configs written before the default was auto say for none
+
+
+def explicit_budget(text: str) -> int | None:
+    """The bytes of an explicit ``--memory-budget`` size; None for ``auto`` (what the rank can
+    have: :mod:`mpirt.plan.budget`), ``none`` or ``0``. ValueError names text that is none of these."""
+    t = text.strip().lower()
+    if t == AUTO_BUDGET or t in NO_BUDGET:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 1.5GiB, 800MB), auto or none") from None
+
+
 def format_size(n: float) -> str:
     """``1610612736`` -> ``1.50 GiB``; ``3e6`` -> ``2.9 MiB``."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -333,17 +349,27 @@ def describe_rank(layout, rank: int) -> str:
 
 
 def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int = 0,
-                 baselines: list[int] | None = None) -> list[dict]:
+                 baselines: list[int] | None = None, available: list | None = None) -> list[dict]:
     """Every rank's :func:`predict` (``baselines``: each rank's :func:`measured_baseline`, else
-    :data:`PROCESS_BYTES`); with ``cfg.memory_budget``, ValueError for the rank whose peak exceeds
-    it by the most, naming its largest term, the numbers and what would shrink it."""
+    :data:`PROCESS_BYTES`); ValueError for the rank whose peak exceeds its budget by the most,
+    naming its largest term, the numbers and what would shrink it. The budget: an explicit
+    ``cfg.memory_budget``, or under ``auto`` each rank's ``available`` entry (``(bytes, where
+    from)`` of :func:`mpirt.plan.budget.available_budget`; None: unknown, unchecked)."""
     preds = [predict(cfg, model_cfg, layout, r, data_bytes, process_bytes=baselines[r] if baselines else None)
              for r in range(world_size)]
-    budget = parse_size(cfg.memory_budget)
-    if budget is None:
+    explicit = explicit_budget(cfg.memory_budget)
+    if explicit is not None:
+        limits = [(explicit, None)] * world_size
+    elif cfg.memory_budget.strip().lower() == AUTO_BUDGET and available:
+        limits = available
+    else:
         return preds
-    worst = max(range(world_size), key=lambda r: preds[r]["peak"])
+    checked = [r for r in range(world_size) if limits[r] is not None]
+    if not checked:
+        return preds
+    worst = max(checked, key=lambda r: preds[r]["peak"] - limits[r][0])
     p = preds[worst]
+    budget, source = limits[worst]
     if p["peak"] <= budget:
         return preds
     term = max(CATEGORIES, key=lambda k: p[k])
@@ -355,8 +381,10 @@ def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int 
              "workspace": "a larger tp or pp (smaller logits and tensors)",
              "baseline": "a larger budget: the process alone needs it",
              "data": "a larger budget: the dataset bytes held in memory"}
+    over = f"budget {format_size(budget)}" if source is None else \
+        f"the {format_size(budget)} it can have ({source}; --memory-budget SIZE sets a budget, none checks none)"
     raise ValueError(f"memory_budget: {describe_rank(layout, worst)}: predicted peak {format_size(p['peak'])} > "
-                     f"budget {format_size(budget)}; largest term {term.replace('_', ' ')} {format_size(p[term])} "
+                     f"{over}; largest term {term.replace('_', ' ')} {format_size(p[term])} "
                      f"({', '.join(f'{k.replace(chr(95), chr(32))} {format_size(p[k])}' for k in CATEGORIES)}); "
                      f"try {hints[term]}")
 

@@ -35,7 +35,7 @@ BACKENDS = ("auto", "numpy", "cupy")
 # `mpirt.train --schedule` and `python -m mpirt.schedule` accept the same set.
 from mpirt.parallel.pipeline.schedules import SCHEDULES, ScheduleError, canonical_name as _canonical_schedule  # noqa: E402
 RESUME = ("", "auto")
-from mpirt.plan.memory import parse_size  # noqa: E402
+from mpirt.plan.memory import explicit_budget  # noqa: E402
 from mpirt.core.recompute import MODES as RECOMPUTE, parse_layers  # noqa: E402
 NAN_POLICIES = ("skip", "stop")
 
@@ -117,8 +117,10 @@ class TrainConfig:
     moe_imbalance: float = _opt(2.0, "mixture of experts under ep, dropless routing: the rows the busiest rank's "
                                      "experts run over the even share, as the memory prediction and --memory-budget "
                                      "plan for them (a capacity_factor bounds them instead)")
-    memory_budget: str = _opt("", "per-rank memory budget ('1.5GiB', '800MB'): refuse a layout predicted not "
-                                  "to fit, stop (exit 5) when a rank's measured peak exceeds it; empty = none")
+    memory_budget: str = _opt("auto", "per-rank memory budget ('1.5GiB', '800MB'): refuse a layout predicted not "
+                                      "to fit, stop (exit 5) when a rank's measured peak exceeds it; auto = what the "
+                                      "rank can have (the GPU's memory, else the node's available memory over its "
+                                      "ranks), checked before training only; none (or 0) = no check")
     model_overrides: dict = field(default_factory=dict, metadata={
         "help": "model config fields overriding the model, from [model] / --model.<field>=value"})
 
@@ -183,7 +185,7 @@ class TrainConfig:
         except ScheduleError:
             need("schedule", False, "one of " + ", ".join(SCHEDULES))
         need("recompute", self.recompute in RECOMPUTE, "one of " + ", ".join(RECOMPUTE))
-        for key, parse in (("recompute_layers", parse_layers), ("memory_budget", parse_size)):
+        for key, parse in (("recompute_layers", parse_layers), ("memory_budget", explicit_budget)):
             try:
                 parse(getattr(self, key))
             except ValueError as err:

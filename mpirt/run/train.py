@@ -33,8 +33,9 @@ from mpirt.run.config import ConfigError, parse_args, parse_duration
 from mpirt.data.tokens import MetaError, TokenDataset, TokenIdError, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.run.distributed import init_distributed, input_fingerprint
 from mpirt.parallel.grid import Grid
-from mpirt.plan.memory import (check_budget, decode_over_budget, expert_load_bound, format_size, measured_baseline,
-                               over_budget_flag, parse_size, predict, recompute_where_it_pays)
+from mpirt.plan.budget import available_budget
+from mpirt.plan.memory import (check_budget, decode_over_budget, expert_load_bound, explicit_budget, format_size,
+                               measured_baseline, over_budget_flag, predict, recompute_where_it_pays)
 from mpirt.monitor.live import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, tensorboard_writer_class
 from mpirt.monitor.steps import owned_bytes
 from mpirt.core.optim import cosine_lr
@@ -335,9 +336,10 @@ def main(argv=None) -> dict:
         if not (resume or hf_weights is not None):
             model_cfg = vocab_from_data(cfg, model_cfg, data, layout["tp"])
         notes = [f"mpirt: data: {note}" for note in check_fit(cfg, model_cfg, data, layout)]
-        # the step's communication (pipeline, ring attention, ZeRO-3 gathers) proven consistent
+        # the step's communication (pipeline, ring attention, ZeRO-3 gathers) proven consistent: each
+        # rank checks its own program against its stage's, and the stages' together
         check_step(recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg)), model_cfg,
-                   cfg.seq_len, np.dtype(cfg.dtype).itemsize)
+                   cfg.seq_len, np.dtype(cfg.dtype).itemsize, rank=world.rank)
         cfg, eval_warning = fit_eval_batches(cfg, data)
         for line in notes + ([eval_warning] if eval_warning else []):
             if world.rank == 0:
@@ -361,9 +363,12 @@ def main(argv=None) -> dict:
         # each rank's process as it stands before the model is built: the baselines of the predictions
         if world.rank == 0 and cfg.monitor:
             tensorboard_writer_class()  # rank 0's writer: imported now, it is counted in its baseline
-        baselines = comm.world_comm().allgather_object(measured_baseline())
+        # and what each can have: the budget of --memory-budget auto (the default)
+        mine = (measured_baseline(), available_budget(cfg.backend, world.local_rank, world.local_size)
+                if cfg.memory_budget.strip().lower() == "auto" else None)
+        baselines, available = (list(x) for x in zip(*comm.world_comm().allgather_object(mine)))
         try:
-            check_budget(cfg, model_cfg, layout, world.size, baselines=baselines)  # every rank's against --memory-budget
+            check_budget(cfg, model_cfg, layout, world.size, baselines=baselines, available=available)
         except ValueError as err:  # the same on every rank: they all hold the same baselines
             failed = (0, str(err))
     if failed is not None:
@@ -433,7 +438,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     def predicted_peaks(loads=None) -> list[int]:
         return [p["peak"] for p in predictions(loads)]
 
-    B.limit_pool(parse_size(cfg.memory_budget))  # on a GPU the pool itself holds the budget
+    B.limit_pool(explicit_budget(cfg.memory_budget))  # on a GPU the pool itself holds an explicit budget
     # one dropout seed for every rank: the masks depend on each element's place in the global batch
     engine = Engine(cfg, model_cfg, grid, dropout_seed=ctx.rank_seed("dropout", rank=0), layout=layout)
     optimizer = engine.optimizer
@@ -538,7 +543,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     updated = False   # an optimizer update since the last checkpoint (or the start): else nothing to save
     extra_shown = {}
     stopped, exit_code = None, 0
-    budget = parse_size(cfg.memory_budget)
+    budget = explicit_budget(cfg.memory_budget)  # auto's is checked before training only
     step = start_step
     while step < end_step:
         faults.inject(ctx.rank, step + 1)
