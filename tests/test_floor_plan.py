@@ -22,6 +22,8 @@ ROOT_MODULES = {"mpirt"} | {f"mpirt.{p.stem}" for p in (ROOT / "mpirt").glob("*.
 # imports that go up, each for a reason
 UPWARD = {
     ("mpirt.core.precision", "mpirt.core.tensor"): "float32_compute reads the grad mode when a forward runs",
+    ("mpirt.plan.__main__", "mpirt.run.slurm"): "the planner's command line (an entry point) writes the chosen "
+                                                "layout's job script with the job writer (--emit-slurm)",
 }
 
 
