@@ -43,7 +43,7 @@ from mpirt.parallel.engine import Engine
 from mpirt.parallel.layout import Layout, LayoutError
 from mpirt.parallel.preflight import check_step
 from mpirt.plan import format_lines as prediction_lines, self_check
-from mpirt.core.modeling import apply_overrides, config_from_dict, flops_per_token, load_model_config, \
+from mpirt.core.modeling import apply_overrides, check_config, config_from_dict, flops_per_token, load_model_config, \
     missing_model_file, num_parameters, open_hf
 
 
@@ -61,15 +61,17 @@ def plan_layout(cfg, world_size: int) -> Layout:
 # layer_norm_epsilon) change no loaded tensor and apply on top of it
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)   # a write failed for want of space or quota
 FIXED_BY_WEIGHTS = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner", "model_type",
-                    "initializer_range")
+                    "initializer_range", "n_kv_head", "n_expert")
+# what a shape field means where None stands for a derived value (n_inner: 4 C or 8/3 C; n_kv_head: n_head)
+EFFECTIVE = {"n_inner": lambda c: c.hidden, "n_kv_head": lambda c: c.n_kv_head or c.n_head}
 
 
 def resolve_model(cfg) -> tuple[object, object | None, bool]:
     """Model config, a reader of the initial weights in a HF directory (or None), and whether
     ``init_from`` is an mpirt checkpoint (weights, optimizer state and step are then loaded from it).
 
-    The HF reader (:func:`mpirt.core.modeling.open_hf`) has read the headers only (names and shapes
-    checked against config.json, a stored head compared with the table); the engine has each rank
+    The HF reader (:func:`mpirt.core.modeling.open_hf`) has checked every config.json field and
+    every tensor (name, shape, dtype, finite values; a stored head compared with the table); the engine has each rank
     read its own boxes from the files (``engine.load_sharded(reader, with_optimizer=False)``).
 
     A checkpoint is verified end to end here (checksums included), before any collective, so a
@@ -99,9 +101,14 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
     changed = apply_overrides(loaded, cfg.model_overrides)
     for key in FIXED_BY_WEIGHTS:
         before, after = getattr(loaded, key, None), getattr(changed, key, None)
-        if key in cfg.model_overrides and (loaded.hidden != changed.hidden if key == "n_inner" else before != after):
+        value = EFFECTIVE.get(key, lambda c: getattr(c, key, None))
+        if key in cfg.model_overrides and value(loaded) != value(changed):
             raise ConfigError(f"model.{key}: {source} holds {key}={before!r}, the override asks for {after!r}; "
                               f"it cannot change with --init-from (drop the override or start from scratch)")
+    try:
+        check_config(changed)  # an override the loaded architecture refuses (top_k above its experts)
+    except ValueError as err:
+        raise ConfigError(f"model.{err}") from None
     return changed, weights, resume
 
 
