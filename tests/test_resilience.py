@@ -466,6 +466,28 @@ def test_a_token_id_out_of_range_found_while_reading_ends_the_run_in_one_line(tm
     assert "no checkpoint was written" in result.stderr
 
 
+def test_a_token_file_truncated_under_a_running_job_ends_it_in_one_line(tiny_data, tmp_path):
+    """train.bin cut to 1,000 tokens while the job trains: one line per rank naming the file, what
+    changed and the last checkpoint (exit 2), not an ``OSError: short read`` traceback."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    out = tmp_path / "run"
+    proc = start([*TINY, f"--data={data}", "--steps=100000", "--ckpt-interval=2"], out, ranks=0)
+    try:
+        wait_for_steps(out, 3, proc)
+        os.truncate(data / "train.bin", 2000)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    log = open(f"{out}.log").read()
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in log, log
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: rank 0: data: {data / 'train.bin'} changed under the running job: truncated from "), log
+    step = json.loads((out / "ckpt" / (out / "ckpt" / "latest").read_text().strip() / "meta.json").read_text())["step"]
+    assert errors[0].endswith(f"to 2,000 bytes; the last complete checkpoint is step {step}"), log
+
+
 @pytest.mark.parametrize("meta, fault", [("{not json", "not valid JSON"), ("[1, 2]", "expected a JSON object, found list"),
                                          ('{"vocab_size": "256"}', "vocab_size should be an integer, found '256'")])
 def test_a_malformed_dataset_meta_json_is_refused_in_one_line(tiny_data, tmp_path, meta, fault):

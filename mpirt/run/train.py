@@ -30,7 +30,7 @@ from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, looks_lik
                                     read_checkpoint_meta, verify_checkpoint)
 from mpirt.checkpoint.sharded import save_sharded
 from mpirt.run.config import ConfigError, parse_args, parse_duration
-from mpirt.data.tokens import MetaError, TokenDataset, TokenIdError, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
+from mpirt.data.tokens import DataError, MetaError, TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.run.distributed import init_distributed, input_fingerprint
 from mpirt.parallel.grid import Grid
 from mpirt.plan.memory import (check_budget, decode_over_budget, expert_load_bound, format_size, measured_baseline,
@@ -376,7 +376,7 @@ def main(argv=None) -> dict:
     try:
         return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started, model_source,
                      baselines)
-    except TokenIdError as err:  # an id out of the vocabulary in a split checked as it is read
+    except DataError as err:  # an id out of the vocabulary, or a token file changed under the job
         sys.stderr.write(f"error: rank {world.rank}: {err}; {last_checkpoint(out)}\n")
         sys.stderr.flush()
         sys.exit(jobctl.EXIT_REFUSED)
