@@ -114,6 +114,13 @@ def test_a_notice_that_does_not_fit_the_time_is_shortened_or_refused(capsys):
     (["--ntasks-per-node", "2", "--cp", "2", "--model", "mlp"], "--cp: model_type 'mlp' has no attention"),
     (["--ntasks-per-node", "2", "--ep", "4", "--model", "mixtral-tiny"], "--ep: 4 does not divide dp=2"),
     (["--ntasks-per-node", "2", "--ep", "2", "--model", "gpt2"], "--ep: model_type 'gpt2' has no experts to split"),
+    # what the script sets itself: its run directory, resumed, stopped before the job's end
+    (["--run-dir", "r", "--", "--lr", "1e-3", "--out-dir", "OTHER"],
+     "training arguments: --out-dir: the run directory is the script's: --run-dir DIR"),
+    (["--", "--out_dir=OTHER"], "training arguments: --out_dir: the run directory is the script's"),
+    (["--", "--resume", "auto"], "training arguments: --resume: the script always resumes its run directory"),
+    (["--", "--time-limit=3h"], "training arguments: --time-limit: the script stops before the job's end "
+                                "(--time-limit slurm): set the job's limit with --time"),
 ])
 def test_training_arguments_are_checked_at_render_time(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -232,6 +239,17 @@ def test_template_needs_a_run_directory(job_env):
     for args in ([], ["--steps", "10"]):
         rc, out = run_job(text, where, env, *args)
         assert rc == 2 and "give the run directory first" in out, out
+    assert stub_args(where, "srun") is None
+
+
+@pytest.mark.parametrize("arg", ["--out-dir", "--out_dir=OTHER", "--resume", "--time-limit=3h"])
+def test_the_script_refuses_its_own_training_arguments_on_the_sbatch_line(job_env, arg):
+    """``sbatch SCRIPT RUN_DIR --out-dir OTHER`` would train elsewhere while the script checks and
+    requeues RUN_DIR: refused before anything starts, naming the flag to use instead."""
+    where, env = job_env
+    text = render(dataclasses.replace(TEMPLATES["cpu"][1], template="cpu"))
+    rc, out = run_job(text, where, env, "run", "--steps", "10", arg, "OTHER")
+    assert rc == 2 and f"error: {arg.partition('=')[0]}: " in out, out
     assert stub_args(where, "srun") is None
 
 

@@ -48,6 +48,26 @@ _TIME = re.compile(r"(?:[0-9]+-[0-9]+(?::[0-9]{1,2}){0,2}|[0-9]+(?::[0-9]{1,2}){
 EARLY_SIGNAL_S = 60   # SLURM may deliver --signal up to this many seconds before its time (timer resolution)
 
 
+# mpirt.train's keys the job script sets itself, with what to use instead: the script's own
+# contract (one run directory that it resumes, stopping before the job's end) holds only if
+# nothing after `--` or on the sbatch line overrides them
+OWNED_TRAIN_KEYS = {
+    "out_dir": "the run directory is the script's: --run-dir DIR (or sbatch SCRIPT RUN_DIR)",
+    "resume": "the script always resumes its run directory (--resume auto): a new --run-dir starts fresh",
+    "time_limit": "the script stops before the job's end (--time-limit slurm): set the job's limit with --time",
+}
+
+
+def owned_train_arg(args) -> str | None:
+    """A refusal naming the first of ``args`` (mpirt.train arguments) that sets one of
+    :data:`OWNED_TRAIN_KEYS`, with the flag to use instead; None when there is none."""
+    for arg in args:
+        key = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else ""
+        if key in OWNED_TRAIN_KEYS:
+            return f"{arg.partition('=')[0]}: {OWNED_TRAIN_KEYS[key]}"
+    return None
+
+
 def time_seconds(limit: str) -> int:
     """Seconds in a SLURM time limit: MIN, MIN:SEC, H:MM:SS, D-H, D-H:MM or D-H:MM:SS."""
     days, _, rest = limit.rpartition("-")
@@ -135,6 +155,17 @@ CLEAN_SHM = r'''mpirt_clean_shm() {
 }
 '''
 
+def _owned_args_check() -> str:
+    """The job's refusal of :data:`OWNED_TRAIN_KEYS` among its own arguments (``sbatch SCRIPT
+    RUN_DIR ...``), in both spellings and both ``--key value`` and ``--key=value`` forms."""
+    cases = []
+    for key, instead in OWNED_TRAIN_KEYS.items():
+        flags = sorted({key, key.replace("_", "-")})
+        patterns = "|".join(f"--{f}|--{f}=*" for f in flags)
+        cases.append(f'        {patterns}) die "${{arg%%=*}}: {instead}" ;;\n')
+    return 'for arg in "$@"; do\n    case $arg in\n' + "".join(cases) + "    esac\ndone\n"
+
+
 BODY = r'''say() { echo "mpirt job ${SLURM_JOB_ID:-}: $*"; }
 die() { say "error: $*" >&2; exit 2; }
 if [ -z "$RUN_DIR" ]; then
@@ -145,6 +176,7 @@ if [ -z "$RUN_DIR" ]; then
     shift
 fi
 
+OWNED_ARGS_CHECK
 site_env=${MPIRT_SITE_ENV:-$SITE_ENV}
 [ -r "$site_env" ] ||
     die "site env file $site_env not found: copy slurm/site.env.example there and adapt it, or set MPIRT_SITE_ENV"
@@ -214,7 +246,7 @@ elif [ "$rc" = 75 ]; then
     say "submit the same command to continue"
 fi
 exit "$rc"
-'''.replace("CLEAN_SHM_FUNCTION\n", CLEAN_SHM)
+'''.replace("CLEAN_SHM_FUNCTION\n", CLEAN_SHM).replace("OWNED_ARGS_CHECK\n", _owned_args_check())
 
 
 def _need(ok: bool, flag: str, rule: str, value) -> None:
@@ -261,6 +293,9 @@ def validate(spec: JobSpec) -> None:
     _need(isinstance(spec.train_args, (list, tuple)) and all(isinstance(a, str) and "\0" not in a
                                                              for a in spec.train_args),
           "train args", "strings without NUL bytes", spec.train_args)
+    owned = owned_train_arg(spec.train_args)
+    if owned:
+        raise SlurmScriptError(f"training arguments: {owned}")
     try:
         Layout.axes(spec.nodes * spec.ntasks_per_node, spec.dp, spec.pp, spec.tp, spec.cp)
     except LayoutError as err:
