@@ -22,7 +22,10 @@ What a rendered job does (the shell body, :data:`BODY`):
   forwarded: SLURM sends its own TERM to the ranks on ``scancel``, preemption and the time limit,
   and a second TERM would end them without a checkpoint;
 - preemptible jobs (``--requeue``) requeue themselves when training stopped with a checkpoint
-  (exit 75) that advanced, unless the job was cancelled or preempted (TERM to the batch shell).
+  (exit 75) that advanced, unless the job was cancelled or preempted (TERM to the batch shell);
+- reads "finished" from ``RUN_DIR/summary.json`` (written by this attempt, every step done, exit
+  code 0 recorded by rank 0), never from the launcher's exit code alone: ranks that all exit 0
+  early (a library's ``exit(0)``) end the job with exit 1, saying so.
 """
 from __future__ import annotations
 
@@ -209,6 +212,7 @@ trap 'got_term=1; say "TERM: the ranks got their own from SLURM"' TERM
 ckpt_before=$(cat "$RUN_DIR/ckpt/latest" 2>/dev/null || true)
 say "run directory $RUN_DIR, ${SLURM_NNODES:-?} node(s), ${SLURM_NTASKS:-?} ranks," \
     "srun --mpi=$MPI_TYPE, restart ${SLURM_RESTART_COUNT:-0}"
+started=$(date +%s)
 srun --mpi="$MPI_TYPE" --kill-on-bad-exit=1 --cpu-bind=cores python -m mpirt.train \
     --out-dir "$RUN_DIR" --resume auto --time-limit slurm ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@" &
 step=$!
@@ -221,11 +225,37 @@ requeued() {  # whether SLURM took the requeue although scontrol (interrupted by
     n=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'Restarts=[0-9]*' | cut -d= -f2)
     [ -n "$n" ] && [ "$n" -gt "${SLURM_RESTART_COUNT:-0}" ]
 }
-case $rc in
-    0) say "training finished" ;;
-    75) say "training stopped with a checkpoint in $RUN_DIR/ckpt (exit 75)" ;;
-    *) say "training failed (exit $rc)" ;;
-esac
+# "finished" is what rank 0 records in summary.json (every step done, exit code 0), written by this
+# attempt: a launcher exits 0 also when a rank's library called exit(0) before the end
+summary_says() {
+    python - "$RUN_DIR/summary.json" "$started" <<'PY'
+import json, os, sys
+path, since = sys.argv[1], float(sys.argv[2])
+try:
+    fresh, s = os.stat(path).st_mtime >= since, json.load(open(path))
+    steps, total, code = s["steps"], s["total_steps"], s["exit_code"]
+except (OSError, ValueError, KeyError, TypeError):
+    sys.exit(f"{path} is missing or unreadable")
+if not fresh:
+    sys.exit(f"{path} is from an earlier attempt (step {steps} of {total})")
+if code != 0 or steps < total:
+    sys.exit(f"{path} records step {steps} of {total}, exit code {code}")
+print(f"step {steps} of {total}")
+PY
+}
+if [ "$rc" = 0 ]; then
+    if done_at=$(summary_says 2>&1); then
+        say "training finished ($done_at)"
+    else
+        say "training ended early: the ranks exited 0 but $done_at; the last checkpoint is" \
+            "$(cat "$RUN_DIR/ckpt/latest" 2>/dev/null || echo none); not finished (exit 1)"
+        rc=1
+    fi
+elif [ "$rc" = 75 ]; then
+    say "training stopped with a checkpoint in $RUN_DIR/ckpt (exit 75)"
+else
+    say "training failed (exit $rc)"
+fi
 if [ "$rc" = 75 ] && [ -n "$got_term" ]; then
     if [ "$PREEMPTIBLE" = 1 ]; then
         say "stopped by SLURM: a preempted job is requeued by SLURM itself; after scancel," \

@@ -482,6 +482,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                   f"{end_step} (--steps {cfg.steps}); {out / 'summary.json'} is left as it is")
         engine.close()
         grid.free()
+        if is_main and (out / "summary.json").exists():  # confirmed by this attempt: a job script reads
+            os.utime(out / "summary.json")               # "finished" only from a summary this new
         return {"steps": start_step, "nothing_to_do": True}
     if is_main and not resume and (cfg.overwrite or cfg.resume == "auto"):  # leftovers of an earlier run
         for name in ("ckpt", "metrics", "summary.json", "eval.json", "trace.json", "tensorboard", "report"):
