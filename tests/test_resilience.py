@@ -276,6 +276,27 @@ def test_non_finite_steps_are_skipped_then_stop_the_run_without_a_bad_checkpoint
     assert meta["step"] >= 2 and good
 
 
+def test_the_last_good_checkpoint_is_the_one_before_the_divergence_and_its_flag_resumes(tiny_data, tmp_path):
+    """10 good steps, then lr 1e6: step 12's version is finite (loss ~1e12) but diverged. The stop
+    names step 10 as the last good checkpoint with the exact flag, which resumes (exit 0); every
+    version records its loss, gradient norm and verdict, and the good ones were not pruned."""
+    out = tmp_path / "run"
+    common = [*TINY, f"--data={tiny_data}", "--ckpt-interval=2", "--keep-checkpoints=2", f"--out-dir={out}"]
+    run_module("mpirt.train", *common, "--steps=10")
+    result = run_module("mpirt.train", *common, "--steps=40", "--lr=1e6", "--min-lr=0", "--resume=auto",
+                        check=False)
+    flag = f"--init-from {out / 'ckpt' / 'step-00000010'}"
+    assert result.returncode == EXIT_NONFINITE, result.stderr
+    assert f"the last good checkpoint is step 10: resume from it with {flag}" in result.stderr, result.stderr
+    assert "the loss left its recent range" in result.stderr
+    metas = {p.name: json.loads((p / "meta.json").read_text())["extra"] for p in (out / "ckpt").glob("step-*")}
+    assert metas["step-00000010"]["good"] and math.isfinite(metas["step-00000010"]["grad_norm"])
+    bad = metas["step-00000012"]
+    assert bad["good"] is False and bad["loss"] > 1e3, metas
+    resumed = run_module("mpirt.train", *common, "--steps=12", *flag.split())
+    assert f"resuming {out / 'ckpt' / 'step-00000010'} at step 10" in resumed.stderr
+
+
 def test_a_non_finite_state_at_a_save_stops_with_exit_3_not_done(tiny_data, tmp_path):
     """lr 1e39 makes step 1's weights infinite and every later step non-finite: each save finds the
     state not finite; the run must stop there with exit 3 and say so, never end \"done\" (exit 0)."""

@@ -25,7 +25,7 @@ import numpy as np
 import mpirt.core.backend as B
 from mpirt import comm
 from mpirt.cpu import blas, kernels
-from mpirt.run import faults, jobctl
+from mpirt.run import faults, health, jobctl
 from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, looks_like_checkpoint,
                                     read_checkpoint_meta, verify_checkpoint)
 from mpirt.checkpoint.sharded import save_sharded
@@ -210,7 +210,8 @@ def plan_out_dir(cfg, out: Path):
     if cfg.resume == "auto":  # the one flag a requeued job needs: continue, or start afresh
         return dataclasses.replace(cfg, init_from=str(ckpt)) if looks_like_checkpoint(ckpt) else cfg
     found = run_evidence(out)
-    resumes_own = bool(cfg.init_from) and Path(cfg.init_from).resolve() in (ckpt.resolve(), out.resolve())
+    source = Path(cfg.init_from).resolve() if cfg.init_from else None   # the run's own checkpoint, or one of its versions
+    resumes_own = source is not None and (source == out.resolve() or ckpt.resolve() in (source, *source.parents))
     if found and not cfg.overwrite and not resumes_own:
         raise ConfigError(f"out_dir: {out} holds an earlier run ({found}); pass --resume auto to continue it, "
                           f"--overwrite to replace it, or another --out-dir")
@@ -445,6 +446,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         if scaler is not None:
             scaler.load_state_dict((meta["optimizer"] or {}).get("scalars", {}))
         start_step = meta["step"]
+        if is_main and not health.version_good(meta, dtype=cfg.dtype):   # a resume that replays a divergence
+            print(f"mpirt: warning: {cfg.init_from} (step {start_step}) was saved after the loss left its recent "
+                  f"range; {health.resume_advice(Path(meta['path']).parent, dtype=cfg.dtype)}", file=sys.stderr, flush=True)
     summary_layout = dict(grid.sizes)
 
     eval_seconds = {"last": None}   # how long the last evaluation took (the deadline counts the next ones)
@@ -493,9 +497,10 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
 
     last_save = {"time": time.time(), "seconds": None, "step": start_step if resume else None}
 
-    def save(step: int, loss: float) -> bool:
+    def save(step: int, loss: float, grad_norm: float, good: bool) -> bool:
         """Checkpoint ``step`` (collective: every rank writes its own boxes, rank 0 commits), noting
-        the step's training ``loss``; False when the state is not finite and nothing was written."""
+        the step's training ``loss``, ``grad_norm`` and whether the loss was in its recent range
+        (``good``, :mod:`mpirt.run.health`); False when the state is not finite and nothing was written."""
         t0 = time.time()
         scalars = {**optimizer.scalars(), **(scaler.state_dict() if scaler is not None else {})}
         try:
@@ -504,7 +509,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                                 extra={"model_config": dataclasses.asdict(model_cfg), "model_source": model_source,
                                        "data": str(data.directory),
                                        "layout": summary_layout,
-                                       "loss": loss if math.isfinite(loss) else None})
+                                       "loss": loss if math.isfinite(loss) else None,
+                                       "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "good": good},
+                                params_limit=float(np.finfo(np.float16).max) if cfg.dtype == "float16" else None)
         except OSError as err:  # disk full, quota, permissions on any rank: the previous version stays intact
             if is_main:
                 kept = f"is step {last_save['step']}" if last_save["step"] is not None else "none: none was written"
@@ -536,6 +543,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     updated = False   # an optimizer update since the last checkpoint (or the start): else nothing to save
     extra_shown = {}
     stopped, exit_code = None, 0
+    loss_range = health.LossRange.seeded(metrics.records)  # which versions are good: saved before the loss left its range
     budget = parse_size(cfg.memory_budget)
     step = start_step
     while step < end_step:
@@ -570,6 +578,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         dt = time.perf_counter() - t0
         slowest_step = max(slowest_step, dt)
         step += 1
+        in_range = loss_range.observe(step, loss_value)
         skipped_total += skipped
         skipped_in_row = skipped_in_row + 1 if skipped else 0
         record = {"step": step, "loss": loss_value, "lr": optimizer.lr, "grad_norm": grad_norm, "skipped": skipped,
@@ -620,7 +629,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                     f"the checkpoint of step {last_save['step']}" if last_save["step"] is not None else "the start")
                     + " (every step skipped): nothing new to save", file=sys.stderr, flush=True)
         elif due:
-            if not save(step, loss_value):   # the state itself is not finite: no later step can recover it
+            if not save(step, loss_value, grad_norm, in_range):   # the state itself is not finite: no later step can recover it
                 stopped = f"the weights or optimizer state are not finite at step {step}"
                 exit_code = jobctl.EXIT_NONFINITE
             updated = False
@@ -677,6 +686,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "stopped": stopped,
         "exit_code": exit_code,
         "last_checkpoint_step": last_save["step"],
+        "loss_left_range": loss_range.describe() or None,
+        "last_good_checkpoint": health.resume_advice(out / "ckpt", loss_range, cfg.dtype) if is_main else None,
         "predicted_peak_bytes": max(predicted),
         "predicted_peak_bytes_per_rank": predicted,
         "planned_peak_bytes_per_rank": planned,
@@ -713,10 +724,9 @@ def end_block(summary: dict, out: Path, start_step: int) -> str:
     if s["stopped"]:
         lines.append("mpirt:   " + ("continue with the same command and --resume auto"
                                      if s["exit_code"] == jobctl.EXIT_STOPPED else
-                                     "nothing was saved after the failure: " + (
-                                         f"the last good checkpoint is step {s['last_checkpoint_step']}"
-                                         if s["last_checkpoint_step"] is not None else "no checkpoint was written")
-                                     + "; fix the cause (e.g. a lower --lr) before resuming"))
+                                     "nothing was saved after the failure" + (
+                                         f" ({s['loss_left_range']})" if s.get("loss_left_range") else "")
+                                     + f": {s['last_good_checkpoint']}; fix the cause (e.g. a lower --lr) first"))
     return "\n".join(lines)
 
 
