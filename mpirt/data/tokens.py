@@ -113,7 +113,8 @@ class TokenFile:
         if size != was[0]:
             what = f"{'truncated' if size < was[0] else 'grown'} from {was[0]:,} to {size:,} bytes"
         else:
-            what = f"rewritten in place (same size, modified {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(mtime / 1e9))})"
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime / 1e9))
+            what = f"rewritten in place (same size, modified {when})"
         raise TokenFileChanged(f"data: {self.path} changed under the running job: {what}")
 
     def __len__(self) -> int:

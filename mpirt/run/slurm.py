@@ -212,7 +212,8 @@ trap 'got_term=1; say "TERM: the ranks got their own from SLURM"' TERM
 ckpt_before=$(cat "$RUN_DIR/ckpt/latest" 2>/dev/null || true)
 say "run directory $RUN_DIR, ${SLURM_NNODES:-?} node(s), ${SLURM_NTASKS:-?} ranks," \
     "srun --mpi=$MPI_TYPE, restart ${SLURM_RESTART_COUNT:-0}"
-started=$(date +%s)
+summary_stamp() { stat -c '%i %y' "$RUN_DIR/summary.json" 2>/dev/null || true; }  # rewritten: a new stamp
+summary_before=$(summary_stamp)
 srun --mpi="$MPI_TYPE" --kill-on-bad-exit=1 --cpu-bind=cores python -m mpirt.train \
     --out-dir "$RUN_DIR" --resume auto --time-limit slurm ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@" &
 step=$!
@@ -226,13 +227,14 @@ requeued() {  # whether SLURM took the requeue although scontrol (interrupted by
     [ -n "$n" ] && [ "$n" -gt "${SLURM_RESTART_COUNT:-0}" ]
 }
 # "finished" is what rank 0 records in summary.json (every step done, exit code 0), written by this
-# attempt: a launcher exits 0 also when a rank's library called exit(0) before the end
+# attempt (its inode and modification time changed: no clock is compared): a launcher exits 0
+# also when a rank's library called exit(0) before the end
 summary_says() {
-    python - "$RUN_DIR/summary.json" "$started" <<'PY'
-import json, os, sys
-path, since = sys.argv[1], float(sys.argv[2])
+    python - "$RUN_DIR/summary.json" "$([ "$(summary_stamp)" != "$summary_before" ] && echo new)" <<'PY'
+import json, sys
+path, fresh = sys.argv[1], sys.argv[2] == "new"
 try:
-    fresh, s = os.stat(path).st_mtime >= since, json.load(open(path))
+    s = json.load(open(path))
     steps, total, code = s["steps"], s["total_steps"], s["exit_code"]
 except (OSError, ValueError, KeyError, TypeError):
     sys.exit(f"{path} is missing or unreadable")

@@ -71,8 +71,8 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
     ``init_from`` is an mpirt checkpoint (weights, optimizer state and step are then loaded from it).
 
     The HF reader (:func:`mpirt.core.modeling.open_hf`) has checked every config.json field and
-    every tensor (name, shape, dtype, finite values; a stored head compared with the table); the engine has each rank
-    read its own boxes from the files (``engine.load_sharded(reader, with_optimizer=False)``).
+    every tensor (name, shape, dtype, finite values; a stored head compared with the table); the
+    engine has each rank read its own boxes (``engine.load_sharded(reader, with_optimizer=False)``).
 
     A checkpoint is verified end to end here (checksums included), before any collective, so a
     damaged one is refused in one line naming the file. With ``init_from``, ``--model.*``
@@ -447,8 +447,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             scaler.load_state_dict((meta["optimizer"] or {}).get("scalars", {}))
         start_step = meta["step"]
         if is_main and not health.version_good(meta, dtype=cfg.dtype):   # a resume that replays a divergence
+            advice = health.resume_advice(Path(meta["path"]).parent, dtype=cfg.dtype)
             print(f"mpirt: warning: {cfg.init_from} (step {start_step}) was saved after the loss left its recent "
-                  f"range; {health.resume_advice(Path(meta['path']).parent, dtype=cfg.dtype)}", file=sys.stderr, flush=True)
+                  f"range; {advice}", file=sys.stderr, flush=True)
     summary_layout = dict(grid.sizes)
 
     eval_seconds = {"last": None}   # how long the last evaluation took (the deadline counts the next ones)
@@ -510,7 +511,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                                        "data": str(data.directory),
                                        "layout": summary_layout,
                                        "loss": loss if math.isfinite(loss) else None,
-                                       "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "good": good},
+                                       "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+                                       "good": good},
                                 params_limit=float(np.finfo(np.float16).max) if cfg.dtype == "float16" else None)
         except OSError as err:  # disk full, quota, permissions on any rank: the previous version stays intact
             if is_main:
@@ -543,7 +545,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     updated = False   # an optimizer update since the last checkpoint (or the start): else nothing to save
     extra_shown = {}
     stopped, exit_code = None, 0
-    loss_range = health.LossRange.seeded(metrics.records)  # which versions are good: saved before the loss left its range
+    loss_range = health.LossRange.seeded(metrics.records)  # good versions: saved before the loss left its range
     budget = parse_size(cfg.memory_budget)
     step = start_step
     while step < end_step:
@@ -629,7 +631,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                     f"the checkpoint of step {last_save['step']}" if last_save["step"] is not None else "the start")
                     + " (every step skipped): nothing new to save", file=sys.stderr, flush=True)
         elif due:
-            if not save(step, loss_value, grad_norm, in_range):   # the state itself is not finite: no later step can recover it
+            if not save(step, loss_value, grad_norm, in_range):   # a state not finite: no later step recovers it
                 stopped = f"the weights or optimizer state are not finite at step {step}"
                 exit_code = jobctl.EXIT_NONFINITE
             updated = False
@@ -687,7 +689,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "exit_code": exit_code,
         "last_checkpoint_step": last_save["step"],
         "loss_left_range": loss_range.describe() or None,
-        "last_good_checkpoint": health.resume_advice(out / "ckpt", loss_range, cfg.dtype) if is_main else None,
+        "resume_advice": health.resume_advice(out / "ckpt", loss_range, cfg.dtype) if is_main else None,
         "predicted_peak_bytes": max(predicted),
         "predicted_peak_bytes_per_rank": predicted,
         "planned_peak_bytes_per_rank": planned,
@@ -726,7 +728,7 @@ def end_block(summary: dict, out: Path, start_step: int) -> str:
                                      if s["exit_code"] == jobctl.EXIT_STOPPED else
                                      "nothing was saved after the failure" + (
                                          f" ({s['loss_left_range']})" if s.get("loss_left_range") else "")
-                                     + f": {s['last_good_checkpoint']}; fix the cause (e.g. a lower --lr) first"))
+                                     + f": {s['resume_advice']}; fix the cause (e.g. a lower --lr) first"))
     return "\n".join(lines)
 
 
