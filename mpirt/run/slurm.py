@@ -10,8 +10,9 @@ What a rendered job does (the shell body, :data:`BODY`):
 
 - sources the site's env file (``$MPIRT_SITE_ENV``, default ``slurm/site.env`` in the submit
   directory: modules, virtual environment, ``MPI_TYPE``, NCCL/UCX settings) and the venv;
-- removes the job owner's MPICH shared-memory files that no process uses, on every node (a killed
-  MPICH job leaves them, and a requeued job, which keeps its job id, then fails in ``MPI_Init``);
+- removes the job owner's MPICH shared-memory files that no process uses, on every node, before
+  the ranks start and again after ranks that did not finish (a killed MPICH job leaves them, and a
+  requeued job, which keeps its job id, then fails in ``MPI_Init``);
 - starts the ranks with ``srun --mpi=$MPI_TYPE --kill-on-bad-exit=1`` (without ``--mpi`` a site
   with ``MpiDefault=none`` starts N singletons that each train alone) and
   ``SRUN_CPUS_PER_TASK`` exported (``srun`` in SLURM 22.05 does not inherit ``--cpus-per-task``);
@@ -197,10 +198,13 @@ export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}       # srun in SLURM 22.05 
 
 CLEAN_SHM_FUNCTION
 # one task per node: a killed job leaves its files on every node it ran on; only files older than
-# this job (one made since may be a job's starting beside this one, not yet mapped)
-srun --mpi=none --nodes="${SLURM_NNODES:-1}" --ntasks="${SLURM_NNODES:-1}" --ntasks-per-node=1 --cpus-per-task=1 \
-    bash -c "$(declare -f mpirt_clean_shm)"'; mpirt_clean_shm "$@"' mpirt_clean_shm \
-    "$(id -u)" "${MPIRT_SHM_DIR:-/dev/shm}" "${SLURM_JOB_START_TIME:-$(date +%s)}" ||
+# $1 (epoch seconds: one made since may be a job's starting beside this one, not yet mapped)
+clean_shm_on_nodes() {
+    srun --mpi=none --nodes="${SLURM_NNODES:-1}" --ntasks="${SLURM_NNODES:-1}" --ntasks-per-node=1 \
+        --cpus-per-task=1 bash -c "$(declare -f mpirt_clean_shm)"'; mpirt_clean_shm "$@"' mpirt_clean_shm \
+        "$(id -u)" "${MPIRT_SHM_DIR:-/dev/shm}" "$1"
+}
+clean_shm_on_nodes "${SLURM_JOB_START_TIME:-$(date +%s)}" ||
     say "could not clean stale MPICH files in /dev/shm on every node; starting anyway"
 
 notice="" got_term="" step=""
@@ -276,6 +280,10 @@ elif [ "$rc" = 75 ] && [ "$PREEMPTIBLE" = 1 ]; then
     fi
 elif [ "$rc" = 75 ]; then
     say "submit the same command to continue"
+fi
+if [ "$rc" != 0 ]; then  # ranks that never finalised MPI (killed, exit(0) early) left their files,
+    # written until their end: no age limit (a job starting beside this one holds its files open)
+    clean_shm_on_nodes "" || say "could not clean this job's MPICH files in /dev/shm"
 fi
 exit "$rc"
 '''.replace("CLEAN_SHM_FUNCTION\n", CLEAN_SHM).replace("OWNED_ARGS_CHECK\n", _owned_args_check())
