@@ -262,6 +262,11 @@ elif [ "$rc" = 75 ]; then
 else
     say "training failed (exit $rc)"
 fi
+if [ "$rc" != 0 ] && [ "$rc" != 75 ]; then  # ranks that never finalised MPI (killed, exit(0) early)
+    # left their files, written until their end: no age limit (a job starting beside this one
+    # holds its files open); before any requeue, while this job still runs
+    clean_shm_on_nodes "" || say "could not clean this job's MPICH files in /dev/shm"
+fi
 if [ "$rc" = 75 ] && [ -n "$got_term" ]; then
     if [ "$PREEMPTIBLE" = 1 ]; then
         say "stopped by SLURM: a preempted job is requeued by SLURM itself; after scancel," \
@@ -280,10 +285,6 @@ elif [ "$rc" = 75 ] && [ "$PREEMPTIBLE" = 1 ]; then
     fi
 elif [ "$rc" = 75 ]; then
     say "submit the same command to continue"
-fi
-if [ "$rc" != 0 ]; then  # ranks that never finalised MPI (killed, exit(0) early) left their files,
-    # written until their end: no age limit (a job starting beside this one holds its files open)
-    clean_shm_on_nodes "" || say "could not clean this job's MPICH files in /dev/shm"
 fi
 exit "$rc"
 '''.replace("CLEAN_SHM_FUNCTION\n", CLEAN_SHM).replace("OWNED_ARGS_CHECK\n", _owned_args_check())
