@@ -1,5 +1,7 @@
 """Hugging Face checkpoints in and out, through safetensors only (never pickle): GPT-2 as below;
-Llama and Mixtral (tied heads) by mapping tensors (:func:`load_hf_decoder`, :data:`HF_FAMILIES`).
+Llama and Mixtral (tied heads) by mapping tensors (:data:`HF_FAMILIES`; read by
+:mod:`mpirt.models.hf_decoder`). Every stored weight is checked when a directory is opened: name,
+shape, a floating-point dtype and finite values (:func:`check_stored`, :func:`check_finite`).
 
 A GPT-2 directory holds ``config.json`` and either ``model.safetensors`` or a sharded checkpoint
 (``model.safetensors.index.json`` naming several shard files). Tensor names may carry the
@@ -93,16 +95,53 @@ def _open(path: Path) -> SafetensorsFile:
         raise ValueError(str(err)) from None
 
 
+FLOAT_CODES = ("F32", "BF16", "F16", "F64")   # the stored dtypes weights may have
+FINITE_CHUNK = 1 << 20                         # values converted and checked at a time
+
+
+def check_stored(f: SafetensorsFile, key: str, shape: tuple) -> None:
+    """A stored weight of ``shape`` and a floating-point dtype (integers would load as truncated
+    floats), ValueError naming the file and the key otherwise (reads the header only)."""
+    code = f.dtype_code(key)
+    if code not in FLOAT_CODES:
+        raise ValueError(f"{f.path}: tensor {key!r} is stored as {code}; weights must be floating point "
+                         f"({', '.join(FLOAT_CODES)})")
+    if f.shape(key) != tuple(shape):
+        raise ValueError(f"{f.path}: tensor {key!r} has shape {f.shape(key)}, expected {tuple(shape)} from config.json")
+
+
+def check_finite(f: SafetensorsFile, key: str, dtype=None) -> None:
+    """ValueError naming the file and the key when the stored tensor holds NaN or infinity, or
+    values beyond the range of ``dtype`` (the model's, when given). Reads the tensor a slab of
+    rows at a time (about :data:`FINITE_CHUNK` values), never whole."""
+    shape = f.shape(key)
+    rows = max(1, FINITE_CHUNK // max(1, int(np.prod(shape[1:], dtype=np.int64))))
+    stored = converted = 0
+    for start in range(0, shape[0], rows) if shape else [None]:
+        part = f.read(key, box=None if start is None else (slice(start, start + rows),))
+        finite = np.isfinite(part)
+        stored += part.size - int(np.count_nonzero(finite))
+        if dtype is not None and not stored:
+            with np.errstate(over="ignore"):   # the overflow counted here is the finding, not a warning
+                converted += part.size - int(np.count_nonzero(np.isfinite(part.astype(dtype))))
+    if stored:
+        raise ValueError(f"{f.path}: tensor {key!r} holds {stored} NaN or infinite value(s)")
+    if converted:
+        raise ValueError(f"{f.path}: tensor {key!r} holds {converted} value(s) beyond the range of {np.dtype(dtype)}, "
+                         f"the model's dtype")
+
+
 class HFReader(BoxReader):
     """A Hugging Face GPT-2 directory as a reader of boxes, by mpirt parameter names: the interface
     of :class:`mpirt.checkpoint.store.CheckpointReader` that :func:`mpirt.parallel.shards.load_shards`
     uses (``meta``, ``entry``, ``read``), so ``engine.load_sharded(HFReader(d), with_optimizer=False)``
     has each rank read only its own boxes (tp slices, its pipeline stage), never a full tensor.
 
-    Opening it reads the headers only: the config, every file of the index, names (the
-    ``transformer.`` prefix dropped, mask buffers skipped) and shapes are checked against the
-    config, and a stored ``lm_head.weight`` must equal ``wte.weight`` (compared a few rows at a
-    time; a file holding only the head gives the table). GPT-2's Conv1D weights are stored (in,
+    Opening it checks the config, every file of the index, names (the ``transformer.`` prefix
+    dropped, mask buffers skipped), shapes and dtypes against the config, scans every tensor for
+    NaN and infinity (a slab at a time, :func:`check_finite`), and a stored ``lm_head.weight``
+    must equal ``wte.weight`` (compared a few rows at a time; a file holding only the head gives
+    the table). GPT-2's Conv1D weights are stored (in,
     out) as mpirt's Linear, so nothing is transposed; the vocabulary padding tp adds is never
     read (``load_shards`` asks for the unpadded table). ``dtype`` (the model's): values are
     rounded to it on the way, also when read into float32 master weights, as a full tensor
@@ -139,8 +178,8 @@ class HFReader(BoxReader):
                            f"unexpected keys {unexpected}")
         for name, shape in expected.items():
             f, key = where[name]
-            if f.shape(key) != shape:
-                raise ValueError(f"{self.path}: {name} has shape {f.shape(key)}, expected {shape} from config.json")
+            check_stored(f, key, shape)
+            check_finite(f, key, self.dtype)
         self._where = {name: where[name] for name in expected}
         self.meta = {"path": str(self.path), "format": "huggingface", "step": 0, "optimizer": None,
                      "optimizer_state": {}, "extra": {},
@@ -319,82 +358,6 @@ def mixtral_hf_tensors(cfg, read) -> list:
                       (theirs + f"experts.{j}.w3.weight", (f, c), expert(i, "w_up", j)),
                       (theirs + f"experts.{j}.w2.weight", (c, f), expert(i, "w_down", j))]
     return items
-
-
-def read_decoder_config(path: Path) -> dict:
-    """Config field values (:class:`~mpirt.models.llama.LlamaConfig` or
-    :class:`~mpirt.models.moe.MoEConfig`) from a Hugging Face Llama or Mixtral ``config.json``;
-    what mpirt does not implement (an untied head, biases, rope scaling, sliding windows) is refused
-    naming the key."""
-    where = f" (in {path})"
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"model: cannot read {path}: {e}") from None
-    for key, want in (("tie_word_embeddings", True), ("attention_bias", False), ("mlp_bias", False),
-                      ("hidden_act", "silu"), ("rope_scaling", None), ("sliding_window", None)):
-        if data.get(key, want) != want:
-            raise ConfigError(f"{key}: mpirt supports only {want!r}, got {data[key]!r}{where}")
-    heads = data["num_attention_heads"]
-    if (data.get("head_dim") or data["hidden_size"] // heads) * heads != data["hidden_size"]:
-        raise ConfigError(f"head_dim: must be hidden_size / num_attention_heads, got {data['head_dim']!r}{where}")
-    theta = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    out = {"model_type": data.get("model_type", "llama"), "vocab_size": data["vocab_size"],
-           "n_embd": data["hidden_size"], "n_inner": data["intermediate_size"], "n_layer": data["num_hidden_layers"],
-           "n_head": heads, "n_kv_head": data.get("num_key_value_heads") or heads,
-           "n_positions": data["max_position_embeddings"], "rms_norm_eps": data.get("rms_norm_eps", 1e-6),
-           "rope_theta": float(theta), "attn_pdrop": data.get("attention_dropout", 0.0),
-           "initializer_range": data.get("initializer_range", 0.02)}
-    if out["model_type"] == "mixtral":
-        out.update(n_expert=data["num_local_experts"], top_k=data["num_experts_per_tok"],
-                   aux_loss_coef=data.get("router_aux_loss_coef", 0.001))
-    return out
-
-
-def load_hf_decoder(directory, dtype="float32") -> tuple:
-    """``(config, full weights by mpirt name)`` of a Hugging Face Llama or Mixtral directory (tied
-    head), the inverse of :func:`llama_hf_tensors` / :func:`mixtral_hf_tensors`: q, k and v fused
-    into ``c_attn``, matrices back to (in, out), the experts' ``w1``, ``w3``, ``w2`` stacked into
-    ``w_gate``, ``w_up``, ``w_down``. A stored ``lm_head.weight`` must equal the embedding."""
-    from mpirt.core.modeling import config_from_dict
-    directory = Path(directory)
-    cfg = config_from_dict(read_decoder_config(directory / "config.json"))
-    hf = {}
-    for path in _safetensors_files(directory):
-        f = _open(path)
-        for key in f.keys():
-            hf[key] = f.read(key, np.empty(f.shape(key), dtype=dtype))
-    head = hf.pop("lm_head.weight", None)
-    if head is not None and not np.array_equal(head, hf.get("model.embed_tokens.weight")):
-        raise ValueError(f"{directory}: lm_head.weight differs from the embedding: untied lm_head not supported")
-
-    def take(name):
-        try:
-            return hf.pop(name)
-        except KeyError:
-            raise CheckpointError(f"{directory}: tensor {name!r} missing for {cfg.model_type} "
-                                  f"n_layer={cfg.n_layer}") from None
-
-    out = {"wte.weight": take("model.embed_tokens.weight"), "ln_f.weight": take("model.norm.weight")}
-    for i in range(cfg.n_layer):
-        theirs, mine = f"model.layers.{i}.", f"h.{i}."
-        attn = theirs + "self_attn."
-        out[mine + "ln_1.weight"] = take(theirs + "input_layernorm.weight")
-        out[mine + "ln_2.weight"] = take(theirs + "post_attention_layernorm.weight")
-        out[mine + "attn.c_attn.weight"] = np.concatenate([take(attn + f"{x}_proj.weight").T for x in "qkv"], axis=1)
-        out[mine + "attn.c_proj.weight"] = np.ascontiguousarray(take(attn + "o_proj.weight").T)
-        if cfg.model_type == "mixtral":                                     # the Hub's per-expert w1, w3, w2
-            moe = theirs + "block_sparse_moe."
-            out[mine + "mlp.gate.weight"] = np.ascontiguousarray(take(moe + "gate.weight").T)
-            for ours, w in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
-                out[mine + f"mlp.{ours}"] = np.stack([take(moe + f"experts.{j}.{w}.weight").T
-                                                      for j in range(cfg.n_expert)])
-        else:
-            for x in ("gate_proj", "up_proj", "down_proj"):
-                out[mine + f"mlp.{x}.weight"] = np.ascontiguousarray(take(theirs + f"mlp.{x}.weight").T)
-    if hf:
-        raise CheckpointError(f"{directory}: tensors mpirt's {cfg.model_type} does not have: {sorted(hf)[:5]}")
-    return cfg, out
 
 
 # the Hugging Face families an export writes by mapping tensors: model_type -> (config.json,

@@ -115,14 +115,14 @@ class Llama(TiedLM):
     @classmethod
     def read_hf_config(cls, path) -> dict:
         """Config field values from a Hugging Face Llama (or Mixtral) ``config.json``."""
-        from mpirt.models.hf import read_decoder_config
+        from mpirt.models.hf_decoder import read_decoder_config
         return read_decoder_config(path)
 
     @classmethod
     def load_hf(cls, directory, dtype="float32"):
         """``(config, full weights)`` of a Hugging Face Llama (or Mixtral) directory
-        (:func:`.hf.load_hf_decoder`)."""
-        from mpirt.models.hf import load_hf_decoder
+        (:func:`.hf_decoder.load_hf_decoder`)."""
+        from mpirt.models.hf_decoder import load_hf_decoder
         return load_hf_decoder(directory, dtype=dtype)
 
     @classmethod

@@ -180,6 +180,36 @@ def test_a_large_split_without_a_record_is_checked_as_it_is_read(src, tmp_path, 
         get_eval_batch(ds.train, 0, batch_size=2, seq_len=64)
 
 
+def test_a_token_file_changed_under_a_reader_is_named_with_what_changed(tmp_path):
+    """Truncated, grown or rewritten in place after opening: the next read says which, naming the
+    file (not ``OSError: short read``); a file replaced by a rename keeps reading the opened one."""
+    path = tmp_path / "train.bin"
+
+    def opened():
+        np.arange(1000, dtype=np.uint16).tofile(path)
+        return data.TokenFile(path, 1000)
+
+    tokens = opened()
+    os.truncate(path, 200)
+    with pytest.raises(data.TokenFileChanged, match=rf"data: {path} changed under the running job: truncated from "
+                                                    rf"2,000 to 200 bytes"):
+        tokens.read(900, 16)                                # past the new end
+    tokens = opened()
+    with open(path, "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(data.TokenFileChanged, match="grown from 2,000 to 2,002 bytes"):
+        tokens.read(0, 16)                                  # inside the file: still refused
+    tokens = opened()
+    np.zeros(1000, dtype=np.uint16).tofile(path)
+    os.utime(path, ns=(0, 10**18))
+    with pytest.raises(data.TokenFileChanged, match="rewritten in place"):
+        tokens.read(0, 16)
+    tokens = opened()
+    np.zeros(1000, dtype=np.uint16).tofile(tmp_path / "new.bin")
+    os.replace(tmp_path / "new.bin", path)
+    assert tokens.read(10, 3).tolist() == [10, 11, 12]
+
+
 def test_token_files_are_read_not_mapped(tmp_path):
     """Windows come from pread: nothing of the file is mapped, however large (a sparse 4 GiB file)."""
     path = tmp_path / "big.bin"

@@ -276,6 +276,27 @@ def test_non_finite_steps_are_skipped_then_stop_the_run_without_a_bad_checkpoint
     assert meta["step"] >= 2 and good
 
 
+def test_the_last_good_checkpoint_is_the_one_before_the_divergence_and_its_flag_resumes(tiny_data, tmp_path):
+    """10 good steps, then lr 1e6: step 12's version is finite (loss ~1e12) but diverged. The stop
+    names step 10 as the last good checkpoint with the exact flag, which resumes (exit 0); every
+    version records its loss, gradient norm and verdict, and the good ones were not pruned."""
+    out = tmp_path / "run"
+    common = [*TINY, f"--data={tiny_data}", "--ckpt-interval=2", "--keep-checkpoints=2", f"--out-dir={out}"]
+    run_module("mpirt.train", *common, "--steps=10")
+    result = run_module("mpirt.train", *common, "--steps=40", "--lr=1e6", "--min-lr=0", "--resume=auto",
+                        check=False)
+    flag = f"--init-from {out / 'ckpt' / 'step-00000010'}"
+    assert result.returncode == EXIT_NONFINITE, result.stderr
+    assert f"the last good checkpoint is step 10: resume from it with {flag}" in result.stderr, result.stderr
+    assert "the loss left its recent range" in result.stderr
+    metas = {p.name: json.loads((p / "meta.json").read_text())["extra"] for p in (out / "ckpt").glob("step-*")}
+    assert metas["step-00000010"]["good"] and math.isfinite(metas["step-00000010"]["grad_norm"])
+    bad = metas["step-00000012"]
+    assert bad["good"] is False and bad["loss"] > 1e3, metas
+    resumed = run_module("mpirt.train", *common, "--steps=12", *flag.split())
+    assert f"resuming {out / 'ckpt' / 'step-00000010'} at step 10" in resumed.stderr
+
+
 def test_a_non_finite_state_at_a_save_stops_with_exit_3_not_done(tiny_data, tmp_path):
     """lr 1e39 makes step 1's weights infinite and every later step non-finite: each save finds the
     state not finite; the run must stop there with exit 3 and say so, never end \"done\" (exit 0)."""
@@ -464,6 +485,28 @@ def test_a_token_id_out_of_range_found_while_reading_ends_the_run_in_one_line(tm
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert f"{data / 'train.bin'} holds token id 300 >= the model's vocab_size 256 (token " in result.stderr
     assert "no checkpoint was written" in result.stderr
+
+
+def test_a_token_file_truncated_under_a_running_job_ends_it_in_one_line(tiny_data, tmp_path):
+    """train.bin cut to 1,000 tokens while the job trains: one line per rank naming the file, what
+    changed and the last checkpoint (exit 2), not an ``OSError: short read`` traceback."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    out = tmp_path / "run"
+    proc = start([*TINY, f"--data={data}", "--steps=100000", "--ckpt-interval=2"], out, ranks=0)
+    try:
+        wait_for_steps(out, 3, proc)
+        os.truncate(data / "train.bin", 2000)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    log = open(f"{out}.log").read()
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in log, log
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: rank 0: data: {data / 'train.bin'} changed under the running job: truncated from "), log
+    step = json.loads((out / "ckpt" / (out / "ckpt" / "latest").read_text().strip() / "meta.json").read_text())["step"]
+    assert errors[0].endswith(f"to 2,000 bytes; the last complete checkpoint is step {step}"), log
 
 
 @pytest.mark.parametrize("meta, fault", [("{not json", "not valid JSON"), ("[1, 2]", "expected a JSON object, found list"),

@@ -30,10 +30,18 @@ fi
 if [ "$name" = scontrol ] && [ "$1" = show ]; then echo "${STUB_SHOW_JOB:-}"; exit 0; fi
 printf '%s\0' "$@" >"$STUB_LOG/$name.args"
 [ "$name" = srun ] || exit "${STUB_OTHER_RC:-0}"
+if [ -n "${STUB_REAL:-}" ]; then  # run the ranks' command itself, as one rank
+    while [[ $1 == --* ]]; do shift; done
+    exec "$@"
+fi
 out=""
 while [ $# -gt 0 ]; do [ "$1" = --out-dir ] && out=$2; shift; done
 for _ in $(seq "${STUB_TENTHS:-0}"); do sleep 0.1; done
 if [ -n "${STUB_CKPT:-}" ]; then mkdir -p "$out/ckpt" && echo "$STUB_CKPT" >"$out/ckpt/latest"; fi
+# what rank 0 writes at the end (default: every step done when the ranks exit 0; "none": nothing)
+summary=${STUB_SUMMARY:-}
+[ -n "$summary" ] || [ "${STUB_RC:-0}" != 0 ] || summary='{"steps": 10, "total_steps": 10, "exit_code": 0}'
+if [ -n "$summary" ] && [ "$summary" != none ]; then mkdir -p "$out" && echo "$summary" >"$out/summary.json"; fi
 exit "${STUB_RC:-0}"
 '''
 
@@ -52,6 +60,8 @@ def job_env(tmp_path):
     for name in ("srun", "scancel", "scontrol"):
         (stubs / name).write_text(STUB)
         (stubs / name).chmod(0o755)
+    (stubs / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # the venv's, as a job's
+    (stubs / "python").chmod(0o755)
     (tmp_path / "venv" / "bin" / "activate").write_text("")
     (tmp_path / "site.env").write_text(f"MPIRT_VENV={tmp_path / 'venv'}\n")
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "STUB_LOG": str(log), "MPIRT_SITE_ENV": str(tmp_path / "site.env"),
@@ -114,6 +124,13 @@ def test_a_notice_that_does_not_fit_the_time_is_shortened_or_refused(capsys):
     (["--ntasks-per-node", "2", "--cp", "2", "--model", "mlp"], "--cp: model_type 'mlp' has no attention"),
     (["--ntasks-per-node", "2", "--ep", "4", "--model", "mixtral-tiny"], "--ep: 4 does not divide dp=2"),
     (["--ntasks-per-node", "2", "--ep", "2", "--model", "gpt2"], "--ep: model_type 'gpt2' has no experts to split"),
+    # what the script sets itself: its run directory, resumed, stopped before the job's end
+    (["--run-dir", "r", "--", "--lr", "1e-3", "--out-dir", "OTHER"],
+     "training arguments: --out-dir: the run directory is the script's: --run-dir DIR"),
+    (["--", "--out_dir=OTHER"], "training arguments: --out_dir: the run directory is the script's"),
+    (["--", "--resume", "auto"], "training arguments: --resume: the script always resumes its run directory"),
+    (["--", "--time-limit=3h"], "training arguments: --time-limit: the script stops before the job's end "
+                                "(--time-limit slurm): set the job's limit with --time"),
 ])
 def test_training_arguments_are_checked_at_render_time(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -252,6 +269,15 @@ def test_verify_first_checks_the_layout_before_training(job_env):
     rc, out = run_job(text, where, env)   # the checkpoint the first start left: a resume, not checked again
     assert rc == 0 and "checking the layout" not in out, out
     assert "VERIFY_SECONDS=0" in render(cpu_spec(run_dir="r", verify_first=True, time="00:30:00"))
+@pytest.mark.parametrize("arg", ["--out-dir", "--out_dir=OTHER", "--resume", "--time-limit=3h"])
+def test_the_script_refuses_its_own_training_arguments_on_the_sbatch_line(job_env, arg):
+    """``sbatch SCRIPT RUN_DIR --out-dir OTHER`` would train elsewhere while the script checks and
+    requeues RUN_DIR: refused before anything starts, naming the flag to use instead."""
+    where, env = job_env
+    text = render(dataclasses.replace(TEMPLATES["cpu"][1], template="cpu"))
+    rc, out = run_job(text, where, env, "run", "--steps", "10", arg, "OTHER")
+    assert rc == 2 and f"error: {arg.partition('=')[0]}: " in out, out
+    assert stub_args(where, "srun") is None
 
 
 def test_missing_site_env_is_named(job_env):
@@ -304,6 +330,43 @@ def test_the_end_of_a_stopped_job_says_what_happens_next(job_env, preemptible, s
     assert code == 75 and message in out, out
     if message.startswith("requeueing"):
         assert "requeue failed" not in out and "submit the same command" not in out, out
+
+
+@pytest.mark.parametrize("summary, stale, says", [
+    ('{"steps": 10, "total_steps": 10, "exit_code": 0}', False, "training finished (step 10 of 10)"),
+    ("none", False, "summary.json is missing or unreadable"),
+    ('{"steps": 4, "total_steps": 60, "exit_code": 0}', False, "summary.json records step 4 of 60, exit code 0"),
+    ('{"steps": 60, "total_steps": 60, "exit_code": 3}', False, "summary.json records step 60 of 60, exit code 3"),
+    ("none", True, "summary.json is from an earlier attempt (step 4 of 60)"),
+])
+def test_finished_is_read_from_this_attempts_summary_not_the_exit_code(job_env, summary, stale, says):
+    """Ranks that all exit 0 (a library's exit(0) on every rank, or MPICH's launcher after one
+    rank's) are not a finished run: the script reads summary.json, and one from an earlier attempt
+    does not count."""
+    where, env = job_env
+    run = where / "run"
+    if stale:
+        (run / "summary.json").write_text('{"steps": 4, "total_steps": 60, "exit_code": 75}')   # left untouched
+    code, out = run_job(render(cpu_spec(run_dir=str(run), preemptible=True)), where, env, STUB_RC="0",
+                        STUB_SUMMARY=summary, STUB_CKPT="step-00000004")
+    finished = says.startswith("training finished")
+    assert says in out and (code == 0) is finished and ("training finished" in out) is finished, out
+    if not finished:
+        assert "training ended early: the ranks exited 0 but" in out and "the last checkpoint is step-00000004" in out
+        assert code == 1 and stub_args(where, "scontrol") is None, out          # reported, not requeued
+
+
+def test_a_rank_that_calls_exit_0_early_is_not_a_finished_job(job_env, tiny_data):
+    """A real training rank that calls os._exit(0) at step 3 of 60 (no summary, no checkpoint):
+    the launcher's exit code is 0, the job says it ended early and exits 1."""
+    from runs import TINY
+    where, env = job_env
+    run = where / "run"
+    spec = cpu_spec(run_dir=str(run), train_args=[*TINY, f"--data={tiny_data}", "--steps=60"])
+    code, out = run_job(render(spec), where, env, STUB_REAL="1", MPIRT_FAULT="vanish@0:3", SLURM_NTASKS="1",
+                        SLURM_JOB_END_TIME=str(int(time.time()) + 3600), OPENBLAS_NUM_THREADS="1")
+    assert "injecting vanish" in out and not (run / "summary.json").exists(), out
+    assert code == 1 and "training ended early: the ranks exited 0 but" in out and "training finished" not in out, out
 
 
 def blocked(pid: int) -> bool:

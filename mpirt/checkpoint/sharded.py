@@ -81,6 +81,11 @@ class ShardWriter:
         """Bytes of the boxes added so far (this rank's shard)."""
         return sum(int(a.nbytes) for _, a in self._items)
 
+    def max_abs(self, kind: str) -> float:
+        """The largest magnitude among this rank's boxes of ``kind`` (0.0 for none)."""
+        names = {e["key"] for t in self.tensors[kind].values() for e in t["shards"]}
+        return max((float(B.xp.abs(a).max()) for k, a in self._items if k in names and a.size), default=0.0)
+
     def all_finite(self) -> bool:
         return all(bool(B.xp.isfinite(a).all()) for _, a in self._items)
 
@@ -93,10 +98,13 @@ class ShardWriter:
 
 
 def save_sharded(directory, comm, fill, *, step: int, config, extra: dict | None, optimizer: dict | None,
-                 keep: int = 1) -> Path | None:
+                 keep: int = 1, params_limit: float | None = None) -> Path | None:
     """Save a new version under ``directory`` with every rank of ``comm`` writing its own part:
     ``fill(writer)`` adds this rank's boxes to a :class:`ShardWriter`. ``optimizer``: ``{"type",
     "scalars"}`` (step, lr, hyperparameters, loss scale) or None. Collective over ``comm``.
+    ``extra.params_max_abs`` records the largest weight magnitude; above ``params_limit`` (the
+    largest value the model's dtype holds, for float32 masters of a float16 model) the version
+    is recorded as not good (``extra.good`` false).
 
     Returns the version's path on every rank, or None (nothing written) when some rank's state is
     not finite. Raises OSError on every rank when any rank failed to write (the message names the
@@ -122,11 +130,15 @@ def save_sharded(directory, comm, fill, *, step: int, config, extra: dict | None
             files = writer.write(tmp)
         except OSError as err:
             error = f"rank {rank}: {err}"
-    parts = comm.allgather_object((error, finite, files, writer.tensors))
-    errors = [e for e, _, _, _ in parts if e]
+    parts = comm.allgather_object((error, finite, files, writer.tensors, writer.max_abs("params") if finite else 0.0))
+    errors = [e for e, *_ in parts if e]
     result = None
     if rank == 0:
-        if errors or not all(f for _, f, _, _ in parts):
+        largest = max(p[4] for p in parts)
+        meta["extra"] = {**(meta["extra"] or {}), "params_max_abs": largest}
+        if params_limit is not None and largest > params_limit:
+            meta["extra"]["good"] = False
+        if errors or not all(p[1] for p in parts):
             shutil.rmtree(tmp, ignore_errors=True)
             result = errors[0] if errors else None
         else:
@@ -143,7 +155,7 @@ def save_sharded(directory, comm, fill, *, step: int, config, extra: dict | None
 
 def _merge(meta: dict, parts: list) -> dict:
     """meta.json from every rank's files and tensor descriptions (shard lists concatenated)."""
-    for _, _, files, tensors in parts:
+    for _, _, files, tensors, _ in parts:
         meta["files"].update(files)
         for kind, entries in tensors.items():
             for tname, e in entries.items():

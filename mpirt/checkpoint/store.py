@@ -133,6 +133,16 @@ def _versions(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def version_dirs(root) -> list[Path]:
+    """Committed version directories under the checkpoint root ``root``, oldest step first."""
+    return _versions(Path(root))
+
+
+def _good(meta: dict) -> bool:
+    """Whether a version's meta.json records it as good (``extra.good``; none recorded: good)."""
+    return (meta.get("extra") or {}).get("good") is not False
+
+
 def save_checkpoint(directory, model, optimizer, *, step: int, config, extra: dict | None = None,
                     keep: int = 1) -> Path:
     """Save an unsharded ``model`` (and ``optimizer``, may be None) as a new version under ``directory``.
@@ -211,7 +221,9 @@ def begin_version(directory, step: int, keep: int) -> tuple[Path, str, Path]:
 
 def commit_version(root: Path, name: str, tmp: Path, meta: dict, keep: int) -> Path:
     """Write meta.json and meta.sha256 last into ``tmp`` (its tensor files fsynced already), rename
-    it to ``name``, point ``latest`` at it, and prune to the ``keep`` newest versions."""
+    it to ``name``, point ``latest`` at it, and prune to the ``keep`` newest versions; a version
+    that is not good (``extra.good`` false: saved after the loss left its range) prunes only
+    versions that are not good either, so the good ones survive a diverging stretch."""
     meta_bytes = json.dumps(meta, indent=1, sort_keys=True).encode()
     _write_bytes(tmp / META, meta_bytes)
     _write_bytes(tmp / META_SUM, f"{hashlib.sha256(meta_bytes).hexdigest()}  {META}\n".encode())
@@ -224,9 +236,19 @@ def commit_version(root: Path, name: str, tmp: Path, meta: dict, keep: int) -> P
         if p.name.startswith(".tmp-") and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
     others = [p for p in _versions(root) if p.name != name]
+    if not _good(meta):  # a version saved after the run went wrong never rotates out the good ones
+        others = [p for p in others if not _stored_good(p)]
     for p in others[:max(0, len(others) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
     return root / name
+
+
+def _stored_good(vdir: Path) -> bool:
+    """Whether the committed version ``vdir`` records itself as good (unreadable: not good)."""
+    try:
+        return _good(json.loads((vdir / META).read_text()))
+    except (OSError, ValueError):
+        return False
 
 
 # --- reading -------------------------------------------------------------------------------------

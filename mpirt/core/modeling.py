@@ -355,22 +355,29 @@ def apply_overrides(cfg, overrides: dict):
     return dataclasses.replace(cfg, **overrides)
 
 
+def model_value_rule(key: str, value) -> str | None:
+    """The rule a model config field's ``value`` breaks (``">= 1"``, ...), None when it keeps it
+    (or ``key`` has no range rule)."""
+    if key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner"):
+        ok, rule = (value >= 1 if value is not None else key == "n_inner"), ">= 1"
+    elif key.endswith("_pdrop"):
+        ok, rule = 0 <= value < 1, "in [0, 1)"
+    elif key in ("layer_norm_epsilon", "rms_norm_eps", "rope_theta"):
+        ok, rule = value > 0, "> 0"
+    elif key == "initializer_range":
+        ok, rule = value >= 0, ">= 0"
+    elif key == "model_type":
+        ok, rule = value in model_types(), "one of " + ", ".join(model_types())
+    else:
+        return None
+    return None if ok else rule
+
+
 def check_model_values(values: dict, prefix: str = "", where: str = "") -> None:
     """Range-check the model config fields present in ``values``; errors name ``prefix + key``."""
     for key, v in values.items():
-        if key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner"):
-            ok, rule = (v >= 1 if v is not None else key == "n_inner"), ">= 1"
-        elif key.endswith("_pdrop"):
-            ok, rule = 0 <= v < 1, "in [0, 1)"
-        elif key in ("layer_norm_epsilon", "rms_norm_eps", "rope_theta"):
-            ok, rule = v > 0, "> 0"
-        elif key == "initializer_range":
-            ok, rule = v >= 0, ">= 0"
-        elif key == "model_type":
-            ok, rule = v in model_types(), "one of " + ", ".join(model_types())
-        else:
-            continue
-        if not ok:
+        rule = model_value_rule(key, v)
+        if rule is not None:
             raise ConfigError(f"{prefix}{key}: must be {rule}, got {v!r}{where}")
 
 

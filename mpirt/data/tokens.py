@@ -28,6 +28,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -71,9 +72,20 @@ def read_meta(path: Path) -> dict:
 SCAN_TOKENS = 1 << 26   # a split without a recorded largest id is scanned at start-up up to this size (128 MB)
 
 
-class TokenIdError(ValueError):
+class DataError(ValueError):
+    """A fault in the token data found while a run reads it (the message names the file); the
+    training script ends the run with it in one line, with the last checkpoint."""
+
+
+class TokenIdError(DataError):
     """A token id at or above the model's vocabulary, found as a window was read (names the file
     and the token's offset)."""
+
+
+class TokenFileChanged(DataError):
+    """A token file whose size or modification time changed since it was opened: truncated,
+    grown or rewritten in place under a running job (its batches would no longer be the ones the
+    run and its checkpoints describe)."""
 
 
 class TokenFile:
@@ -81,13 +93,31 @@ class TokenFile:
     mapped, so resident memory stays flat for any file size. ``len()``, ``nbytes``, ``read``,
     ``windows`` and integer or slice indexing (each a read of just those tokens). With ``limit``
     set (the model's vocabulary, :meth:`TokenDataset.check_ids`), every read refuses an id at or
-    above it with :class:`TokenIdError`."""
+    above it with :class:`TokenIdError`. Every read also checks (one ``fstat``) that the file
+    still has the size and modification time it had when opened, else :class:`TokenFileChanged`
+    (a file replaced by a rename is not a change: the open descriptor keeps reading the old one)."""
 
     dtype = np.dtype(np.uint16)
 
     def __init__(self, path: Path, n: int):
         self.path, self.n, self.limit = Path(path), int(n), None
         self._fd = os.open(self.path, os.O_RDONLY)
+        opened = os.fstat(self._fd)
+        self._opened = (opened.st_size, opened.st_mtime_ns)
+
+    def check_unchanged(self) -> None:
+        """:class:`TokenFileChanged`, saying what changed, when the file's size or modification
+        time is no longer what it was when opened."""
+        now = os.fstat(self._fd)
+        (size, mtime), was = (now.st_size, now.st_mtime_ns), self._opened
+        if (size, mtime) == was:
+            return
+        if size != was[0]:
+            what = f"{'truncated' if size < was[0] else 'grown'} from {was[0]:,} to {size:,} bytes"
+        else:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime / 1e9))
+            what = f"rewritten in place (same size, modified {when})"
+        raise TokenFileChanged(f"data: {self.path} changed under the running job: {what}")
 
     def __len__(self) -> int:
         return self.n
@@ -105,8 +135,10 @@ class TokenFile:
         while done < len(buf):                       # pread may return less than asked
             got = os.preadv(self._fd, [view[done:]], start * self.dtype.itemsize + done)
             if got <= 0:
+                self.check_unchanged()             # a file cut short under the job says so
                 raise OSError(f"{self.path}: short read at byte {start * self.dtype.itemsize + done}")
             done += got
+        self.check_unchanged()
         out = np.frombuffer(buf, dtype=self.dtype)
         if self.limit is not None and count and int(out.max()) >= self.limit:
             at = int(np.argmax(out >= self.limit))

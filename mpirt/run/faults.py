@@ -6,6 +6,8 @@ from 1, the step the metrics call ``step``). Kinds:
 
 - ``stall``  sleep (for ``stall=SECONDS@RANK:STEP``, else forever): a hung node or a deadlock;
 - ``exit``   ``sys.exit(3)``: a rank that quits on its own;
+- ``vanish`` ``os._exit(0)``: a library calling ``exit(0)`` mid-run (no summary, no checkpoint,
+  exit code 0: what a job script must not read as finished);
 - ``kill``   SIGKILL to itself: a rank killed by the OOM killer or a node failure;
 - ``raise``  a RuntimeError: a bug on one rank;
 - ``signal`` SIGTERM to itself: the scheduler's notice on one rank only;
@@ -31,7 +33,7 @@ import sys
 import time
 from typing import NamedTuple
 
-KINDS = ("stall", "exit", "kill", "raise", "signal", "diskfull", "slow", "alloc", "overflow")
+KINDS = ("stall", "exit", "vanish", "kill", "raise", "signal", "diskfull", "slow", "alloc", "overflow")
 _HELD: list = []  # what alloc faults took
 
 
@@ -76,6 +78,8 @@ def inject(rank: int, step: int) -> None:
             time.sleep(fault.seconds)
         elif fault.kind == "exit":
             sys.exit(3)
+        elif fault.kind == "vanish":
+            os._exit(0)
         elif fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "raise":

@@ -10,8 +10,9 @@ What a rendered job does (the shell body, :data:`BODY`):
 
 - sources the site's env file (``$MPIRT_SITE_ENV``, default ``slurm/site.env`` in the submit
   directory: modules, virtual environment, ``MPI_TYPE``, NCCL/UCX settings) and the venv;
-- removes the job owner's MPICH shared-memory files that no process uses, on every node (a killed
-  MPICH job leaves them, and a requeued job, which keeps its job id, then fails in ``MPI_Init``);
+- removes the job owner's MPICH shared-memory files that no process uses, on every node, before
+  the ranks start and again after ranks that did not finish (a killed MPICH job leaves them, and a
+  requeued job, which keeps its job id, then fails in ``MPI_Init``);
 - starts the ranks with ``srun --mpi=$MPI_TYPE --kill-on-bad-exit=1`` (without ``--mpi`` a site
   with ``MpiDefault=none`` starts N singletons that each train alone) and
   ``SRUN_CPUS_PER_TASK`` exported (``srun`` in SLURM 22.05 does not inherit ``--cpus-per-task``);
@@ -27,7 +28,10 @@ What a rendered job does (the shell body, :data:`BODY`):
   forwarded: SLURM sends its own TERM to the ranks on ``scancel``, preemption and the time limit,
   and a second TERM would end them without a checkpoint;
 - preemptible jobs (``--requeue``) requeue themselves when training stopped with a checkpoint
-  (exit 75) that advanced, unless the job was cancelled or preempted (TERM to the batch shell).
+  (exit 75) that advanced, unless the job was cancelled or preempted (TERM to the batch shell);
+- reads "finished" from ``RUN_DIR/summary.json`` (written by this attempt, every step done, exit
+  code 0 recorded by rank 0), never from the launcher's exit code alone: ranks that all exit 0
+  early (a library's ``exit(0)``) end the job with exit 1, saying so.
 """
 from __future__ import annotations
 
@@ -53,6 +57,26 @@ _TIME = re.compile(r"(?:[0-9]+-[0-9]+(?::[0-9]{1,2}){0,2}|[0-9]+(?::[0-9]{1,2}){
 VERIFY_SHARE = 10     # --verify-first: the check takes at most 1/VERIFY_SHARE of the time limit
 VERIFY_MIN_S = 300    # ... and runs only when that share is at least this long
 EARLY_SIGNAL_S = 60   # SLURM may deliver --signal up to this many seconds before its time (timer resolution)
+
+
+# mpirt.train's keys the job script sets itself, with what to use instead: the script's own
+# contract (one run directory that it resumes, stopping before the job's end) holds only if
+# nothing after `--` or on the sbatch line overrides them
+OWNED_TRAIN_KEYS = {
+    "out_dir": "the run directory is the script's: --run-dir DIR (or sbatch SCRIPT RUN_DIR)",
+    "resume": "the script always resumes its run directory (--resume auto): a new --run-dir starts fresh",
+    "time_limit": "the script stops before the job's end (--time-limit slurm): set the job's limit with --time",
+}
+
+
+def owned_train_arg(args) -> str | None:
+    """A refusal naming the first of ``args`` (mpirt.train arguments) that sets one of
+    :data:`OWNED_TRAIN_KEYS`, with the flag to use instead; None when there is none."""
+    for arg in args:
+        key = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else ""
+        if key in OWNED_TRAIN_KEYS:
+            return f"{arg.partition('=')[0]}: {OWNED_TRAIN_KEYS[key]}"
+    return None
 
 
 def time_seconds(limit: str) -> int:
@@ -143,6 +167,17 @@ CLEAN_SHM = r'''mpirt_clean_shm() {
 }
 '''
 
+def _owned_args_check() -> str:
+    """The job's refusal of :data:`OWNED_TRAIN_KEYS` among its own arguments (``sbatch SCRIPT
+    RUN_DIR ...``), in both spellings and both ``--key value`` and ``--key=value`` forms."""
+    cases = []
+    for key, instead in OWNED_TRAIN_KEYS.items():
+        flags = sorted({key, key.replace("_", "-")})
+        patterns = "|".join(f"--{f}|--{f}=*" for f in flags)
+        cases.append(f'        {patterns}) die "${{arg%%=*}}: {instead}" ;;\n')
+    return 'for arg in "$@"; do\n    case $arg in\n' + "".join(cases) + "    esac\ndone\n"
+
+
 BODY = r'''say() { echo "mpirt job ${SLURM_JOB_ID:-}: $*"; }
 die() { say "error: $*" >&2; exit 2; }
 if [ -z "$RUN_DIR" ]; then
@@ -153,6 +188,7 @@ if [ -z "$RUN_DIR" ]; then
     shift
 fi
 
+OWNED_ARGS_CHECK
 site_env=${MPIRT_SITE_ENV:-$SITE_ENV}
 [ -r "$site_env" ] ||
     die "site env file $site_env not found: copy slurm/site.env.example there and adapt it, or set MPIRT_SITE_ENV"
@@ -170,10 +206,13 @@ export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}       # srun in SLURM 22.05 
 
 CLEAN_SHM_FUNCTION
 # one task per node: a killed job leaves its files on every node it ran on; only files older than
-# this job (one made since may be a job's starting beside this one, not yet mapped)
-srun --mpi=none --nodes="${SLURM_NNODES:-1}" --ntasks="${SLURM_NNODES:-1}" --ntasks-per-node=1 --cpus-per-task=1 \
-    bash -c "$(declare -f mpirt_clean_shm)"'; mpirt_clean_shm "$@"' mpirt_clean_shm \
-    "$(id -u)" "${MPIRT_SHM_DIR:-/dev/shm}" "${SLURM_JOB_START_TIME:-$(date +%s)}" ||
+# $1 (epoch seconds: one made since may be a job's starting beside this one, not yet mapped)
+clean_shm_on_nodes() {
+    srun --mpi=none --nodes="${SLURM_NNODES:-1}" --ntasks="${SLURM_NNODES:-1}" --ntasks-per-node=1 \
+        --cpus-per-task=1 bash -c "$(declare -f mpirt_clean_shm)"'; mpirt_clean_shm "$@"' mpirt_clean_shm \
+        "$(id -u)" "${MPIRT_SHM_DIR:-/dev/shm}" "$1"
+}
+clean_shm_on_nodes "${SLURM_JOB_START_TIME:-$(date +%s)}" ||
     say "could not clean stale MPICH files in /dev/shm on every node; starting anyway"
 
 notice="" got_term="" step=""
@@ -196,6 +235,8 @@ if [ "$VERIFY_SECONDS" -gt 0 ] && [ -z "$ckpt_before" ]; then  # the first start
         *) say "verify failed (exit $vrc): not training"; exit "$vrc" ;;
     esac
 fi
+summary_stamp() { stat -c '%i %y' "$RUN_DIR/summary.json" 2>/dev/null || true; }  # rewritten: a new stamp
+summary_before=$(summary_stamp)
 srun --mpi="$MPI_TYPE" --kill-on-bad-exit=1 --cpu-bind=cores python -m mpirt.train \
     --out-dir "$RUN_DIR" --resume auto --time-limit slurm ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@" &
 step=$!
@@ -208,11 +249,43 @@ requeued() {  # whether SLURM took the requeue although scontrol (interrupted by
     n=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'Restarts=[0-9]*' | cut -d= -f2)
     [ -n "$n" ] && [ "$n" -gt "${SLURM_RESTART_COUNT:-0}" ]
 }
-case $rc in
-    0) say "training finished" ;;
-    75) say "training stopped with a checkpoint in $RUN_DIR/ckpt (exit 75)" ;;
-    *) say "training failed (exit $rc)" ;;
-esac
+# "finished" is what rank 0 records in summary.json (every step done, exit code 0), written by this
+# attempt (its inode and modification time changed: no clock is compared): a launcher exits 0
+# also when a rank's library called exit(0) before the end
+summary_says() {
+    python - "$RUN_DIR/summary.json" "$([ "$(summary_stamp)" != "$summary_before" ] && echo new)" <<'PY'
+import json, sys
+path, fresh = sys.argv[1], sys.argv[2] == "new"
+try:
+    s = json.load(open(path))
+    steps, total, code = s["steps"], s["total_steps"], s["exit_code"]
+except (OSError, ValueError, KeyError, TypeError):
+    sys.exit(f"{path} is missing or unreadable")
+if not fresh:
+    sys.exit(f"{path} is from an earlier attempt (step {steps} of {total})")
+if code != 0 or steps < total:
+    sys.exit(f"{path} records step {steps} of {total}, exit code {code}")
+print(f"step {steps} of {total}")
+PY
+}
+if [ "$rc" = 0 ]; then
+    if done_at=$(summary_says 2>&1); then
+        say "training finished ($done_at)"
+    else
+        say "training ended early: the ranks exited 0 but $done_at; the last checkpoint is" \
+            "$(cat "$RUN_DIR/ckpt/latest" 2>/dev/null || echo none); not finished (exit 1)"
+        rc=1
+    fi
+elif [ "$rc" = 75 ]; then
+    say "training stopped with a checkpoint in $RUN_DIR/ckpt (exit 75)"
+else
+    say "training failed (exit $rc)"
+fi
+if [ "$rc" != 0 ] && [ "$rc" != 75 ]; then  # ranks that never finalised MPI (killed, exit(0) early)
+    # left their files, written until their end: no age limit (a job starting beside this one
+    # holds its files open); before any requeue, while this job still runs
+    clean_shm_on_nodes "" || say "could not clean this job's MPICH files in /dev/shm"
+fi
 if [ "$rc" = 75 ] && [ -n "$got_term" ]; then
     if [ "$PREEMPTIBLE" = 1 ]; then
         say "stopped by SLURM: a preempted job is requeued by SLURM itself; after scancel," \
@@ -233,7 +306,7 @@ elif [ "$rc" = 75 ]; then
     say "submit the same command to continue"
 fi
 exit "$rc"
-'''.replace("CLEAN_SHM_FUNCTION\n", CLEAN_SHM)
+'''.replace("CLEAN_SHM_FUNCTION\n", CLEAN_SHM).replace("OWNED_ARGS_CHECK\n", _owned_args_check())
 
 
 def _need(ok: bool, flag: str, rule: str, value) -> None:
@@ -280,6 +353,9 @@ def validate(spec: JobSpec) -> None:
     _need(isinstance(spec.train_args, (list, tuple)) and all(isinstance(a, str) and "\0" not in a
                                                              for a in spec.train_args),
           "train args", "strings without NUL bytes", spec.train_args)
+    owned = owned_train_arg(spec.train_args)
+    if owned:
+        raise SlurmScriptError(f"training arguments: {owned}")
     try:
         Layout.axes(spec.nodes * spec.ntasks_per_node, spec.dp, spec.pp, spec.tp, spec.cp)
     except LayoutError as err:

@@ -25,12 +25,12 @@ import numpy as np
 import mpirt.core.backend as B
 from mpirt import comm
 from mpirt.cpu import blas, kernels
-from mpirt.run import faults, jobctl
+from mpirt.run import faults, health, jobctl
 from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, intact_version, looks_like_checkpoint,
                                     read_checkpoint_meta, verify_checkpoint)
 from mpirt.checkpoint.sharded import save_sharded
 from mpirt.run.config import ConfigError, parse_args, parse_duration
-from mpirt.data.tokens import MetaError, TokenDataset, TokenIdError, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
+from mpirt.data.tokens import DataError, MetaError, TokenDataset, default_dataset_dir, get_batch, get_eval_batch, num_eval_batches
 from mpirt.run.distributed import init_distributed, input_fingerprint
 from mpirt.parallel.grid import Grid
 from mpirt.plan.budget import available_budget
@@ -44,7 +44,7 @@ from mpirt.parallel.engine import Engine
 from mpirt.parallel.layout import Layout, LayoutError
 from mpirt.parallel.preflight import check_step
 from mpirt.plan import format_lines as prediction_lines, self_check
-from mpirt.core.modeling import apply_overrides, config_from_dict, flops_per_token, load_model_config, \
+from mpirt.core.modeling import apply_overrides, check_config, config_from_dict, flops_per_token, load_model_config, \
     missing_model_file, model_label, num_parameters, open_hf
 
 
@@ -62,16 +62,18 @@ def plan_layout(cfg, world_size: int) -> Layout:
 # layer_norm_epsilon) change no loaded tensor and apply on top of it
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)   # a write failed for want of space or quota
 FIXED_BY_WEIGHTS = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner", "model_type",
-                    "initializer_range")
+                    "initializer_range", "n_kv_head", "n_expert")
+# what a shape field means where None stands for a derived value (n_inner: 4 C or 8/3 C; n_kv_head: n_head)
+EFFECTIVE = {"n_inner": lambda c: c.hidden, "n_kv_head": lambda c: c.n_kv_head or c.n_head}
 
 
 def resolve_model(cfg) -> tuple[object, object | None, bool]:
     """Model config, a reader of the initial weights in a HF directory (or None), and whether
     ``init_from`` is an mpirt checkpoint (weights, optimizer state and step are then loaded from it).
 
-    The HF reader (:func:`mpirt.core.modeling.open_hf`) has read the headers only (names and shapes
-    checked against config.json, a stored head compared with the table); the engine has each rank
-    read its own boxes from the files (``engine.load_sharded(reader, with_optimizer=False)``).
+    The HF reader (:func:`mpirt.core.modeling.open_hf`) has checked every config.json field and
+    every tensor (name, shape, dtype, finite values; a stored head compared with the table); the
+    engine has each rank read its own boxes (``engine.load_sharded(reader, with_optimizer=False)``).
 
     A checkpoint is verified end to end here (checksums included), before any collective, so a
     damaged one is refused in one line naming the file. With ``init_from``, ``--model.*``
@@ -102,9 +104,14 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
     changed = apply_overrides(loaded, cfg.model_overrides)
     for key in FIXED_BY_WEIGHTS:
         before, after = getattr(loaded, key, None), getattr(changed, key, None)
-        if key in cfg.model_overrides and (loaded.hidden != changed.hidden if key == "n_inner" else before != after):
+        value = EFFECTIVE.get(key, lambda c: getattr(c, key, None))
+        if key in cfg.model_overrides and value(loaded) != value(changed):
             raise ConfigError(f"model.{key}: {source} holds {key}={before!r}, the override asks for {after!r}; "
                               f"it cannot change with --init-from (drop the override or start from scratch)")
+    try:
+        check_config(changed)  # an override the loaded architecture refuses (top_k above its experts)
+    except ValueError as err:
+        raise ConfigError(f"model.{err}") from None
     return changed, weights, resume
 
 
@@ -381,7 +388,7 @@ def main(argv=None) -> dict:
     try:
         return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started, model_source,
                      baselines)
-    except TokenIdError as err:  # an id out of the vocabulary in a split checked as it is read
+    except DataError as err:  # an id out of the vocabulary, or a token file changed under the job
         sys.stderr.write(f"error: rank {world.rank}: {err}; {last_checkpoint(out)}\n")
         sys.stderr.flush()
         sys.exit(jobctl.EXIT_REFUSED)
@@ -453,6 +460,10 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         if scaler is not None:
             scaler.load_state_dict((meta["optimizer"] or {}).get("scalars", {}))
         start_step = meta["step"]
+        if is_main and not health.version_good(meta, dtype=cfg.dtype):   # a resume that replays a divergence
+            advice = health.resume_advice(Path(meta["path"]).parent, dtype=cfg.dtype)
+            print(f"mpirt: warning: {cfg.init_from} (step {start_step}) was saved after the loss left its recent "
+                  f"range; {advice}", file=sys.stderr, flush=True)
     summary_layout = dict(grid.sizes)
 
     eval_seconds = {"last": None}   # how long the last evaluation took (the deadline counts the next ones)
@@ -490,6 +501,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                   f"{end_step} (--steps {cfg.steps}); {out / 'summary.json'} is left as it is")
         engine.close()
         grid.free()
+        if is_main and (out / "summary.json").exists():  # confirmed by this attempt: a job script reads
+            os.utime(out / "summary.json")               # "finished" only from a summary this new
         return {"steps": start_step, "nothing_to_do": True}
     if is_main and not resume and (cfg.overwrite or cfg.resume == "auto"):  # leftovers of an earlier run
         for name in ("ckpt", "metrics", "summary.json", "eval.json", "trace.json", "tensorboard", "report"):
@@ -499,9 +512,10 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
 
     last_save = {"time": time.time(), "seconds": None, "step": start_step if resume else None}
 
-    def save(step: int, loss: float) -> bool:
+    def save(step: int, loss: float, grad_norm: float, good: bool) -> bool:
         """Checkpoint ``step`` (collective: every rank writes its own boxes, rank 0 commits), noting
-        the step's training ``loss``; False when the state is not finite and nothing was written."""
+        the step's training ``loss``, ``grad_norm`` and whether the loss was in its recent range
+        (``good``, :mod:`mpirt.run.health`); False when the state is not finite and nothing was written."""
         t0 = time.time()
         scalars = {**optimizer.scalars(), **(scaler.state_dict() if scaler is not None else {})}
         try:
@@ -510,7 +524,10 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                                 extra={"model_config": dataclasses.asdict(model_cfg), "model_source": model_source,
                                        "data": str(data.directory),
                                        "layout": summary_layout,
-                                       "loss": loss if math.isfinite(loss) else None})
+                                       "loss": loss if math.isfinite(loss) else None,
+                                       "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+                                       "good": good},
+                                params_limit=float(np.finfo(np.float16).max) if cfg.dtype == "float16" else None)
         except OSError as err:  # disk full, quota, permissions on any rank: the previous version stays intact
             if is_main:
                 kept = f"is step {last_save['step']}" if last_save["step"] is not None else "none: none was written"
@@ -543,6 +560,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     updated = False   # an optimizer update since the last checkpoint (or the start): else nothing to save
     extra_shown = {}
     stopped, exit_code = None, 0
+    loss_range = health.LossRange.seeded(metrics.records)  # good versions: saved before the loss left its range
     budget = explicit_budget(cfg.memory_budget)  # auto's is checked before training only
     step = start_step
     while step < end_step:
@@ -577,6 +595,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         dt = time.perf_counter() - t0
         slowest_step = max(slowest_step, dt)
         step += 1
+        in_range = loss_range.observe(step, loss_value)
         skipped_total += skipped
         skipped_in_row = skipped_in_row + 1 if skipped else 0
         record = {"step": step, "loss": loss_value, "lr": optimizer.lr, "grad_norm": grad_norm, "skipped": skipped,
@@ -627,7 +646,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                     f"the checkpoint of step {last_save['step']}" if last_save["step"] is not None else "the start")
                     + " (every step skipped): nothing new to save", file=sys.stderr, flush=True)
         elif due:
-            if not save(step, loss_value):   # the state itself is not finite: no later step can recover it
+            if not save(step, loss_value, grad_norm, in_range):   # a state not finite: no later step recovers it
                 stopped = f"the weights or optimizer state are not finite at step {step}"
                 exit_code = jobctl.EXIT_NONFINITE
             updated = False
@@ -685,6 +704,8 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         "stopped": stopped,
         "exit_code": exit_code,
         "last_checkpoint_step": last_save["step"],
+        "loss_left_range": loss_range.describe() or None,
+        "resume_advice": health.resume_advice(out / "ckpt", loss_range, cfg.dtype) if is_main else None,
         "predicted_peak_bytes": max(predicted),
         "predicted_peak_bytes_per_rank": predicted,
         "planned_peak_bytes_per_rank": planned,
@@ -723,10 +744,10 @@ def end_block(summary: dict, out: Path, start_step: int) -> str:
     if s["stopped"]:
         lines.append("mpirt:   " + ("continue with the same command and --resume auto"
                                      if s["exit_code"] == jobctl.EXIT_STOPPED else
-                                     "nothing was saved after the failure: " + (
-                                         f"the last good checkpoint is step {s['last_checkpoint_step']}"
-                                         if s["last_checkpoint_step"] is not None else "no checkpoint was written")
-                                     + f"; {STOP_ADVICE.get(s['exit_code'], 'fix the cause before resuming')}"))
+                                     "nothing was saved after the failure" + (
+                                         f" ({s['loss_left_range']})" if s.get("loss_left_range") else "")
+                                     + f": {s['resume_advice']}; "
+                                     + STOP_ADVICE.get(s['exit_code'], 'fix the cause before resuming')))
     return "\n".join(lines)
 
 

@@ -248,3 +248,18 @@ def test_job_stops_itself_before_its_time_limit(data, site_env):
     assert summary["exit_code"] == 75 and summary["last_checkpoint_step"] == summary["steps"] == latest_step(run_dir)
     report("--time=1, stopped by --time-limit slurm", run_time=info["RunTime"], time_limit=info["TimeLimit"],
            left_at_stop_s=left.group(1), saved_step=summary["steps"], submit_to_end_s=f"{time.time() - t0:.1f}")
+
+
+def test_ranks_that_exit_0_early_do_not_make_a_finished_job(data, site_env):
+    """Both ranks call ``os._exit(0)`` at step 3 of 60 (a library's ``exit(0)``): srun's exit code
+    is 0, but summary.json was never written, so the job says it ended early and fails (exit 1)."""
+    run_dir = WORK / "runs" / "vanish"
+    jid = submit(ROOT / "slurm" / "cpu.sbatch", run_dir, "--data", data, *TINY, "--steps", "60",
+                 sbatch=["--ntasks-per-node=2", "--cpus-per-task=1", "--time=5", "--job-name=vanish"],
+                 fault="vanish@0:3,vanish@1:3")
+    info = wait_done(jid)
+    text = output(jid, "vanish")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", shown(info, text)
+    assert "training ended early: the ranks exited 0 but" in text and "training finished" not in text, shown(info, text)
+    assert not (run_dir / "summary.json").exists()
+    report("both ranks os._exit(0) at step 3 of 60", state=info["JobState"], exit=info["ExitCode"])
