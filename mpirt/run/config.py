@@ -5,7 +5,7 @@
 Precedence: command line > CONFIG.toml > dataclass defaults. Keys are the ``TrainConfig`` field
 names; on the command line dashes and underscores are alike (``--batch-size 8`` ==
 ``--batch_size=8``). The architecture comes from ``model`` (a preset name, a model TOML file or a
-Hugging Face GPT-2 directory) plus per-field overrides of its model config (the fields of the
+Hugging Face GPT-2, Llama or Mixtral directory) plus per-field overrides of its model config (the fields of the
 registered model types, :func:`mpirt.core.modeling.config_fields`): a ``[model]``
 table in the TOML file or ``--model.n_layer=2`` on the command line. Since TOML cannot hold both
 ``model = "gpt2"`` and a ``[model]`` table, ``name = "gpt2"`` inside the table sets ``model`` too.
@@ -48,7 +48,7 @@ def _opt(default, doc: str):
 class TrainConfig:
     """Everything one training run needs. Every rank must hold an identical copy."""
 
-    model: str = _opt("tiny", "preset name (models/presets), model TOML file or HF GPT-2 dir")
+    model: str = _opt("tiny", "preset name (models/presets), model TOML file or HF GPT-2/Llama/Mixtral dir")
     data: str = _opt("", "dataset directory (train.bin, val.bin, meta.json); empty = built-in default corpus")
     steps: int = _opt(300, "optimizer steps to train")
     batch_size: int = _opt(8, "GLOBAL batch: sequences per optimizer step, over all ranks")
@@ -63,7 +63,7 @@ class TrainConfig:
     grad_accum: int = _opt(1, "gradient accumulation micro-steps per optimizer step")
     seed: int = _opt(1337, "random seed (init, data order, dropout)")
     out_dir: str = _opt("out", "directory for checkpoints, metrics and summary.json")
-    init_from: str = _opt("", "start from an mpirt checkpoint dir or HF GPT-2 dir; empty = scratch")
+    init_from: str = _opt("", "start from an mpirt checkpoint dir or HF GPT-2/Llama/Mixtral dir; empty = scratch")
     eval_only: bool = _opt(False, "evaluate the initial model and exit")
     eval_batches: int = _opt(8, "batches per evaluation")
     eval_interval: int = _opt(100, "evaluate every N steps; 0 = only at the end")

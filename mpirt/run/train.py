@@ -97,7 +97,7 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
         (loaded, weights), resume = open_hf(path, dtype=cfg.dtype), False
     else:
         raise ConfigError(f"init_from: {source} is neither an mpirt checkpoint (no {path / 'latest'} or "
-                          f"{path / 'meta.json'}) nor a Hugging Face GPT-2 directory (no {path / 'config.json'})")
+                          f"{path / 'meta.json'}) nor a Hugging Face GPT-2, Llama or Mixtral directory (no {path / 'config.json'})")
     changed = apply_overrides(loaded, cfg.model_overrides)
     for key in FIXED_BY_WEIGHTS:
         before, after = getattr(loaded, key, None), getattr(changed, key, None)
