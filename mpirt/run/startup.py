@@ -1,8 +1,8 @@
 """How the ranks of ``python -m mpirt.train`` start together, so that no failure on one rank
 leaves the others waiting (:func:`mpirt.run.train.main` runs these in order):
 
-- until training starts, TERM and INT keep their default action (:func:`end_on_signal`): the
-  pre-flight has nothing to save, and a Python handler would not run while the main thread waits
+- until the first training step, TERM and INT keep their default action (:func:`end_on_signal`):
+  there is nothing to save yet, and a Python handler would not run while the main thread waits
   inside MPI (the signal would be lost, and a hung start-up would outlive ``timeout``);
 - the communication watchdog starts before anything that can fail on one rank, with the
   pre-flight's own short timeout (:func:`preflight_timeout`), so that a rank that never arrives,
@@ -32,8 +32,8 @@ VERIFY_BYTES_PER_S = 50e6  # the slowest read assumed while a rank checksums the
 
 
 def end_on_signal() -> None:
-    """TERM and INT end this process at once (their default action) until training installs its
-    stop handling (:class:`mpirt.run.jobctl.StopRequests`)."""
+    """TERM and INT end this process at once (their default action) until the training loop
+    installs its stop handling (:class:`mpirt.run.jobctl.StopRequests`)."""
     for sig in jobctl.STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
 

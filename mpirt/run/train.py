@@ -426,7 +426,6 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             print(f"error: {err}", file=sys.stderr)
         sys.exit(jobctl.EXIT_REFUSED)
     comm.start_watchdog(comm_timeout(cfg, model_cfg))  # a stuck call, or a rank exiting alone, ends the job
-    stops = jobctl.StopRequests().install()  # from here a TERM stops at a step boundary, with a checkpoint
     # the final config's, with the model's stages and the blocks that recompute
     layout = recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg))
     grid = Grid(layout["dp"], layout["pp"], layout["tp"], cp=layout["cp"], ep=layout["ep"])
@@ -546,6 +545,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     stopped, exit_code = None, 0
     budget = parse_size(cfg.memory_budget)
     step = start_step
+    # training starts: a TERM now stops every rank at a step boundary, with a checkpoint (until
+    # here it ended the process: nothing to save, and no handler runs while waiting inside MPI)
+    stops = jobctl.StopRequests().install()
     while step < end_step:
         faults.inject(ctx.rank, step + 1)
         monitor.begin(step + 1)
