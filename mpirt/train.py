@@ -1,12 +1,11 @@
 """``[mpiexec -n N] python -m mpirt.train [CONFIG.toml] [--key=value ...]``: train a model
 (:mod:`mpirt.run.train`)."""
 if __name__ == "__main__":
-    # as the job's program: take TERM/INT before MPI starts and the data opens, so an early notice
-    # (a requeued job's) still ends in a clean stop at the first step, not a killed rank
-    from mpirt.run.jobctl import StopRequests
+    import signal
 
-    early = StopRequests().install()
+    # until training starts an INT ends the process as a TERM does, also while MPI starts
+    # (mpirt.run.startup.end_on_signal): Python's KeyboardInterrupt would wait for MPI to return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     from mpirt.run import train
 
-    train.EARLY_STOPS = early
     train.main()

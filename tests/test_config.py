@@ -163,6 +163,7 @@ def test_help_lists_every_key_and_exits_zero(capsys):
         if f.name != "model_overrides":
             assert f"--{f.name}" in out and f.metadata["help"] in out
     assert "--model.<field>" in out and "n_layer" in help_text()
+    assert "mpirt checkpoint dir or HF GPT-2/Llama/Mixtral dir" in out  # every architecture that loads
 
 
 # ---------------------------------------------------------------- model overrides

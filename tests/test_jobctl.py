@@ -1,4 +1,5 @@
 """Unit tests of mpirt.run.jobctl: the wall-time rule, the launcher seen, the output-directory lock."""
+import errno
 import json
 import os
 import signal
@@ -132,3 +133,27 @@ def test_stop_requests_note_the_first_signal():
     finally:
         for sig in jobctl.STOP_SIGNALS:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("content", ["", "{not json", "[1, 2]", '{"host": null, "pid": null, "job": null}'],
+                         ids=["empty", "not-json", "not-an-object", "no-holder"])
+def test_a_lock_that_names_no_live_job_is_taken_over(tmp_path, content):
+    """What a crash mid-write of an older mpirt left (its full disk once left an empty .lock that
+    refused every resume, 'pid None on None'), or any lock naming no holder, is taken over."""
+    (tmp_path / jobctl.LOCK).write_text(content)
+    path = jobctl.acquire_lock(tmp_path, env={})
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [jobctl.LOCK]  # its temporary file is gone
+
+
+def test_a_disk_too_full_for_the_lock_leaves_no_lock(tmp_path, monkeypatch):
+    """The lock is written whole before it takes its name: a write that fails for want of space
+    leaves neither a .lock nor its temporary file, and says so in one line."""
+    def full(_fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(jobctl.os, "fsync", full)
+    with pytest.raises(jobctl.DirectoryLocked, match=r"out_dir: cannot write the lock .*\.lock \(No space left on "
+                                                     r"device\): free space in "):
+        jobctl.acquire_lock(tmp_path, env={})
+    assert list(tmp_path.iterdir()) == []

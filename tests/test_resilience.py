@@ -147,31 +147,67 @@ def test_stop_and_resume_by_signal_equals_the_uninterrupted_run(tiny_data, tmp_p
     result = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "mpirt.train", *common, f"--out-dir={part}"],
                             capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert result.returncode == EXIT_STOPPED, result.stderr
-    assert summary(part)["steps"] == 4
+    assert summary(part)["steps"] == 4 and summary(part)["stopped"] == "a stop request on rank 1"
     run_module("mpirt.train", *common, f"--out-dir={part}", "--resume=auto", ranks=2)
     assert [r["loss"] for r in read_metrics(part)] == [r["loss"] for r in read_metrics(full)]
     assert summary(part)["val_loss"] == summary(full)["val_loss"]
 
 
-def test_the_stop_handler_is_in_place_before_mpi_starts(tiny_data, tmp_path):
-    """A TERM that arrives during start-up (a requeued job's early notice) must stop the run cleanly:
-    the handler is installed before MPI is loaded, and a TERM then ends with a checkpoint, exit 75."""
-    proc = subprocess.Popen([sys.executable, "-m", "mpirt.train", *TINY, f"--data={tiny_data}", "--steps=50",
-                             f"--out-dir={tmp_path}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT)
-    caught, deadline = None, time.time() + 60
-    while caught is None and proc.poll() is None and time.time() < deadline:
-        status = Path(f"/proc/{proc.pid}/status").read_text()
-        mask = int(next(line for line in status.splitlines() if line.startswith("SigCgt")).split()[1], 16)
-        if mask & (1 << (signal.SIGTERM - 1)):
-            caught = "libmpi" in Path(f"/proc/{proc.pid}/maps").read_text()
-        else:
-            time.sleep(0.002)
-    assert caught is False, "TERM was not caught before MPI was loaded"
+def mpmd(rank0: list, rank1: list, wdirs=None) -> list:
+    """The command of a 2-rank launch whose ranks get their own arguments (and working directories:
+    one relative path, two views, as on two nodes)."""
+    blocks = []
+    for args, wdir in zip((rank0, rank1), wdirs or (None, None)):
+        blocks += [":"] * bool(blocks) + (["-wdir", str(wdir)] if wdir else []) + [
+            "-n", "1", sys.executable, "-m", "mpirt.train", *map(str, args)]
+    return ["mpiexec", *blocks]
+
+
+@pytest.mark.parametrize("case", ["arguments", "CONFIG.toml"])
+def test_a_rank_that_cannot_start_ends_every_rank_in_one_line(tiny_data, tmp_path, case):
+    """Rank 1 cannot parse its arguments (an MPMD launch), or cannot read the CONFIG.toml rank 0
+    reads (a relative path that only rank 0's working directory holds): both ranks reach the same
+    first agreement, and the job ends at once with one line naming rank 1 (it once skipped the
+    collective that started the watchdog while rank 0 waited in it: both ranks spun for good)."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    (nodes[0] / "run.toml").write_text("steps = 3\n")
+    args = [*TINY, f"--data={tiny_data}", f"--out-dir={tmp_path / 'out'}"]
+    if case == "arguments":
+        cmd, reason = mpmd([*args, "--steps", "3"], [*args, "--steps", "abc"]), "steps: expected int, got 'abc'"
+    else:
+        cmd, reason = mpmd(["run.toml", *args], ["run.toml", *args], nodes), "config file run.toml: No such file or directory"
+    t0 = time.time()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    print(f"rank 1 cannot start ({case}): exit {result.returncode} after {time.time() - t0:.1f} s")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"error on rank 1: {reason}"], result.stderr
+
+
+# the syscall a process opening a FIFO nobody writes blocks in
+OPENAT = {"x86_64": "257", "aarch64": "56"}.get(platform.machine(), "unknown")
+
+
+def test_a_term_before_training_ends_every_rank_even_waiting_inside_mpi(tiny_data, tmp_path):
+    """`timeout` sends the launcher one TERM: ranks hung in the pre-flight (rank 1 opening a FIFO
+    as its dataset, rank 0 waiting for it inside MPI, no watchdog timeout) must end. A Python stop
+    handler never runs while its thread is inside MPI: the early one swallowed the TERM."""
+    stalled = tmp_path / "stalled"
+    stalled.mkdir()
+    os.mkfifo(stalled / "meta.json")
+    args = [*TINY, "--comm-timeout=0", f"--out-dir={tmp_path / 'o'}"]
+    proc = subprocess.Popen(mpmd([*args, f"--data={tiny_data}"], [*args, f"--data={stalled}"]), cwd=ROOT,
+                            stdout=open(tmp_path / "o.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def hung():  # rank 1 blocked opening the FIFO (past the first agreements), rank 0 spinning on
+        return sorted(main_thread(pid)[0] for pid in rank_pids(proc)) == sorted([OPENAT, "running"])
+
+    wait_until(f"rank 1 blocked opening its FIFO (syscall {OPENAT})", proc, tmp_path / "o", hung)
+    t0 = time.time()
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_STOPPED, err
-    assert summary(tmp_path)["last_checkpoint_step"] == summary(tmp_path)["steps"] >= 1
+    finish(proc, timeout=20)
+    print(f"TERM in a hung pre-flight: every rank gone {time.time() - t0:.1f} s after it")
+    assert not descendants(proc.pid)
 
 
 def test_a_rank_stalled_before_training_is_caught_by_the_watchdog(tiny_data, tmp_path):
@@ -181,8 +217,7 @@ def test_a_rank_stalled_before_training_is_caught_by_the_watchdog(tiny_data, tmp
     stalled.mkdir()
     os.mkfifo(stalled / "meta.json")
     args = [*TINY, "--comm-timeout=10", f"--out-dir={tmp_path / 'o'}"]
-    cmd = ["mpiexec", "-n", "1", sys.executable, "-m", "mpirt.train", *args, f"--data={tiny_data}", ":",
-           "-n", "1", sys.executable, "-m", "mpirt.train", *args, f"--data={stalled}"]
+    cmd = mpmd([*args, f"--data={tiny_data}"], [*args, f"--data={stalled}"])
     t0 = time.time()
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     print(f"stalled pre-flight: exit {result.returncode} after {time.time() - t0:.1f} s")
@@ -251,7 +286,7 @@ def test_steps_per_job_splits_a_run_into_jobs(tiny_data, tmp_path):
         codes.append(result.returncode)
         vals.append(summary(out)["val_loss"])
     assert all(v is not None for v in vals[:3]), vals  # each job's share ends with an evaluation
-    assert done == [3, 6, 7, 7] and "nothing to do" in result.stdout
+    assert done == [3, 6, 7, 7] and "nothing to do" in result.stderr and not result.stdout
     assert codes == [EXIT_STOPPED, EXIT_STOPPED, 0, 0]   # work left: 75, so a requeue chain goes on
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 8))
     assert summary(out)["val_loss"] is not None and math.isfinite(summary(out)["val_loss"])
@@ -356,7 +391,7 @@ def test_two_jobs_on_one_directory(tiny_data, tmp_path):
     second = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=5", f"--out-dir={out}", "--resume=auto",
                         check=False)
     first.send_signal(signal.SIGTERM)
-    assert finish(first) == EXIT_STOPPED
+    assert finish(first) == EXIT_STOPPED and summary(out)["stopped"] == "SIGTERM"  # one rank: its own signal
     assert second.returncode == 2 and "in use by another job" in second.stderr
     assert not (out / ".lock").exists()  # released by the job that stopped
     # a lock left by a process that is gone (kill -9) does not block the next job
@@ -557,7 +592,7 @@ def test_resume_auto_after_a_kill_between_a_first_save_and_its_pointer(tiny_data
     (damaged / "meta.json").write_text("{}")              # fails its checksum
     result = run_module("mpirt.train", *TINY, f"--data={tiny_data}", "--steps=4", f"--out-dir={tmp_path}",
                         "--resume=auto", ranks=2)
-    assert f"resuming {ckpt} at step 2" in result.stderr, result.stderr
+    assert f"resuming {(ckpt / 'step-00000002').resolve()} at step 2" in result.stderr, result.stderr
     assert summary(tmp_path)["steps"] == 4 and (ckpt / "latest").read_text().strip() == "step-00000004"
 
 
@@ -625,3 +660,51 @@ def test_the_vocabulary_comes_from_the_dataset_unless_set(tiny_data, tmp_path):
     run_module("mpirt.train", *TINY, f"--data={data}", "--steps=1", "--model.vocab_size=400", f"--out-dir={tmp_path / 'b'}")
     saved = json.loads((tmp_path / "b" / "ckpt" / "step-00000001" / "meta.json").read_text())
     assert saved["extra"]["model_config"]["vocab_size"] == 400
+
+
+def test_every_rank_loads_the_checkpoint_version_rank_0_resolved(tiny_data, tmp_path):
+    """`--init-from RUN/ckpt --eval-only` of a run still saving: rank 0 sees step 2 as the latest,
+    rank 1 already step 4 (its working directory holds the run one save later: one relative path,
+    two views, as on a node whose file system caught up first). Rank 0 resolves the version once
+    and every rank loads it: the evaluation is step 2's, not a mix of two replicas."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    run_module("mpirt.train", *F64, f"--data={tiny_data}", "--steps=4", "--ckpt-interval=2", "--eval-interval=2",
+               f"--out-dir={nodes[0] / 'run'}")
+    shutil.copytree(nodes[0] / "run", nodes[1] / "run")
+    (nodes[0] / "run" / "ckpt" / "latest").write_text("step-00000002\n")  # rank 0: before the save of step 4
+    args = [*F64, f"--data={tiny_data}", "--init-from=run/ckpt", "--eval-only", f"--out-dir={tmp_path / 'eval'}"]
+    result = subprocess.run(mpmd(args, args, nodes), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    evaluated = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    at_step_2 = next(r["val_loss"] for r in read_metrics(nodes[0] / "run") if r["step"] == 2)
+    assert evaluated["step"] == 2 and evaluated["init_from"] == str((nodes[0] / "run/ckpt/step-00000002").resolve())
+    assert evaluated["val_loss"] == pytest.approx(at_step_2, rel=1e-12, abs=0)
+
+
+def test_a_full_disk_is_refused_before_the_lock_and_a_lock_naming_no_job_is_taken_over(tiny_data, tmp_path):
+    """`--resume auto` on a full disk (a 1 MiB tmpfs, filled): one line, exit 2, and the lock left
+    as it was; once space is freed, the next job takes over the empty lock an older mpirt left
+    there (it once refused every resume, 'in use by another job (pid None on None)')."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root); the lock's own full-disk test is in test_jobctl.py")
+    try:
+        out = disk / "run"
+        out.mkdir()
+        (out / ".lock").write_text("")
+        with open(disk / "fill", "wb") as f, pytest.raises(OSError):
+            while True:
+                f.write(bytes(1 << 16))
+                f.flush()
+        args = [*TINY, f"--data={tiny_data}", "--steps=2", f"--out-dir={out}", "--resume=auto"]
+        result = run_module("mpirt.train", *args, check=False)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+            f"error: out_dir: {out} is full (No space left on device): free space there or use another --out-dir"]
+        assert (out / ".lock").read_text() == ""
+        (disk / "fill").unlink()
+        run_module("mpirt.train", *args)
+        assert summary(out)["steps"] == 2 and not (out / ".lock").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

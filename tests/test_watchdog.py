@@ -169,6 +169,14 @@ def test_a_stalled_pipeline_rank_is_named_with_the_schedule_action(tiny_data, tm
     assert "waiting for pp rank 1:" in err and "world rank 1 (pp rank 1): not in a communication call" in err, err
 
 
+def test_a_stalled_context_rank_is_named_with_the_ring_step_and_the_layer(tiny_data, tmp_path):
+    rc, err, seconds = train_with_fault("stall@1:3", tiny_data, tmp_path, f"--comm-timeout={TIMEOUT_S}", "--cp=2")
+    assert rc == EXIT_TIMEOUT, err
+    assert re.search(r"mpirt watchdog: rank 0: cp rank 0: ring attention forward of h\.0\.attn, ring step 1 of 1 "
+                     r"\(keys and values to cp rank 1, from cp rank 1\) \(i(send|recv) on axis cp, \d+ bytes, "
+                     r"(to|from) cp rank 1 = world rank 1\): waited", err), err
+
+
 @pytest.mark.parametrize("layout", [[], ["--pp=2", "--model.n_layer=2"]], ids=["dp", "pp"])
 def test_a_rank_that_exits_ends_the_job_quickly_naming_it(tiny_data, tmp_path, layout):
     rc, err, seconds = train_with_fault("exit@1:3", tiny_data, tmp_path, "--comm-timeout=120", *layout)

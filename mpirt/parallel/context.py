@@ -28,8 +28,10 @@ checkpoint does not know cp.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,8 +53,17 @@ class ContextShard:
     """This rank's share of every sequence: chunks ``rank`` and ``2 size - 1 - rank`` of ``2 size``,
     over ``comm`` (the grid's cp axis; ``rank``/``size`` its rank and size)."""
 
+    layer = "attention"  # the module whose ring this is, as watchdog reports name it (:meth:`named`)
+
     def __init__(self, comm):
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
+
+    def named(self, layer: str) -> "ContextShard":
+        """This split as module ``layer`` (e.g. ``h.3.attn``) uses it: the same ring, whose messages
+        the watchdog's report then names by layer and ring step."""
+        view = copy.copy(self)
+        view.layer = layer
+        return view
 
     def chunks(self, rank: int | None = None) -> tuple[int, int]:
         """The global chunk numbers of cp rank ``rank``'s two halves (default this rank's), in the
@@ -97,6 +108,23 @@ class ContextShard:
         first, second = (slice(k * half, (k + 1) * half) for k in self.chunks())
         xp = np if isinstance(a, np.ndarray) else B.xp  # host batches stay on the host
         return xp.concatenate([a[:, first], a[:, second]], axis=1)
+
+
+class RingLabel(NamedTuple):
+    """A ring message as the communication watchdog names it, e.g. ``cp rank 1: ring attention
+    forward of h.3.attn, ring step 2 of 3 (keys and values to cp rank 2, from cp rank 0)``; built
+    per step, formatted only in a report."""
+
+    shard: "ContextShard"
+    direction: str   # "forward" (keys and values) or "backward" (their gradients)
+    step: int        # from 0
+
+    def __str__(self) -> str:
+        s = self.shard
+        nxt, prv = s.neighbours
+        what = "keys and values" if self.direction == "forward" else "their gradients"
+        return (f"cp rank {s.rank}: ring attention {self.direction} of {s.layer}, ring step {self.step + 1} of "
+                f"{s.size - 1} ({what} to cp rank {nxt}, from cp rank {prv})")
 
 
 def pair(q_chunk: int, k_chunk: int) -> str:
@@ -214,7 +242,8 @@ class RingAttention(Function):
             moving = []
             if step < shard.size - 1:
                 incoming = B.xp.empty_like(kvb)
-                moving = [shard.comm.isend(kvb, nxt, tag=_TAG_KV), shard.comm.irecv(incoming, prv, tag=_TAG_KV)]
+                with shard.comm.labelled(RingLabel(shard, "forward", step)):
+                    moving = [shard.comm.isend(kvb, nxt, tag=_TAG_KV), shard.comm.irecv(incoming, prv, tag=_TAG_KV)]
             wrong = shard.size > 1 and injected("cp-ring-step")  # test-only (mpirt.core.injected)
             blocks(kvb, (step + 1) % shard.size if wrong else step)
             for h in moving:
@@ -249,7 +278,9 @@ class RingAttention(Function):
                                      self.lse[..., rq, :], rowdot[..., rq, :], kind, self._mask(i, j, step, b),
                                      dq[..., rq, :], dk[..., rk, :], dv[..., rk, :])
             back = xp.empty_like(dkv[0])                            # the keys' gradient moves on with them
-            for hd in (shard.comm.isend(dkv[0], nxt, tag=_TAG_DKV), shard.comm.irecv(back, prv, tag=_TAG_DKV)):
+            with shard.comm.labelled(RingLabel(shard, "backward", step)):
+                moving = (shard.comm.isend(dkv[0], nxt, tag=_TAG_DKV), shard.comm.irecv(back, prv, tag=_TAG_DKV))
+            for hd in moving:
                 hd.wait()
             dkv[0] = back
 
@@ -308,7 +339,7 @@ def parallelize_context(model: Module, shard: ContextShard) -> Module:
     get it as their ``context`` (the model's position embedding and the rotary tables read the
     chunks' global positions, the attention core becomes :func:`ring_attention`), and every
     Dropout draws its mask at the global token positions it holds. Returns ``model``."""
-    for _, m in model.named_modules():
+    for name, m in model.named_modules():
         if hasattr(m, "context"):
-            m.context = shard
+            m.context = shard.named(name) if name else shard
     return model

@@ -63,7 +63,7 @@ class TrainConfig:
     grad_accum: int = _opt(1, "gradient accumulation micro-steps per optimizer step")
     seed: int = _opt(1337, "random seed (init, data order, dropout)")
     out_dir: str = _opt("out", "directory for checkpoints, metrics and summary.json")
-    init_from: str = _opt("", "start from an mpirt checkpoint dir, or a Hugging Face GPT-2, Llama or Mixtral dir; empty = scratch")
+    init_from: str = _opt("", "start from an mpirt checkpoint dir or HF GPT-2/Llama/Mixtral dir; empty = scratch")
     eval_only: bool = _opt(False, "evaluate the initial model and exit")
     eval_batches: int = _opt(8, "batches per evaluation")
     eval_interval: int = _opt(100, "evaluate every N steps; 0 = only at the end")

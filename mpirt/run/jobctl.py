@@ -189,35 +189,64 @@ def slurm_job_ended(job: str) -> bool:
 def acquire_lock(out: Path, env=None) -> Path:
     """Take ``out/.lock`` for this job, or raise :class:`DirectoryLocked` naming its holder.
 
-    A lock is stale, and taken over, when its holder was this same SLURM job (a requeue keeps the
-    job id), a process on this host that no longer exists, or a SLURM job that squeue says has
-    ended (a job hard-killed on another node leaves its lock). Created with O_EXCL, so of two
-    jobs starting together exactly one wins."""
+    The lock is written whole into a temporary file first and then linked into place (``os.link``
+    is atomic and fails when the name exists), so of two jobs starting together exactly one wins
+    and no reader ever sees it empty or half written; a disk too full for it leaves no lock at all.
+    A lock is stale, and taken over, when it names no live job: empty or unreadable (a crash
+    mid-write of an older mpirt), its holder was this same SLURM job (a requeue keeps the job id),
+    a process on this host that no longer exists, or a SLURM job that squeue says has ended (a
+    job hard-killed on another node leaves its lock)."""
     env = os.environ if env is None else env
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK
     me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.get("SLURM_JOB_ID"), "since": time.time()}
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
+    mine = out / f"{LOCK}.{me['host']}.{me['pid']}.tmp"
+    try:
+        with open(mine, "w") as f:
+            json.dump(me, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        mine.unlink(missing_ok=True)
+        raise DirectoryLocked(f"out_dir: cannot write the lock {path} ({err.strerror or err}): free space in {out} "
+                              f"(or fix its permissions) and start again") from None
+    try:
+        for _ in range(2):
             try:
-                holder = json.loads(path.read_text())
-            except (OSError, ValueError):
-                holder = {}
-            same_job = me["job"] is not None and holder.get("job") == me["job"]
-            dead = holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"])
-            if same_job or dead or (holder.get("job") and slurm_job_ended(holder["job"])):
+                os.link(mine, path)
+                return path
+            except FileExistsError:
+                holder = _lock_holder(path)
+            if _names_no_live_job(holder, me):
                 path.unlink(missing_ok=True)
                 continue
             who = f"pid {holder.get('pid')} on {holder.get('host')}" + (f", SLURM job {holder['job']}" if holder.get("job") else "")
             check = f" (`squeue -j {holder['job']}` lists it while it is alive)" if holder.get("job") else ""
             raise DirectoryLocked(f"out_dir: {out} is in use by another job ({who}); use another --out-dir, or "
-                                  f"remove {path} if that job is gone{check}") from None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        return path
-    raise DirectoryLocked(f"out_dir: could not take {path}")
+                                  f"remove {path} if that job is gone{check}")
+        raise DirectoryLocked(f"out_dir: could not take {path}")
+    finally:
+        mine.unlink(missing_ok=True)
+
+
+def _lock_holder(path: Path) -> dict:
+    """What a lock file says of its holder; {} when it is empty, unreadable or not a lock."""
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _names_no_live_job(holder: dict, me: dict) -> bool:
+    """Whether a lock whose holder is ``holder`` may be taken over by ``me`` (see :func:`acquire_lock`)."""
+    if not holder.get("host") or not isinstance(holder.get("pid"), int) or holder["pid"] <= 0:
+        return True
+    if me["job"] is not None and holder.get("job") == me["job"]:
+        return True
+    if holder["host"] == me["host"] and not _alive(holder["pid"]):
+        return True
+    return bool(holder.get("job")) and slurm_job_ended(holder["job"])
 
 
 def release_lock(path: Path) -> None:

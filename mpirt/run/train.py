@@ -3,12 +3,10 @@
 One linear script, nanoGPT style: configure, check the layout, load data and model, shard it over
 the dp x pp x tp grid, loop over optimizer steps (each ``grad_accum`` micro-batches of the global
 batch), evaluate, checkpoint, summarise. ``python -m mpirt.train --help`` lists every key.
-Everything that can be refused is refused before the first collective, naming the key.
+Everything that can be refused is refused before training, in one line naming the key (and the
+rank): every rank reaches the same agreements whatever failed (:mod:`mpirt.run.startup`).
 """
 from __future__ import annotations
-
-# TERM/INT handlers the entry point installed before MPI started (mpirt/train.py), else None
-EARLY_STOPS = None
 
 import dataclasses
 import errno
@@ -25,7 +23,7 @@ import numpy as np
 import mpirt.core.backend as B
 from mpirt import comm
 from mpirt.cpu import blas, kernels
-from mpirt.run import faults, health, jobctl
+from mpirt.run import faults, health, jobctl, startup
 from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, intact_version, looks_like_checkpoint,
                                     read_checkpoint_meta, verify_checkpoint)
 from mpirt.checkpoint.sharded import save_sharded
@@ -61,6 +59,10 @@ def plan_layout(cfg, world_size: int) -> Layout:
 # only the initial weights, which init_from replaces; the others (dropout rates,
 # layer_norm_epsilon) change no loaded tensor and apply on top of it
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)   # a write failed for want of space or quota
+PROBE_BYTES = 64 << 10   # what check_out_dir writes: a disk without this much free is full
+# what a rank may find wrong before training: agreed on by every rank, one line, exit 2 (OSError: a
+# file that this rank's node cannot read)
+PREFLIGHT_ERRORS = (ConfigError, OSError, ValueError, jobctl.DirectoryLocked)
 FIXED_BY_WEIGHTS = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner", "model_type",
                     "initializer_range", "n_kv_head", "n_expert")
 # what a shape field means where None stands for a derived value (n_inner: 4 C or 8/3 C; n_kv_head: n_head)
@@ -100,7 +102,7 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
         (loaded, weights), resume = open_hf(path, dtype=cfg.dtype), False
     else:
         raise ConfigError(f"init_from: {source} is neither an mpirt checkpoint (no {path / 'latest'} or "
-                          f"{path / 'meta.json'}) nor a Hugging Face model directory (no {path / 'config.json'})")
+                          f"{path / 'meta.json'}) nor a Hugging Face GPT-2, Llama or Mixtral directory (no {path / 'config.json'})")
     changed = apply_overrides(loaded, cfg.model_overrides)
     for key in FIXED_BY_WEIGHTS:
         before, after = getattr(loaded, key, None), getattr(changed, key, None)
@@ -164,14 +166,13 @@ def vocab_from_data(cfg, model_cfg, data: TokenDataset, tp: int):
     return dataclasses.replace(model_cfg, vocab_size=-(-data.vocab_size // step) * step)
 
 
-def comm_timeout(cfg, model_cfg=None) -> float:
-    """The watchdog's timeout: ``--comm-timeout``, or for -1 (auto) 300 s plus the time rank 0 may
-    spend writing a checkpoint (weights and both AdamW moments at 50 MB/s) while the others wait
-    for it in their next collective (300 s before the model is known: the pre-flight)."""
+def comm_timeout(cfg, model_cfg) -> float:
+    """The watchdog's timeout in training: ``--comm-timeout``, or for -1 (auto) 300 s plus the time
+    rank 0 may spend writing a checkpoint (weights and both AdamW moments at 50 MB/s) while the
+    others wait for it in their next collective (the pre-flight's: :func:`startup.preflight_timeout`)."""
     if cfg.comm_timeout >= 0:
         return cfg.comm_timeout
-    save_s = 0.0 if model_cfg is None else 3 * num_parameters(model_cfg) * (8 if cfg.dtype == "float64" else 4) / 50e6
-    return 300.0 + save_s
+    return 300.0 + 3 * num_parameters(model_cfg) * (8 if cfg.dtype == "float64" else 4) / 50e6
 
 
 def check_resources(cfg, data: TokenDataset) -> None:
@@ -222,16 +223,27 @@ def plan_out_dir(cfg, out: Path):
 
 
 def check_out_dir(out: Path) -> None:
-    """Refuse, before step 1, an ``--out-dir`` that cannot be created or written by this rank: its
-    checkpoints, metrics and summary all go there, and a run must not end at its first save. The
-    folder is made if missing; a probe file is written and removed."""
+    """Refuse, before step 1 (and before rank 0 takes the run's lock), an ``--out-dir`` that cannot
+    be created or written by this rank, or whose disk is full: its checkpoints, metrics and summary
+    all go there, and a run must not end at its first save. The folder is made if missing; a probe
+    of :data:`PROBE_BYTES` is written, synced and removed."""
+    probe = out / f".write-probe-{os.uname().nodename}-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        with open(probe, "wb") as f:
+            f.write(bytes(PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as err:
+        if err.errno in DISK_FULL:
+            raise ConfigError(f"out_dir: {out} is full ({err.strerror}): free space there or use another "
+                              f"--out-dir") from None
         raise ConfigError(f"out_dir: cannot write to {out} ({err.strerror or err})") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:  # the folder itself could not be made
+            pass
 
 
 def check_resume(cfg, meta: dict, data_dir: Path) -> None:
@@ -319,15 +331,17 @@ def _recompute_skipped(cfg, model_cfg, layout: Layout) -> str:
 
 
 def main(argv=None) -> dict:
+    startup.end_on_signal()  # a TERM before training ends the process, even one waiting inside MPI
     comm.install_abort_on_error()
     world = comm.world()
+    # watched before anything can fail on one rank: every rank reaches the agreements below, and a
+    # rank stalled in the pre-flight (data, checksums) or exiting is named instead of waited for
+    comm.start_watchdog(startup.preflight_timeout())
     started = time.time()
-    error, lock = None, None
+    error, lock, cfg, pin = None, None, None, None
     try:
         cfg = parse_args(argv)
-        # watched from here on: a rank stalled in the pre-flight (data, checksums, agreement) ends
-        # the job naming the call instead of leaving the others waiting (the timeout grows later)
-        comm.start_watchdog(comm_timeout(cfg))
+        comm.start_watchdog(startup.preflight_timeout(cfg))
         mismatch = jobctl.launch_mismatch(world.size, library=comm.library_version())
         if mismatch:  # each singleton would print it: only the launcher's first task speaks
             if os.environ.get("SLURM_PROCID", "0") == "0":
@@ -338,6 +352,15 @@ def main(argv=None) -> dict:
         if not cfg.eval_only:
             cfg = plan_out_dir(cfg, out)
         check_out_dir(out)
+        if world.rank == 0:
+            pin = startup.pin_checkpoint(cfg.init_from)  # `latest` read once, for every rank
+    except PREFLIGHT_ERRORS as err:
+        error = str(err)
+    startup.refuse_if_any(comm.first_error(error), world.rank)  # the first agreement, whatever failed
+    pin = comm.world_comm().broadcast_object(pin)
+    try:
+        cfg = startup.follow_pin(cfg, pin)
+        comm.start_watchdog(startup.preflight_timeout(cfg, pin))
         data = open_dataset(cfg.data)
         model_cfg, hf_weights, resume = resolve_model(cfg)
         if not (resume or hf_weights is not None):
@@ -363,7 +386,7 @@ def main(argv=None) -> dict:
         deadline = jobctl.Deadline.from_config(cfg.time_limit, started, parse_duration)
         if world.rank == 0 and not cfg.eval_only:
             lock = jobctl.acquire_lock(out)
-    except (ConfigError, FileNotFoundError, ValueError, jobctl.DirectoryLocked) as err:
+    except PREFLIGHT_ERRORS as err:
         error = str(err)
     failed = comm.first_error(error)  # every rank stops if any rank found a problem
     if failed is None:
@@ -378,13 +401,7 @@ def main(argv=None) -> dict:
             check_budget(cfg, model_cfg, layout, world.size, baselines=baselines, available=available)
         except ValueError as err:  # the same on every rank: they all hold the same baselines
             failed = (0, str(err))
-    if failed is not None:
-        rank, message = failed
-        if world.rank == 0:
-            if lock is not None:
-                jobctl.release_lock(lock)
-            print(f"error: {message}" if rank == 0 else f"error on rank {rank}: {message}", file=sys.stderr)
-        sys.exit(jobctl.EXIT_REFUSED)
+    startup.refuse_if_any(failed, world.rank, lock)
     try:
         return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started, model_source,
                      baselines)
@@ -428,7 +445,6 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             print(f"error: {err}", file=sys.stderr)
         sys.exit(jobctl.EXIT_REFUSED)
     comm.start_watchdog(comm_timeout(cfg, model_cfg))  # a stuck call, or a rank exiting alone, ends the job
-    stops = EARLY_STOPS or jobctl.StopRequests().install()
     # the final config's, with the model's stages and the blocks that recompute
     layout = recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg))
     grid = Grid(layout["dp"], layout["pp"], layout["tp"], cp=layout["cp"], ep=layout["ep"])
@@ -498,7 +514,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     if start_step >= end_step:
         if is_main:
             print(f"mpirt: nothing to do: {cfg.init_from} is at step {start_step} and this run ends at step "
-                  f"{end_step} (--steps {cfg.steps}); {out / 'summary.json'} is left as it is")
+                  f"{end_step} (--steps {cfg.steps}); {out / 'summary.json'} is left as it is", file=sys.stderr)
         engine.close()
         grid.free()
         if is_main and (out / "summary.json").exists():  # confirmed by this attempt: a job script reads
@@ -563,6 +579,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     loss_range = health.LossRange.seeded(metrics.records)  # good versions: saved before the loss left its range
     budget = explicit_budget(cfg.memory_budget)  # auto's is checked before training only
     step = start_step
+    # training starts: a TERM now stops every rank at a step boundary, with a checkpoint (until
+    # here it ended the process: nothing to save, and no handler runs while waiting inside MPI)
+    stops = jobctl.StopRequests().install()
     while step < end_step:
         faults.inject(ctx.rank, step + 1)
         monitor.begin(step + 1)
@@ -607,7 +626,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
                       f"scale now {scaler.scale:g}", file=sys.stderr, flush=True)
         last = step == end_step
         # one small reduction per step: a stop request or a timed checkpoint on any rank acts on all
-        signal_stop = stops.requested is not None
+        signal_stop = ctx.size - ctx.rank if stops.requested is not None else 0  # max: the lowest rank asking
         time_stop = is_main and deadline.should_stop(slowest_step, last_save["seconds"],
                                                      extra_s=evaluation_time(step, slowest_step))
         ckpt_due = is_main and cfg.ckpt_minutes > 0 and time.time() - last_save["time"] > 60 * cfg.ckpt_minutes
@@ -632,7 +651,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             stopped = f"this job's share of the run is done, {cfg.steps - step} steps left"
             exit_code = jobctl.EXIT_STOPPED                # work left: a requeue chain continues on 75
         if not last and not stopped and (flags[0] or flags[1]):
-            stopped = (f"{stops.requested or 'a stop request on another rank'}" if flags[0] else
+            stopped = (stops.requested or f"a stop request on rank {ctx.size - flags[0]}" if flags[0] else
                        f"time limit {cfg.time_limit} near ({deadline.left():.0f} s left)")
             exit_code = jobctl.EXIT_STOPPED
         # save before evaluating: an evaluation that fails loses nothing; a non-finite stop saves nothing;
