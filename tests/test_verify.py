@@ -176,12 +176,29 @@ def test_bad_input_is_one_line_and_exit_2(ranks, args, message, tmp_path):
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
 
 
+def _spike(data_dir, step: int, *, batch_size: int, seq_len: int, seed: int = 1337) -> None:
+    """Overwrite the windows training batch ``step`` (0-based) reads with token 1, which the corpus
+    never holds: a bad stretch of data (the window starts as :func:`mpirt.data.tokens.get_batch`
+    draws them)."""
+    import numpy as np
+    tokens = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r+")
+    raw = np.random.PCG64(np.random.SeedSequence([seed, step])).random_raw(batch_size)
+    for start in (raw % np.uint64(len(tokens) - seq_len)).astype(np.int64):
+        tokens[start:start + seq_len + 1] = 1
+    tokens.flush()
+
+
 def test_replay_of_a_dp2_tp2_checkpoint_is_the_runs_next_step_at_pp2_and_refuses_another_model(tiny_data, tmp_path):
-    """A dp2 x tp2 run (dropout on) checkpoints after steps 1 and 2; replaying the first version at
-    dp2 x tp2 and at pp2 gives equal steps, and the loss and gradient norm the run logged at step 2."""
-    out = tmp_path / "run"
-    run_module("mpirt.train", *TINY, "--model.n_layer", "2", "--data", tiny_data, "--dp", "2", "--tp", "2",
-               "--dtype", "float64", "--steps", "2", "--ckpt-interval", "1", "--batch-size", "4", "--seq-len", "16",
+    """A dp2 x tp2 run (dropout on) checkpoints after each of 7 steps; replaying the first version at
+    dp2 x tp2 and at pp2 gives equal steps, and the loss and gradient norm the run logged at step 2.
+    With the data step 7 reads made bad, replaying step 6's version shows step 7 abnormal alike at
+    dp2 x tp2 and on one rank: the data, not the layout."""
+    import shutil
+    data, out = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(tiny_data, data)
+    run_module("mpirt.train", *TINY, "--model.n_layer", "2", "--data", data, "--dp", "2", "--tp", "2",
+               "--dtype", "float64", "--steps", "7", "--ckpt-interval", "1", "--keep-checkpoints", "7",
+               "--lr", "1e-2", "--warmup-steps", "0", "--batch-size", "4", "--seq-len", "16",
                "--eval-batches", "1", "--monitor", "false", "--out-dir", out, "--model.resid_pdrop", "0.1", ranks=4)
     result = run_module("mpirt.verify", "--replay", out / "ckpt" / "step-00000001", "--against", "dp=1 pp=2",
                         "--json", tmp_path / "replay.json", "--work", tmp_path / "w", ranks=4)
@@ -191,6 +208,19 @@ def test_replay_of_a_dp2_tp2_checkpoint_is_the_runs_next_step_at_pp2_and_refuses
     assert report["equal"] and step["step"] == 2 and "step 2 on the run's layout dp 2 x pp 1 x tp 2" in result.stdout
     assert abs(step["loss"] - logged["loss"]) < 1e-12 and abs(step["grad_norm"] - logged["grad_norm"]) < 1e-12, \
         (step, logged)
+    assert report["abnormal"] is None and "abnormal" not in result.stdout
+
+    _spike(data, 6, batch_size=4, seq_len=16)
+    spiked = run_module("mpirt.verify", "--replay", out / "ckpt" / "step-00000006", "--json", tmp_path / "spike.json",
+                        "--work", tmp_path / "w", ranks=4)
+    report = json.loads((tmp_path / "spike.json").read_text())
+    logged = [json.loads(line) for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    assert report["equal"] and report["steps"][0]["step"] == 7, report["verdict"]
+    assert report["steps"][0]["grad_norm"] > 1.5 * max(r["grad_norm"] for r in logged[1:6]), (report["steps"], logged)
+    assert report["abnormal"].startswith("step 7's ") and "outside the run's recent range" in report["abnormal"]
+    assert "mpirt verify: abnormal step: step 7's " in spiked.stdout and "it is the data (or the run's state), " \
+        "not the layout" in spiked.stdout, spiked.stdout
+
     other = run_module("mpirt.verify", "--replay", out / "ckpt", "--model", "mixtral-tiny", expect=2)
     assert other.stderr.startswith(f"error: replay: {out / 'ckpt'}") and "holds another model than --model " \
         "mixtral-tiny" in other.stderr and other.stderr.count("\n") == 1, other.stderr

@@ -35,7 +35,7 @@ from mpirt.core.modeling import apply_overrides, config_from_dict, load_model_co
 from mpirt.run.config import ConfigError, TrainConfig, parse_args
 from mpirt.run.distributed import init_distributed
 from mpirt.run.train import comm_timeout, open_dataset, resolve_model, vocab_from_data
-from mpirt.verify.compare import TOLERANCES, build_report, compare_tensors, format_table
+from mpirt.verify.compare import TOLERANCES, abnormal_steps, build_report, compare_tensors, format_table
 from mpirt.verify.sides import check_axes, layout_config, resolve, run_side, short_shape
 
 EXIT_EQUAL, EXIT_DIFFERS, EXIT_BAD_INPUT = 0, 1, 2
@@ -63,6 +63,7 @@ class Plan:
     header: str
     work: Path
     json_path: str | None
+    record: list = dataclasses.field(default_factory=list)   # a replay: the run's metrics up to its checkpoint
 
 
 def split_args(argv: list[str]) -> tuple[dict, list[str], set]:
@@ -161,7 +162,27 @@ def plan_replay(own: dict, argv: list[str], given: set, world_size: int) -> Plan
     return Plan(run, against, run_layout, ref_layout, model_cfg, open_dataset(data_dir).train, step,
                 own.get("steps", 1), None, meta["path"],
                 float(scalars.get("loss_scale", 1.0)) if saved.dtype == "float16" else 1.0,
-                TOLERANCES[saved.dtype], ("run", "against"), header, _work(own, "."), own.get("json"))
+                TOLERANCES[saved.dtype], ("run", "against"), header, _work(own, "."), own.get("json"),
+                run_record(meta["path"], step))
+
+
+def run_record(version, step: int) -> list[dict]:
+    """The run's metrics records up to ``step`` (rank 0's, beside the checkpoint root of
+    ``version``: OUT_DIR/metrics/rank0.jsonl), each ``{"step", "loss", "grad_norm"}``; empty when
+    the run's metrics are not there (a checkpoint copied elsewhere)."""
+    try:
+        lines = (Path(version).parent.parent / "metrics" / "rank0.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:   # a line cut short when the job was killed mid-write
+            continue
+        if r.get("step", step + 1) <= step:
+            records.append({k: r.get(k) for k in ("step", "loss", "grad_norm")})
+    return records
 
 
 def _check_replay_flags(argv: list[str], given: set, model_cfg, path) -> None:
@@ -209,6 +230,10 @@ def execute(plan: Plan, group) -> dict:
     steps = sorted(set(snapshots[0]) & set(snapshots[1]))
     tensors = compare_tensors(group, *({s: side[s] for s in steps} for side in snapshots))
     report = build_report(*records, tensors, plan.tolerance, _coordinates(plan.run_layout))
+    report["abnormal"] = abnormal_steps(report["steps"], plan.record)
+    if report["abnormal"]:
+        report["abnormal"] += (": both layouts compute it alike, so it is the data (or the run's state), not the "
+                               "layout" if report["equal"] else ", and the layouts differ too (see above)")
     group.barrier()
     if group.rank == 0:
         shutil.rmtree(work, ignore_errors=True)
@@ -267,6 +292,8 @@ def main(argv=None) -> None:
         print(format_table(report, *plan.names))
         print(f"mpirt verify: tolerance {plan.tolerance:.0e} (relative, L2 per tensor); {report['seconds']:.1f} s")
         print(("mpirt verify: " if report["equal"] else "mpirt verify: DIFFERS: ") + report["verdict"], flush=True)
+        if report["abnormal"]:
+            print(f"mpirt verify: abnormal step: {report['abnormal']}", flush=True)
         if plan.json_path:
             _write_json(Path(plan.json_path), report)
     comm.exit_together(EXIT_EQUAL if report["equal"] else EXIT_DIFFERS)

@@ -9,9 +9,12 @@ the loss and the norm); a tensor, loss or norm *parts* when its difference excee
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mpirt.checkpoint.store import CheckpointReader
+from mpirt.run.health import LossRange
 
 # float64 holds every layout to ~1e-15 of the single rank (the parity tests measure 1e-16..1e-13
 # over a few AdamW steps); 1e-9 leaves room for summation order at real widths and none for a bug
@@ -156,3 +159,27 @@ def format_table(report: dict, run_name: str, ref_name: str) -> str:
     lines += [f"  {t['rel_diff']:.1e}  {t['tensor']}" + (f"  ({t['where']})" if t["where"] else "")
               for t in report["worst_tensors"]]
     return "\n".join(lines)
+
+
+def abnormal_steps(steps: list[dict], record: list[dict]) -> str | None:
+    """Where replayed steps (the report's rows) leave the run's recent record (``record``: the
+    run's metrics up to the checkpoint, each with ``step``, ``loss``, ``grad_norm``): the loss or
+    the gradient norm the run's layout computed out of its range as
+    :class:`mpirt.run.health.LossRange` judges a training loss (above the recent highest by more
+    than the recent spread); a sentence naming the first such figure, None when all are in range
+    or the record is too short to judge."""
+    if not record:
+        return None
+    span = f"steps {record[0]['step']}-{record[-1]['step']}"
+    for key, name in (("loss", "loss"), ("grad_norm", "gradient norm")):
+        seen = LossRange()
+        for r in record:
+            if r.get(key) is not None:
+                seen.observe(int(r["step"]), float(r[key]))
+        for row in steps:
+            if not seen.in_range(row[key]):
+                lo, hi = seen.bounds() or (math.nan, math.nan)
+                return (f"step {row['step']}'s {name} {row[key]:.4g} is outside the run's recent range "
+                        f"{lo:.4g}..{hi:.4g} ({span})")
+            seen.observe(row["step"], row[key])
+    return None
