@@ -163,6 +163,22 @@ def test_verify_command_passes_a_layout_and_fails_an_injected_bug(tmp_path):
     assert not list((tmp_path / "w").iterdir())  # the snapshots are removed
 
 
+def test_train_verify_trains_a_layout_that_passes_and_refuses_one_that_does_not(tiny_data, tmp_path):
+    """``mpirt.train --verify`` at tp 2: the check's line, then training; with a row-parallel backward
+    missing its 1/tp, one line naming the step and tensor, exit 2, nothing trained."""
+    train = [*TINY, "--data", tiny_data, "--tp", "2", "--steps", "2", "--batch-size", "4", "--seq-len", "16",
+             "--eval-batches", "1", "--monitor", "false", "--verify"]
+    ok = run_module("mpirt.train", *train, "--out-dir", tmp_path / "ok", ranks=2)
+    assert "mpirt: --verify: dp 1 x pp 1 x tp 2 equals one rank on 1 block (every step's loss" in ok.stderr, ok.stderr
+    assert json.loads((tmp_path / "ok" / "summary.json").read_text())["steps"] == 2
+    assert not (tmp_path / "ok" / "verify").exists()
+    bad = run_module("mpirt.train", *train, "--out-dir", tmp_path / "bad", ranks=2, expect=2,
+                     env={"MPIRT_VERIFY_INJECT": "tp-row-scale"})
+    assert bad.stderr.startswith("error: --verify: the layout dp 1 x pp 1 x tp 2 does not compute what one rank "
+                                 "computes: step 1: ") and bad.stderr.count("\n") == 1, bad.stderr
+    assert not list((tmp_path / "bad").glob("*/*")), list((tmp_path / "bad").rglob("*"))  # no checkpoint, no metrics
+
+
 @pytest.mark.parametrize("ranks, args, message", [
     (0, ["--tp", "3"], "error: layout: dp/pp/tp: "),
     (0, ["--reference", "tp=2"], "error: reference: 'tp=2' needs 2 ranks, the launch has 1"),

@@ -91,6 +91,8 @@ class TrainConfig:
                                               "skipped on an overflow)")
     loss_scale_window: int = _opt(2000, "float16: clean steps after which the loss scale doubles")
     backend: str = _opt("auto", "array backend: " + "|".join(BACKENDS) + " (auto = cupy if a GPU)")
+    verify: bool = _opt(False, "before training, hold the layout to one rank on a few blocks of the model, as "
+                               "python -m mpirt.verify does, and refuse to train (exit 2) when it differs")
     progress: bool = _opt(True, "show a progress bar on rank 0")
     monitor: bool = _opt(True, "per-step breakdown (compute, comm per axis, bubble, memory), stragglers, trace, "
                                "GPU sampling, TensorBoard; false = loss, time and MFU only")

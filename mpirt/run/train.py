@@ -445,6 +445,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
             print(f"error: {err}", file=sys.stderr)
         sys.exit(jobctl.EXIT_REFUSED)
     comm.start_watchdog(comm_timeout(cfg, model_cfg))  # a stuck call, or a rank exiting alone, ends the job
+    if cfg.verify:  # the layout held to one rank first; exits 2 when it differs
+        from mpirt.verify.cli import verify_before_training  # here: mpirt.verify imports this module
+        verify_before_training(cfg, model_cfg, data.train, comm.world_comm())
     # the final config's, with the model's stages and the blocks that recompute
     layout = recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg))
     grid = Grid(layout["dp"], layout["pp"], layout["tp"], cp=layout["cp"], ep=layout["ep"])

@@ -100,6 +100,12 @@ def plan_verify(own: dict, argv: list[str], given: set, world_size: int) -> Plan
     model_cfg, weights, resumed = resolve_model(cfg)
     if weights is None and not resumed:
         model_cfg = vocab_from_data(cfg, model_cfg, data, cfg.tp)
+    return plan_layout_check(cfg, model_cfg, data.train, own, given, world_size)
+
+
+def plan_layout_check(cfg: TrainConfig, model_cfg, tokens, own: dict, given: set, world_size: int) -> Plan:
+    """:func:`plan_verify` of a parsed config and its resolved model (``tokens``: the training
+    split); ``given``: the training keys the user set (their seq_len and batch_size are kept)."""
     steps = own.get("steps", 3)
     base = dataclasses.replace(cfg, dtype="float64", steps=steps, lr=VERIFY_LR, min_lr=VERIFY_LR, warmup_steps=0,
                                init_from="", resume="")
@@ -128,7 +134,7 @@ def plan_verify(own: dict, argv: list[str], given: set, world_size: int) -> Plan
               f"mpirt verify: model {cfg.model} with {model_cfg.n_layer} of its blocks at its real widths ({widths}), "
               f"float64, seq_len {seq_len}, batch {batch}, {steps} steps at lr {VERIFY_LR:g}, "
               f"dropout {dropout or 'off'}")
-    return Plan(base, ref, run_layout, ref_layout, model_cfg, data.train, 0, steps, VERIFY_LR, None, 1.0,
+    return Plan(base, ref, run_layout, ref_layout, model_cfg, tokens, 0, steps, VERIFY_LR, None, 1.0,
                 TOLERANCES["float64"], ("layout", "reference"), header, _work(own, cfg.out_dir), own.get("json"))
 
 
@@ -241,6 +247,37 @@ def execute(plan: Plan, group) -> dict:
                   reference=plan.ref_layout.describe(), model=plan.run.model, n_layer=plan.model_cfg.n_layer,
                   dtype=plan.run.dtype, seq_len=plan.run.seq_len, batch_size=plan.run.batch_size)
     return report
+
+
+def verify_before_training(cfg: TrainConfig, model_cfg, tokens, group) -> None:
+    """``mpirt.train --verify``: :func:`plan_layout_check` of the run's config and model (the run's
+    layout on every rank of ``group`` against one rank, the default reduced depth and shape), run
+    before the model is built. Rank 0 prints one line: the verdict when equal; else ``error:`` and
+    the first difference (or the bad input), and every rank exits 2 (nothing has trained)."""
+    try:
+        plan = plan_layout_check(cfg, model_cfg, tokens, {"work": str(Path(cfg.out_dir) / "verify")}, set(), group.size)
+    except ConfigError as err:   # the same on every rank: the planning is pure
+        _refuse(group, f"--verify: {err}")
+    report = execute(plan, group)
+    if group.rank == 0:
+        try:
+            plan.work.rmdir()   # the snapshots' folder, when nothing else is in it
+        except OSError:
+            pass
+    if not report["equal"]:
+        _refuse(group, f"--verify: the layout {plan.run_layout.describe()} does not compute what one rank computes: "
+                       f"{report['verdict']} (python -m mpirt.verify with the same flags prints the table)")
+    if group.rank == 0:
+        print(f"mpirt: --verify: {plan.run_layout.describe()} equals one rank on {plan.model_cfg.n_layer} "
+              f"block{'s' * (plan.model_cfg.n_layer > 1)} "
+              f"({report['verdict'].removeprefix('equal: ')}; {report['seconds']:.1f} s)", file=sys.stderr, flush=True)
+
+
+def _refuse(group, message: str) -> None:
+    """Rank 0 prints ``error: message``; every rank of ``group`` exits 2 (bad input, or a layout refused)."""
+    if group.rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 def _coordinates(layout):
