@@ -150,6 +150,18 @@ def test_each_injected_bug_is_named_by_step_and_tensor(pair, group, tmp_path_fac
           f"{bug}: {report and report['verdict']}")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_changed_ring_pattern_is_caught_by_the_recorded_communication(group, tmp_path_factory):
+    """cp 2 with ring attention passing its keys and values once more than it needs: every number
+    stays equal, and the cp sends and receives each rank recorded in step 1 part from the pre-flight
+    proof's program of that rank."""
+    report = _verify(group, 2, TINY + ["--cp", "2"], tmp_path_factory, inject="cp-ring-extra-pass")
+    agree(report is None or not report["equal"] and report["steps"][0]["worst_tensor_rel_diff"] < 1e-9
+          and report["steps"][0]["loss_rel_diff"] < 1e-9 and report["verdict"].startswith(
+              "step 1: the layout's communication is not the pre-flight proof's: rank 0: cp recv of ")
+          and "rank 1: cp send of " in " ".join(report["communication"]), report and report["verdict"])
+
+
 # --- the command itself -------------------------------------------------------------------------------
 def test_verify_command_passes_a_layout_and_fails_an_injected_bug(tmp_path):
     ok = run_module("mpirt.verify", *TINY, "--dp", "2", "--zero", "2", "--json", tmp_path / "ok.json",

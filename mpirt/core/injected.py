@@ -12,6 +12,9 @@ change it between runs in one process) turns on, in the runtime code that owns e
   (:class:`mpirt.parallel.tensor.mappings.ReduceScatterToSeq`, tp > 1 only);
 - ``cp-ring-step``: ring attention computes each ring step's keys and values as if they were the
   next step's (the causal mask and chunk pairing of the wrong step, :mod:`mpirt.parallel.context`);
+- ``cp-ring-extra-pass``: ring attention passes the keys and values on once more than it needs
+  (cp passes, the last one unused): the numbers stay right, the communication does not
+  (:mod:`mpirt.parallel.context`; caught by the recorded-communication check, :mod:`mpirt.verify.traffic`);
 - ``zero-shard-offset``: ZeRO-1/2's first dp rank updates the parameter elements one place after its
   shard (:class:`mpirt.parallel.zero.ZeroOptimizer`, dp > 1 only);
 - ``pp-microbatch-order``: the last pipeline stage pairs each micro-batch's activations with the
@@ -26,8 +29,8 @@ from __future__ import annotations
 import os
 
 ENV = "MPIRT_VERIFY_INJECT"
-BUGS = ("tp-row-scale", "sp-dropped-reduce-scatter", "cp-ring-step", "zero-shard-offset", "pp-microbatch-order",
-        "ep-expert-swap")
+BUGS = ("tp-row-scale", "sp-dropped-reduce-scatter", "cp-ring-step", "cp-ring-extra-pass", "zero-shard-offset",
+        "pp-microbatch-order", "ep-expert-swap")
 
 
 def injected(name: str) -> bool:

@@ -89,7 +89,8 @@ class StepPrograms:
         kv_heads = getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head
         self.kv_bytes = layout.rows * held * 2 * kv_heads * (model_cfg.n_embd // model_cfg.n_head) // layout.tp * \
             max(itemsize, 4)
-        self.act_bytes = layout.rows * held * model_cfg.n_embd * itemsize
+        # a pipeline message holds a micro-batch's activations: under sequence parallelism, tp's piece of them
+        self.act_bytes = layout.rows * held // (layout.tp if layout.sequence_parallel else 1) * model_cfg.n_embd * itemsize
         self.experts = getattr(model_cfg, "n_expert", 0)
         self.routed = self.act_bytes * getattr(model_cfg, "top_k", 1)  # a rank's rows out to the experts (balanced)
         self.counts_bytes = self.experts // layout.ep * 8 * layout.ep

@@ -236,6 +236,11 @@ def execute(plan: Plan, group) -> dict:
     steps = sorted(set(snapshots[0]) & set(snapshots[1]))
     tensors = compare_tensors(group, *({s: side[s] for s in steps} for side in snapshots))
     report = build_report(*records, tensors, plan.tolerance, _coordinates(plan.run_layout))
+    traffic = records[0][0]["communication"] if records[0] else []
+    report["communication"] = traffic
+    if traffic and report["equal"]:
+        report.update(equal=False, verdict=f"step {records[0][0]['step']}: the layout's communication is not the "
+                                           f"pre-flight proof's: " + "; ".join(traffic[:3]))
     report["abnormal"] = abnormal_steps(report["steps"], plan.record)
     if report["abnormal"]:
         report["abnormal"] += (": both layouts compute it alike, so it is the data (or the run's state), not the "
@@ -329,6 +334,9 @@ def main(argv=None) -> None:
         print(format_table(report, *plan.names))
         print(f"mpirt verify: tolerance {plan.tolerance:.0e} (relative, L2 per tensor); {report['seconds']:.1f} s")
         print(("mpirt verify: " if report["equal"] else "mpirt verify: DIFFERS: ") + report["verdict"], flush=True)
+        print("mpirt verify: communication (pipeline, ring attention, experts' all-to-alls) "
+              + ("as the pre-flight proof predicts" if not report["communication"] else
+                 "NOT as the pre-flight proof predicts: " + "; ".join(report["communication"])), flush=True)
         if report["abnormal"]:
             print(f"mpirt verify: abnormal step: {report['abnormal']}", flush=True)
         if plan.json_path:

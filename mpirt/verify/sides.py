@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mpirt.checkpoint.sharded import save_sharded
+from mpirt.comm import stats
 from mpirt.core.optim import cosine_lr
 from mpirt.core.settings import ConfigError, convert_value, field_types
 from mpirt.data.tokens import get_batch
@@ -27,6 +28,7 @@ from mpirt.parallel.layout import Layout, LayoutError, pipeline_microbatches
 from mpirt.plan.memory import check_budget, recompute_where_it_pays
 from mpirt.run.config import TrainConfig
 from mpirt.run.distributed import derive_seed
+from mpirt.verify.traffic import differences, tied_sum
 
 # the keys a layout string (--reference, --against) may name; what it leaves out is 1, 0 or off
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "schedule", "microbatches", "chunks")
@@ -133,6 +135,8 @@ def run_side(cfg: TrainConfig, model_cfg, layout: Layout, comm, tokens, snapshot
     ``lr`` (None: the run's cosine schedule). After each step the weights go to ``snapshots``
     (one checkpoint version per step). Returns per step ``{"step", "loss", "grad_norm",
     "tokens_per_expert" (routed, when the layout runs one micro-batch per step; else None),
+    "communication" (the first step: what its calls differ in from the pre-flight proof's
+    program, :func:`mpirt.verify.traffic.differences`, every rank's, "rank R: ..."; else None),
     "snapshot"}`` on every rank of ``comm``."""
     grid = Grid(layout.dp, layout.pp, layout.tp, comm=comm, cp=layout.cp, ep=layout.ep)
     engine = Engine(cfg, model_cfg, grid, dropout_seed=derive_seed(cfg.seed, 0, "dropout"), layout=layout)
@@ -145,7 +149,13 @@ def run_side(cfg: TrainConfig, model_cfg, layout: Layout, comm, tokens, snapshot
                 step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=min(cfg.warmup_steps, cfg.steps), total_steps=cfg.steps)
             x, y = get_batch(tokens, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                              dp_rank=grid.coords["dp"], dp_size=grid.sizes["dp"])
+            cursor = stats.cursor()
             loss = engine.train_step(x, y, loss_scale=loss_scale, step=step + 1)
+            traffic = None
+            if step == first_step:   # the step's calls against the pre-flight proof's program
+                mine = differences(layout, model_cfg, cfg.seq_len, np.dtype(cfg.dtype).itemsize, comm.rank, cursor,
+                                   tied_sum(engine.local))
+                traffic = [f"rank {r}: {d}" for r, found in enumerate(comm.allgather_object(mine)) for d in found]
             norm = engine.clip((cfg.grad_clip if cfg.grad_clip > 0 else math.inf) * loss_scale) / loss_scale
             engine.optimizer.grad_scale = 1.0 / loss_scale
             engine.optimizer.step()
@@ -154,7 +164,7 @@ def run_side(cfg: TrainConfig, model_cfg, layout: Layout, comm, tokens, snapshot
                                 config=cfg.to_dict(), extra={"layout": dict(grid.sizes)}, optimizer=None,
                                 keep=steps + 1)
             records.append({"step": step + 1, "loss": loss, "grad_norm": norm, "tokens_per_expert": routed,
-                            "snapshot": None if path is None else str(path)})
+                            "communication": traffic, "snapshot": None if path is None else str(path)})
     finally:
         engine.close()
         grid.free()
