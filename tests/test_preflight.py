@@ -185,3 +185,12 @@ def test_a_mismatch_on_the_far_stage_of_a_large_layout_is_found_by_the_stages_si
     with pytest.raises(StepCommError, match=r"^rank \d+ receives 4096 B from rank \d+ \(F mb 0 h\.15-15 ring step "
                                             r"0\) but rank \d+ sent 4104 B"):
         check_step(lay, DEEP, SEQ, 4, rank=lay.world_size - 1)
+
+
+def test_a_pipeline_message_under_sequence_parallelism_is_tps_piece_of_the_activations():
+    """What ``python -m mpirt.verify`` found when it held the runtime's recorded calls to the
+    programs: under SP a stage sends its tp piece of the sequence, not the whole of it."""
+    for sp in (False, True):
+        lay = layout_of(4, pp=2, tp=2, sequence_parallel=sp, microbatches=4)
+        sends = {n for op in StepPrograms(lay, MODEL, SEQ, 8).program(0) if op.comm == "pp" for _, n in op.sends}
+        assert sends == {lay.rows * SEQ // (2 if sp else 1) * MODEL.n_embd * 8}, (sp, sends)

@@ -252,3 +252,14 @@ def test_replay_of_a_dp2_tp2_checkpoint_is_the_runs_next_step_at_pp2_and_refuses
     other = run_module("mpirt.verify", "--replay", out / "ckpt", "--model", "mixtral-tiny", expect=2)
     assert other.stderr.startswith(f"error: replay: {out / 'ckpt'}") and "holds another model than --model " \
         "mixtral-tiny" in other.stderr and other.stderr.count("\n") == 1, other.stderr
+
+
+def test_a_replayed_step_out_of_the_runs_recent_range_is_abnormal():
+    from mpirt.verify.compare import abnormal_steps
+    record = [{"step": s, "loss": 5.0 - 0.1 * s, "grad_norm": 2.0 + 0.1 * (s % 2)} for s in range(1, 7)]
+    assert abnormal_steps([{"step": 7, "loss": 4.4, "grad_norm": 2.05}], record) is None
+    assert abnormal_steps([{"step": 7, "loss": 4.4, "grad_norm": 6.0}], record) == \
+        "step 7's gradient norm 6 is outside the run's recent range 2..2.1 (steps 1-6)"
+    assert abnormal_steps([{"step": 7, "loss": float("nan"), "grad_norm": 2.0}], record).startswith(
+        "step 7's loss nan is outside the run's recent range 4.4..4.9")
+    assert abnormal_steps([{"step": 3, "loss": 9.0, "grad_norm": 9.0}], record[:2]) is None  # too short to judge
