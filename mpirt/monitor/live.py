@@ -230,7 +230,7 @@ class RunMonitor:
         self.peak = flops.resolve_peak(cfg.dtype, cores, rate, cfg.peak_flops, ceiling)
         import numpy as np
         self.peak_total, self.gemm_total = (float(v) for v in self.world.allreduce(
-            np.array([self.peak.per_rank, rate]), "sum"))
+            np.array([self.peak.per_rank, rate], dtype=np.float64), "sum"))  # the dtype never from the values
         self.steps = self.stepmon = self.trace = self.gpu = self.tb = None
         self.gpu_note = self.tb_note = "off (--monitor false)"
         self.origin = time.perf_counter()
