@@ -23,7 +23,8 @@ import signal
 import sys
 from pathlib import Path
 
-from mpirt.checkpoint.store import META, CheckpointError, looks_like_checkpoint, read_checkpoint_meta
+from mpirt.checkpoint.store import (META, CheckpointError, intact_version, looks_like_checkpoint,
+                                    read_checkpoint_meta)
 from mpirt.run import jobctl
 from mpirt.run.config import ConfigError
 
@@ -61,6 +62,14 @@ def refuse_if_any(failed: tuple[int, str] | None, rank: int, lock: Path | None =
     sys.exit(jobctl.EXIT_REFUSED)
 
 
+def damaged_checkpoint(init_from, err: Exception) -> ConfigError:
+    """The refusal of a checkpoint that cannot be read: the error, and where the damaged version is
+    the newest, the intact older one and the flag that resumes from it."""
+    older = intact_version(init_from)
+    return ConfigError(f"init_from: {err}" + (f"; {older} is intact: resume from it with --init-from {older}"
+                                              if older else ""))
+
+
 def pin_checkpoint(init_from: str) -> dict:
     """Rank 0's answer to "which checkpoint does this run load", for :func:`follow_pin` on every
     rank: ``init_from`` as rank 0 has it and, when it names an mpirt checkpoint, ``version`` (the
@@ -74,7 +83,7 @@ def pin_checkpoint(init_from: str) -> dict:
         version = Path(meta["path"]).resolve()
         digest = hashlib.sha256((version / META).read_bytes()).hexdigest()
     except (CheckpointError, OSError) as err:
-        raise ConfigError(f"init_from: {err}") from None
+        raise damaged_checkpoint(init_from, err) from None
     return dict(pin, version=str(version), sha256=digest, bytes=sum(f["bytes"] for f in meta["files"].values()))
 
 

@@ -24,7 +24,7 @@ import mpirt.core.backend as B
 from mpirt import comm
 from mpirt.cpu import blas, kernels
 from mpirt.run import faults, health, jobctl, startup
-from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, intact_version, looks_like_checkpoint,
+from mpirt.checkpoint.store import (CheckpointError, CheckpointReader, looks_like_checkpoint,
                                     read_checkpoint_meta, verify_checkpoint)
 from mpirt.checkpoint.sharded import save_sharded
 from mpirt.run.config import ConfigError, parse_args, parse_duration
@@ -90,9 +90,7 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
         try:
             meta = verify_checkpoint(path)
         except (CheckpointError, FileNotFoundError) as err:
-            older = intact_version(path)   # the damaged one is the newest: name what is still intact
-            raise ConfigError(f"init_from: {err}" + (f"; {older} is intact: resume from it with --init-from {older}"
-                                                     if older else "")) from None
+            raise startup.damaged_checkpoint(path, err) from None
         try:
             loaded, weights, resume = config_from_dict(meta["extra"]["model_config"]), None, True
         except (KeyError, TypeError) as err:
