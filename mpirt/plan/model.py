@@ -164,7 +164,8 @@ def peak_memory(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ra
     return {**per_rank[big], "rank": big, "per_rank": {r: v["peak"] for r, v in per_rank.items()}}
 
 
-def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks: str = "stages") -> Estimate:
+def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks: str = "stages",
+             memory: dict | None = None) -> Estimate:
     """Predict one step of the layout ``cfg`` (a :class:`mpirt.run.config.TrainConfig`: dp, tp, pp,
     cp, microbatches, schedule, chunks, zero, sequence_parallel, recompute, dtype, batch_size,
     seq_len, grad_accum) for ``model_cfg`` on ``cluster``. Under context parallelism a rank
@@ -176,7 +177,8 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     their experts and come back, forward and backward (four all-to-alls sending ``(ep - 1) / ep`` of
     them, exposed: the block waits for its rows), the experts' weights count ``1 / ep`` on a rank
     (replicated over tp) and their gradients are synced over edp (``dp / ep`` ranks). ``memory_ranks``: ``"stages"`` (rank 0 and the last
-    stage's first rank: the most stashed micro-batches and the logits) or ``"all"``."""
+    stage's first rank: the most stashed micro-batches and the logits) or ``"all"``; ``memory``:
+    :func:`peak_memory`'s answer for these arguments when the caller has it already."""
     from mpirt.core.modeling import flops_per_token, layer_costs, model_class
     from mpirt.parallel.pipeline.check import simulate
 
@@ -331,7 +333,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     tokens = cfg.batch_size * cfg.seq_len
     mfu = flops_per_token(model_cfg, cfg.seq_len) * tokens / step / (world * cluster.peak(cfg.dtype))
 
-    mem = peak_memory(cfg, model_cfg, cluster, data_bytes, memory_ranks, layout)
+    mem = memory or peak_memory(cfg, model_cfg, cluster, data_bytes, memory_ranks, layout)
 
     shares = {"compute": parts["forward"] + parts["backward"] + parts["weight_grad"] - comm["tp"]["s"] - ring_exposed
               - exchange_exposed + parts["optimizer"],

@@ -122,9 +122,10 @@ def plan(model_cfg, cluster: Cluster, batch_size: int, seq_len: int, dtype: str,
         for cfg in group:
             tried += 1
             try:  # memory first: only a layout that fits is timed
-                if peak_memory(cfg, model_cfg, cluster)["peak"] > budget:
+                memory = peak_memory(cfg, model_cfg, cluster)
+                if memory["peak"] > budget:
                     continue
-                out.append(estimate(cfg, model_cfg, cluster))
+                out.append(estimate(cfg, model_cfg, cluster, memory=memory))
             except Exception as err:
                 raise EstimateError(f"the estimate of {config_phrase(cfg)} failed: "
                                     f"{type(err).__name__}: {err}") from err
