@@ -66,9 +66,9 @@ def prove(case: str, before: str | None) -> dict:
     t0 = time.perf_counter()
     layout = Layout.of(cfg, Layout.resolve(cfg, world), model)
     if before:
-        preflight.check_step(layout, model, SEQ, 4)
+        preflight.check_step(layout, model, SEQ, "float32")
     else:
-        preflight.check_step(layout, model, SEQ, 4, rank=world - 1)
+        preflight.check_step(layout, model, SEQ, "float32", rank=world - 1)
     check(layout.pipeline_schedule)
     check(layout.pipeline_schedule.forward_only())
     usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -531,9 +531,31 @@ def test_registry_counts_calls_and_bytes_per_op_and_axis():
             ("iallreduce", "world"): (1, 40), ("reduce_scatter", "world"): (1, 80),
             ("allgather", "world"): (1, 80)}
     got = {k: (v["calls"], v["bytes"]) for k, v in s.items()}
+    dtypes = [str(r.dtype) for r in comm.stats.records]
     ok = got == want and all(v["seconds"] > 0 for v in s.values()) and len(comm.stats.records) == 8 and \
-        comm.stats.records[0][:5] == ("allreduce", "world", 40, comm.stats.records[0].seconds, "host")
-    agree(ok, f"got {got}")
+        comm.stats.records[0][:5] == ("allreduce", "world", 40, comm.stats.records[0].seconds, "host") and \
+        dtypes == ["float32"] * 3 + ["float64"] + ["float32"] * 4
+    agree(ok, f"got {got}, dtypes {dtypes}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_registry_records_each_calls_dtype_and_none_for_objects():
+    """The recorded dtype is the array's (point-to-point, non-blocking and the scalar sum's float64
+    included); objects and barriers carry none."""
+    c = comm.world_comm()
+    comm.stats.reset()
+    peer = 1 - c.rank if c.rank < 2 else comm.PROC_NULL
+    if c.rank < 2:
+        h = c.isend(np.arange(3, dtype=np.int32), peer)
+        c.recv(np.empty(3, np.int32), peer)
+        h.wait()
+    c.allreduce_scalar(0)   # an integer value still travels as float64
+    c.allgather_object("x")
+    c.barrier()
+    got = [(r.op, None if r.dtype is None else str(r.dtype)) for r in comm.stats.records]
+    want = ([("recv", "int32"), ("isend", "int32")] if c.rank < 2 else []) + \
+        [("allreduce", "float64"), ("allgather_object", None), ("barrier", None)]
+    agree(got == want, f"rank {c.rank}: {got}")
 
 
 # ------------------------------------------------------------------ the staged engine, on CPU

@@ -158,8 +158,23 @@ def test_a_changed_ring_pattern_is_caught_by_the_recorded_communication(group, t
     report = _verify(group, 2, TINY + ["--cp", "2"], tmp_path_factory, inject="cp-ring-extra-pass")
     agree(report is None or not report["equal"] and report["steps"][0]["worst_tensor_rel_diff"] < 1e-9
           and report["steps"][0]["loss_rel_diff"] < 1e-9 and report["verdict"].startswith(
-              "step 1: the layout's communication is not the pre-flight proof's: rank 0: cp recv of ")
+              "step 1: the layout's communication is not what its layout predicts: rank 0: cp recv of ")
           and "rank 1: cp send of " in " ".join(report["communication"]), report and report["verdict"])
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_norm_sum_sent_as_int64_is_caught_by_the_recorded_dtypes(group, tmp_path_factory):
+    """The wrong gradient norm under pp x dp x ZeRO put back (a 4096-token vocabulary puts a ZeRO-1
+    shard of the last stage wholly inside the tied embedding copy, which the norm does not count):
+    that rank sums its squares over dp as int64 while its peer sends float64. The recorded
+    communication names the rank and the dtype; without the bug the same layout is equal."""
+    flags = TINY + ["--model.vocab_size", "4096", "--pp", "2", "--dp", "2", "--zero", "1"]
+    report = _verify(group, 4, flags, tmp_path_factory, inject="scalar-dtype-from-value")
+    found = report and " ".join(report["communication"])
+    agree(report is None or not report["equal"] and "dp allreduce of 8 B int64: 1 recorded, 0 predicted" in found,
+          report and (report["verdict"], found))
+    report = _verify(group, 4, flags, tmp_path_factory)
+    agree(report is None or report["equal"] and not report["communication"], report and report["verdict"])
 
 
 # --- the command itself -------------------------------------------------------------------------------

@@ -6,11 +6,12 @@ import numpy as np
 from mpi4py import MPI
 
 import mpirt.core.backend as B
+from mpirt.core.injected import injected
 from mpirt.comm import buffers, flight
 from mpirt.comm.buffers import (_OPS, _REDUCE_TYPES, _byte_layout, _contig, _counts, _divide, _mpi_op, _put_back,
                                 _reduce_dtype, _sync)
 from mpirt.comm.engines import _NcclEngine, select_engine
-from mpirt.comm.flight import DONE, NBYTES, OP, T0, new_call
+from mpirt.comm.flight import DONE, DTYPE, NBYTES, OP, T0, new_call
 from mpirt.comm.handles import Handle, _done_handle
 from mpirt.comm.p2p import PointToPoint
 from mpirt.comm.registry import _clock, stats
@@ -51,7 +52,8 @@ class Comm(PointToPoint):
         differs from the size the call started with)."""
         t1 = _clock()
         call[DONE] = t1
-        stats.add(call[OP], self.axis, call[NBYTES] if nbytes is None else nbytes, t1 - call[T0], engine)
+        stats.add(call[OP], self.axis, call[NBYTES] if nbytes is None else nbytes, t1 - call[T0], engine,
+                  dtype=call[DTYPE])
 
     def _engine(self, x, p2p=False) -> str:
         return select_engine(x, p2p)
@@ -67,7 +69,7 @@ class Comm(PointToPoint):
         """Reduce ``x`` over the ranks (``op`` = sum | avg | max | min; avg = sum / size in x's
         dtype, floor division for integers). Returns a new array, or ``out`` (any layout, cast to
         its dtype); ``out=x`` works in place (MPI_IN_PLACE)."""
-        call = new_call(self._ch, "allreduce", x.nbytes, -1, _clock())
+        call = new_call(self._ch, "allreduce", x.nbytes, -1, _clock(), x.dtype)
         try:
             engine = "host" if not hasattr(x, "__cuda_array_interface__") else self._engine(x)
             if engine == "host":
@@ -118,7 +120,7 @@ class Comm(PointToPoint):
         and returns ``x``. ``x`` should be C-contiguous: otherwise (or for float16) a contiguous
         copy is reduced and copied back into ``x`` at completion. Do not touch ``x`` meanwhile."""
         engine = self._engine(x)
-        call = new_call(self._ch, "iallreduce", x.nbytes, -1, _clock())
+        call = new_call(self._ch, "iallreduce", x.nbytes, -1, _clock(), x.dtype)
         try:
             if engine == "nccl":
                 return Handle(None, lambda _: B.synchronize(), engine, self._nccl().allreduce(x, op, x), call)
@@ -142,7 +144,7 @@ class Comm(PointToPoint):
         result, chunks following :func:`chunk_bounds` ``(x.size, size)``, or ``counts`` (elements
         per rank, in rank order, summing to ``x.size``; zeros allowed). ``out``: a preallocated
         1-D array of the chunk's length."""
-        call = new_call(self._ch, "reduce_scatter", x.nbytes, -1, _clock())
+        call = new_call(self._ch, "reduce_scatter", x.nbytes, -1, _clock(), x.dtype)
         try:
             engine = "host" if not hasattr(x, "__cuda_array_interface__") else self._engine(x)
             mtype = _REDUCE_TYPES.get(x.dtype)
@@ -199,7 +201,7 @@ class Comm(PointToPoint):
         """Concatenate every rank's ``x`` along axis 0 (leading sizes may differ; trailing shapes
         and dtypes must agree). Without ``counts`` (each rank's leading size, the same list on
         every rank) one small Allgather exchanges them first. ``out``: preallocated result."""
-        call = new_call(self._ch, "allgather", x.nbytes, -1, _clock())
+        call = new_call(self._ch, "allgather", x.nbytes, -1, _clock(), x.dtype)
         try:
             engine = self._engine(x)
             if engine == "nccl":
@@ -264,7 +266,7 @@ class Comm(PointToPoint):
         if len(counts) != self.size or (counts < 0).any() or counts.sum() != (x.shape[0] if x.ndim else 1):
             raise ValueError(f"alltoallv: send counts {counts.tolist()} do not split the {x.shape[0] if x.ndim else 1} "
                              f"rows of rank {self.rank} over {self.size} ranks")
-        call = new_call(self._ch, "alltoall", x.nbytes, -1, _clock())
+        call = new_call(self._ch, "alltoall", x.nbytes, -1, _clock(), x.dtype)
         try:
             host = _contig(B.to_host(x))
             row = int(np.prod(host.shape[1:], dtype=np.int64)) * host.itemsize
@@ -284,7 +286,7 @@ class Comm(PointToPoint):
         ``chunk`` may be a view of ``out``: when it is exactly this rank's chunk of ``out`` the
         gather runs in place (MPI_IN_PLACE), any other overlap is gathered from a copy.
         Recorded in :data:`stats` as ``allgather``."""
-        call = new_call(self._ch, "allgather", chunk.nbytes, -1, _clock())
+        call = new_call(self._ch, "allgather", chunk.nbytes, -1, _clock(), chunk.dtype)
         try:
             engine = "host" if not hasattr(chunk, "__cuda_array_interface__") else self._engine(chunk)
             shared = engine == "host" and out is not None and np.may_share_memory(chunk, out)
@@ -317,7 +319,7 @@ class Comm(PointToPoint):
         if hasattr(chunk, "__cuda_array_interface__"):
             return _done_handle(self.allgather_flat(chunk, n))
         counts = self._chunk_counts("iallgather_flat", chunk, n)
-        call = new_call(self._ch, "iallgather", chunk.nbytes, -1, _clock())
+        call = new_call(self._ch, "iallgather", chunk.nbytes, -1, _clock(), chunk.dtype)
         try:
             send = _contig(chunk)
             result = np.empty(n, dtype=chunk.dtype)
@@ -370,7 +372,7 @@ class Comm(PointToPoint):
 
     def broadcast(self, x, root: int = 0):
         """Copy ``x`` of rank ``root`` into ``x`` on every rank, in place; returns ``x``."""
-        call = new_call(self._ch, "broadcast", x.nbytes, -1, _clock())
+        call = new_call(self._ch, "broadcast", x.nbytes, -1, _clock(), x.dtype)
         try:
             engine = self._engine(x)
             if engine == "nccl":
@@ -428,7 +430,7 @@ class Comm(PointToPoint):
         """Reduce one number (a loss, a squared gradient norm) as float64 on every rank. The dtype
         is fixed here, never taken from ``value``: a rank whose part is the integer 0 (a ZeRO shard
         holding nothing counted) must still send the float64 its peers send and read."""
-        a = np.array([value], np.float64)
+        a = np.array([value], None if injected("scalar-dtype-from-value") else np.float64)  # test-only
         return float(self.allreduce(a, op, out=a)[0])
 
     # -- communicators -------------------------------------------------------------------------

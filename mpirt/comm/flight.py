@@ -12,7 +12,9 @@ A *call* is a plain list (built per MPI call, so it must be cheap) with the fiel
 numbering, -1 for a collective), ``COUNT`` (the channel's collective count after this call),
 ``LABEL`` (any object, formatted only when a report is written), ``DONE`` (end time or None),
 ``SINCE`` (when the caller started waiting on it) and ``POLLED`` (the latest unsuccessful test
-of a polled wait, None for a blocking wait). Every call also goes into :data:`ring`, the last
+of a polled wait, None for a blocking wait) and ``DTYPE`` (the array's dtype, None for objects
+and barriers: the registry records it, so a step's calls can be held to the dtypes its layout
+names). Every call also goes into :data:`ring`, the last
 :data:`RING_SIZE` calls of this process, which :func:`dump` writes out.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import itertools
 import time
 import weakref
 
-T0, CHAN, OP, NBYTES, PEER, COUNT, LABEL, DONE, SINCE, POLLED = range(10)
+T0, CHAN, OP, NBYTES, PEER, COUNT, LABEL, DONE, SINCE, POLLED, DTYPE = range(11)
 RING_SIZE = 64
 FRESH_S = 1.0  # a polled wait counts as waited on while its latest test is this recent
 SENDS = ("send", "isend")
@@ -60,11 +62,11 @@ def channels() -> list[Channel]:
     return [ch for ch in (ref() for ref in list(_live.values())) if ch is not None]
 
 
-def new_call(ch: Channel, op: str, nbytes: int, peer: int, t0: float) -> list:
+def new_call(ch: Channel, op: str, nbytes: int, peer: int, t0: float, dtype=None) -> list:
     """Start a call on ``ch``: count it when it is a collective, put it in the ring and the slot."""
     if peer < 0:
         ch.calls += 1
-    call = [t0, ch, op, nbytes, peer, ch.calls, ch.label, None, t0, None]
+    call = [t0, ch, op, nbytes, peer, ch.calls, ch.label, None, t0, None, dtype]
     ring.append(call)
     ch.cur = call
     return call

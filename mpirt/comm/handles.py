@@ -5,7 +5,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpirt.comm import buffers
-from mpirt.comm.flight import CHAN, DONE, NBYTES, OP, POLLED, SINCE, T0
+from mpirt.comm.flight import CHAN, DONE, DTYPE, NBYTES, OP, POLLED, SINCE, T0
 from mpirt.comm.job import CommError
 from mpirt.comm.registry import _clock, stats
 
@@ -80,7 +80,7 @@ class Handle:
         call = self._call
         t1 = call[DONE] = _clock()
         stats.add(call[OP], call[CHAN].axis, call[NBYTES], t1 - call[T0], self._engine,
-                  0.0 if waited_since is None else t1 - waited_since)
+                  0.0 if waited_since is None else t1 - waited_since, call[DTYPE])
         self._req = self._finish = self._keep = None
 
 

@@ -20,7 +20,7 @@ class PointToPoint:
         """Blocking send of ``x``'s bytes to ``dest`` (PROC_NULL: nothing happens)."""
         if dest == PROC_NULL:
             return
-        call = new_call(self._ch, "send", x.nbytes, dest, _clock())
+        call = new_call(self._ch, "send", x.nbytes, dest, _clock(), x.dtype)
         try:
             engine = self._engine(x, p2p=True)
             buf = _contig(B.to_host(x) if engine == "staged" else x)
@@ -35,7 +35,7 @@ class PointToPoint:
         :class:`CommError` names the source, tag and sizes. Returns ``out`` (PROC_NULL: unchanged)."""
         if source == PROC_NULL:
             return out
-        call = new_call(self._ch, "recv", out.nbytes, source, _clock())
+        call = new_call(self._ch, "recv", out.nbytes, source, _clock(), out.dtype)
         try:
             engine = self._engine(out, p2p=True)
             buf = _recv_buffer(out, engine)
@@ -55,7 +55,7 @@ class PointToPoint:
         if dest == PROC_NULL:
             return _done_handle(x)
         engine = self._engine(x, p2p=True)
-        call = new_call(self._ch, "isend", x.nbytes, dest, _clock())
+        call = new_call(self._ch, "isend", x.nbytes, dest, _clock(), x.dtype)
         try:
             buf = _contig(B.to_host(x) if engine == "staged" else x)
             _sync(buf)
@@ -69,7 +69,7 @@ class PointToPoint:
         if source == PROC_NULL:
             return _done_handle(out)
         engine = self._engine(out, p2p=True)
-        call = new_call(self._ch, "irecv", out.nbytes, source, _clock())
+        call = new_call(self._ch, "irecv", out.nbytes, source, _clock(), out.dtype)
         try:
             buf = _recv_buffer(out, engine)
             _sync(buf)

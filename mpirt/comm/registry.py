@@ -18,10 +18,11 @@ class CommRecord(NamedTuple):
     end: float       # perf_counter at completion (the monitor's trace places the call by it)
     blocked: float   # seconds the calling thread waited in it: all of a blocking call's, a
                      # non-blocking call's time in ``wait()``, 0 when ``test()`` found it done
+    dtype: object = None  # the array's dtype (None for objects and barriers)
 
 
 class CommStats:
-    """Every communication call: op, axis, bytes, seconds, engine.
+    """Every communication call: op, axis, bytes, seconds, engine, dtype.
 
     ``records`` is a list of :class:`CommRecord`, newest last, bounded to ``max_records`` (when
     full, the oldest records go, down to half); ``summary()`` totals are never dropped. Set
@@ -43,12 +44,12 @@ class CommStats:
         self._lock = threading.Lock()
 
     def add(self, op: str, axis: str, nbytes: int, seconds: float, engine: str = "host",
-            blocked: float | None = None) -> None:
+            blocked: float | None = None, dtype=None) -> None:
         """Record one call that just completed (lock-free: a list append is atomic; totals are
         folded in on read). ``blocked`` defaults to ``seconds`` (a blocking call)."""
         if self.enabled:
             self.records.append(_new_tuple(CommRecord, (op, axis, nbytes, seconds, engine, _clock(),
-                                                         seconds if blocked is None else blocked)))
+                                                         seconds if blocked is None else blocked, dtype)))
             if len(self.records) > self.max_records:
                 self._trim()
 

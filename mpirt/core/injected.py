@@ -21,6 +21,11 @@ change it between runs in one process) turns on, in the runtime code that owns e
   targets of the micro-batches in reverse order (:class:`mpirt.parallel.pipeline.stage.PipelineStage`);
 - ``ep-expert-swap``: under ep a rank runs the rows routed to its first expert through its second
   expert's weights and the other way round (:class:`mpirt.parallel.experts.ExpertParallel`).
+- ``scalar-dtype-from-value``: the bug of the wrong gradient norm under pp x dp x ZeRO, put back: a
+  ZeRO shard that holds nothing counted sums its squares to the integer 0
+  (:func:`mpirt.parallel.flat.sum_squares`), and :meth:`mpirt.comm.Comm.allreduce_scalar` reduces a
+  number in its own dtype, so that rank sends int64 where its peers send float64 (caught by the
+  recorded-communication check's dtypes, :mod:`mpirt.verify.traffic`).
 
 Each is a no-op where its axis has one rank, so a single-rank reference stays correct.
 """
@@ -30,7 +35,7 @@ import os
 
 ENV = "MPIRT_VERIFY_INJECT"
 BUGS = ("tp-row-scale", "sp-dropped-reduce-scatter", "cp-ring-step", "cp-ring-extra-pass", "zero-shard-offset",
-        "pp-microbatch-order", "ep-expert-swap")
+        "pp-microbatch-order", "ep-expert-swap", "scalar-dtype-from-value")
 
 
 def injected(name: str) -> bool:

@@ -131,6 +131,11 @@ class DataParallel:
         for p in self.params:
             p.register_hook(self._hook)
 
+    def calls(self) -> list[tuple[str, str, int, str]]:
+        """``(axis, kind, bytes, dtype)`` of the calls one step's sync makes: an average of every
+        bucket (launched from the hooks or in :meth:`finish`, "allreduce" either way)."""
+        return [(self.comm.axis, "allreduce", b.nbytes, b.flat.dtype.name) for b in self.buckets]
+
     # --- construction -----------------------------------------------------------------------
     # --- the module interface -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):

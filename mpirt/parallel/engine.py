@@ -174,6 +174,15 @@ class Engine:
             sq, grads = sq + self.ep_comm.allreduce_scalar(expert_sq), grads + expert_grads
         return clip_flat(sq, grads, self._norm_comms, max_norm)
 
+    def sync_calls(self) -> list[tuple[str, str, int, str]]:
+        """``(axis, kind, bytes, dtype)`` of the gradient sync's calls a step makes in a fixed
+        number and size (DataParallel's buckets; ZeRO's, as
+        :meth:`~mpirt.parallel.zero.ZeroOptimizer.calls` lists them), and of the pipeline's
+        tied-embedding gradient sum: a send and a receive of each tied copy's gradient (ZeRO-3:
+        its shard) between the two pipeline ends."""
+        out = [c for ddp in self.ddp for c in ddp.calls()] + (self.optimizer.calls() if self.cfg.zero else [])
+        return out + self.local.tied_calls()
+
     def evaluate(self, x, y) -> float:
         """Mean loss of the global batch (this replica's rows ``x``, ``y``), no gradients."""
         return self.dp_comm.allreduce_scalar(self.local.evaluate(*self._held(x, y)), "avg")

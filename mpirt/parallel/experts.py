@@ -144,6 +144,10 @@ class OptimizerPair:
         for part in self.parts:
             part.sync_partial_grads(tp_comm)
 
+    def calls(self) -> list[tuple]:
+        """Both parts' fixed calls of a step (:meth:`mpirt.parallel.zero.ZeroOptimizer.calls`)."""
+        return [c for part in self.parts for c in part.calls()]
+
     def memory_bytes(self) -> dict:
         """Both parts' persistent bytes, per category."""
         held = [part.memory_bytes() for part in self.parts]

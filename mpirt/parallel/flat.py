@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import mpirt.core.backend as B
+from mpirt.core.injected import injected
 from mpirt.comm import chunk_bounds
 from mpirt.cpu.hostalloc import release_freed_memory
 from mpirt.core.optim import clip_coefficient
@@ -255,7 +256,8 @@ def count_once(tp_rank: int, tied_copy=()) -> "callable":
 def sum_squares(flat, runs) -> float:
     """Sum of squares of ``flat`` over ``runs`` (``[start, stop)`` pairs) as a float, 0.0 for no
     runs; half sums in float32."""
-    return sum((float(B.xp.vdot(v, v)) for v in (upcast(flat[a:b]) for a, b in runs)), 0.0)
+    start = 0 if injected("scalar-dtype-from-value") else 0.0  # test-only (mpirt.core.injected)
+    return sum((float(B.xp.vdot(v, v)) for v in (upcast(flat[a:b]) for a, b in runs)), start)
 
 
 def clip_flat(local_sq: float, grads, comms, max_norm: float | None) -> float:

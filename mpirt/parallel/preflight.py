@@ -4,12 +4,13 @@ Each rank's program for one training step is derived from the :class:`~mpirt.par
 (:func:`step_programs`): the pipeline schedule's sends and receives (pp); ring attention's
 exchanges (cp: per block and micro-batch, ``cp - 1`` key/value passes forward; backward the
 forward's again where the block reruns, then ``cp`` steps each passing the keys' gradient, with
-the keys and values but the last); ZeRO-3's unit gathers (the next unit's started, not waited
+the keys and values but the last; in float32 under half precision); ZeRO-3's unit gathers (the next unit's started, not waited
 for, while a unit runs) and gradient reduce-scatters (over dp x cp); a mixture of experts' token
 exchanges under ep (per MoE chunk and micro-batch, on the ep group: the counts, the rows out and
 the outputs back forward, again where the block reruns, then the two gradients' exchanges
-backward; each all-to-all priced at the rows a rank sends when routing is balanced, which every
-member passes alike). :func:`~mpirt.parallel.step_simulation.simulate_step` runs the programs
+backward; the counts in int64, each rows' all-to-all priced at the rows a rank sends when routing
+is balanced, which every member passes alike). Every operation names its dtype, which its peers
+must name alike (a collective's dtype comes from the layout, never from a rank's values). :func:`~mpirt.parallel.step_simulation.simulate_step` runs the programs
 together (a collective completes once every member of its group started it, members agreeing
 on the n-th one's operation and bytes; an exchange's receives match its peers' sends first in,
 first out), naming the first disagreement (ranks and operations) or, when ranks wait on each
@@ -19,9 +20,11 @@ What it covers of the runtime: the operations that interleave across communicato
 step, in the order the engine issues them (the executor walks the schedule; ring attention posts
 a step's sends and receives and waits for them before the next; the experts' all-to-alls are
 blocking collectives; ZeRO-3's unit gathers the way :class:`~mpirt.parallel.zero3.ShardedParams`
-takes and starts them). Left out: the gradient sync of ZeRO-1/2 and data parallelism (buckets on
-dp x cp, the experts' on edp, each rank in the same order), the pipeline's tied-embedding sum
-and the loss's average after the step, and tp's collectives inside ops.
+takes and starts them). Left out of the simulation: the gradient sync of ZeRO-1/2 and data
+parallelism (buckets on dp x cp, the experts' on edp, each rank in the same order), the
+pipeline's tied-embedding sum, tp's collectives inside ops, and the scalar sums that close the
+step (:meth:`StepPrograms.sums` lists them; ``python -m mpirt.verify`` holds a step's recorded
+calls to the programs, the sums and the sync's own list, :mod:`mpirt.verify.traffic`).
 
 The grid is reduced for the proof: at most two dp ranks (ep at most 2 with them) and one tp
 rank (every dp and tp rank of a stage runs the same program, and tp's collectives live inside
@@ -35,6 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from mpirt.core.precision import is_half
 from mpirt.parallel.grid import grid_rank
 from mpirt.parallel.pipeline.schedules import Action, BACKWARD, FORWARD, WEIGHT
 from mpirt.parallel.step_simulation import Grid3, Op, StepCommError, first_difference, simulate_step
@@ -53,11 +59,11 @@ class _Gathers:
     the gather in flight when it is its own (waits for it), else completes and drops it and
     gathers; then starts its neighbour's (``prefetch``)."""
 
-    def __init__(self, ops: list):
-        self.ops, self.count, self.pending = ops, 0, None
+    def __init__(self, ops: list, dtype: str):
+        self.ops, self.dtype, self.count, self.pending = ops, dtype, 0, None
 
     def _start(self, what: str, nbytes: int, label: str) -> int:
-        self.ops.append(Op(what, "dp_cp", nbytes, label=label))
+        self.ops.append(Op(what, "dp_cp", nbytes, label=label, dtype=self.dtype))
         self.count += 1
         return self.count - 1
 
@@ -76,19 +82,22 @@ class _Gathers:
 
 class StepPrograms:
     """The programs of one step on ``layout`` (resolved with the model; use :func:`reduced` for the
-    proof's grid), for ``model_cfg`` at ``seq_len`` in ``itemsize``-byte elements (ring
+    proof's grid), for ``model_cfg`` at ``seq_len`` in ``dtype`` (the run's, a name: ring
     attention's keys and values travel in float32 in half precision): :meth:`program` makes one
-    rank's, from what every rank shares (made once here)."""
+    rank's, from what every rank shares (made once here); :meth:`sums` the scalar sums that close
+    its step."""
 
-    def __init__(self, layout, model_cfg, seq_len: int, itemsize: int):
+    def __init__(self, layout, model_cfg, seq_len: int, dtype: str):
         from mpirt.core.modeling import layer_costs
 
-        self.layout, self.itemsize = layout, itemsize
+        self.layout, self.dtype = layout, np.dtype(dtype).name
+        self.itemsize = itemsize = np.dtype(dtype).itemsize
+        self.ring_dtype = "float32" if is_half(dtype) else self.dtype
         self.costs = layer_costs(model_cfg, seq_len)
         held = seq_len // layout.cp
         kv_heads = getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head
         self.kv_bytes = layout.rows * held * 2 * kv_heads * (model_cfg.n_embd // model_cfg.n_head) // layout.tp * \
-            max(itemsize, 4)
+            np.dtype(self.ring_dtype).itemsize
         # a pipeline message holds a micro-batch's activations: under sequence parallelism, tp's piece of them
         self.act_bytes = layout.rows * held // (layout.tp if layout.sequence_parallel else 1) * model_cfg.n_embd * itemsize
         self.experts = getattr(model_cfg, "n_expert", 0)
@@ -117,11 +126,11 @@ class StepPrograms:
         if self.layout.ep == 1 or not self.experts:
             return []
         if backward:
-            return [Op("alltoall", "ep", self.routed, label=f"{label} {step}")
+            return [Op("alltoall", "ep", self.routed, label=f"{label} {step}", dtype=self.dtype)
                     for step in ("outputs' gradient out", "rows' gradient back")]
-        return [Op("alltoall", "ep", self.counts_bytes, label=f"{label} expert counts"),
-                Op("alltoall", "ep", self.routed, label=f"{label} rows out"),
-                Op("alltoall", "ep", self.routed, label=f"{label} outputs back")]
+        return [Op("alltoall", "ep", self.counts_bytes, label=f"{label} expert counts", dtype="int64"),
+                Op("alltoall", "ep", self.routed, label=f"{label} rows out", dtype=self.dtype),
+                Op("alltoall", "ep", self.routed, label=f"{label} outputs back", dtype=self.dtype)]
 
     def program(self, rank: int) -> list[Op]:
         """Rank ``rank``'s program of one step."""
@@ -135,15 +144,16 @@ class StepPrograms:
             if cp == 1:
                 return []
             if not backward:
-                return [Op("exchange", "cp", sends=out, recvs=back, label=f"{label} ring step {s}")
-                        for s in range(cp - 1)]
-            return [Op("exchange", "cp", sends=out * 2, recvs=back * 2, label=f"{label} ring backward step {s}")
-                    for s in range(cp - 1)] + [Op("exchange", "cp", sends=out, recvs=back,
-                                                  label=f"{label} ring backward step {cp - 1}")]
+                return [Op("exchange", "cp", sends=out, recvs=back, label=f"{label} ring step {s}",
+                           dtype=self.ring_dtype) for s in range(cp - 1)]
+            return [Op("exchange", "cp", sends=out * 2, recvs=back * 2, label=f"{label} ring backward step {s}",
+                       dtype=self.ring_dtype) for s in range(cp - 1)] + \
+                [Op("exchange", "cp", sends=out, recvs=back, label=f"{label} ring backward step {cp - 1}",
+                    dtype=self.ring_dtype)]
 
         recomputed = set(lay.recomputed)
         ops: list[Op] = []
-        gathers = _Gathers(ops)
+        gathers = _Gathers(ops, self.dtype)
         actions = lay.pipeline_schedule.actions[pos["pp"]] if pp > 1 else \
             [Action(op, mb) for mb in range(lay.microbatches) for op in (FORWARD, BACKWARD)]
         for a in actions:
@@ -151,7 +161,7 @@ class StepPrograms:
             if a.op not in (FORWARD, BACKWARD, WEIGHT):   # the pipeline's messages, one micro-batch each
                 one = ((self.world(pos, pp=a.peer), self.act_bytes),)
                 ops.append(Op("exchange", "pp", sends=one if a.is_send else (), recvs=() if a.is_send else one,
-                              label=f"{a.op} mb {a.mb}"))
+                              label=f"{a.op} mb {a.mb}", dtype=self.dtype))
                 continue
             mine = self.units(a.chunk, pos["pp"])
             lo, hi = lay.bounds[a.chunk * pp + pos["pp"]]
@@ -173,10 +183,33 @@ class StepPrograms:
                     gathers.reduce_scatter(unit, label)
         return ops
 
+    def sums(self, rank: int) -> list[Op]:
+        """Rank ``rank``'s scalar sums that close its step, each one float64 (8 B) whatever the
+        run's dtype: the last stage's loss broadcast over pp, the loss's average over dp x cp, then
+        the gradient norm's sums of squares: ZeRO's shards over dp x cp, the experts' shards over
+        edp and their part over ep (on a stage that holds experts), tp's and pp's slices. The axes
+        are the grid's communicators' names (dp x cp is ``dp`` when cp is 1, edp ``dp`` when ep is 1)."""
+        lay = self.layout
+        dense, edp = ("dp_cp" if lay.cp > 1 else "dp"), ("edp" if lay.ep > 1 else "dp")
+        p = lay.position(rank)["pp"]
+        experts = self.experts and lay.zero < 3 and \
+            any(lo < hi for lo, hi in (lay.bounds[c * lay.pp + p] for c in range(lay.chunks)))
+        axes = [("pp", "broadcast", "the loss from the last stage")] if lay.pp > 1 else []
+        axes.append((dense, "allreduce", "the loss's average"))
+        if lay.zero and lay.dp * lay.cp > 1:
+            axes.append((dense, "allreduce", "the norm's sum over ZeRO's shards"))
+        if experts and lay.zero and lay.dp // lay.ep > 1:
+            axes.append((edp, "allreduce", "the norm's sum over the experts' shards"))
+        if experts:
+            axes.append(("ep", "allreduce", "the norm's sum over the experts"))
+        axes += [(axis, "allreduce", f"the norm's sum over {axis}") for axis in ("tp", "pp")
+                 if getattr(lay, axis) > 1]
+        return [Op(what, axis, 8, label=label, dtype="float64") for axis, what, label in axes]
 
-def step_programs(layout, model_cfg, seq_len: int, itemsize: int) -> dict[int, list[Op]]:
+
+def step_programs(layout, model_cfg, seq_len: int, dtype: str) -> dict[int, list[Op]]:
     """Every rank's program of one step (:class:`StepPrograms`), rank -> its operations."""
-    make = StepPrograms(layout, model_cfg, seq_len, itemsize)
+    make = StepPrograms(layout, model_cfg, seq_len, dtype)
     return {rank: make.program(rank) for rank in range(layout.world_size)}
 
 
@@ -187,7 +220,7 @@ def proof_rank(layout, rank: int) -> int:
     return grid_rank((pos["dp"] % small.dp, pos["pp"], pos["cp"], 0), small.dp, small.pp, 1, small.cp)
 
 
-def check_step(layout, model_cfg, seq_len: int, itemsize: int, rank: int | None = None) -> None:
+def check_step(layout, model_cfg, seq_len: int, dtype: str, rank: int | None = None) -> None:
     """The pre-flight proof of ``layout``'s step (see the module docstring); StepCommError when it
     fails. Nothing to prove without cp, pp, ep or ZeRO-3.
 
@@ -198,7 +231,7 @@ def check_step(layout, model_cfg, seq_len: int, itemsize: int, rank: int | None 
     if layout.cp == 1 and layout.pp == 1 and layout.ep == 1 and layout.zero != 3:
         return
     small = reduced(layout)
-    make = StepPrograms(small, model_cfg, seq_len, itemsize)
+    make = StepPrograms(small, model_cfg, seq_len, dtype)
     grid = Grid3(small)
     stages = {grid.rank(0, p, 0): make.program(grid.rank(0, p, 0)) for p in range(small.pp)}
     mine = range(small.world_size) if rank is None else [proof_rank(layout, rank)]

@@ -2,10 +2,10 @@
 (:mod:`mpirt.parallel.preflight` makes the programs and says what they cover).
 
 A collective is started in order on its group, whose members must agree on the n-th one's
-operation and bytes, and completes once every member has started it; an exchange posts its sends
+operation, bytes and dtype, and completes once every member has started it; an exchange posts its sends
 (non-blocking) and completes when each of its receives finds its send, matched first in, first out
 per (source, destination, communicator) as MPI's non-overtaking rule matches them, of the same
-size. :func:`simulate_step` names the first disagreement (ranks and operations) or, when ranks wait
+size and dtype. :func:`simulate_step` names the first disagreement (ranks and operations) or, when ranks wait
 on each other, what every stuck rank waits in.
 
 Every rank only ever waits (for a message, for the members of a collective), never chooses: how
@@ -31,7 +31,8 @@ class Op:
     ``reduce_scatter``, ``alltoall``: started and waited for; ``iallgather``: only started), ``wait`` (for the
     rank's collective number ``index`` on ``comm``, started earlier), or ``exchange``
     (non-blocking ``sends`` and ``recvs`` on ``comm``, each ``(world rank, bytes)``, waited for
-    together); ``label`` says where in the step it is."""
+    together); ``label`` says where in the step it is; ``dtype`` names the elements (the
+    layout's, never a rank's values)."""
 
     what: str
     comm: str
@@ -40,15 +41,16 @@ class Op:
     recvs: tuple = ()
     label: str = ""
     index: int = -1
+    dtype: str = ""
 
     def describe(self) -> str:
         if self.what == "exchange":
-            parts = [f"send {n} B to rank {r}" for r, n in self.sends] + \
-                    [f"receive {n} B from rank {r}" for r, n in self.recvs]
+            parts = [f"send {n} B {self.dtype} to rank {r}" for r, n in self.sends] + \
+                    [f"receive {n} B {self.dtype} from rank {r}" for r, n in self.recvs]
             return f"{', '.join(parts)} on {self.comm} ({self.label})"
         if self.what == "wait":
             return f"wait for collective #{self.index} on {self.comm} ({self.label})"
-        return f"{self.what} of {self.nbytes} B on {self.comm} ({self.label})"
+        return f"{self.what} of {self.nbytes} B {self.dtype} on {self.comm} ({self.label})"
 
 
 BLOCKING = ("allgather", "reduce_scatter", "alltoall")
@@ -113,14 +115,14 @@ class Grid3:
 
 def first_difference(grid: Grid3, rank: int, ops: list, rep_ops: list) -> str | None:
     """Where ``rank``'s program ``ops`` is not its stage representative's ``rep_ops`` moved along
-    dp and cp (other operations, bytes or labels, or peers not at the same offsets), in words;
+    dp and cp (other operations, bytes, dtypes or labels, or peers not at the same offsets), in words;
     None when it is."""
     rep = grid.representative(rank)
 
     def shape(op: Op, me: int) -> tuple:
         peers = tuple((grid.relative(r, me), n) for r, n in op.sends), \
             tuple((grid.relative(r, me), n) for r, n in op.recvs)
-        return op.what, op.comm, op.nbytes, op.label, op.index, peers
+        return op.what, op.comm, op.nbytes, op.dtype, op.label, op.index, peers
 
     for i in range(max(len(ops), len(rep_ops))):
         mine = ops[i] if i < len(ops) else None
@@ -152,7 +154,7 @@ def simulate_step(layout, programs: dict[int, list[Op]], symmetric: bool = False
     at = dict.fromkeys(programs, 0)
     posted = dict.fromkeys(programs, False)
     waiting: dict = {}                              # rank -> the receives its exchange still waits for
-    channels: dict = defaultdict(deque)             # (source, destination, comm) -> [(bytes, label)]
+    channels: dict = defaultdict(deque)             # (source, destination, comm) -> [(bytes, dtype, label)]
     started: dict = defaultdict(list)               # (comm, rank) -> the collectives it started, in order
     sleepers: dict = defaultdict(set)               # what a blocked rank waits on -> the ranks
     ready = deque(sorted(programs))
@@ -176,7 +178,8 @@ def simulate_step(layout, programs: dict[int, list[Op]], symmetric: bool = False
         n = len(mine)
         for m in group(op.comm, r):
             theirs = started[(op.comm, m)]
-            if m != r and len(theirs) > n and (theirs[n].what, theirs[n].nbytes) != (op.what, op.nbytes):
+            if m != r and len(theirs) > n and \
+                    (theirs[n].what, theirs[n].nbytes, theirs[n].dtype) != (op.what, op.nbytes, op.dtype):
                 raise StepCommError(f"{op.comm} group {list(grid.members(op.comm, r))}, collective #{n}: rank {m} "
                                     f"runs {theirs[n].describe()}, rank {r} {op.describe()}")
         mine.append(op)
@@ -197,10 +200,10 @@ def simulate_step(layout, programs: dict[int, list[Op]], symmetric: bool = False
             if not queue:
                 sleepers[("channel", key)].add(r)
                 continue
-            sent, label = queue.popleft()
-            if sent != n:
-                raise StepCommError(f"rank {r} receives {n} B from rank {src} ({op.label}) but rank {src} "
-                                    f"sent {sent} B ({label})")
+            sent, dtype, label = queue.popleft()
+            if (sent, dtype) != (n, op.dtype):
+                raise StepCommError(f"rank {r} receives {n} B {op.dtype} from rank {src} ({op.label}) but rank {src} "
+                                    f"sent {sent} B {dtype} ({label})")
             waiting[r].remove((src, n))
         return not waiting[r]
 
@@ -211,7 +214,7 @@ def simulate_step(layout, programs: dict[int, list[Op]], symmetric: bool = False
             if op.what == "exchange":
                 if not posted[r]:
                     for dst, n in op.sends:
-                        channels[(r, dst, op.comm)].append((n, op.label))
+                        channels[(r, dst, op.comm)].append((n, op.dtype, op.label))
                         wake(("channel", (r, dst, op.comm)))
                     posted[r], waiting[r] = True, list(op.recvs)
                 if not receive(r, op):
@@ -233,4 +236,4 @@ def simulate_step(layout, programs: dict[int, list[Op]], symmetric: bool = False
     unread = {k: q for k, q in channels.items() if q}
     if unread:
         (src, dst, comm), q = next(iter(unread.items()))
-        raise StepCommError(f"rank {src} sends {q[0][0]} B to rank {dst} on {comm} ({q[0][1]}) that it never receives")
+        raise StepCommError(f"rank {src} sends {q[0][0]} B to rank {dst} on {comm} ({q[0][2]}) that it never receives")

@@ -9,6 +9,7 @@ presents, so the engine holds either without asking which (:class:`mpirt.paralle
     local.units, local.probe            # ZeRO-3's units and their one-token probe (None: the model's
                                         # embed / blocks / head from token ids)
     local.unit_runs                     # the model chunk of each unit (None: one chunk)
+    local.tied_calls()                  # the tied copies' gradient sum's calls in a step (none here)
     local.parameters()
     local.train_step(x, y, loss_scale, place, no_sync) -> float   # this replica's mean loss
     local.evaluate(x, y) -> float
@@ -82,6 +83,11 @@ class WholeModel:
 
     def parameters(self) -> list:
         return self.model.parameters()
+
+    @staticmethod
+    def tied_calls() -> list:
+        """No pipeline, no tied copies to sum."""
+        return []
 
     def train_step(self, x, y, loss_scale: float = 1.0, place: tuple | None = None,
                    no_sync=contextlib.nullcontext) -> float:

@@ -234,6 +234,21 @@ class ZeroOptimizer(Scalars):
             self.comm.reduce_scatter(self.store.grad, op="avg", out=self.grad_shard)
             self.store.release_grads()
 
+    def calls(self) -> list[tuple[str, str, int, str]]:
+        """``(axis, kind, bytes, dtype)`` of the calls on dp whose number and size a step fixes:
+        stage 1's gradient average in pieces and stages 1-2's parameter gather after the update.
+        Not listed: the streamed reduce-scatters of stage 2 (per micro-batch and bucket, as
+        backward completes them) and stage 3's gathers and reduce-scatters (per unit run)."""
+        axis, dtype = self.comm.axis, self.dtype.name
+        if self.stage == 3:
+            return []
+        out = []
+        if self.stage == 1:
+            size, piece = self.store.grad.size, max(1, PIECE_BYTES // self.store.grad.itemsize)
+            out += [(axis, "allreduce", min(piece, size - a) * self.store.grad.itemsize, dtype)
+                    for a in range(0, size, piece)]
+        return out + [(axis, "allgather", int(self.flat_param.nbytes), dtype)]
+
     def clip_grad_norm(self, max_norm: float | None) -> float:
         """Clip the (dp-averaged) gradient by its global L2 norm, as :func:`mpirt.core.optim.clip_grad_norm`:
         scale by ``max_norm / (norm + 1e-6)`` when the norm exceeds ``max_norm`` (None: only the

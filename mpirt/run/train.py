@@ -367,7 +367,7 @@ def main(argv=None) -> dict:
         # the step's communication (pipeline, ring attention, ZeRO-3 gathers) proven consistent: each
         # rank checks its own program against its stage's, and the stages' together
         check_step(recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg)), model_cfg,
-                   cfg.seq_len, np.dtype(cfg.dtype).itemsize, rank=world.rank)
+                   cfg.seq_len, cfg.dtype, rank=world.rank)
         cfg, eval_warning = fit_eval_batches(cfg, data)
         for line in notes + ([eval_warning] if eval_warning else []):
             if world.rank == 0:

@@ -239,8 +239,8 @@ def execute(plan: Plan, group) -> dict:
     traffic = records[0][0]["communication"] if records[0] else []
     report["communication"] = traffic
     if traffic and report["equal"]:
-        report.update(equal=False, verdict=f"step {records[0][0]['step']}: the layout's communication is not the "
-                                           f"pre-flight proof's: " + "; ".join(traffic[:3]))
+        report.update(equal=False, verdict=f"step {records[0][0]['step']}: the layout's communication is not what "
+                                           f"its layout predicts: " + "; ".join(traffic[:3]))
     report["abnormal"] = abnormal_steps(report["steps"], plan.record)
     if report["abnormal"]:
         report["abnormal"] += (": both layouts compute it alike, so it is the data (or the run's state), not the "
@@ -334,9 +334,10 @@ def main(argv=None) -> None:
         print(format_table(report, *plan.names))
         print(f"mpirt verify: tolerance {plan.tolerance:.0e} (relative, L2 per tensor); {report['seconds']:.1f} s")
         print(("mpirt verify: " if report["equal"] else "mpirt verify: DIFFERS: ") + report["verdict"], flush=True)
-        print("mpirt verify: communication (pipeline, ring attention, experts' all-to-alls) "
-              + ("as the pre-flight proof predicts" if not report["communication"] else
-                 "NOT as the pre-flight proof predicts: " + "; ".join(report["communication"])), flush=True)
+        print("mpirt verify: communication of the step (every call's bytes and dtype; the counts of all but tp's "
+              "and ZeRO-2/3's streamed ones) " + ("as its layout predicts" if not report["communication"] else
+                                                  "NOT as its layout predicts: " + "; ".join(report["communication"])),
+              flush=True)
         if report["abnormal"]:
             print(f"mpirt verify: abnormal step: {report['abnormal']}", flush=True)
         if plan.json_path:

@@ -28,7 +28,7 @@ from mpirt.parallel.layout import Layout, LayoutError, pipeline_microbatches
 from mpirt.plan.memory import check_budget, recompute_where_it_pays
 from mpirt.run.config import TrainConfig
 from mpirt.run.distributed import derive_seed
-from mpirt.verify.traffic import differences, tied_sum
+from mpirt.verify.traffic import differences
 
 # the keys a layout string (--reference, --against) may name; what it leaves out is 1, 0 or off
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "schedule", "microbatches", "chunks")
@@ -135,8 +135,8 @@ def run_side(cfg: TrainConfig, model_cfg, layout: Layout, comm, tokens, snapshot
     ``lr`` (None: the run's cosine schedule). After each step the weights go to ``snapshots``
     (one checkpoint version per step). Returns per step ``{"step", "loss", "grad_norm",
     "tokens_per_expert" (routed, when the layout runs one micro-batch per step; else None),
-    "communication" (the first step: what its calls differ in from the pre-flight proof's
-    program, :func:`mpirt.verify.traffic.differences`, every rank's, "rank R: ..."; else None),
+    "communication" (the first step: what its calls differ in from what its layout predicts,
+    :func:`mpirt.verify.traffic.differences`, every rank's, "rank R: ..."; else None),
     "snapshot"}`` on every rank of ``comm``."""
     grid = Grid(layout.dp, layout.pp, layout.tp, comm=comm, cp=layout.cp, ep=layout.ep)
     engine = Engine(cfg, model_cfg, grid, dropout_seed=derive_seed(cfg.seed, 0, "dropout"), layout=layout)
@@ -151,14 +151,13 @@ def run_side(cfg: TrainConfig, model_cfg, layout: Layout, comm, tokens, snapshot
                              dp_rank=grid.coords["dp"], dp_size=grid.sizes["dp"])
             cursor = stats.cursor()
             loss = engine.train_step(x, y, loss_scale=loss_scale, step=step + 1)
-            traffic = None
-            if step == first_step:   # the step's calls against the pre-flight proof's program
-                mine = differences(layout, model_cfg, cfg.seq_len, np.dtype(cfg.dtype).itemsize, comm.rank, cursor,
-                                   tied_sum(engine.local))
-                traffic = [f"rank {r}: {d}" for r, found in enumerate(comm.allgather_object(mine)) for d in found]
             norm = engine.clip((cfg.grad_clip if cfg.grad_clip > 0 else math.inf) * loss_scale) / loss_scale
             engine.optimizer.grad_scale = 1.0 / loss_scale
             engine.optimizer.step()
+            traffic = None
+            if step == first_step:   # the whole step's calls against the program its layout predicts
+                mine = differences(layout, model_cfg, cfg.seq_len, cfg.dtype, comm.rank, cursor, engine)
+                traffic = [f"rank {r}: {d}" for r, found in enumerate(comm.allgather_object(mine)) for d in found]
             routed = routing(engine, grid) if layout.microbatches == 1 else None
             path = save_sharded(snapshots, comm, lambda w: engine.save_sharded(ParamsOnly(w)), step=step + 1,
                                 config=cfg.to_dict(), extra={"layout": dict(grid.sizes)}, optimizer=None,

@@ -180,6 +180,15 @@ class PipelineExecutor:
             self.stats["trace"] = trace
         return sum(losses) / self.m if self.has_head else 0.0
 
+    def tied_calls(self) -> list[tuple[str, str, int, str]]:
+        """``(axis, kind, bytes, dtype)`` of the calls :meth:`_sync_tied` makes in a step: a send
+        and a receive of each tied copy's gradient (ZeRO-3: its shard) with the other pipeline end."""
+        if self.pp == 1 or not self.tied_names or not (self.has_embed or self.has_head):
+            return []
+        named = dict(self.model.named_parameters())
+        arrays = self.tied_grads() if self.tied_grads else [named[name].data for name in self.tied_names]
+        return [(self.comm.axis, kind, int(a.nbytes), a.dtype.name) for a in arrays for kind in ("send", "recv")]
+
     def _sync_tied(self) -> None:
         """Sum the gradients of the tied copies on the first and last pp ranks."""
         if self.pp == 1 or not self.tied_names or not (self.has_embed or self.has_head):
