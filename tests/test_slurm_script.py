@@ -269,6 +269,22 @@ def test_verify_first_checks_the_layout_before_training(job_env):
     rc, out = run_job(text, where, env)   # the checkpoint the first start left: a resume, not checked again
     assert rc == 0 and "checking the layout" not in out, out
     assert "VERIFY_SECONDS=0" in render(cpu_spec(run_dir="r", verify_first=True, time="00:30:00"))
+
+
+def test_verify_job_is_the_check_alone_with_its_exit_code(job_env):
+    """--verify: a job that runs mpirt.verify with the training arguments over the whole limit,
+    on every start (a checkpoint in the run directory changes nothing), never trains, and exits
+    with verify's code; --verify with --verify-first is refused naming both."""
+    where, env = job_env
+    text = render(cpu_spec(run_dir="r", verify_only=True, time="00:30:00", train_args=["--tp", "2"]))
+    assert "VERIFY_SECONDS=1800" in text and "VERIFY_ONLY=1" in text
+    for code in ("0", "1", "2"):
+        rc, out = run_job(text, where, env, STUB_RC=code, STUB_CKPT="step-00000010")
+        assert rc == int(code) and f"verify: exit {code}" in out, out
+        args = stub_args(where, "srun")
+        assert args[3:6] == ["python", "-m", "mpirt.verify"] and args[-2:] == ["--tp", "2"], args
+    with pytest.raises(SlurmScriptError, match="^--verify and --verify-first: choose one"):
+        render(cpu_spec(run_dir="r", verify_only=True, verify_first=True))
 @pytest.mark.parametrize("arg", ["--out-dir", "--out_dir=OTHER", "--resume", "--time-limit=3h"])
 def test_the_script_refuses_its_own_training_arguments_on_the_sbatch_line(job_env, arg):
     """``sbatch SCRIPT RUN_DIR --out-dir OTHER`` would train elsewhere while the script checks and

@@ -20,7 +20,8 @@ What a rendered job does (the shell body, :data:`BODY`):
   time for it, first runs ``python -m mpirt.verify`` with the training arguments (a tenth of the
   time limit at most, :data:`VERIFY_SHARE`): a layout that does not compute what one rank computes
   (exit 1) or bad input (exit 2) ends the job before training; a check that runs out of its share
-  is reported and training goes on;
+  is reported and training goes on; with ``--verify`` the job is that check alone (the whole time
+  limit, every start), and verify's exit code is the job's;
 - trains with ``--out-dir RUN_DIR --resume auto --time-limit slurm``: one explicit run directory
   per experiment, and resubmitting the same script continues it;
 - on ``--signal=B:USR1@NOTICE`` (to the batch shell only) asks the ranks to stop with a checkpoint
@@ -128,6 +129,7 @@ class JobSpec:
     train_args: list[str] = field(default_factory=list)
     preemptible: bool = False
     verify_first: bool = False
+    verify_only: bool = False
     mpi: str = ""
     notice: int = 120
     site_env: str = ""
@@ -224,11 +226,15 @@ trap 'got_term=1; say "TERM: the ranks got their own from SLURM"' TERM
 ckpt_before=$(cat "$RUN_DIR/ckpt/latest" 2>/dev/null || true)
 say "run directory $RUN_DIR, ${SLURM_NNODES:-?} node(s), ${SLURM_NTASKS:-?} ranks," \
     "srun --mpi=$MPI_TYPE, restart ${SLURM_RESTART_COUNT:-0}"
-if [ "$VERIFY_SECONDS" -gt 0 ] && [ -z "$ckpt_before" ]; then  # the first start only: a resume was checked
+if [ "$VERIFY_SECONDS" -gt 0 ] && { [ "$VERIFY_ONLY" = 1 ] || [ -z "$ckpt_before" ]; }; then  # a resume was checked
     say "checking the layout against one rank first (python -m mpirt.verify, at most $VERIFY_SECONDS s)"
     vrc=0
     timeout "$VERIFY_SECONDS" srun --mpi="$MPI_TYPE" --kill-on-bad-exit=1 --cpu-bind=cores python -m mpirt.verify \
         --out-dir "$RUN_DIR" ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@" || vrc=$?
+    if [ "$VERIFY_ONLY" = 1 ]; then  # a job of the check alone (--verify): verify's exit code is the job's
+        say "verify: exit $vrc (0: the layout computes what one rank computes, 1: it does not, 2: bad input)"
+        exit "$vrc"
+    fi
     case $vrc in
         0) say "verify: the layout computes what one rank computes" ;;
         124) say "verify: did not finish in its $VERIFY_SECONDS s: training without its verdict" ;;
@@ -340,6 +346,9 @@ def validate(spec: JobSpec) -> None:
             ("--output", spec.output, _OUTPUT, "a file pattern of letters, digits and _./%+- (e.g. %x-%j.out)")):
         _need(isinstance(value, str) and (value == "" and flag not in ("--job-name", "--output")
                                            or bool(pattern.fullmatch(value))), flag, rule, value)
+    if spec.verify_only and spec.verify_first:
+        raise SlurmScriptError("--verify and --verify-first: choose one (--verify is a job of the check alone, "
+                               "--verify-first checks before training)")
     if spec.mpi:
         _need(spec.mpi != "none", "--mpi", "a PMI the MPI library speaks (pmi2, pmix, ...); 'none' starts "
               "every rank as a world of its own", spec.mpi)
@@ -480,6 +489,8 @@ def render(spec: JobSpec) -> str:
         f"PREEMPTIBLE={int(spec.preemptible)}",
         f"VERIFY_SECONDS={verify_seconds(spec)}" + ("  # --verify-first: the check's share of the time limit"
                                                     if spec.verify_first else ""),
+        f"VERIFY_ONLY={int(spec.verify_only)}" + ("  # --verify: the job is the check alone" if spec.verify_only
+                                                  else ""),
         f"MPI_TYPE_FLAG={q(spec.mpi)}" + ("" if spec.mpi else "  # empty: MPI_TYPE from the site env, else pmi2"),
         "SITE_ENV=" + (q(spec.site_env) if spec.site_env else '"${SLURM_SUBMIT_DIR:-$PWD}/slurm/site.env"'),
         "",
@@ -489,7 +500,10 @@ def render(spec: JobSpec) -> str:
 
 def verify_seconds(spec: JobSpec) -> int:
     """The seconds a ``--verify-first`` check may take: a tenth of the time limit, 0 (no check)
-    without the flag or when that share is under :data:`VERIFY_MIN_S` (the time does not permit)."""
+    without the flag or when that share is under :data:`VERIFY_MIN_S` (the time does not permit);
+    under ``--verify`` the whole limit."""
+    if spec.verify_only:
+        return time_seconds(spec.time)
     share = time_seconds(spec.time) // VERIFY_SHARE
     return share if spec.verify_first and share >= VERIFY_MIN_S else 0
 
@@ -535,6 +549,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"on the first start, run python -m mpirt.verify with the training arguments before "
                         f"training (at most 1/{VERIFY_SHARE} of --time, when that is >= {VERIFY_MIN_S} s); "
                         f"train only if the layout computes what one rank computes")
+    g.add_argument("--verify", dest="verify_only", action=argparse.BooleanOptionalAction,
+                   help="a job of the check alone: python -m mpirt.verify with the training arguments, "
+                        "no training; the job's exit code is verify's (0 equal, 1 not, 2 bad input)")
     t = ap.add_argument_group("training")
     t.add_argument("--run-dir", metavar="DIR", help="the experiment's own directory (checkpoints, metrics); "
                                      "empty: the script's first argument")
