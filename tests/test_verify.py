@@ -162,6 +162,17 @@ def test_a_changed_ring_pattern_is_caught_by_the_recorded_communication(group, t
           and "rank 1: cp send of " in " ".join(report["communication"]), report and report["verdict"])
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_dropped_tp_collective_is_caught_by_the_recorded_communication(group, tmp_path_factory):
+    """tp 2 + SP with a row-parallel layer keeping its own chunk instead of reduce-scattering: the
+    numbers part (named first), and the communication each rank recorded lacks those
+    reduce-scatters against the program its tensor-parallel modules declare."""
+    report = _verify(group, 2, TINY + BUGS["sp-dropped-reduce-scatter"], tmp_path_factory,
+                     inject="sp-dropped-reduce-scatter")
+    found = report and " ".join(report["communication"])
+    agree(report is None or not report["equal"] and "rank 0: tp reduce_scatter of " in found, report and found)
+
+
 @pytest.mark.mpi(min_size=4)
 def test_a_norm_sum_sent_as_int64_is_caught_by_the_recorded_dtypes(group, tmp_path_factory):
     """The wrong gradient norm under pp x dp x ZeRO put back (a 4096-token vocabulary puts a ZeRO-1

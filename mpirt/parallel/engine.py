@@ -39,6 +39,7 @@ from mpirt.core import recompute
 from mpirt.core.modeling import attention_core
 from mpirt.core.optim import AdamW
 from mpirt.parallel import tensor as TP
+from mpirt.parallel.tensor import program
 from mpirt.parallel.ddp import DataParallel
 from mpirt.parallel.context import ContextShard, parallelize_context
 from mpirt.parallel.experts import OptimizerPair, is_expert
@@ -64,7 +65,7 @@ class Engine:
     resolved here from ``cfg`` with the model, every block the config picks recomputing."""
 
     def __init__(self, cfg, model_cfg, grid, dropout_seed: int, local=None, layout: Layout | None = None):
-        self.grid, self.cfg = grid, cfg
+        self.grid, self.cfg, self._width = grid, cfg, model_cfg.n_embd
         self.tp_comm, self.pp_comm = grid.comm["tp"], grid.comm["pp"]
         self.dp_comm = grid.comm["dp_cp"]  # the ranks holding the same parameters: dp, and cp when > 1
         self.ep_comm, self.edp_comm = grid.comm["ep"], grid.comm["edp"]  # experts split / replicated
@@ -174,13 +175,24 @@ class Engine:
             sq, grads = sq + self.ep_comm.allreduce_scalar(expert_sq), grads + expert_grads
         return clip_flat(sq, grads, self._norm_comms, max_norm)
 
-    def sync_calls(self) -> list[tuple[str, str, int, str]]:
-        """``(axis, kind, bytes, dtype)`` of the gradient sync's calls a step makes in a fixed
-        number and size (DataParallel's buckets; ZeRO's, as
-        :meth:`~mpirt.parallel.zero.ZeroOptimizer.calls` lists them), and of the pipeline's
-        tied-embedding gradient sum: a send and a receive of each tied copy's gradient (ZeRO-3:
-        its shard) between the two pipeline ends."""
-        out = [c for ddp in self.ddp for c in ddp.calls()] + (self.optimizer.calls() if self.cfg.zero else [])
+    def step_calls(self, layout) -> list[tuple[str, str, int, str]]:
+        """``(axis, kind, bytes, dtype)`` of the calls a step on ``layout`` makes that the engine's
+        parts list themselves: tp's inside the modules (:func:`mpirt.parallel.tensor.program.step_calls`,
+        a block recomputed whole or every unit under ZeRO-3 running its forward twice) and the sum
+        of sequence parallelism's partial gradients; the gradient sync's calls of a fixed number
+        and size (DataParallel's buckets; ZeRO's, as :meth:`~mpirt.parallel.zero.ZeroOptimizer.calls`
+        lists them); the pipeline's tied-embedding gradient sum (a send and a receive of each tied
+        copy's gradient, under ZeRO-3 its shard, between the two pipeline ends)."""
+        if self.cfg.zero == 3:   # every unit reruns its forward in backward
+            rerun = [self.model]
+        else:
+            rerun = [b for i, b in self.local.blocks.items() if i in layout.recomputed and self.cfg.recompute == "full"]
+        reruns = {id(m) for part in rerun for m in [m for _, m in part.named_modules()] + list(vars(part).values())}
+        tokens = layout.rows * (self.cfg.seq_len // layout.cp)
+        out = program.step_calls(self.model, self.tp_comm, tokens, layout.microbatches, reruns,
+                                 self._width, self.cfg.dtype, lookups=self.local.has_embed)
+        out += (self.optimizer if self.cfg.zero else self.store).partial_sum_calls(self.tp_comm)
+        out += [c for ddp in self.ddp for c in ddp.calls()] + (self.optimizer.calls() if self.cfg.zero else [])
         return out + self.local.tied_calls()
 
     def evaluate(self, x, y) -> float:

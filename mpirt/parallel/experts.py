@@ -148,6 +148,10 @@ class OptimizerPair:
         """Both parts' fixed calls of a step (:meth:`mpirt.parallel.zero.ZeroOptimizer.calls`)."""
         return [c for part in self.parts for c in part.calls()]
 
+    def partial_sum_calls(self, tp_comm) -> list[tuple]:
+        """Both parts' calls of :meth:`sync_partial_grads`."""
+        return [c for part in self.parts for c in part.partial_sum_calls(tp_comm)]
+
     def memory_bytes(self) -> dict:
         """Both parts' persistent bytes, per category."""
         held = [part.memory_bytes() for part in self.parts]

@@ -223,6 +223,17 @@ class FlatParams(FlatLayout):
         the same layout, so the runs agree. Collective over tp."""
         allreduce_runs(tp_comm, self.grad, self.runs(0, self.numel, is_partial))
 
+    def partial_sum_calls(self, tp_comm) -> list[tuple]:
+        """The calls of :meth:`sync_partial_grads` (:func:`runs_calls`)."""
+        return runs_calls(tp_comm, self.grad, self.runs(0, self.numel, is_partial))
+
+
+def runs_calls(comm, flat, runs) -> list[tuple[str, str, int, str]]:
+    """``(axis, kind, bytes, dtype)`` of :func:`allreduce_runs` of ``runs`` of ``flat`` over ``comm``."""
+    if comm is None or comm.size == 1 or not runs:
+        return []
+    return [(comm.axis, "allreduce", sum(b - a for a, b in runs) * flat.itemsize, flat.dtype.name)]
+
 
 def is_partial(p) -> bool:
     """Whether ``p``'s gradient is a partial sum over tp (sequence parallelism's replicated weights)."""

@@ -187,12 +187,12 @@ class StepPrograms:
         """Rank ``rank``'s scalar sums that close its step, each one float64 (8 B) whatever the
         run's dtype: the last stage's loss broadcast over pp, the loss's average over dp x cp, then
         the gradient norm's sums of squares: ZeRO's shards over dp x cp, the experts' shards over
-        edp and their part over ep (on a stage that holds experts), tp's and pp's slices. The axes
+        edp and their part over ep (under ep, on a stage that holds experts), tp's and pp's slices. The axes
         are the grid's communicators' names (dp x cp is ``dp`` when cp is 1, edp ``dp`` when ep is 1)."""
         lay = self.layout
         dense, edp = ("dp_cp" if lay.cp > 1 else "dp"), ("edp" if lay.ep > 1 else "dp")
         p = lay.position(rank)["pp"]
-        experts = self.experts and lay.zero < 3 and \
+        experts = self.experts and lay.ep > 1 and lay.zero < 3 and \
             any(lo < hi for lo, hi in (lay.bounds[c * lay.pp + p] for c in range(lay.chunks)))
         axes = [("pp", "broadcast", "the loss from the last stage")] if lay.pp > 1 else []
         axes.append((dense, "allreduce", "the loss's average"))

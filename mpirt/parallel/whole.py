@@ -10,6 +10,7 @@ presents, so the engine holds either without asking which (:class:`mpirt.paralle
                                         # embed / blocks / head from token ids)
     local.unit_runs                     # the model chunk of each unit (None: one chunk)
     local.tied_calls()                  # the tied copies' gradient sum's calls in a step (none here)
+    local.has_embed                     # whether it looks tokens up (the first stage of a pipeline)
     local.parameters()
     local.train_step(x, y, loss_scale, place, no_sync) -> float   # this replica's mean loss
     local.evaluate(x, y) -> float
@@ -65,6 +66,7 @@ class WholeModel:
 
     tied_copy: tuple = ()
     held_tied: tuple = ()
+    has_embed = True   # it looks tokens up (of a pipeline's stages, the first only)
     units = probe = unit_runs = None
 
     def __init__(self, model_cfg, grid, *, dtype: str, seed: int, sequence_parallel: bool, grad_accum: int):

@@ -58,7 +58,7 @@ from mpirt.core.precision import compute_dtype, is_half
 from mpirt.parallel.ddp import broadcast_parameters
 from mpirt.comm import chunk_bounds
 from mpirt.parallel.flat import (FlatParams, ShardedLayout, allreduce_runs, clip_flat, is_partial, place_shards,
-                                 sum_squares, trainable)
+                                 runs_calls, sum_squares, trainable)
 from mpirt.parallel.zero3 import ShardedParams
 
 
@@ -212,6 +212,12 @@ class ZeroOptimizer(Scalars):
         else:  # summing over tp commutes with averaging over dp: done on the reduced shard
             self.reduce_gradients()
             allreduce_runs(tp_comm, self.grad_shard, self._partial_runs)
+
+    def partial_sum_calls(self, tp_comm) -> list[tuple]:
+        """The calls of :meth:`sync_partial_grads` (:func:`~mpirt.parallel.flat.runs_calls`)."""
+        if self.stage < 3 and self._stream is None:
+            return self.store.partial_sum_calls(tp_comm)
+        return runs_calls(tp_comm, self.grad_shard, self._partial_runs)
 
     def reduce_gradients(self) -> None:
         """Average the gradients over the dp ranks into this rank's gradient shard (stage 1:

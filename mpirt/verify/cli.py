@@ -334,8 +334,8 @@ def main(argv=None) -> None:
         print(format_table(report, *plan.names))
         print(f"mpirt verify: tolerance {plan.tolerance:.0e} (relative, L2 per tensor); {report['seconds']:.1f} s")
         print(("mpirt verify: " if report["equal"] else "mpirt verify: DIFFERS: ") + report["verdict"], flush=True)
-        print("mpirt verify: communication of the step (every call's bytes and dtype; the counts of all but tp's "
-              "and ZeRO-2/3's streamed ones) " + ("as its layout predicts" if not report["communication"] else
+        print("mpirt verify: communication of the step (every call's bytes and dtype; the counts of all but "
+              "ZeRO-2/3's streamed ones) " + ("as its layout predicts" if not report["communication"] else
                                                   "NOT as its layout predicts: " + "; ".join(report["communication"])),
               flush=True)
         if report["abnormal"]:

@@ -10,13 +10,13 @@ must equal the recorded one:
   the side's layout): the pipeline's sends and receives, ring attention's exchanges, the experts'
   all-to-alls, and the scalar sums that close the step (the loss's broadcast and average, the
   gradient norm's sums: float64 whatever the run's dtype);
-- the gradient sync's own list (:meth:`mpirt.parallel.engine.Engine.sync_calls`): DataParallel's
-  buckets, ZeRO-1's gradient average, ZeRO-1/2's parameter gather, the pipeline's tied-embedding
-  gradient sum.
+- what the engine's parts list themselves (:meth:`mpirt.parallel.engine.Engine.step_calls`):
+  tp's calls inside the modules and the sum of sequence parallelism's partial gradients,
+  DataParallel's buckets, ZeRO-1's gradient average, ZeRO-1/2's parameter gather, the pipeline's
+  tied-embedding gradient sum.
 
 Calls whose number the layout alone does not fix are held to their dtype only (:func:`dtype_only`):
-tp's collectives inside ops, ZeRO-2's streamed reduce-scatters, ZeRO-3's gathers and
-reduce-scatters. The experts' row exchanges carry what routing sends, which the proof prices at
+ZeRO-2's streamed reduce-scatters, ZeRO-3's gathers and reduce-scatters. The experts' row exchanges carry what routing sends, which the proof prices at
 balanced routing: their count and dtype are compared, not their bytes. Not compared: peers (the
 registry records none) and the order of the calls (the proof's simulation checks its programs'
 order).
@@ -28,7 +28,6 @@ from collections import Counter
 import numpy as np
 
 from mpirt.comm import stats
-from mpirt.core.precision import is_half
 from mpirt.parallel.preflight import StepPrograms
 
 KIND = {"isend": "send", "irecv": "recv", "iallreduce": "allreduce", "iallgather": "allgather"}  # one kind a call
@@ -42,12 +41,10 @@ def recorded(cursor: int) -> list[tuple]:
 
 
 def dtype_only(layout, dtype: str) -> dict[tuple, set]:
-    """``(axis, kind) -> the dtypes the layout names there`` for the calls held to their dtype only
-    (``kind`` None: every kind on the axis): tp's (the run's activations, the vocabulary-parallel
-    loss's sums, float32 under half precision, the norm's float64 sum), and ZeRO-2's streamed and
-    ZeRO-3's gradient reduce-scatters and parameter gathers (the run's dtype)."""
+    """``(axis, kind) -> the dtypes the layout names there`` for the calls held to their dtype only:
+    ZeRO-2's streamed and ZeRO-3's gradient reduce-scatters and parameter gathers (the run's dtype)."""
     run = np.dtype(dtype).name
-    loose = {("tp", None): {run, "float32" if is_half(dtype) else run, "float64"}}
+    loose = {}
     dense, edp = ("dp_cp" if layout.cp > 1 else "dp"), ("edp" if layout.ep > 1 else "dp")
     if layout.zero == 2:
         loose.update({(dense, "reduce_scatter"): {run}, (edp, "reduce_scatter"): {run}})
@@ -68,7 +65,7 @@ def predicted(layout, model_cfg, seq_len: int, dtype: str, rank: int, engine) ->
             want += [(axis, "send", n, op.dtype) for _, n in op.sends] + [(axis, "recv", n, op.dtype) for _, n in op.recvs]
         elif op.what != "wait":
             want.append((axis, KIND.get(op.what, op.what), op.nbytes, op.dtype))
-    return want + engine.sync_calls()
+    return want + engine.step_calls(layout)
 
 
 def differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: int, engine) -> list[str]:
@@ -79,7 +76,7 @@ def differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: 
     loose = dtype_only(layout, dtype)
 
     def named(axis, kind):
-        return loose.get((axis, None), loose.get((axis, kind)))
+        return loose.get((axis, kind))
 
     def tally(calls):
         return Counter((a, k, ANY_BYTES if a == "ep" and k == "alltoall" and t != "int64" else n, t)

@@ -3,6 +3,8 @@ embeddings) and the fused Functions with weights they run on. A model's MLP and 
 tensor parallel through its plan (:func:`mpirt.parallel.tensor.parallelize`), which swaps these in."""
 from __future__ import annotations
 
+import numpy as np
+
 import mpirt.core.backend as B
 from mpirt.core import ops
 from mpirt.core.nn import Module, ShardSpec
@@ -99,6 +101,27 @@ class VocabEmbedding(Function):
 # =============================================================================================
 # parallel modules
 # =============================================================================================
+def _reduced_output_calls(comm, sequence_parallel: bool, elements: int, dtype) -> tuple[list, list]:
+    """The tp calls of an output summed over tp (``elements`` of it over whole sequences): a
+    reduce-scatter forward and an allgather of its gradient backward (SP), else one allreduce."""
+    if comm.size == 1:
+        return [], []
+    one = elements * dtype.itemsize, dtype.name
+    return ([("reduce_scatter", *one)], [("allgather", *one)]) if sequence_parallel else ([("allreduce", *one)], [])
+
+
+def linear_input_calls(comm, sequence_parallel: bool, regather: bool, elements: int, dtype) -> tuple[list, list]:
+    """The tp calls of a column-parallel product's input (``elements`` of it over whole sequences,
+    in ``dtype``): gathered forward and its gradient reduce-scattered backward, gathered again for
+    the weight gradient with ``regather`` (SP); else its gradient allreduced (``f``)."""
+    if comm.size == 1:
+        return [], []
+    one = elements * np.dtype(dtype).itemsize, np.dtype(dtype).name
+    if sequence_parallel:
+        return [("allgather", *one)], [("reduce_scatter", *one)] + [("allgather", *one)] * regather
+    return [], [("allreduce", *one)]
+
+
 class ColumnParallelLinear(Module):
     """``y = x @ weight + bias`` with the output features split over tp: weight (in, out) held as
     (in, out/t), ``ShardSpec((None, "tp"), blocks=(1, blocks))``; bias (out/t,).
@@ -117,6 +140,17 @@ class ColumnParallelLinear(Module):
                                    std=std, dtype=dtype)
         self.bias = _local_param((out_features,), ShardSpec((AXIS,), (blocks,)), comm, init="zeros",
                                  dtype=dtype) if bias else None
+
+    def tp_calls(self, tokens: int) -> tuple[list, list]:
+        """``(kind, bytes, dtype)`` of the tp calls of one forward and one backward over ``tokens``
+        tokens (the whole sequences of a micro-batch): as :func:`linear_input_calls`, and the
+        output gathered with ``gather_output``."""
+        n_in, n_out = self.weight.global_shape   # (ZeRO-3 empties the local weight outside its unit)
+        forward, backward = linear_input_calls(self.comm, self.sequence_parallel, self.regather, tokens * n_in,
+                                               self.weight.dtype)
+        if self.gather_output and self.comm.size > 1:
+            forward = forward + [("allgather", tokens * n_out * self.weight.dtype.itemsize, self.weight.dtype.name)]
+        return forward, backward
 
     def forward(self, x):
         if self.sequence_parallel:
@@ -145,6 +179,12 @@ class RowParallelLinear(Module):
         if self.bias is not None:  # added to the sequence chunk: its gradient is partial under SP
             self.bias.tp_partial_grad = sequence_parallel
 
+    def tp_calls(self, tokens: int) -> tuple[list, list]:
+        """``(kind, bytes, dtype)`` of the tp calls of one forward and one backward over ``tokens``
+        tokens: the partial outputs reduce-scattered (SP; the gradient gathered back) or allreduced."""
+        return _reduced_output_calls(self.comm, self.sequence_parallel, tokens * self.weight.global_shape[1],
+                                     self.weight.dtype)
+
     def forward(self, x):
         y = ops.linear(x, self.weight)                                     # partial sum over tp
         y = reduce_scatter_seq(y, self.comm, 1) if self.sequence_parallel else reduce_from_tp(y, self.comm)
@@ -166,6 +206,12 @@ class VocabParallelEmbedding(Module):
         self.vocab_start = comm.rank * self.rows
         self.weight = _local_param((self.padded_vocab_size, dim), ShardSpec((AXIS, None)), comm, std=std,
                                    dtype=dtype, cls=PaddedParameter, logical_shape=(num_embeddings, dim))
+
+    def tp_calls(self, tokens: int) -> tuple[list, list]:
+        """``(kind, bytes, dtype)`` of the tp calls of one forward and one backward over ``tokens``
+        tokens: the partial lookups reduce-scattered (SP; the gradient gathered back) or allreduced."""
+        return _reduced_output_calls(self.comm, self.sequence_parallel, tokens * self.weight.global_shape[1],
+                                     self.weight.dtype)
 
     def forward(self, ids):
         ids = ids.data if isinstance(ids, Tensor) else ids

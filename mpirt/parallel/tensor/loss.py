@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import mpirt.core.backend as B
 from mpirt.core import ops
 from mpirt.core.ops.fused import check_targets, reduce_nll
-from mpirt.core.precision import float32_compute
+from mpirt.core.precision import compute_dtype, float32_compute
 from mpirt.core.tensor import Function, Tensor
 
 from .mappings import copy_to_tp
-from .layers import SeqParallelLinear
+from .layers import SeqParallelLinear, linear_input_calls
 
 
 @float32_compute(keep_output=True)
@@ -96,6 +98,12 @@ class VocabParallelHead:
     def __init__(self, comm, sequence_parallel=False, regather=True):
         self.comm, self.sequence_parallel, self.regather = comm, sequence_parallel, regather
 
+    def tp_calls(self, tokens: int, width: int, dtype) -> tuple[list, list]:
+        """``(kind, bytes, dtype)`` of the tp calls of one forward and one backward over ``tokens``
+        tokens of ``width`` features in ``dtype``: a column-parallel product's input
+        (:func:`~mpirt.parallel.tensor.layers.linear_input_calls`)."""
+        return linear_input_calls(self.comm, self.sequence_parallel, self.regather, tokens * width, dtype)
+
     def __call__(self, x, weight):
         wt = ops.transpose(weight, (1, 0))                                 # (C, V'/t)
         if self.sequence_parallel:
@@ -111,6 +119,15 @@ class VocabParallelLoss:
 
     def __init__(self, comm, vocab_size: int, ignore_index: int = -100):
         self.comm, self.vocab_size, self.ignore_index = comm, vocab_size, ignore_index
+
+    def tp_calls(self, tokens: int, dtype) -> tuple[list, list]:
+        """``(kind, bytes, dtype)`` of the tp calls of one forward and one backward over ``tokens``
+        tokens of logits in ``dtype``: the row max, then the row sums with the target logits
+        (float32 for half logits); nothing backward."""
+        if self.comm.size == 1:
+            return [], []
+        rows = np.dtype(compute_dtype(dtype))
+        return [("allreduce", tokens * rows.itemsize, rows.name), ("allreduce", 2 * tokens * rows.itemsize, rows.name)], []
 
     def __call__(self, logits, targets):
         t = targets.data if isinstance(targets, Tensor) else B.xp.asarray(targets)
