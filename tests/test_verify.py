@@ -100,7 +100,7 @@ def test_two_rank_layouts_equal_one_rank(pair, group, tmp_path_factory):
     """dp2 ZeRO-2 and tp2 + SP side by side, then pp2 (1f1b) and cp2, then pp2 under the interleaved
     and zero-bubble schedules (each group of 2 ranks takes one)."""
     cases = [[["--dp", "2", "--zero", "2"], ["--tp", "2", "--sequence-parallel"]],
-             [["--pp", "2", "--layers", "2"], ["--cp", "2"]],
+             [["--pp", "2", "--layers", "2"], ["--cp", "2", "--layers", "2"]],  # two blocks: two rings a pass
              [["--pp", "2", "--schedule", "interleaved"], ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"]]
              ][pair]
     flags = _by_group(cases, 2)
@@ -112,7 +112,7 @@ def test_two_rank_layouts_equal_one_rank(pair, group, tmp_path_factory):
 def test_experts_over_ep_equal_one_rank(group, tmp_path_factory):
     """dp2 x ep2 of mixtral-tiny: routing (tokens per expert) and the experts' weights compared."""
     report = _verify(group, 2, ["--model", "mixtral-tiny", "--model.n_embd", "32", "--progress", "false",
-                                "--dp", "2", "--ep", "2", "--zero", "1"], tmp_path_factory)
+                                "--dp", "2", "--ep", "2", "--zero", "1", "--layers", "2"], tmp_path_factory)
     agree(report is None or report["equal"] and all(s["routing_equal"] for s in report["steps"]),
           report and (report["verdict"], report["steps"]))
 

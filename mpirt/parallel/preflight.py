@@ -85,12 +85,13 @@ class StepPrograms:
     proof's grid), for ``model_cfg`` at ``seq_len`` in ``dtype`` (the run's, a name: ring
     attention's keys and values travel in float32 in half precision): :meth:`program` makes one
     rank's, from what every rank shares (made once here); :meth:`sums` the scalar sums that close
-    its step."""
+    its step. The proof takes a chunk's blocks as one unit (its programs stay short at any depth);
+    ``blocks_apart`` makes each block its own, as the runtime runs them (what a step records)."""
 
-    def __init__(self, layout, model_cfg, seq_len: int, dtype: str):
+    def __init__(self, layout, model_cfg, seq_len: int, dtype: str, blocks_apart: bool = False):
         from mpirt.core.modeling import layer_costs
 
-        self.layout, self.dtype = layout, np.dtype(dtype).name
+        self.layout, self.dtype, self.blocks_apart = layout, np.dtype(dtype).name, blocks_apart
         self.itemsize = itemsize = np.dtype(dtype).itemsize
         self.ring_dtype = "float32" if is_half(dtype) else self.dtype
         self.costs = layer_costs(model_cfg, seq_len)
@@ -108,17 +109,18 @@ class StepPrograms:
         lay, c = self.layout, {**pos, **moved}
         return grid_rank((c["dp"], c["pp"], c["cp"], c["tp"]), lay.dp, lay.pp, lay.tp, lay.cp)
 
-    def units(self, chunk: int, p: int) -> list[tuple[str, int, bool]]:
-        """(name, parameter bytes, whether it is blocks) of the units of chunk ``chunk`` on pp
-        rank ``p``, in forward order (a chunk's blocks as one)."""
+    def units(self, chunk: int, p: int) -> list[tuple[str, int, range]]:
+        """(name, parameter bytes, the blocks it holds) of the units of chunk ``chunk`` on pp rank
+        ``p``, in forward order (a chunk's blocks as one, or each its own with ``blocks_apart``)."""
         lay, costs = self.layout, self.costs
         s = chunk * lay.pp + p
         lo, hi = lay.bounds[s]
-        out = [("embed", costs[0].params, False)] if s == 0 else []
+        out = [("embed", costs[0].params, range(0))] if s == 0 else []
         if hi > lo:
-            out.append((f"h.{lo}-{hi - 1}", sum(costs[1 + i].params for i in range(lo, hi)), True))
+            groups = [range(i, i + 1) for i in range(lo, hi)] if self.blocks_apart else [range(lo, hi)]
+            out += [(f"h.{g[0]}-{g[-1]}", sum(costs[1 + i].params for i in g), g) for g in groups]
         if s == lay.stages - 1:
-            out.append(("head", costs[-1].params, False))
+            out.append(("head", costs[-1].params, range(0)))
         return [(name, int(n // lay.tp * self.itemsize), blocks) for name, n, blocks in out]
 
     def exchanges(self, label: str, backward: bool) -> list[Op]:
@@ -164,12 +166,11 @@ class StepPrograms:
                               label=f"{a.op} mb {a.mb}", dtype=self.dtype))
                 continue
             mine = self.units(a.chunk, pos["pp"])
-            lo, hi = lay.bounds[a.chunk * pp + pos["pp"]]
-            rerun = lay.zero == 3 or any(i in recomputed for i in range(lo, hi))
             order = list(range(len(mine))) if a.op == FORWARD else list(reversed(range(len(mine))))
             for k, j in enumerate(order):            # a chunk's units prefetch their neighbours in it
                 unit = mine[j]
                 name, _, blocks = unit
+                rerun = lay.zero == 3 or any(i in recomputed for i in blocks)
                 label = f"{tag} {name}"
                 if lay.zero == 3 and a.op != WEIGHT:
                     gathers.gather(unit, mine[order[k + 1]] if k + 1 < len(order) else None, label)

@@ -56,7 +56,7 @@ def dtype_only(layout, dtype: str) -> dict[tuple, set]:
 def predicted(layout, model_cfg, seq_len: int, dtype: str, rank: int, engine) -> list[tuple]:
     """``(axis, kind, bytes, dtype)`` of every call rank ``rank`` of ``layout`` makes in a step as
     its proof's program and sums and its ``engine``'s gradient sync list them."""
-    program = StepPrograms(layout, model_cfg, seq_len, dtype)
+    program = StepPrograms(layout, model_cfg, seq_len, dtype, blocks_apart=True)
     dense = "dp_cp" if layout.cp > 1 else "dp"   # the grid's name for dp x cp
     want = []
     for op in program.program(rank) + program.sums(rank):

@@ -54,9 +54,11 @@ def render(name: str, *flags, train=()) -> Path:
     return path
 
 
-def submit(script, *args, sbatch=(), env=None, fault: str | None = None) -> str:
-    """Submit ``script``; ``fault`` is an MPIRT_FAULT value the job's ranks inherit."""
-    env = dict(os.environ, MPIRT_SITE_ENV=str(env or WORK / "site.env"), **({"MPIRT_FAULT": fault} if fault else {}))
+def submit(script, *args, sbatch=(), env=None, fault: str | None = None, inject: str | None = None) -> str:
+    """Submit ``script``; ``fault`` is an MPIRT_FAULT value the job's ranks inherit, ``inject`` a
+    test-only MPIRT_VERIFY_INJECT bug."""
+    env = dict(os.environ, MPIRT_SITE_ENV=str(env or WORK / "site.env"), **({"MPIRT_FAULT": fault} if fault else {}),
+               **({"MPIRT_VERIFY_INJECT": inject} if inject else {}))
     out = run("sbatch", "--parsable", f"--output={WORK}/%x-%j.out", *sbatch, script, *args, cwd=WORK, env=env)
     return out.strip().split(";")[0]
 
@@ -158,6 +160,24 @@ def test_cpu_template_trains_on_a_world_of_two(data, site_env):
     assert latest_step(run_dir) == 6
     assert metric_steps(run_dir) == list(range(1, 7))
     report("cpu template, 2 tasks", world_size=summary["world_size"], steps=summary["steps"])
+
+
+def test_verify_job_passes_a_layout_and_fails_an_injected_bug(data, site_env):
+    """``python -m mpirt.slurm --verify``: a job of the check alone. tp 2 on the job's 2 ranks
+    against one rank: COMPLETED, exit 0; with a row-parallel backward missing its 1/tp (the
+    test-only MPIRT_VERIFY_INJECT): FAILED with verify's exit 1, the first step and tensor named."""
+    script = render("verify", "--verify", "--time", "00:05:00", train=["--data", str(data), *TINY, "--tp", "2"])
+    seconds = {}
+    for inject, state, code in ((None, "COMPLETED", 0), ("tp-row-scale", "FAILED", 1)):
+        start = time.time()
+        jid = submit(script, WORK / "runs" / f"verify{code}", inject=inject)
+        info = wait_done(jid)
+        seconds[state] = round(time.time() - start, 1)
+        text = output(jid, "verify")
+        assert info["JobState"] == state and info["ExitCode"] == f"{code}:0", shown(info, text)
+        assert f"verify: exit {code}" in text and ("DIFFERS: step 1: " in text) == bool(code), shown(info, text)
+        assert "mpirt.train" not in text, shown(info, text)
+    report("verify job, tp 2 against one rank", equal_s=seconds["COMPLETED"], injected_bug_s=seconds["FAILED"])
 
 
 def test_cancel_saves_then_requeue_resumes(data, site_env):
