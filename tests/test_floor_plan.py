@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # modules, the public entry points, are the top floor: ROOT_MODULES)
 FLOORS = [
     ("arrays and dtypes", ["mpirt.version", "mpirt.core.backend", "mpirt.core.precision"]),
-    ("CPU execution", ["mpirt.cpu"]),
+    ("CPU and GPU execution", ["mpirt.cpu", "mpirt.gpu"]),
     ("numerics, models, state on disk, communication, data",
      ["mpirt.core", "mpirt.models", "mpirt.checkpoint", "mpirt.comm", "mpirt.data"]),
     ("parallel layouts", ["mpirt.parallel"]),

@@ -20,7 +20,7 @@ import math
 
 import mpirt.core.backend as B
 from mpirt.cpu import kernels
-from mpirt.cpu.kernels import cuda
+from mpirt.gpu import cuda
 from mpirt.core.nn import zero_grads
 from mpirt.core.precision import compute_dtype, is_half, upcast
 from mpirt.cpu.threads import c_blocks, for_blocks, one_run

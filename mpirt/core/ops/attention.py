@@ -46,8 +46,8 @@ forward pairs with either backward, on small register-blocked GEMMs that also sk
 the diagonal; the forward's scores live in a workspace of a few rows. Every pair is computed
 alone, so its bits do not depend on the batch split, the heads a rank holds or the thread count.
 The NumPy form runs float64, dropout, and CuPy's other cases: on CuPy with bfloat16 or float16,
-no dropout and a head dimension in :data:`mpirt.cpu.kernels.cuda.HEAD_DIMS`, both passes are the flash
-attention of :mod:`mpirt.cpu.kernels.cuda` (tensor cores, float32 accumulation, the same ``lse``, kept in
+no dropout and a head dimension in :data:`mpirt.gpu.cuda.HEAD_DIMS`, both passes are the flash
+attention of :mod:`mpirt.gpu.cuda` (tensor cores, float32 accumulation, the same ``lse``, kept in
 float32; the backward's dQ gathered over key blocks in float32).
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt.cpu import kernels
-from mpirt.cpu.kernels import cuda
+from mpirt.gpu import cuda
 from mpirt.core.precision import float32_compute
 from mpirt.core.ops.dropout import _check_p, dropout_mask
 from mpirt.core.tensor import Function
@@ -378,6 +378,7 @@ class CausalSelfAttentionOp(Function):
         mask = keep_scale = None
         if dropout_p > 0:
             mask, keep_scale = dropout_mask((b, n_head, t, t), dropout_p, seed), 1.0 / (1.0 - dropout_p)
+        self.on_gpu = self.runs_half(qkv, n_head, dropout_p, seed, n_kv_head)  # the block runs flash attention
         out, lse = block_forward(qkv, n_head, n_kv_head, mask=mask, keep_scale=keep_scale)
         # out is saved by reference (the next linear layer saves it too); ops never write into it
         self.qkv, self.lse, self.out, self.mask, self.keep_scale = qkv, lse, out, mask, keep_scale

@@ -15,7 +15,7 @@ import math
 
 import mpirt.core.backend as B
 from mpirt.cpu import kernels
-from mpirt.cpu.kernels import cuda
+from mpirt.gpu import cuda
 from mpirt.core.precision import compute_dtype, float32_compute, upcast
 from mpirt.core.tensor import Function, SparseGrad, Tensor, is_grad_enabled
 from mpirt.cpu.threads import LIGHT_BLOCK, add_up, c_blocks, for_blocks
