@@ -21,6 +21,16 @@ def world_comm() -> "Comm":
     return Comm(MPI.COMM_WORLD, axis="world")
 
 
+def first_error(message: str | None) -> tuple[int, str] | None:
+    """Collective over the world: ``(rank, message)`` of the lowest rank that passed a message
+    (an error found before training), or None when no rank did. Every rank must call it, so a
+    start-up error on some ranks stops all of them instead of leaving the others waiting."""
+    # a few short strings: the pickle path is fine; through world_comm, so the watchdog (when
+    # started) names a rank that never arrives
+    messages = world_comm().allgather_object(message)
+    return next(((rank, m) for rank, m in enumerate(messages) if m is not None), None)
+
+
 class Comm(PointToPoint):
     """One MPI communicator for arrays: ``Comm(mpi_comm, axis="world")``.
 
