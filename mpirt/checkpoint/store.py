@@ -33,7 +33,7 @@ version 3) has each rank write its own boxes into ``rank-NNNNN.safetensors``.
 shards that hold it, so every version (1-3) loads into any layout.
 
 ``python -m mpirt.checkpoint info DIR`` describes a checkpoint and ``python -m mpirt.checkpoint
-export DIR OUT`` writes a Hugging Face directory (:mod:`mpirt.checkpoint.cli`).
+export DIR OUT`` writes a Hugging Face directory (:mod:`mpirt.checkpoint.__main__`).
 """
 from __future__ import annotations
 
