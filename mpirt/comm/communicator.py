@@ -1,5 +1,8 @@
 """The communicator: :class:`Comm` (collectives, point-to-point, small objects, splits) and
-:func:`world_comm`."""
+:func:`world_comm`.
+
+Over 400 lines: every collective of Comm, each short, around one shared call-tracking path.
+"""
 from __future__ import annotations
 
 import numpy as np

@@ -49,6 +49,8 @@ The NumPy form runs float64, dropout, and CuPy's other cases: on CuPy with bfloa
 no dropout and a head dimension in :data:`mpirt.gpu.cuda.HEAD_DIMS`, both passes are the flash
 attention of :mod:`mpirt.gpu.cuda` (tensor cores, float32 accumulation, the same ``lse``, kept in
 float32; the backward's dQ gathered over key blocks in float32).
+
+Over 400 lines: the attention block's two passes in their three forms (flash, C, xp), read together.
 """
 from __future__ import annotations
 
