@@ -10,7 +10,7 @@
 #   optim      AdamW (float64/32, bf16 and fp16 with float32 masters) and the global norm vs float64
 #   gpt        a full GPT step (forward, backward, clip, AdamW) on CuPy vs NumPy float64
 #   matmul     bf16 and fp16 8192^3 and 8192x2048x8192 products: mpirt vs torch.matmul, TFLOP/s
-#   attention  the CUDA flash attention (mpirt/cpu/kernels/cuda_kernels.cu) forward + backward at the
+#   attention  the CUDA flash attention (mpirt/gpu/cuda_kernels.cu) forward + backward at the
 #              training shapes and at odd lengths, against torch's scaled_dot_product_attention and
 #              mpirt's float32 xp form: errors, then times
 #   allreduce  mpirt.comm at 1 rank through each engine (nccl, staged, cuda-aware if the MPI has

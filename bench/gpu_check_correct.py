@@ -26,7 +26,7 @@ TOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 def all_cases(big: bool) -> dict:
     """name -> (op name in ops.__all__, function of Tensors, input arrays, finite-difference check)."""
     from mpirt.core import ops
-    from mpirt.core.ops.attention import rotary_tables
+    from mpirt.core.ops.rotary import rotary_tables
 
     def rot(qkv, t, d):
         return ops.rotary_embedding(qkv, *rotary_tables(t, d, 10.0, B.xp.dtype(qkv.dtype)))

@@ -330,7 +330,7 @@ def part_train(args) -> None:
 
 # --- attention -------------------------------------------------------------------------------------------
 def part_attention(args) -> None:
-    """The CUDA flash attention (mpirt.cpu.kernels.cuda) at the training shapes, forward and backward,
+    """The CUDA flash attention (mpirt.gpu.cuda) at the training shapes, forward and backward,
     against PyTorch's ``scaled_dot_product_attention`` (is_causal) on the same bf16/fp16 inputs and
     against mpirt's own xp form in float32 (the fallback it replaces); then the times of each."""
     import torch

@@ -12,5 +12,6 @@ from mpirt.models.gpt import GPT
 from mpirt.models.llama import Llama, LlamaConfig
 from mpirt.models.mlp import MLP
 from mpirt.models.moe import MoEConfig, Mixtral
+from mpirt.models import presets  # noqa: F401,E402  (registers the model-config loader: presets, TOML, HF dirs)
 
 __all__ = ["GPT", "MLP", "Llama", "Mixtral", "GPTConfig", "LlamaConfig", "MoEConfig"]

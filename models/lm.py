@@ -13,7 +13,7 @@ import mpirt.core.backend as B
 from mpirt.core import ops
 from mpirt.core.modeling import CausalLM, LayerCost, as_index_array, seed_dropouts
 from mpirt.core.nn import Dropout, Linear, Module, ShardSpec
-from mpirt.core.ops.attention import rotary_tables
+from mpirt.core.ops.rotary import rotary_tables
 
 
 def kv_heads(cfg) -> int:

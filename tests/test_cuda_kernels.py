@@ -1,4 +1,4 @@
-"""The CUDA kernels' CPU-side parts (mpirt/cpu/kernels/cuda.py, cuda_kernels.cu): the source compiles for
+"""The CUDA kernels' CPU-side parts (mpirt/gpu/cuda.py, cuda_kernels.cu): the source compiles for
 every element type and head dimension through NVRTC, as CuPy compiles it on a GPU (the NVRTC wheel
 of the dev extra; no GPU is needed to compile), with no register spills in the attention; the
 launch shapes, the selection logic and the fallbacks. The kernels' numbers are checked on a GPU by
@@ -14,7 +14,7 @@ import pytest
 
 import mpirt.core.backend as B
 from mpirt.core import ops
-from mpirt.cpu.kernels import cuda
+from mpirt.gpu import cuda
 from mpirt.core.precision import float32_compute
 from mpirt.core.tensor import Function, Tensor
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import mpirt
 from mpirt.cpu import kernels
 from mpirt.core import ops
-from mpirt.core.ops.attention import rotary_tables
+from mpirt.core.ops.rotary import rotary_tables
 from mpirt.core.ops.fused import scatter_add_rows
 from mpirt.core.tensor import Tensor, no_grad
 from mpirt.core.testing import gradcheck, normal, op_cases

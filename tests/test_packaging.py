@@ -60,7 +60,7 @@ def test_wheel_holds_mpirt_models_and_presets_and_no_top_level_models(tmp_path):
     assert {"tiny.toml", "gpt2.toml", "mlp.toml", "llama-tiny.toml"} <= presets
     assert {"mpirt/models/__init__.py", "mpirt/models/gpt.py", "mpirt/models/llama.py", "mpirt/core/modeling.py",
             "mpirt/cpu/kernels/kernels.c", "mpirt/cpu/kernels/kernels_body.h",  # the C and CUDA kernels' sources,
-            "mpirt/cpu/kernels/cuda_kernels.cu", "mpirt/cpu/kernels/fma_peak.c"} <= set(names)  # the FMA loop's
+            "mpirt/gpu/cuda_kernels.cu", "mpirt/cpu/kernels/fma_peak.c"} <= set(names)  # the FMA loop's
     assert not [n for n in names if n.split("/")[0] in ("models", "models.py")]
 
 

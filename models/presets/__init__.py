@@ -116,3 +116,6 @@ def _read_hf(path: Path) -> dict:
               for k, v in data.items() if k in _FIELDS}
     check_model_values(values, where=where)
     return values
+
+
+modeling.register_config_loader(load_model_config)

@@ -33,7 +33,9 @@ version 3) has each rank write its own boxes into ``rank-NNNNN.safetensors``.
 shards that hold it, so every version (1-3) loads into any layout.
 
 ``python -m mpirt.checkpoint info DIR`` describes a checkpoint and ``python -m mpirt.checkpoint
-export DIR OUT`` writes a Hugging Face directory (:mod:`mpirt.checkpoint.cli`).
+export DIR OUT`` writes a Hugging Face directory (:mod:`mpirt.checkpoint.__main__`).
+
+Over 400 lines: the on-disk format, its atomic commit and its verification are one contract, read side by side.
 """
 from __future__ import annotations
 

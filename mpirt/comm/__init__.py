@@ -45,10 +45,10 @@ point-to-point calls), :mod:`~mpirt.comm.flight` (in-flight slots and the ring o
 no mpi4py) and :mod:`~mpirt.comm.watchdog` (the watchdog thread, leaving the job).
 """
 from mpirt.comm.buffers import chunk_bounds
-from mpirt.comm.communicator import Comm, world_comm
+from mpirt.comm.communicator import Comm, first_error, world_comm
 from mpirt.comm.engines import ENGINES, cuda_aware_mpi, describe_engines, nccl_available, select_engine
 from mpirt.comm.handles import Handle, test_all, wait_all
-from mpirt.comm.job import (ANY_SOURCE, ANY_TAG, PROC_NULL, CommError, World, first_error, install_abort_on_error,
+from mpirt.comm.job import (ANY_SOURCE, ANY_TAG, PROC_NULL, CommError, World, install_abort_on_error,
                             library_version, world)
 from mpirt.comm.registry import CommRecord, CommStats, stats
 from mpirt.comm.watchdog import EXIT_TIMEOUT, Watchdog, exit_together, start_watchdog

@@ -7,7 +7,6 @@ import ctypes
 import functools
 import os
 import warnings
-from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
@@ -16,9 +15,6 @@ import mpirt.core.backend as B
 from mpirt.comm.buffers import _contig, _divide, _mpi_op, chunk_bounds
 from mpirt.core.precision import compute_dtype
 from mpirt.cpu.sysinfo import mapped_libraries
-
-if TYPE_CHECKING:
-    from mpirt.comm.communicator import Comm
 
 ENGINES = ("host", "nccl", "cuda-aware", "staged")
 
@@ -89,7 +85,7 @@ class _NcclEngine:
     so the unequal :func:`chunk_bounds` chunks are padded to ``ceil(n / size)`` and compacted.
     """
 
-    def __init__(self, comm: Comm):
+    def __init__(self, comm):
         import cupy
         from cupy.cuda import nccl
         self.cp, self.nccl, self.size, self.rank = cupy, nccl, comm.size, comm.rank

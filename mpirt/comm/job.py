@@ -77,14 +77,3 @@ def abort_job(code: int) -> None:
     sys.stderr.flush()
     time.sleep(ABORT_DRAIN_S)
     MPI.COMM_WORLD.Abort(code)
-
-
-def first_error(message: str | None) -> tuple[int, str] | None:
-    """Collective over the world: ``(rank, message)`` of the lowest rank that passed a message
-    (an error found before training), or None when no rank did. Every rank must call it, so a
-    start-up error on some ranks stops all of them instead of leaving the others waiting."""
-    from mpirt.comm.communicator import world_comm  # (core imports this module)
-    # a few short strings: the pickle path is fine; through world_comm, so the watchdog (when
-    # started) names a rank that never arrives
-    messages = world_comm().allgather_object(message)
-    return next(((rank, m) for rank, m in enumerate(messages) if m is not None), None)

@@ -168,8 +168,7 @@ def register(cls: type) -> type:
 
 
 def _registry() -> dict[str, type]:
-    if not MODELS:
-        import mpirt.models  # noqa: F401  (the bundled models register themselves)
+    """:data:`MODELS` (the bundled models register when :mod:`mpirt` is imported: mpirt/__init__.py)."""
     return MODELS
 
 
@@ -322,11 +321,19 @@ class FullWeightsReader(BoxReader):
         return out
 
 
+_CONFIG_LOADERS: list = []   # the model-config loader the bundled presets register (register_config_loader)
+
+
+def register_config_loader(load) -> None:
+    """Make ``load(name_or_path, overrides)`` what :func:`load_model_config` calls
+    (:mod:`mpirt.models.presets` registers its own when imported)."""
+    _CONFIG_LOADERS[:] = [load]
+
+
 def load_model_config(name_or_path: str, overrides: dict | None = None):
     """A preset name, a model TOML file or a Hugging Face directory -> a checked config, with
     ``overrides`` (field -> value) applied last (see :mod:`mpirt.models.presets`)."""
-    from mpirt.models.presets import load_model_config as load
-    return load(name_or_path, overrides)
+    return _CONFIG_LOADERS[0](name_or_path, overrides)
 
 
 def model_label(model: str, source: str | None, model_type: str) -> str:

@@ -6,6 +6,8 @@ model allocates nothing; initialisation generates this rank's slice of the full 
 the name (chunk by chunk, never the whole tensor), so every parallel layout starts from identical
 weights.
 Checkpointing, clipping and ZeRO are written against this metadata, not per layer.
+
+Over 400 lines: the module system and its parameters (Module, Parameter, ShardSpec, the layers) are one contract that every other floor reads.
 """
 from __future__ import annotations
 

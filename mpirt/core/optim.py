@@ -12,6 +12,8 @@ and float32 state; the update runs on the master with the gradient converted to 
 ``grad_scale``, which undoes a loss scale), then the parameter is refreshed from the master
 (rounded to nearest even). ``with opt.full_parameters():`` shows the model its masters, so a
 checkpoint holds the float32 weights.
+
+Over 400 lines: the optimizers' update math and their float32 masters are one contract.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import math
 
 import mpirt.core.backend as B
 from mpirt.cpu import kernels
-from mpirt.cpu.kernels import cuda
+from mpirt.gpu import cuda
 from mpirt.core.nn import zero_grads
 from mpirt.core.precision import compute_dtype, is_half, upcast
 from mpirt.cpu.threads import c_blocks, for_blocks, one_run

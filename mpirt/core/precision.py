@@ -54,7 +54,7 @@ def float32_compute(cls=None, *, keep_output: bool = False):
     ones (per-row statistics) stay float32, and so does what a loss saves (``keep_output``:
     probabilities near 1 would round to 1). The backward passes see them in float32 again.
 
-    A class whose fused kernel takes half arrays itself (the CUDA kernels, :mod:`mpirt.cpu.kernels.cuda`)
+    A class whose fused kernel takes half arrays itself (the CUDA kernels, :mod:`mpirt.gpu.cuda`)
     defines ``runs_half(self, *args, **kwargs) -> bool``: where it says True, forward and backward
     get the half arrays untouched and keep half activations."""
     def wrap(cls):

@@ -85,7 +85,7 @@ def op_cases() -> dict:
     Tensors calling exactly that op, the input arrays). Integer arrays are constants; index
     constants are made on the active backend when the function runs."""
     from mpirt.core import ops
-    from mpirt.core.ops.attention import rotary_tables
+    from mpirt.core.ops.rotary import rotary_tables
 
     def rot(qkv, t, d):
         return ops.rotary_embedding(qkv, *rotary_tables(t, d, 10.0, B.xp.dtype(qkv.dtype)))

@@ -39,6 +39,8 @@ calling code is the same for every backend.
 
 The thread count defaults to ``MPIRT_NUM_THREADS``, else ``OPENBLAS_NUM_THREADS`` /
 ``OMP_NUM_THREADS``, else the usable cores divided by the MPI ranks on this node.
+
+Over 400 lines: the thread pools and the GEMM split are one scheduling policy (which work runs where).
 """
 from __future__ import annotations
 

@@ -18,6 +18,8 @@ checked instead, and an id out of range ends the run naming the file and the tok
 
 Batches are pure functions of (seed, step, dp_rank): every data-parallel layout sees the same
 global batch, and resuming at step k reproduces batch k. This module never imports mpi4py.
+
+Over 400 lines: the token file format, its checks and the sampler that reads it are one contract.
 """
 import argparse
 import fcntl

@@ -2,7 +2,10 @@
 which ties together what a training run measures: the honest MFU and GEMM floor
 (:mod:`mpirt.monitor.flops`), the per-step breakdown and stragglers (:mod:`mpirt.monitor.steps`), the
 Chrome trace (:mod:`mpirt.monitor.trace`), GPU sampling (:mod:`mpirt.monitor.gpu`) and TensorBoard scalars
-(when the ``tensorboard`` extra is installed)."""
+(when the ``tensorboard`` extra is installed).
+
+Over 400 lines: the live view's parts (progress, metrics, RunMonitor) share the step's records.
+"""
 from __future__ import annotations
 
 import json

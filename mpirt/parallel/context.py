@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -38,8 +37,7 @@ import numpy as np
 import mpirt.core.backend as B
 from mpirt.core.injected import injected
 from mpirt.core.nn import Module
-from mpirt.core.ops.attention import (_causal_bias, _fold, _heads, _layout, _merge_heads, _query_chunks, _row_max,
-                                       _row_sum)
+from mpirt.core.ops.attention import block_backward, block_forward, split_qkv
 from mpirt.core.ops.dropout import _check_p, as_mask_source, dropout_mask
 from mpirt.core.precision import float32_compute
 from mpirt.core.tensor import Function
@@ -133,13 +131,18 @@ def pair(q_chunk: int, k_chunk: int) -> str:
 
 
 def _merge(acc, o_b, lse_b):
-    """Merge a block's ``(o_b, lse_b)`` into the running ``acc = [o, lse]`` (None: the first)."""
+    """Merge a block's ``(o_b, lse_b)``, (B, L, C) and (B, H, L, 1), into the running ``acc = [o,
+    lse]`` (None: the first), in place on ``acc``'s output."""
     xp = B.xp
     if acc[0] is None:
         acc[0], acc[1] = o_b, lse_b
         return
+    b, n, c = o_b.shape
+    h = lse_b.shape[1]
     lse = xp.logaddexp(acc[1], lse_b)
-    acc[0] = acc[0] * xp.exp(acc[1] - lse) + o_b * xp.exp(lse_b - lse)
+    o = acc[0].reshape(b, n, h, c // h)                               # (B, L, H, D): lse's (B, H, L, 1) per head
+    o *= xp.exp(acc[1] - lse).transpose(0, 2, 1, 3)
+    o += o_b.reshape(o.shape) * xp.exp(lse_b - lse).transpose(0, 2, 1, 3)
     acc[1] = lse
 
 
@@ -147,37 +150,29 @@ def _merge(acc, o_b, lse_b):
 class RingAttention(Function):
     """Causal attention over a sequence split by :class:`ContextShard`: the local fused ``qkv``
     (B, T / cp, C + 2 Ck) -> (B, T / cp, C); the arguments as
-    :func:`mpirt.core.ops.attention.causal_self_attention`'s, plus ``shard``."""
+    :func:`mpirt.core.ops.attention.causal_self_attention`'s, plus ``shard``. Each (query chunk,
+    key chunk) pair is one :func:`~mpirt.core.ops.attention.block_forward`; this class is the ring
+    and the merge."""
 
     def forward(self, qkv, n_head, shard=None, dropout_p=0.0, seed=None, n_kv_head=None):
-        xp = B.xp
-        c, ck, d = _layout(qkv, n_head, n_kv_head)
-        b, t = qkv.shape[:2]
-        kv, g = ck // d, n_head // (ck // d)
-        self.shard, self.n_head, self.n_kv, self.c, self.ck = shard, n_head, kv, c, ck
-        self.scale, self.chunk_len = 1.0 / math.sqrt(d), t // 2
+        q, kv = split_qkv(qkv, n_head, n_kv_head)
+        self.shard, self.n_head, self.n_kv_head, self.chunk_len = shard, n_head, n_kv_head, qkv.shape[1] // 2
         self.source = None if dropout_p == 0 else as_mask_source(seed)
         self.keep_scale = 1.0 / (1.0 - dropout_p) if dropout_p else None
         self.p, self.masks = dropout_p, {}
-        q = _heads(qkv[..., :c], kv, g)                              # (B, Hk, G, T/cp, D)
-        qs = q * self.scale
         acc = [[None, None], [None, None]]                          # per local half: [o, lse]
 
         def blocks(kvb, step):
-            k, v = _heads(kvb[..., :ck], kv), _heads(kvb[..., ck:], kv)  # (B, Hk, 1, T/cp, D)
             for i, j, kind in self._pairs(step):
-                o_b, lse_b = self._block_forward(qs[..., self._rows(i), :], k[..., self._rows(j), :],
-                                                 v[..., self._rows(j), :], kind, self._mask(i, j, step, b))
+                o_b, lse_b = block_forward(q[:, self._rows(i)], n_head, n_kv_head, kv=kvb[:, self._rows(j)],
+                                           causal=kind == DIAGONAL, mask=self._mask(i, j, step, qkv.shape[0]),
+                                           keep_scale=self.keep_scale)
                 _merge(acc[i], o_b, lse_b)
 
-        self._ring(xp.ascontiguousarray(qkv[..., c:]), blocks)
-        out = xp.empty((b, t, c), dtype=qkv.dtype)
-        heads = _heads(out, kv, g)
-        for i in range(2):
-            heads[..., self._rows(i), :] = acc[i][0]
-        self.qkv, self.out = qkv, out
-        self.lse = xp.concatenate([acc[0][1], acc[1][1]], axis=-2)  # (B, Hk, G, T/cp, 1)
-        return out
+        self._ring(B.xp.ascontiguousarray(kv), blocks)
+        self.qkv, self.lse = qkv, (acc[0][1], acc[1][1])            # each half's (B, H, T/2cp, 1)
+        self.out = B.xp.concatenate([acc[0][0], acc[1][0]], axis=1)
+        return self.out
 
     # --- the blocks -------------------------------------------------------------------------------
     def _rows(self, which: int) -> slice:
@@ -196,8 +191,8 @@ class RingAttention(Function):
                     yield i, j, kind
 
     def _mask(self, i: int, j: int, step: int, b: int):
-        """The dropout keep-mask of the block (query half i, key half j) at ``step``, (B, Hk, G, L,
-        L) (None without dropout); drawn at the block's global places, kept for the backward."""
+        """The dropout keep-mask of the block (query half i, key half j) at ``step``, (B, H, L, L)
+        (None without dropout); drawn at the block's global places, kept for the backward."""
         if self.source is None:
             return None
         key = (i, j, step)
@@ -207,31 +202,8 @@ class RingAttention(Function):
             q0 = shard.chunks()[i] * n
             k0 = shard.chunks(shard.owner(step))[j] * n
             src = dataclasses.replace(self.source, spans=((2, total, ((q0, n),)), (3, total, ((k0, n),))))
-            mask = dropout_mask((b, self.n_head, n, n), self.p, src)
-            self.masks[key] = mask.reshape(b, self.n_kv, self.n_head // self.n_kv, n, n)
+            self.masks[key] = dropout_mask((b, self.n_head, n, n), self.p, src)
         return self.masks[key]
-
-    def _block_forward(self, qs, k, v, kind, mask):
-        """(o, lse) of scaled queries ``qs`` (B, Hk, G, L, D) against keys/values (B, Hk, 1, L, D),
-        :data:`~mpirt.core.ops.attention.QUERY_CHUNK` queries at a time (a chunk's scores are the
-        transient: a diagonal block's chunk stops at its last query's key)."""
-        xp = B.xp
-        o = xp.empty(qs.shape, dtype=qs.dtype)
-        lse = xp.empty((*qs.shape[:-1], 1), dtype=qs.dtype)
-        n = qs.shape[-2]
-        for q0, q1 in _chunks(n):
-            keys = q1 if kind == DIAGONAL else n
-            s = xp.matmul(qs[..., q0:q1, :], k[..., :keys, :].swapaxes(-1, -2))  # (B, Hk, G, q1 - q0, keys)
-            if kind == DIAGONAL:
-                s += _causal_bias(n, s.dtype)[q0:q1, :keys]
-            m = _row_max(s)
-            s -= m
-            xp.exp(s, out=s)
-            total = _row_sum(s)
-            xp.matmul(s if mask is None else s * mask[..., q0:q1, :keys], v[..., :keys, :], out=o[..., q0:q1, :])
-            o[..., q0:q1, :] /= total if self.keep_scale is None else total / self.keep_scale
-            xp.add(m, xp.log(total), out=lse[..., q0:q1, :])
-        return o, lse
 
     def _ring(self, kvb, blocks):
         """Call ``blocks(kv, step)`` for each of the cp ranks' keys and values in turn, the next
@@ -256,29 +228,21 @@ class RingAttention(Function):
     # --- backward -------------------------------------------------------------------------------
     def backward(self, g):
         xp = B.xp
-        c, ck, kv, h = self.c, self.ck, self.n_kv, self.n_head
-        grp = h // kv
-        b, t = g.shape[:2]
-        q = _heads(self.qkv[..., :c], kv, grp)
-        go = _heads(g, kv, grp)
-        # rowsum(dP * P) = dO . O per query (FlashAttention's identity; dropout included)
-        rowdot = xp.einsum("bthd,bthd->bht", g.reshape(b, t, h, -1), self.out.reshape(b, t, h, -1))
-        rowdot = rowdot.reshape(b, kv, grp, t, 1)
+        q, kv = split_qkv(self.qkv, self.n_head, self.n_kv_head)
         dq = xp.zeros(q.shape, dtype=q.dtype)
-        qs = q * self.scale
         shard = self.shard
         nxt, prv = shard.neighbours
-        kvb = xp.ascontiguousarray(self.qkv[..., c:])               # (B, T/cp, 2 Ck): travels with its gradient
+        kvb = xp.ascontiguousarray(kv)                              # (B, T/cp, 2 Ck): travels with its gradient
         dkv = [xp.zeros(kvb.shape, dtype=kvb.dtype)]                # the gradient of the keys and values held
 
         def blocks(kvb, step):
-            k, v = _heads(kvb[..., :ck], kv), _heads(kvb[..., ck:], kv)
-            dk, dv = _heads(dkv[0][..., :ck], kv), _heads(dkv[0][..., ck:], kv)
             for i, j, kind in self._pairs(step):
                 rq, rk = self._rows(i), self._rows(j)
-                self._block_backward(qs[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], go[..., rq, :],
-                                     self.lse[..., rq, :], rowdot[..., rq, :], kind, self._mask(i, j, step, b),
-                                     dq[..., rq, :], dk[..., rk, :], dv[..., rk, :])
+                dq_b, dkv_b = block_backward(q[:, rq], self.lse[i], self.out[:, rq], g[:, rq], self.n_head,
+                                             self.n_kv_head, kv=kvb[:, rk], causal=kind == DIAGONAL,
+                                             mask=self._mask(i, j, step, g.shape[0]), keep_scale=self.keep_scale)
+                dq[:, rq] += dq_b
+                dkv[0][:, rk] += dkv_b
             back = xp.empty_like(dkv[0])                            # the keys' gradient moves on with them
             with shard.comm.labelled(RingLabel(shard, "backward", step)):
                 moving = (shard.comm.isend(dkv[0], nxt, tag=_TAG_DKV), shard.comm.irecv(back, prv, tag=_TAG_DKV))
@@ -287,44 +251,7 @@ class RingAttention(Function):
             dkv[0] = back
 
         self._ring(kvb, blocks)                                     # after cp passes, this rank's own gradient
-        dkv = dkv[0]
-        dqkv = xp.empty(self.qkv.shape, dtype=self.qkv.dtype)
-        _merge_heads(dq.reshape(b, h, t, -1), dqkv[..., :c], self.scale)
-        dqkv[..., c:c + ck] = dkv[..., :ck] * self.scale           # dK = scale dS^T Q, summed around the ring
-        dqkv[..., c + ck:] = dkv[..., ck:]
-        return (dqkv,)
-
-    def _block_backward(self, qs, q, k, v, go, lse, rowdot, kind, mask, dq, dk, dv):
-        """Add one block's gradients into ``dq`` (B, Hk, G, L, D) and ``dk``, ``dv`` (B, Hk, 1, L, D)
-        views (dQ and dK without the scale, applied once at the end), a chunk of queries at a time
-        as the forward."""
-        xp = B.xp
-        n = qs.shape[-2]
-        for q0, q1 in _chunks(n):
-            keys = q1 if kind == DIAGONAL else n
-            rows = slice(q0, q1)
-            p = xp.matmul(qs[..., rows, :], k[..., :keys, :].swapaxes(-1, -2))  # the scores again
-            if kind == DIAGONAL:
-                p += _causal_bias(n, p.dtype)[q0:q1, :keys]
-            p -= lse[..., rows, :]
-            xp.exp(p, out=p)                                        # P = exp(S - lse)
-            kept = None if mask is None else mask[..., rows, :keys]
-            gj = go[..., rows, :] if mask is None else go[..., rows, :] * self.keep_scale
-            pd = p if mask is None else p * kept
-            dv[..., :keys, :] += xp.matmul(_fold(pd).swapaxes(-1, -2), _fold(gj))  # dV = P^T dO
-            ds = xp.matmul(gj, v[..., :keys, :].swapaxes(-1, -2))   # dP = dO V^T
-            if mask is not None:
-                ds *= kept
-            ds -= rowdot[..., rows, :]
-            ds *= p                                                 # dS = P (dP - rowdot)
-            dq[..., rows, :] += xp.matmul(ds, k[..., :keys, :])
-            dk[..., :keys, :] += xp.matmul(_fold(ds).swapaxes(-1, -2), _fold(q[..., rows, :]))
-
-
-def _chunks(n: int):
-    """``(q0, q1)`` bounds of the query chunks of a block of ``n`` queries."""
-    bounds = _query_chunks(n)
-    return zip(bounds, bounds[1:])
+        return (xp.concatenate([dq, dkv[0]], axis=-1),)
 
 
 def ring_attention(qkv, n_head, shard: ContextShard, dropout_p=0.0, seed=None, n_kv_head=None):

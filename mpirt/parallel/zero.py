@@ -45,6 +45,8 @@ Checkpoints are layout-independent: :meth:`state_dict` gathers the shards into A
 (full arrays per parameter), :meth:`load_state_dict` keeps this rank's shard of such a state, and
 ``with opt.full_parameters():`` shows the model its full weights for ``model.state_dict()`` /
 ``load_state_dict`` (stage 3). A checkpoint moves between AdamW and ZeRO at any stage and dp size.
+
+Over 400 lines: ZeRO 1-2's sharded optimizer and its gradient stream share the shard arithmetic (split pending issue 33 item 2, parameter groups).
 """
 from __future__ import annotations
 

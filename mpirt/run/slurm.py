@@ -33,6 +33,8 @@ What a rendered job does (the shell body, :data:`BODY`):
 - reads "finished" from ``RUN_DIR/summary.json`` (written by this attempt, every step done, exit
   code 0 recorded by rank 0), never from the launcher's exit code alone: ranks that all exit 0
   early (a library's ``exit(0)``) end the job with exit 1, saying so.
+
+Over 400 lines: one job writer whose validation and quoting rules must be read together (splitting it would separate a value's check from its use).
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from mpirt.core.injected import check_environment
 from mpirt.core.modeling import apply_overrides, config_from_dict, load_model_config
 from mpirt.run.config import ConfigError, TrainConfig, parse_args
 from mpirt.run.distributed import init_distributed
-from mpirt.run.train import comm_timeout, open_dataset, resolve_model, vocab_from_data
+from mpirt.run.prepare import comm_timeout, open_dataset, resolve_model, vocab_from_data
 from mpirt.verify.compare import TOLERANCES, abnormal_steps, build_report, compare_tensors, format_table
 from mpirt.verify.sides import check_axes, layout_config, resolve, run_side, short_shape
 

@@ -1,4 +1,11 @@
-"""Causal multi-head self-attention as one fused Function.
+"""Causal multi-head self-attention as one fused Function, and the attention block it is made of.
+
+**One block.** :func:`block_forward` attends a block of queries to a block of keys and values,
+causally (a diagonal block) or to every key, and returns the output and each query's log-sum-exp;
+:func:`block_backward` gives the block's gradients from the output gradient and the (merged)
+output and log-sum-exp. The kernel choice is inside: CUDA's flash attention or the whole C kernel
+where they take the arrays, else the chunked xp form below. The whole-sequence op is one causal
+block; ring attention (:mod:`mpirt.parallel.context`) runs the same blocks and merges them.
 
 The input is the fused ``c_attn`` output, ``qkv`` of shape (B, T, C + 2 Ck): ``q = qkv[..., :C]``,
 ``k = qkv[..., C:C + Ck]``, ``v = qkv[..., C + Ck:]``; head ``h`` owns columns ``h*D:(h+1)*D`` of
@@ -39,9 +46,11 @@ forward pairs with either backward, on small register-blocked GEMMs that also sk
 the diagonal; the forward's scores live in a workspace of a few rows. Every pair is computed
 alone, so its bits do not depend on the batch split, the heads a rank holds or the thread count.
 The NumPy form runs float64, dropout, and CuPy's other cases: on CuPy with bfloat16 or float16,
-no dropout and a head dimension in :data:`mpirt.cpu.kernels.cuda.HEAD_DIMS`, both passes are the flash
-attention of :mod:`mpirt.cpu.kernels.cuda` (tensor cores, float32 accumulation, the same ``lse``, kept in
+no dropout and a head dimension in :data:`mpirt.gpu.cuda.HEAD_DIMS`, both passes are the flash
+attention of :mod:`mpirt.gpu.cuda` (tensor cores, float32 accumulation, the same ``lse``, kept in
 float32; the backward's dQ gathered over key blocks in float32).
+
+Over 400 lines: the attention block's two passes in their three forms (flash, C, xp), read together.
 """
 from __future__ import annotations
 
@@ -52,7 +61,7 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt.cpu import kernels
-from mpirt.cpu.kernels import cuda
+from mpirt.gpu import cuda
 from mpirt.core.precision import float32_compute
 from mpirt.core.ops.dropout import _check_p, dropout_mask
 from mpirt.core.tensor import Function
@@ -171,148 +180,216 @@ def _over_pairs(name, arrays, pairs, *rest) -> None:
              block=-(-pairs // num_threads()))
 
 
+def split_qkv(qkv, n_head, n_kv_head=None):
+    """``(q, kv)`` views of a fused (B, T, C + 2 Ck) ``qkv``: the queries (B, T, C) and the keys
+    and values side by side (B, T, 2 Ck), as :func:`block_forward` takes them apart."""
+    c, _, _ = _layout(qkv, n_head, n_kv_head)
+    return qkv[..., :c], qkv[..., c:]
+
+
+def _widths(q, kv, n_head, n_kv_head, causal):
+    """``(C, Ck, D)`` of a block's inputs (:func:`block_forward`), checked."""
+    if kv is None:
+        return _layout(q, n_head, n_kv_head)
+    n_kv = n_head if n_kv_head is None else n_kv_head
+    d = q.shape[-1] // n_head if q.ndim == 3 and n_head > 0 else 0
+    if (not d or kv.ndim != 3 or q.shape[-1] != n_head * d or kv.shape[-1] != 2 * n_kv * d or n_head % n_kv
+            or kv.shape[0] != q.shape[0] or (causal and kv.shape[1] != q.shape[1])):
+        raise ValueError(f"attention block: queries {q.shape} (B, Tq, n_head D) and keys/values {kv.shape} "
+                         f"(B, Tk, 2 n_kv_head D) do not fit n_head={n_head}, n_kv_head={n_kv}"
+                         + (" with Tq = Tk (a causal block)" if causal else ""))
+    return n_head * d, n_kv * d, d
+
+
+def _flash(qkv, n_head, n_kv) -> bool:
+    """Whether CUDA's flash attention runs a whole causal block (no dropout, as many key/value
+    heads as query heads: its kernels read one of each per query head)."""
+    return n_kv == n_head and cuda.attention_takes(qkv, n_head)
+
+
+def block_forward(q, n_head, n_kv_head=None, *, kv=None, causal=True, mask=None, keep_scale=None):
+    """One attention block: queries against keys and values, ``(out, lse)``.
+
+    ``kv`` None: ``q`` is a fused (B, T, C + 2 Ck) qkv, queries against their own keys and values
+    (the whole-sequence op is this block); else ``q`` holds the queries (B, Tq, C) and ``kv`` the
+    keys and values (B, Tk, 2 Ck). ``causal``: query ``i`` sees keys ``<= i`` (Tq = Tk), else
+    every key. ``mask`` (B, H, Tq, Tk) bool keeps probabilities (dropout), scaled by
+    ``keep_scale``. Returns ``out`` (B, Tq, C) and ``lse`` (B, H, Tq, 1), each query's
+    log-sum-exp of its scaled scores (float32 on the flash kernel), what :func:`block_backward`
+    and a merge of blocks need. Runs CUDA's flash attention or the whole C kernel where they take
+    the arrays (a fused causal block without dropout), else the chunked xp form.
+    """
+    xp = B.xp
+    c, ck, d = _widths(q, kv, n_head, n_kv_head, causal)
+    b, tq = q.shape[:2]
+    n_kv, scale = ck // d, 1.0 / math.sqrt(d)
+    whole = kv is None and causal and mask is None
+    if whole and _flash(q, n_head, n_kv):                           # flash attention on tensor cores
+        return cuda.attention_forward(q, n_head)
+    lse = xp.empty((b, n_head, tq, 1), dtype=q.dtype)
+    out = xp.empty((b, tq, c), dtype=q.dtype)
+    if whole and _whole_in_c(q, lse, out):
+        _over_pairs("attention_forward", (q, lse, out), b * n_head, n_head, n_kv, tq, c, scale)
+        return out, lse
+    queries, kv = (q[..., :c], q[..., c:]) if kv is None else (q, kv)
+    forward = functools.partial(_forward_rows, n_head=n_head, n_kv=n_kv, causal=causal, scale=scale,
+                                keep_scale=keep_scale)
+    for_blocks(forward, lse, queries, kv, out, mask, blas=True, block=_rows_block(kv.shape[1]))
+    return out, lse
+
+
+def _keys(q0, q1, tk, causal):
+    """``(keys, offset)`` of query chunk ``[q0, q1)``: the keys it reads, ``[0, keys)``, and the
+    kernels' causal offset (query ``q0 + i`` sees keys ``<= offset + i``; ``tk``: all of them)."""
+    return (q1, q0) if causal else (tk, tk)
+
+
+def _forward_rows(lse, q, kv, out, mask, *, n_head, n_kv, causal, scale, keep_scale):
+    """The xp form of :func:`block_forward` on a few batch rows, chunk by chunk; arrays of heads
+    are (b, Hk, G, T, D) (:func:`_heads`), keys and values broadcast over a group's G query heads."""
+    xp, (b, tq, c), g, tk = B.xp, out.shape, n_head // n_kv, kv.shape[1]
+    ck = c // g
+    qs = _scaled_queries(_heads(q, n_kv, g), scale)
+    k, v = _heads(kv[..., :ck], n_kv), _heads(kv[..., ck:], n_kv)
+    o = _heads(out, n_kv, g)                                        # products land with heads merged
+    lse = lse.reshape(b, n_kv, g, tq, 1)
+    mask = None if mask is None else mask.reshape(b, n_kv, g, tq, tk)
+    rinv = xp.empty(lse.shape, dtype=lse.dtype)                     # 1 / rowsum(E) per query
+    chunks = _query_chunks(tq)
+    for q0, q1 in zip(chunks, chunks[1:]):
+        keys, offset = _keys(q0, q1, tk, causal)
+        s = xp.matmul(qs[..., q0:q1, :], k[..., :keys, :].swapaxes(-1, -2))  # (b, Hk, G, q1 - q0, keys)
+        r = rinv[..., q0:q1, :]
+        if kernels.usable(s, rinv, lse):                            # E, 1 / rowsum(E), lse in one pass
+            kernels.call("causal_softmax", s.dtype, s, r, lse[..., q0:q1, :], b * n_head, s.shape[-2] * s.shape[-1],
+                         q1 - q0, keys, keys, offset, tq)
+        else:
+            if causal:
+                s[..., q0:] += _causal_bias(tq, s.dtype)[q0:q1, q0:q1]  # -inf above the diagonal
+            m = _row_max(s)
+            s -= m
+            xp.exp(s, out=s)                                        # E: unnormalised
+            total = _row_sum(s)
+            xp.divide(1.0, total, out=r)
+            xp.add(m, xp.log(total), out=lse[..., q0:q1, :])
+        pv = o[..., q0:q1, :]
+        xp.matmul(s if mask is None else s * mask[..., q0:q1, :keys], v[..., :keys, :], out=pv)
+        pv *= r if keep_scale is None else r * keep_scale           # O = (E V) / rowsum(E)
+
+
+def block_backward(q, lse, out, grad, n_head, n_kv_head=None, *, kv=None, causal=True, mask=None,
+                   keep_scale=None):
+    """The gradients of one attention block (:func:`block_forward`'s arguments) from the output
+    gradient ``grad`` (B, Tq, C), with ``out`` and ``lse`` the block's output and log-sum-exp, or
+    where blocks were merged (ring attention) the merged ones for these queries. Returns the
+    gradient of ``q`` (B, T, C + 2 Ck) when ``kv`` is None, else ``(dq, dkv)`` (B, Tq, C) and
+    (B, Tk, 2 Ck)."""
+    xp = B.xp
+    c, ck, d = _widths(q, kv, n_head, n_kv_head, causal)
+    n_kv, scale = ck // d, 1.0 / math.sqrt(d)
+    whole = kv is None and causal and mask is None
+    if whole and _flash(q, n_head, n_kv):
+        return cuda.attention_backward(q, out, lse, xp.ascontiguousarray(grad, dtype=q.dtype), n_head)
+    b, tq = grad.shape[:2]
+    fused = kv is None
+    if fused:
+        dqkv = xp.empty(q.shape, dtype=q.dtype)
+        if whole and _whole_in_c(q, lse, out, grad, dqkv):
+            bounds = _bounds(_query_chunks(tq))
+            _over_pairs("attention_backward", (q, lse, out, grad, dqkv), b * n_kv, n_head, n_kv, tq, c, scale, bounds,
+                        len(bounds))
+            return dqkv
+        (q, kv), (dq, dkv) = (q[..., :c], q[..., c:]), (dqkv[..., :c], dqkv[..., c:])
+    else:
+        dq, dkv = xp.empty(q.shape, dtype=q.dtype), xp.empty(kv.shape, dtype=q.dtype)
+    backward = functools.partial(_backward_rows, n_head=n_head, n_kv=n_kv, causal=causal, scale=scale,
+                                 keep_scale=keep_scale)
+    for_blocks(backward, lse, q, kv, grad, out, mask, dq, dkv, blas=True, block=_rows_block(kv.shape[1]))
+    return dqkv if fused else (dq, dkv)
+
+
+def _backward_rows(lse, q, kv, g, out, mask, dq_out, dkv_out, *, n_head, n_kv, causal, scale, keep_scale):
+    """The xp form of :func:`block_backward` on a few batch rows, chunk by chunk (last first)."""
+    xp, (b, tq, c), grp, tk = B.xp, g.shape, n_head // n_kv, kv.shape[1]
+    ck = c // grp
+    qh = _heads(q, n_kv, grp)                                       # (b, Hk, G, Tq, D)
+    k, v = _heads(kv[..., :ck], n_kv), _heads(kv[..., ck:], n_kv)   # (b, Hk, 1, Tk, D)
+    qs = _scaled_queries(qh, scale)
+    go = _heads(g, n_kv, grp)
+    lse = lse.reshape(b, n_kv, grp, tq, 1)
+    mask = None if mask is None else mask.reshape(b, n_kv, grp, tq, tk)
+    # rowsum(dP * P) = dO . O per query (FlashAttention's identity; dropout included), a
+    # (B, T, C) product instead of a pass over (B, H, T, T)
+    rowdot = xp.einsum("bthd,bthd->bht", g.reshape(b, tq, n_head, -1), out.reshape(b, tq, n_head, -1))
+    rowdot = rowdot.reshape(b, n_kv, grp, tq, 1)
+    dq, dk, dv = (xp.empty(a.shape, dtype=qh.dtype) for a in (qh, k, v))
+    # The last chunk sees every key: it runs first and writes dk and dv (no zero fill), the others
+    # add into their keys' rows. Every chunk writes its own rows of dq. dK and dV sum over a
+    # group's query heads: its heads and queries fold into one product.
+    chunks = _query_chunks(tq)
+    for n, (q0, q1) in enumerate(reversed(list(zip(chunks, chunks[1:])))):
+        keys, offset = _keys(q0, q1, tk, causal)
+        pj = xp.matmul(qs[..., q0:q1, :], k[..., :keys, :].swapaxes(-1, -2))  # the scores again
+        lj = lse[..., q0:q1, :]
+        if kernels.usable(pj, lse):                                 # P = exp(S - lse), one pass
+            kernels.call("causal_probs", pj.dtype, pj, lj, b * n_head, pj.shape[-2] * pj.shape[-1], q1 - q0, keys,
+                         keys, offset, tq)
+        else:
+            if causal:
+                pj[..., q0:] += _causal_bias(tq, pj.dtype)[q0:q1, q0:q1]
+            pj -= lj
+            xp.exp(pj, out=pj)
+        # dropout: P as applied is P * mask * keep_scale; the scale goes on the small dO side and
+        # the bool mask multiplies without promoting float32
+        gj = go[..., q0:q1, :] if mask is None else go[..., q0:q1, :] * keep_scale
+        pd = pj if mask is None else pj * mask[..., q0:q1, :keys]
+        if n == 0:
+            xp.matmul(_fold(pd).swapaxes(-1, -2), _fold(gj), out=dv)               # dV = P^T dO
+        else:
+            dv[..., :keys, :] += xp.matmul(_fold(pd).swapaxes(-1, -2), _fold(gj))
+        ds = xp.matmul(gj, v[..., :keys, :].swapaxes(-1, -2))                        # dP = dO V^T
+        if mask is not None:
+            ds *= mask[..., q0:q1, :keys]
+        rd = xp.ascontiguousarray(rowdot[..., q0:q1, :])
+        if kernels.usable(ds, pj, rd):                              # dS = P (dP - rowdot), one pass
+            # (checked here: the incoming gradient's dtype decides ds's)
+            kernels.call("softmax_grad", ds.dtype, ds, pj, rd, b * n_head, ds.shape[-2] * ds.shape[-1], q1 - q0, keys,
+                         keys)
+        else:
+            ds -= rd
+            ds *= pj                                                # dS (masked entries: P = 0)
+        xp.matmul(ds, k[..., :keys, :], out=dq[..., q0:q1, :])
+        if n == 0:
+            xp.matmul(_fold(ds).swapaxes(-1, -2), _fold(qh[..., q0:q1, :]), out=dk)
+        else:
+            dk[..., :keys, :] += xp.matmul(_fold(ds).swapaxes(-1, -2), _fold(qh[..., q0:q1, :]))
+    for grad, dst, factor, t in ((dq, dq_out, scale, tq), (dk, dkv_out[..., :ck], scale, tk),
+                                 (dv, dkv_out[..., ck:], None, tk)):
+        _merge_heads(grad.reshape(b, -1, t, grad.shape[-1]), dst, factor)
+
+
 @float32_compute
 class CausalSelfAttentionOp(Function):
-    def runs_half(self, qkv, n_head, dropout_p=0.0, seed=None, n_kv_head=None):
-        return self._flash(qkv, n_head, dropout_p, n_kv_head)
+    """The whole sequence's causal attention: one :func:`block_forward` / :func:`block_backward`."""
 
-    @staticmethod
-    def _flash(qkv, n_head, dropout_p, n_kv_head) -> bool:
-        """Whether CUDA's flash attention runs both passes (no dropout, as many key/value heads as
-        query heads: its kernels read one of each per query head)."""
-        return dropout_p == 0 and n_kv_head in (None, n_head) and cuda.attention_takes(qkv, n_head)
+    def runs_half(self, qkv, n_head, dropout_p=0.0, seed=None, n_kv_head=None):
+        return dropout_p == 0 and _flash(qkv, n_head, n_head if n_kv_head is None else n_kv_head)
 
     def forward(self, qkv, n_head, dropout_p=0.0, seed=None, n_kv_head=None):
-        xp = B.xp
-        c, ck, d = _layout(qkv, n_head, n_kv_head)
         b, t = qkv.shape[:2]
-        kv = ck // d
-        self.on_gpu = self._flash(qkv, n_head, dropout_p, n_kv_head)
-        if self.on_gpu:                                             # flash attention on tensor cores
-            out, lse = cuda.attention_forward(qkv, n_head)
-            self.qkv, self.lse, self.out, self.n_head = qkv, lse, out, n_head
-            return out
-        scale = 1.0 / math.sqrt(d)
-        lse = xp.empty((b, n_head, t, 1), dtype=qkv.dtype)          # log-sum-exp of each query's scores
-        out = xp.empty((b, t, c), dtype=qkv.dtype)
-        chunks = _query_chunks(t)
         mask = keep_scale = None
         if dropout_p > 0:
             mask, keep_scale = dropout_mask((b, n_head, t, t), dropout_p, seed), 1.0 / (1.0 - dropout_p)
-        if mask is None and _whole_in_c(qkv, lse, out):
-            _over_pairs("attention_forward", (qkv, lse, out), b * n_head, n_head, kv, t, c, scale)
-        else:
-            forward = functools.partial(self._forward_block, n_head=n_head, n_kv=kv, scale=scale, chunks=chunks,
-                                        keep_scale=keep_scale)
-            for_blocks(forward, lse, qkv, out, mask, blas=True, block=_rows_block(t))
+        self.on_gpu = self.runs_half(qkv, n_head, dropout_p, seed, n_kv_head)  # the block runs flash attention
+        out, lse = block_forward(qkv, n_head, n_kv_head, mask=mask, keep_scale=keep_scale)
         # out is saved by reference (the next linear layer saves it too); ops never write into it
         self.qkv, self.lse, self.out, self.mask, self.keep_scale = qkv, lse, out, mask, keep_scale
-        self.n_head, self.n_kv, self.scale, self.chunks = n_head, kv, scale, chunks
+        self.n_head, self.n_kv_head = n_head, n_kv_head
         return out
 
-    @staticmethod
-    def _forward_block(lse, qkv, out, mask, *, n_head, n_kv, scale, chunks, keep_scale):
-        """The NumPy form of the forward on a few batch rows, chunk by chunk; arrays of heads are
-        (b, Hk, G, T, D) (:func:`_heads`), keys and values broadcast over a group's G query heads."""
-        xp, (b, t, c), g = B.xp, out.shape, n_head // n_kv
-        ck = c // g
-        q = _heads(qkv[..., :c], n_kv, g)
-        k, v = _heads(qkv[..., c:c + ck], n_kv), _heads(qkv[..., c + ck:], n_kv)
-        qs = _scaled_queries(q, scale)
-        o = _heads(out, n_kv, g)                                    # products land with heads merged
-        lse = lse.reshape(b, n_kv, g, t, 1)
-        mask = None if mask is None else mask.reshape(b, n_kv, g, t, t)
-        rinv = xp.empty(lse.shape, dtype=lse.dtype)                 # 1 / rowsum(E) per query
-        for q0, q1 in zip(chunks, chunks[1:]):                      # keys [0, q1) only
-            s = xp.matmul(qs[..., q0:q1, :], k[..., :q1, :].swapaxes(-1, -2))  # (b, Hk, G, q1 - q0, q1)
-            r = rinv[..., q0:q1, :]
-            if kernels.usable(s, rinv, lse):                        # E, 1 / rowsum(E), lse in one pass
-                kernels.call("causal_softmax", s.dtype, s, r, lse[..., q0:q1, :], b * n_head, s.shape[-2] * s.shape[-1],
-                             q1 - q0, q1, q1, q0, t)
-            else:
-                s[..., q0:] += _causal_bias(t, s.dtype)[q0:q1, q0:q1]  # -inf above the diagonal
-                m = _row_max(s)
-                s -= m
-                xp.exp(s, out=s)                                    # E: unnormalised
-                total = _row_sum(s)
-                xp.divide(1.0, total, out=r)
-                xp.add(m, xp.log(total), out=lse[..., q0:q1, :])
-            pv = o[..., q0:q1, :]
-            xp.matmul(s if mask is None else s * mask[..., q0:q1, :q1], v[..., :q1, :], out=pv)
-            pv *= r if keep_scale is None else r * keep_scale       # O = (E V) / rowsum(E)
-
     def backward(self, g):
-        xp = B.xp
-        if self.on_gpu:
-            g = xp.ascontiguousarray(g, dtype=self.qkv.dtype)
-            return (cuda.attention_backward(self.qkv, self.out, self.lse, g, self.n_head),)
-        h, kv, scale, keep_scale, chunks = self.n_head, self.n_kv, self.scale, self.keep_scale, self.chunks
-        c = g.shape[-1]
-        ck, grp = c // h * kv, h // kv
-        dqkv = xp.empty(self.qkv.shape, dtype=self.qkv.dtype)
-        t = g.shape[1]
-        if self.mask is None and _whole_in_c(self.qkv, self.lse, self.out, g, dqkv):
-            bounds = _bounds(chunks)
-            _over_pairs("attention_backward", (self.qkv, self.lse, self.out, g, dqkv), g.shape[0] * kv, h, kv, t, c,
-                        scale, bounds, len(bounds))
-            return (dqkv,)
-
-        def block(lse, qkv, g, out, mask, dqkv):                    # a few batch rows
-            b = g.shape[0]
-            q = _heads(qkv[..., :c], kv, grp)                       # (b, Hk, G, T, D)
-            k, v = _heads(qkv[..., c:c + ck], kv), _heads(qkv[..., c + ck:], kv)  # (b, Hk, 1, T, D)
-            qs = _scaled_queries(q, scale)
-            go = _heads(g, kv, grp)
-            lse = lse.reshape(b, kv, grp, t, 1)
-            mask = None if mask is None else mask.reshape(b, kv, grp, t, t)
-            # rowsum(dP * P) = dO . O per query (FlashAttention's identity; dropout included), a
-            # (B, T, C) product instead of a pass over (B, H, T, T)
-            rowdot = xp.einsum("bthd,bthd->bht", g.reshape(b, t, h, -1), out.reshape(b, t, h, -1))
-            rowdot = rowdot.reshape(b, kv, grp, t, 1)
-            dq, dk, dv = xp.empty(q.shape, dtype=q.dtype), xp.empty(k.shape, dtype=q.dtype), xp.empty(v.shape, dtype=q.dtype)
-            # The last chunk sees every key: it runs first and writes dk and dv (no zero fill),
-            # the others add into their keys' rows. Every chunk writes its own rows of dq. dK and
-            # dV sum over a group's query heads: its heads and queries fold into one product.
-            for q0, q1 in reversed(list(zip(chunks, chunks[1:]))):  # keys [0, q1) only
-                pj = xp.matmul(qs[..., q0:q1, :], k[..., :q1, :].swapaxes(-1, -2))  # the scores again
-                lj = lse[..., q0:q1, :]
-                if kernels.usable(pj, lse):                         # P = exp(S - lse), one pass
-                    kernels.call("causal_probs", pj.dtype, pj, lj, b * h, pj.shape[-2] * pj.shape[-1],
-                                 q1 - q0, q1, q1, q0, t)
-                else:
-                    pj[..., q0:] += _causal_bias(t, pj.dtype)[q0:q1, q0:q1]
-                    pj -= lj
-                    xp.exp(pj, out=pj)
-                # dropout: P as applied is P * mask * keep_scale; the scale goes on the small dO side
-                # and the bool mask multiplies without promoting float32
-                gj = go[..., q0:q1, :] if mask is None else go[..., q0:q1, :] * keep_scale
-                pd = pj if mask is None else pj * mask[..., q0:q1, :q1]
-                if q1 == t:
-                    xp.matmul(_fold(pd).swapaxes(-1, -2), _fold(gj), out=dv)           # dV = P^T dO
-                else:
-                    dv[..., :q1, :] += xp.matmul(_fold(pd).swapaxes(-1, -2), _fold(gj))
-                ds = xp.matmul(gj, v[..., :q1, :].swapaxes(-1, -2))                    # dP = dO V^T
-                if mask is not None:
-                    ds *= mask[..., q0:q1, :q1]
-                rd = xp.ascontiguousarray(rowdot[..., q0:q1, :])
-                if kernels.usable(ds, pj, rd):                      # dS = P (dP - rowdot), one pass
-                    # (checked here: the incoming gradient's dtype decides ds's)
-                    kernels.call("softmax_grad", ds.dtype, ds, pj, rd, b * h, ds.shape[-2] * ds.shape[-1],
-                                 q1 - q0, q1, q1)
-                else:
-                    ds -= rd
-                    ds *= pj                                        # dS (masked entries: P = 0)
-                xp.matmul(ds, k[..., :q1, :], out=dq[..., q0:q1, :])
-                if q1 == t:
-                    xp.matmul(_fold(ds).swapaxes(-1, -2), _fold(q[..., q0:q1, :]), out=dk)
-                else:
-                    dk[..., :q1, :] += xp.matmul(_fold(ds).swapaxes(-1, -2), _fold(q[..., q0:q1, :]))
-            for grad, cols, factor in ((dq, slice(0, c), scale), (dk, slice(c, c + ck), scale),
-                                       (dv, slice(c + ck, None), None)):
-                _merge_heads(grad.reshape(b, -1, t, grad.shape[-1]), dqkv[..., cols], factor)
-
-        for_blocks(block, self.lse, self.qkv, g, self.out, self.mask, dqkv, blas=True, block=_rows_block(t))
-        return (dqkv,)
+        return (block_backward(self.qkv, self.lse, self.out, g, self.n_head, self.n_kv_head, mask=self.mask,
+                               keep_scale=self.keep_scale),)
 
 
 def causal_self_attention(qkv, n_head, dropout_p=0.0, seed=None, n_kv_head=None):
@@ -328,76 +405,3 @@ def causal_self_attention(qkv, n_head, dropout_p=0.0, seed=None, n_kv_head=None)
     """
     _check_p(dropout_p, "causal_self_attention", "dropout_p")
     return CausalSelfAttentionOp.apply(qkv, n_head=n_head, dropout_p=dropout_p, seed=seed, n_kv_head=n_kv_head)
-
-
-# ------------------------------------------------------------------------------------------
-# rotary position embeddings (RoPE) on the fused qkv, before the attention op
-# ------------------------------------------------------------------------------------------
-_ROTARY_CACHE: dict = {}
-
-
-def rotary_tables(t: int, head_dim: int, theta: float, dtype):
-    """``(cos, sin)``, each (T, D/2): ``angle[p, i] = p * theta^(-2i/D)`` for positions ``p < T``.
-    Computed in float64 on the host, cast to ``dtype`` on the current backend, cached per shape."""
-    if head_dim % 2:
-        raise ValueError(f"rotary embeddings: head dimension {head_dim} must be even")
-    key = (t, head_dim, float(theta), str(dtype), B.xp.__name__)
-    if key not in _ROTARY_CACHE:
-        inv_freq = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # (D/2,)
-        angle = np.outer(np.arange(t, dtype=np.float64), inv_freq)                             # (T, D/2)
-        _ROTARY_CACHE[key] = tuple(B.xp.asarray(f(angle), dtype=dtype) for f in (np.cos, np.sin))
-    return _ROTARY_CACHE[key]
-
-
-def _rotate(src, dst, cos, sin, sign: float) -> None:
-    """``dst = rotate(src)`` per head, halves ``(x1, x2)`` of each (…, D) head vector:
-    ``(x1 cos - s x2 sin, x2 cos + s x1 sin)`` with ``s = sign`` (-1: the inverse rotation)."""
-    h = src.shape[-1] // 2
-    x1, x2 = src[..., :h], src[..., h:]
-    B.xp.multiply(x1, cos, out=dst[..., :h])
-    dst[..., :h] -= sign * (x2 * sin)
-    B.xp.multiply(x2, cos, out=dst[..., h:])
-    dst[..., h:] += sign * (x1 * sin)
-
-
-@float32_compute
-class RotaryEmbedding(Function):
-    """q and k of a fused qkv rotated by position (GPT-NeoX / Llama "rotate half" form); v copied.
-
-    The rotation is orthogonal, so the backward is the inverse rotation of the incoming gradient;
-    nothing but the tables is saved.
-    """
-
-    def forward(self, qkv, cos, sin, n_kv_head=None):
-        t, w = qkv.shape[1:]
-        d = 2 * cos.shape[-1]
-        heads = w // d if d and w % d == 0 else 0                  # q, k and v heads together
-        kv = heads // 3 if n_kv_head is None else n_kv_head
-        if not heads or heads <= 2 * kv or (n_kv_head is None and heads % 3) or cos.shape != (t, d // 2) \
-                or sin.shape != cos.shape:
-            raise ValueError(f"rotary_embedding: qkv (B, T, C + 2 Ck) {qkv.shape} does not fit tables of shape "
-                             f"{cos.shape} (T, D/2) with D dividing C" + (f" and n_kv_head={n_kv_head}" if n_kv_head else ""))
-        self.cos, self.sin = cos[:, None, :], sin[:, None, :]     # (T, 1, D/2): broadcast over heads
-        self.n_qk = heads - kv                                    # heads of q and k together
-        return self._apply(qkv, 1.0)
-
-    def backward(self, g):
-        return (self._apply(g, -1.0),)
-
-    def _apply(self, a, sign: float):
-        b, t, w = a.shape
-        d, n_qk = 2 * self.cos.shape[-1], self.n_qk
-        src = a.reshape(b, t, w // d, d)                           # (B, T, H + 2 Hk, D): q, k, v heads
-        out = B.xp.empty(src.shape, dtype=a.dtype)
-        _rotate(src[:, :, :n_qk], out[:, :, :n_qk], self.cos, self.sin, sign)
-        out[:, :, n_qk:] = src[:, :, n_qk:]                        # v passes through
-        return out.reshape(a.shape)
-
-
-def rotary_embedding(qkv, cos, sin, n_kv_head=None):
-    """Rotary position embeddings on a fused ``qkv`` (B, T, C + 2 Ck): every head of q and k (head
-    size ``D = 2 * cos.shape[-1]``) is rotated by its position, v (the last ``n_kv_head`` heads;
-    None: a third of them, ``Ck = C``) is unchanged. ``cos``/``sin`` are (T, D/2) arrays
-    (:func:`rotary_tables`), constants. Works on a tp rank's local qkv too (``[q_r | k_r | v_r]``,
-    whole heads, ``n_kv_head`` the local count)."""
-    return RotaryEmbedding.apply(qkv, cos=cos, sin=sin, n_kv_head=n_kv_head)

@@ -7,7 +7,7 @@ input pass and a (deferrable) weight pass.
 from __future__ import annotations
 
 import mpirt.core.backend as B
-from mpirt.cpu.kernels import cuda
+from mpirt.gpu import cuda
 from mpirt.core.ops.fused import norm_backward_c, norm_backward_gpu, norm_forward_c, norm_in_c, norm_on_gpu
 from mpirt.core.precision import float32_compute
 from mpirt.core.tensor import Function

@@ -1,4 +1,4 @@
-// mpirt's CUDA kernels for the CuPy backend, compiled by NVRTC through cupy.RawModule (mpirt/kernels/cuda.py).
+// mpirt's CUDA kernels for the CuPy backend, compiled by NVRTC through cupy.RawModule (mpirt/gpu/cuda.py).
 //
 // One source, compiled once per element type (ELT_KIND 0 float32, 1 bfloat16, 2 float16) and, for the
 // attention, per head dimension (HEAD_DIM, 0 = no attention). No CUDA header is included: half values are
