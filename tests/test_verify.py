@@ -95,13 +95,17 @@ def _by_group(cases: list, size: int):
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("pair", [0, 1, 2])
+@pytest.mark.parametrize("pair", [0, 1, 2, 3, 4])
 def test_two_rank_layouts_equal_one_rank(pair, group, tmp_path_factory):
     """dp2 ZeRO-2 and tp2 + SP side by side, then pp2 (1f1b) and cp2, then pp2 under the interleaved
-    and zero-bubble schedules (each group of 2 ranks takes one)."""
+    and zero-bubble schedules, dp2 (DataParallel's buckets) and dp2 ZeRO-3, pp2 under GPipe and
+    tp2 with whole-block recomputation (each group of 2 ranks takes one). Each also holds its
+    recorded communication to the program its layout predicts."""
     cases = [[["--dp", "2", "--zero", "2"], ["--tp", "2", "--sequence-parallel"]],
              [["--pp", "2", "--layers", "2"], ["--cp", "2", "--layers", "2"]],  # two blocks: two rings a pass
-             [["--pp", "2", "--schedule", "interleaved"], ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"]]
+             [["--pp", "2", "--schedule", "interleaved"], ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"]],
+             [["--dp", "2"], ["--dp", "2", "--zero", "3"]],
+             [["--pp", "2", "--schedule", "gpipe"], ["--tp", "2", "--recompute", "full"]],
              ][pair]
     flags = _by_group(cases, 2)
     report = _verify(group, 2, TINY + flags, tmp_path_factory)
