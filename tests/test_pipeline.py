@@ -22,7 +22,7 @@ from mpirt.parallel.pipeline.schedules import ScheduleError, build
 from mpirt.models import GPTConfig
 
 from conftest import agree
-from parity import CFG, LR, SEQ, STEPS, TOL, WD, batch, max_rel_err, reference_run, rel_err
+from parity import CFG, LR, SEQ, STEPS, WD, batch, max_rel_err, reference_run, rel_err, within
 
 BATCH = 8
 
@@ -101,10 +101,10 @@ def parity(g, cfg, dtype, schedule, m, chunks=1, steps=STEPS, clip=None, rows=BA
             "weights": max_rel_err(weights, ref_w), "eval": rel_err(eval_loss, ref.eval_loss)}
     if clip is not None:
         errs["norm"] = rel_err(norms, ref.norms)
-    tol = TOL[dtype]
     kinds = {str(a.dtype) for p in stage.parameters() for a in (p.data, p.grad) if a is not None}
     kinds |= {str(a.dtype) for st in getattr(opt, "state", []) for a in st.values()}
-    ok = all(e <= tol for e in errs.values()) and tied_copies_identical(stage, g) and kinds == {dtype}
+    tied = tied_copies_identical(stage, g)  # collective: on every rank, whatever its own errors
+    ok = within(errs, dtype) and tied and kinds == {dtype}  # weights: AdamW's float32 noise (parity.WEIGHTS_TOL)
     return ok, f"{schedule} pp={g.pp} dp={g.dp} tp={g.tp} {dtype}: errors {errs}, dtypes {kinds}", stage, stats
 
 
