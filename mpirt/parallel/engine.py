@@ -41,7 +41,7 @@ from mpirt.parallel import tensor as TP
 from mpirt.parallel.tensor import program
 from mpirt.parallel.context import ContextShard, parallelize_context
 from mpirt.parallel.flat import clip_flat, count_once
-from mpirt.parallel.groups import ChainedOptimizer, parameter_groups
+from mpirt.parallel.groups import ChainedOptimizer, finish_backward, parameter_groups
 from mpirt.parallel.layout import Layout
 from mpirt.parallel.pipeline.stage import PipelineStage
 from mpirt.parallel.shards import load_shards, save_shards
@@ -120,10 +120,7 @@ class Engine:
         loss = self.local.train_step(x, y, loss_scale, place=None if step is None else (step, row0),
                                      no_sync=self._no_sync)
         t0 = time.perf_counter()
-        for g in self.groups:
-            g.sync.finish()
-        for g in self.groups:
-            g.sync.sync_partial_grads(self.tp_comm)
+        finish_backward(self.groups, self.tp_comm)
         loss = self.dp_comm.allreduce_scalar(loss, "avg")
         self.local.stats["sync_t0"], self.local.stats["sync_s"] = t0, time.perf_counter() - t0
         return loss

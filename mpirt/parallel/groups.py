@@ -149,6 +149,16 @@ def parameter_groups(local, grid, zero: int, counted, norm_comms, hyper: dict, p
     return groups
 
 
+def finish_backward(groups, tp_comm) -> None:
+    """After backward: every group's reductions in flight completed, then every group's sequence
+    parallelism's partial gradients summed over ``tp_comm`` (the experts' as well as the dense
+    ones). Collective over each group's ranks and over tp."""
+    for g in groups:
+        g.sync.finish()
+    for g in groups:
+        g.sync.sync_partial_grads(tp_comm)
+
+
 class ChainedOptimizer:
     """The groups' optimizers as one to the training loop: ``lr`` and ``grad_scale`` are set on
     every one, ``step`` runs each; the step count and the scalars (equal in all) are the first's."""
