@@ -58,6 +58,11 @@ class ZeroOptimizer(Scalars):
     group's sync (:mod:`mpirt.parallel.groups`) it is also its own optimizer: ``no_sync``,
     ``finish`` and ``close`` have nothing to do, the gradients are reduced where first needed
     (:meth:`sync_partial_grads`, :meth:`norm_parts`, :meth:`step`).
+
+    A stage's class provides ``zero_grad``, ``calls``, ``gather_parameters``,
+    ``full_parameters`` and three steps of the ones here: ``_held()`` (the parameter and gradient
+    arrays kept between steps), ``_reduce()`` (the gradients averaged over dp into the shard) and
+    ``_publish()`` (the updated shard made the parameters the model uses).
     """
 
     stage: int
@@ -70,7 +75,7 @@ class ZeroOptimizer(Scalars):
         super().__init_subclass__(**kwargs)
         ZeroOptimizer._by_stage.update(dict.fromkeys(stages, cls))
 
-    def __new__(cls, model_or_params, comm, stage: int = 1, **kwargs):
+    def __new__(cls, model_or_params, comm, stage: int = 1, *args, **kwargs):
         if cls is ZeroOptimizer:
             if stage not in (1, 2, 3):
                 raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}")
