@@ -80,6 +80,7 @@ def run_round_robin(g, cfg, names, m, args) -> list:
 
     def contender(name):
         def step():
+            opts[name].zero_grad()  # the stage adds to the gradients it finds
             t0 = time.perf_counter()
             stages[name].train_step(x, y)
             wall = time.perf_counter() - t0

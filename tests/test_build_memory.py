@@ -222,7 +222,7 @@ def test_engine_build_holds_its_shard_plus_one_parameter(group, zero, tp, monkey
         make().close()  # warm: imports, communicators
         engine, peak, held = traced(make)
         opt = engine.optimizer
-        own = sum(opt.memory_bytes().values()) if zero else sum(engine.ddp[0].memory_bytes(opt).values())
+        own = sum(engine.groups[0].sync.memory_bytes().values())  # params, grads, optimizer state
         largest = largest_full(engine.model.parameters())
         detail = f"zero {zero} tp {tp}: own {own} B, largest full {largest} B, peak {peak} B, held {held} B"
         print(detail)

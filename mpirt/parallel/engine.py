@@ -14,21 +14,21 @@ a :class:`~mpirt.parallel.pipeline.stage.PipelineStage` when pp > 1 (its schedul
 else a :class:`~mpirt.parallel.whole.WholeModel` (the model made tensor parallel by its ``tp_plan``,
 a loop over ``grad_accum`` micro-batches); both present one interface (listed in
 :mod:`mpirt.parallel.whole`), so the engine never asks which it holds.
-Its parameters live in one store, :class:`~mpirt.parallel.flat.FlatParams` (ZeRO-3:
-:class:`~mpirt.parallel.zero3.ShardedParams`, sharded per unit group, with tp and pp),
-and the sync over dp is :class:`~mpirt.parallel.ddp.DataParallel` or
-:class:`~mpirt.parallel.zero.ZeroOptimizer` over that store. Under context parallelism
+Its parameters live in parameter groups (:mod:`mpirt.parallel.groups`): a store
+(:class:`~mpirt.parallel.flat.FlatParams`; ZeRO-3: :class:`~mpirt.parallel.zero3.ShardedParams`,
+sharded per unit group, with tp and pp), the communicator its gradients are averaged over and its
+sync, chosen once from the ZeRO stage (:class:`~mpirt.parallel.groups.DataParallelSync`,
+:class:`~mpirt.parallel.zero.Zero12Optimizer`, :class:`~mpirt.parallel.zero3.Zero3Optimizer`).
+The engine loops over ``[dense over dp x cp, experts over edp]``: under context parallelism
 (:mod:`mpirt.parallel.context`) each rank takes its chunks of the replica's sequences, and the
-gradient sync, ZeRO's shards and the loss's mean span dp x cp (``grid.comm["dp_cp"]``: the
-ranks that hold the same parameters). Sequence parallelism's
-partial gradients are summed over tp once, and one global-norm clip counts every element once
-over dp (ZeRO shards), tp and pp (:func:`~mpirt.parallel.flat.clip_flat`).
-
-Under expert parallelism (:mod:`mpirt.parallel.experts`, ``--ep``) each rank holds ``1 / ep`` of
-the experts: their weights live in a second store whose sync (DataParallel or ZeRO-1/2) runs over
-the edp group (``grid.comm["edp"]``) while the dense store's runs over dp; one
-:class:`~mpirt.parallel.experts.OptimizerPair` steps both under ZeRO (one AdamW holds both
-without), and the norm adds the experts' squares over ep.
+gradient sync, ZeRO's shards and the loss's mean span dp x cp (``grid.comm["dp_cp"]``: the ranks
+that hold the same parameters); under expert parallelism (:mod:`mpirt.parallel.experts`, ``--ep``)
+each rank holds ``1 / ep`` of the experts, whose group syncs over the edp ranks
+(``grid.comm["edp"]``) and adds its squares to the norm over ep. The engine alone zeroes the
+gradients, once a step. Sequence parallelism's partial gradients are summed over tp once, and one
+global-norm clip counts every element once over dp (ZeRO shards), tp and pp
+(:func:`~mpirt.parallel.flat.clip_flat`); :attr:`Engine.optimizer` steps every group's optimizer
+(one group: its own; more: a :class:`~mpirt.parallel.groups.ChainedOptimizer`).
 """
 from __future__ import annotations
 
@@ -37,23 +37,20 @@ import time
 
 from mpirt.core import recompute
 from mpirt.core.modeling import attention_core
-from mpirt.core.optim import AdamW
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.tensor import program
-from mpirt.parallel.ddp import DataParallel
 from mpirt.parallel.context import ContextShard, parallelize_context
-from mpirt.parallel.experts import OptimizerPair, is_expert
-from mpirt.parallel.flat import FlatParams, clip_flat, count_once
+from mpirt.parallel.flat import clip_flat, count_once
+from mpirt.parallel.groups import ChainedOptimizer, finish_backward, parameter_groups
 from mpirt.parallel.layout import Layout
 from mpirt.parallel.pipeline.stage import PipelineStage
 from mpirt.parallel.shards import load_shards, save_shards
 from mpirt.parallel.whole import WholeModel, parameter_axes
-from mpirt.parallel.zero import ZeroOptimizer
-from mpirt.parallel.zero3 import ShardedParams
 
 
 class Engine:
-    """This rank's part of the model on ``grid``, its parameter store, dp sync and optimizer.
+    """This rank's part of the model on ``grid``, its parameter groups (:attr:`groups`: each a
+    store, its sync and optimizer) and the optimizer that steps them all (:attr:`optimizer`).
 
     ``cfg``: a :class:`mpirt.run.config.TrainConfig` (layout, schedule, ZeRO stage, recompute, dtype,
     optimizer); ``model_cfg``: any registered model's config; ``dropout_seed``: this dp replica's
@@ -68,7 +65,6 @@ class Engine:
         self.grid, self.cfg, self._width = grid, cfg, model_cfg.n_embd
         self.tp_comm, self.pp_comm = grid.comm["tp"], grid.comm["pp"]
         self.dp_comm = grid.comm["dp_cp"]  # the ranks holding the same parameters: dp, and cp when > 1
-        self.ep_comm, self.edp_comm = grid.comm["ep"], grid.comm["edp"]  # experts split / replicated
         tp, pp, cp = grid.sizes["tp"], grid.sizes["pp"], grid.sizes["cp"]
         if layout is None or not layout.bounds:
             layout = Layout.of(cfg, grid.sizes, model_cfg)
@@ -89,70 +85,42 @@ class Engine:
         if local is None:
             for part in self.local.dropout_roots:
                 TP.reseed_dropouts(part, dropout_seed, grid.coords["tp"], tp, cfg.sequence_parallel)
-        if cfg.zero < 3:  # ZeRO-3 already reruns every unit in backward (its units keep only their inputs)
+        counted = count_once(grid.coords["tp"] if tp > 1 else 0, self.local.tied_copy)
+        self._norm_comms = (self.tp_comm, self.pp_comm)  # ranks along them hold different parameters
+        hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        self.groups = parameter_groups(self.local, grid, cfg.zero, counted, self._norm_comms, hyper,
+                                       probe_len=(tp if sp else 1) * (2 if cp > 1 else 1))
+        self._units_rerun = self.groups[0].sync.reruns_units
+        if not self._units_rerun:  # ZeRO-3's units rerun in backward already (they keep only their inputs)
             picked = {i: b for i, b in self.local.blocks.items() if i in layout.recomputed}
             recompute.apply(picked, cfg.recompute, "", attention_core(model_cfg))  # "": each block given
-        counted = count_once(grid.coords["tp"] if tp > 1 else 0, self.local.tied_copy)
-        norm_comms = (self.tp_comm, self.pp_comm)  # ranks along them hold different parameters
-        hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-        self.ddp, self.expert_store = [], None
-        # the parameter store: ZeRO-3's is sharded per unit group, the others hold this rank's part whole
-        if cfg.zero == 3:
-            self.store = ShardedParams(self.model, self.dp_comm, counted, init=self.local.init,
-                                       units=self.local.units, probe_len=(tp if sp else 1) * (2 if cp > 1 else 1),
-                                       probe=self.local.probe,
-                                       dropout_roots=self.local.dropout_roots, alone=self.local.held_tied,
-                                       runs=self.local.unit_runs)
-            if self.local.held_tied:  # a pipeline's tied copies: summed over its ends as gradient shards
-                self.local.tied_grads = self.store.alone_grads
-        else:  # the experts split over ep (if any) in a store of their own
-            params = self.local.parameters()
-            experts = [p for p in params if is_expert(p)]
-            self.store = FlatParams([p for p in params if not is_expert(p)], counted, init=self.local.init,
-                                    grads=cfg.zero != 2)  # ZeRO-2: a shard only
-            self.expert_store = FlatParams(experts, counted, init=self.local.init, grads=cfg.zero != 2) \
-                if experts else None
-        # the dp sync: ZeRO over the store (stage 2 reduces buckets during backward; a pipeline's
-        # tied copies wait for the step), else DataParallel's buckets and AdamW; the experts' over edp
-        if cfg.zero:
-            self.optimizer = ZeroOptimizer(self.store, self.dp_comm, stage=cfg.zero, norm_comms=norm_comms,
-                                           stream_grads=True, held=self.local.held_tied, **hyper)
-            if self.expert_store is not None:
-                self.optimizer = OptimizerPair(self.optimizer, ZeroOptimizer(
-                    self.expert_store, self.edp_comm, stage=cfg.zero, norm_comms=norm_comms, stream_grads=True,
-                    **hyper))
-        else:
-            self.ddp = [DataParallel(store, comm) for store, comm in ((self.store, self.dp_comm),
-                                                                     (self.expert_store, self.edp_comm))
-                        if store is not None and comm.size > 1]
-            self.optimizer = AdamW(self.store.params + (self.expert_store.params if self.expert_store else []),
-                                   **hyper)
-        self._norm_comms = norm_comms
+        optimizers = [g.optimizer for g in self.groups]
+        self.optimizer = optimizers[0] if len(optimizers) == 1 else ChainedOptimizer(optimizers)
 
     # --- the step -------------------------------------------------------------------------------
     def _no_sync(self):
         stack = contextlib.ExitStack()
-        for ddp in self.ddp:
-            stack.enter_context(ddp.no_sync())
+        for g in self.groups:
+            stack.enter_context(g.sync.no_sync())
         return stack
 
     def train_step(self, x, y, loss_scale: float = 1.0, step: int | None = None) -> float:
         """Forward and backward of this dp replica's rows (x, y), backward seeded with
-        ``loss_scale`` (:class:`mpirt.core.precision.LossScaler`); then the gradients are summed over
-        the tied copies, over tp for sequence-parallel partial sums and averaged over dp x cp. Returns
+        ``loss_scale`` (:class:`mpirt.core.precision.LossScaler`), the gradients zeroed before;
+        then the gradients are summed over the tied copies, over tp for sequence-parallel
+        partial sums and averaged over each group's ranks (dp x cp, the experts' edp). Returns
         the (unscaled) mean loss of the global batch. ``step``: the optimizer step, which with the
         rows' place in the global batch (this replica holds rows ``[dp rank x len(x), ...)``)
         makes the dropout masks those of one rank running the whole batch (None: each module's
         call count stands in)."""
-        self.optimizer.zero_grad()
+        for g in self.groups:
+            g.sync.zero_grad()
         row0 = self.grid.coords["dp"] * len(x)
         x, y = self._held(x, y)
         loss = self.local.train_step(x, y, loss_scale, place=None if step is None else (step, row0),
                                      no_sync=self._no_sync)
         t0 = time.perf_counter()
-        for ddp in self.ddp:
-            ddp.finish()
-        (self.optimizer if self.cfg.zero else self.store).sync_partial_grads(self.tp_comm)
+        finish_backward(self.groups, self.tp_comm)
         loss = self.dp_comm.allreduce_scalar(loss, "avg")
         self.local.stats["sync_t0"], self.local.stats["sync_s"] = t0, time.perf_counter() - t0
         return loss
@@ -165,25 +133,22 @@ class Engine:
 
     def clip(self, max_norm: float | None) -> float:
         """Scale every gradient by ``max_norm / (norm + 1e-6)`` when the global norm exceeds
-        ``max_norm`` (None: only the norm); returns the norm before clipping. The experts' squares
-        are summed over ep (each rank holds others), the whole over tp and pp."""
-        parts = getattr(self.optimizer, "parts", (self.optimizer,)) if self.cfg.zero else \
-            [s for s in (self.store, self.expert_store) if s is not None]
-        sq, grads = parts[0].norm_parts()
-        if len(parts) > 1:
-            expert_sq, expert_grads = parts[1].norm_parts()
-            sq, grads = sq + self.ep_comm.allreduce_scalar(expert_sq), grads + expert_grads
-        return clip_flat(sq, grads, self._norm_comms, max_norm)
+        ``max_norm`` (None: only the norm); returns the norm before clipping. Each group's squares
+        are summed over its sync's ranks and its norm span (the experts' over ep), the whole over
+        tp and pp."""
+        parts = [g.norm_parts() for g in self.groups]
+        sq = sum((part_sq for part_sq, _ in parts[1:]), parts[0][0])
+        return clip_flat(sq, [a for _, arrays in parts for a in arrays], self._norm_comms, max_norm)
 
     def step_calls(self, layout) -> list[tuple[str, str, int, str]]:
         """``(axis, kind, bytes, dtype)`` of the calls a step on ``layout`` makes that the engine's
         parts list themselves: tp's inside the modules (:func:`mpirt.parallel.tensor.program.step_calls`,
         a block recomputed whole or every unit under ZeRO-3 running its forward twice) and the sum
-        of sequence parallelism's partial gradients; the gradient sync's calls of a fixed number
-        and size (DataParallel's buckets; ZeRO's, as :meth:`~mpirt.parallel.zero.ZeroOptimizer.calls`
+        of sequence parallelism's partial gradients; each group's sync's calls of a fixed number
+        and size (DataParallel's buckets; ZeRO's, as :meth:`~mpirt.parallel.zero.Zero12Optimizer.calls`
         lists them); the pipeline's tied-embedding gradient sum (a send and a receive of each tied
         copy's gradient, under ZeRO-3 its shard, between the two pipeline ends)."""
-        if self.cfg.zero == 3:   # every unit reruns its forward in backward
+        if self._units_rerun:   # every unit reruns its forward in backward
             rerun = [self.model]
         else:
             rerun = [b for i, b in self.local.blocks.items() if i in layout.recomputed and self.cfg.recompute == "full"]
@@ -191,8 +156,8 @@ class Engine:
         tokens = layout.rows * (self.cfg.seq_len // layout.cp)
         out = program.step_calls(self.model, self.tp_comm, tokens, layout.microbatches, reruns,
                                  self._width, self.cfg.dtype, lookups=self.local.has_embed)
-        out += (self.optimizer if self.cfg.zero else self.store).partial_sum_calls(self.tp_comm)
-        out += [c for ddp in self.ddp for c in ddp.calls()] + (self.optimizer.calls() if self.cfg.zero else [])
+        out += [c for g in self.groups for c in g.sync.partial_sum_calls(self.tp_comm)]
+        out += [c for g in self.groups for c in g.sync.calls()]
         return out + self.local.tied_calls()
 
     def evaluate(self, x, y) -> float:
@@ -208,19 +173,20 @@ class Engine:
     # --- state ------------------------------------------------------------------------------------
     def save_sharded(self, writer) -> None:
         """Add this rank's boxes of the weights and optimizer state to a
-        :class:`mpirt.checkpoint.sharded.ShardWriter` (without ZeRO the first rank of dp x cp, for
-        the experts under ep the first of edp; the tied embedding from the first stage only).
-        Local (see :func:`mpirt.parallel.shards.save_shards`)."""
-        writes = {False: self.dp_comm.rank == 0, True: self.edp_comm.rank == 0}  # by is_expert
-        save_shards(writer, self.model, self.optimizer, parameter_axes(self.grid),
-                    replica=lambda p: writes[is_expert(p)], skip=set(self.local.tied_copy))
+        :class:`mpirt.checkpoint.sharded.ShardWriter` (without ZeRO the first rank of each group's
+        sync: of dp x cp, for the experts under ep of edp; the tied embedding from the first stage
+        only). Local (see :func:`mpirt.parallel.shards.save_shards`)."""
+        writes = {id(p) for g in self.groups if g.comm.rank == 0 for p in g.store.params}
+        save_shards(writer, self.model, [g.optimizer for g in self.groups], parameter_axes(self.grid),
+                    replica=lambda p: id(p) in writes, skip=set(self.local.tied_copy))
 
     def load_sharded(self, reader, with_optimizer: bool = True) -> None:
         """Read this rank's boxes from a :class:`mpirt.checkpoint.store.CheckpointReader` (both pipeline
         ends read the tied embedding). Collective over dp under ZeRO."""
-        load_shards(reader, self.model, self.optimizer, parameter_axes(self.grid), with_optimizer=with_optimizer)
+        load_shards(reader, self.model, [g.optimizer for g in self.groups], parameter_axes(self.grid),
+                    with_optimizer=with_optimizer)
 
     def close(self) -> None:
-        """Stop DataParallel's communication threads, if any."""
-        for ddp in self.ddp:
-            ddp.close()
+        """Stop the syncs' communication threads, if any."""
+        for g in self.groups:
+            g.sync.close()

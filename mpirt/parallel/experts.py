@@ -24,7 +24,8 @@ dp as always. An expert's gradient on its rank already sums the contributions of
 group's tokens (each seeded with its own rank's loss); summing over edp adds the other groups',
 and dividing by dp makes the global batch's mean. So the grouped GEMMs scale the experts' weight
 gradients by ``1 / ep`` (exact for powers of two) and their own store is averaged over edp
-(DataParallel or ZeRO over ``grid.comm["edp"]``; :class:`OptimizerPair` steps the two as one).
+(a parameter group of its own, synced by DataParallel or ZeRO over ``grid.comm["edp"]``,
+:mod:`mpirt.parallel.groups`).
 The global norm counts an expert's elements once: summed over ep (different experts), not over
 edp (replicas).
 """
@@ -100,62 +101,6 @@ class ExpertParallel:
         since the last call; their ratio is the load the memory prediction plans for (1: even)."""
         taken, self.routed = tuple(self.routed), [0, 0]
         return taken
-
-
-class OptimizerPair:
-    """The dense parameters' optimizer (over dp) and the experts' (over edp) as one to the training
-    loop: ``lr`` and ``grad_scale`` set both, ``step``/``zero_grad`` run both; the step count and
-    hyperparameters (equal in both) are the dense one's. ``parts``: the two."""
-
-    def __init__(self, dense, experts):
-        self.parts = (dense, experts)
-
-    def _set_on_both(name: str):
-        """A property read from the dense part and set on both."""
-        def set_both(self, value) -> None:
-            for part in self.parts:
-                setattr(part, name, value)
-        return property(lambda self: getattr(self.parts[0], name), set_both)
-
-    lr = _set_on_both("lr")
-    grad_scale = _set_on_both("grad_scale")  # 1 / the loss scale
-    del _set_on_both
-
-    @property
-    def step_count(self) -> int:
-        return self.parts[0].step_count
-
-    def scalars(self) -> dict:
-        return self.parts[0].scalars()
-
-    def load_scalars(self, d: dict) -> None:
-        for part in self.parts:
-            part.load_scalars(d)
-
-    def zero_grad(self) -> None:
-        for part in self.parts:
-            part.zero_grad()
-
-    def step(self) -> None:
-        for part in self.parts:
-            part.step()
-
-    def sync_partial_grads(self, tp_comm) -> None:
-        for part in self.parts:
-            part.sync_partial_grads(tp_comm)
-
-    def calls(self) -> list[tuple]:
-        """Both parts' fixed calls of a step (:meth:`mpirt.parallel.zero.ZeroOptimizer.calls`)."""
-        return [c for part in self.parts for c in part.calls()]
-
-    def partial_sum_calls(self, tp_comm) -> list[tuple]:
-        """Both parts' calls of :meth:`sync_partial_grads`."""
-        return [c for part in self.parts for c in part.partial_sum_calls(tp_comm)]
-
-    def memory_bytes(self) -> dict:
-        """Both parts' persistent bytes, per category."""
-        held = [part.memory_bytes() for part in self.parts]
-        return {k: sum(h[k] for h in held) for k in held[0]}
 
 
 def expert_layers(model: Module) -> list:

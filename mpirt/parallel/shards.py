@@ -18,7 +18,7 @@ import numpy as np
 import mpirt.core.backend as B
 from mpirt.checkpoint.store import CheckpointError
 from mpirt.parallel import tensor as TP
-from mpirt.parallel.zero import ZeroOptimizer
+from mpirt.parallel.zero_shard import ZeroOptimizer
 
 
 # --- sharded checkpoints: each rank writes and reads only its own boxes ------------------------
@@ -86,14 +86,11 @@ def _boxes(p, axes: tuple, array, lo: int | None = None):
 
 
 def _arrays(model, optimizer, skip) -> list[tuple]:
-    """``(kind, name, param, array, lo)`` for everything this rank holds of the checkpoint: the
-    weights (float32 masters under mixed precision) and the optimizer state (of each part of an
-    optimizer in parts, e.g. :class:`mpirt.parallel.experts.OptimizerPair`); ``lo`` is the ZeRO
-    segment's offset in the parameter's flattened slice (None: the whole slice)."""
-    if hasattr(optimizer, "parts"):
-        return [a for part in optimizer.parts for a in _arrays(model, part, skip)]
+    """``(kind, name, param, array, lo)`` for everything this rank holds of the checkpoint through
+    ``optimizer`` (one optimizer): the weights (float32 masters under mixed precision) and the
+    optimizer state; ``lo`` is the ZeRO segment's offset in the parameter's flattened slice (None:
+    the whole slice)."""
     out = []
-    params = {id(p): p for _, p in model.named_parameters()}
     if isinstance(optimizer, ZeroOptimizer):
         weights = optimizer.param_shard if optimizer.master_shard is None else optimizer.master_shard
         for p, a, b, s in optimizer.owned_segments():
@@ -103,6 +100,7 @@ def _arrays(model, optimizer, skip) -> list[tuple]:
             out += [("optimizer_state", f"{p.name}.{k}", p, getattr(optimizer, k)[s:s + b - a], a)
                     for k in optimizer.STATE_NAMES]
         return out
+    params = {id(p): p for _, p in model.named_parameters()}
     for i, p in enumerate(optimizer.params):
         if p.name in skip or id(p) not in params:
             continue
@@ -112,34 +110,36 @@ def _arrays(model, optimizer, skip) -> list[tuple]:
     return out
 
 
+def _each(optimizers) -> list:
+    """``optimizers`` as a list: one optimizer, or a list of them (an engine's groups')."""
+    return list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+
+
 def tp_axes(tp_comm) -> tuple[dict, dict]:
     """The ``axes`` of a rank whose parameters are split over a tp ``comm`` alone (None: not split)."""
     return ({TP.AXIS: tp_comm.size}, {TP.AXIS: tp_comm.rank}) if tp_comm is not None else ({}, {})
 
 
-def _zero_params(optimizer) -> set:
-    """The ids of the parameters a ZeRO optimizer (or part of one) shards: each rank writes its segments."""
-    return {id(p) for part in getattr(optimizer, "parts", (optimizer,)) if isinstance(part, ZeroOptimizer)
-            for p in part.params}
-
-
-def save_shards(writer, model, optimizer, axes=({}, {}), *, replica=lambda p: True, skip=()) -> None:
-    """Add this rank's boxes to a :class:`mpirt.checkpoint.sharded.ShardWriter`: its slices
+def save_shards(writer, model, optimizers, axes=({}, {}), *, replica=lambda p: True, skip=()) -> None:
+    """Add this rank's boxes to a :class:`mpirt.checkpoint.sharded.ShardWriter` through
+    ``optimizers`` (an optimizer, or one per parameter group): its slices
     (``axes``: the sizes of tp and ep and this rank's places; a parameter replicated over tp from
     tp rank 0 only), its ZeRO segments, and without ZeRO only on the replica that writes
     (``replica(p)``: e.g. dp rank 0, or for an expert the edp rank 0). ``skip``: names another
     rank writes (the tied embedding on the last pipeline stage). Local: no communication."""
-    sharded = _zero_params(optimizer)
-    for kind, name, p, array, lo in _arrays(model, optimizer, skip):
-        if axes[1].get(TP.AXIS, 0) and TP.AXIS not in p.spec.dims or not (id(p) in sharded or replica(p)):
-            continue
-        shape = getattr(p, "logical_shape", p.global_shape)
-        for start, _, view in _boxes(p, axes, array, lo):
-            writer.add(kind, name, shape, p.spec.dims, start, view)
+    for opt in _each(optimizers):
+        sharded = isinstance(opt, ZeroOptimizer)  # each rank writes its segments
+        for kind, name, p, array, lo in _arrays(model, opt, skip):
+            if axes[1].get(TP.AXIS, 0) and TP.AXIS not in p.spec.dims or not (sharded or replica(p)):
+                continue
+            shape = getattr(p, "logical_shape", p.global_shape)
+            for start, _, view in _boxes(p, axes, array, lo):
+                writer.add(kind, name, shape, p.spec.dims, start, view)
 
 
-def load_shards(reader, model, optimizer, axes=({}, {}), *, with_optimizer: bool = True) -> None:
-    """Fill this rank's weights (and optimizer state and scalars, ``with_optimizer``) from a
+def load_shards(reader, model, optimizers, axes=({}, {}), *, with_optimizer: bool = True) -> None:
+    """Fill this rank's weights (and optimizer state and scalars, ``with_optimizer``) of
+    ``optimizers`` (an optimizer, or one per parameter group) from a
     :class:`mpirt.checkpoint.store.CheckpointReader` (or anything with its ``meta``, ``entry`` and
     ``read(kind, name, start, shape, out=)``, such as ``mpirt.models.hf.HFReader``), reading only
     the boxes this rank holds, whatever layout wrote them, each straight into its place (on NumPy no
@@ -147,21 +147,22 @@ def load_shards(reader, model, optimizer, axes=({}, {}), *, with_optimizer: bool
     parameters are refreshed from shards)."""
     if with_optimizer and reader.meta["optimizer"] is None:
         raise CheckpointError(f"{reader.path}: the checkpoint holds no optimizer state")
-    for kind, name, p, array, lo in _arrays(model, optimizer, ()):
-        if kind == "optimizer_state" and not with_optimizer:
-            continue
-        reader.entry(kind, name, getattr(p, "logical_shape", p.global_shape))
-        for start, shape, view in _boxes(p, axes, array, lo):
-            if isinstance(view, np.ndarray):  # read straight into the parameter or state
-                reader.read(kind, name, start, shape, out=view)
-            else:  # a device array: one box on the host, then copied over
-                view[...] = B.asarray(reader.read(kind, name, start, shape), dtype=view.dtype)
-    if with_optimizer:
-        optimizer.load_scalars(reader.meta["optimizer"]["scalars"])
-    for part in getattr(optimizer, "parts", (optimizer,)):
-        if isinstance(part, ZeroOptimizer):
-            part.refresh_parameters()
+    for opt in _each(optimizers):
+        for kind, name, p, array, lo in _arrays(model, opt, ()):
+            if kind == "optimizer_state" and not with_optimizer:
+                continue
+            reader.entry(kind, name, getattr(p, "logical_shape", p.global_shape))
+            for start, shape, view in _boxes(p, axes, array, lo):
+                if isinstance(view, np.ndarray):  # read straight into the parameter or state
+                    reader.read(kind, name, start, shape, out=view)
+                else:  # a device array: one box on the host, then copied over
+                    view[...] = B.asarray(reader.read(kind, name, start, shape), dtype=view.dtype)
+    for opt in _each(optimizers):
+        if with_optimizer:
+            opt.load_scalars(reader.meta["optimizer"]["scalars"])
+        if isinstance(opt, ZeroOptimizer):
+            opt.refresh_parameters()
         else:
-            for p, master in zip(part.params, part.master):
+            for p, master in zip(opt.params, opt.master):
                 if master is not None:
                     p.data[...] = master  # rounded to nearest even

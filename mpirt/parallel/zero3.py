@@ -1,4 +1,4 @@
-"""ZeRO stage 3's parameter store and units (used by :class:`mpirt.parallel.zero.ZeroOptimizer`).
+"""ZeRO stage 3: its parameter store, its units and its optimizer (:class:`Zero3Optimizer`).
 
 A *unit* is a method of the model (``embed``, each block's ``forward``, ``head``) whose call
 gathers the parameters it uses. :func:`plan_units` finds, by running the units once on one short row,
@@ -12,7 +12,9 @@ graph and frees them; its backward all-gathers them again, recomputes the unit w
 (dropout replays the forward's masks), back-propagates, reduce-scatters (averages) the full
 gradients and returns the owned chunks as the gradients of the shard tensors. Each gather
 starts the next unit's (forward: the one after, backward: the one before) without waiting for
-it, so that it travels while this unit computes; the next unit takes it.
+it, so that it travels while this unit computes; the next unit takes it. :class:`Zero3Optimizer`
+is AdamW over the store's shards (:class:`~mpirt.parallel.zero_shard.ZeroOptimizer`'s state and
+update): the units fill its gradient shard, and they gather what it updates.
 """
 from __future__ import annotations
 
@@ -21,11 +23,12 @@ import contextlib
 import numpy as np
 
 import mpirt.core.backend as B
-from mpirt.core.nn import dropout_modules, dropout_states, graph_parameters, restore_dropout_states, stand_ins
+from mpirt.core.nn import Module, dropout_modules, dropout_states, graph_parameters, restore_dropout_states, stand_ins
 from mpirt.core.recompute import Rerun
 from mpirt.core.tensor import Tensor, enable_grad
 from mpirt.parallel.ddp import broadcast_parameters
 from mpirt.parallel.flat import ShardedLayout, place_shards, trainable
+from mpirt.parallel.zero_shard import WRONG_STORE, ZeroOptimizer, check_hyper, decayed_ids
 
 
 class ShardedParams:
@@ -234,3 +237,81 @@ class ShardedUnit(Rerun):
             raise RuntimeError(f"ZeRO-3 unit {self.name}: {len(sink)} trainable tensor(s) outside its groups "
                                "got gradients; they would be lost")
         return tuple(out)
+
+
+class Zero3Optimizer(ZeroOptimizer, stages=(3,)):
+    """ZeRO stage 3 over the sharded parameter store (see :class:`ZeroOptimizer` for the
+    arguments; ``model_or_params``: a :class:`~mpirt.parallel.zero3.ShardedParams`, or the Module
+    to make one of: ``units``, ``probe_len`` and ``init`` as there, one parameter generated at a
+    time of which the rank keeps its chunk, so the model is never held whole). Its parameter and
+    gradient shards are the store's; the units' reduce-scatters fill the gradient one during
+    backward, so there is nothing left to reduce, and after the update nothing to gather (the
+    units gather what they run)."""
+
+    stage = 3
+    reruns_units = True
+
+    def __init__(self, model_or_params, comm, stage: int = 3, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, decay=None, counted=None, norm_comms=(),
+                 init=None, units=None, probe_len: int = 1):
+        if stage != 3:
+            raise ValueError(f"Zero3Optimizer: stage must be 3, got {stage}")
+        check_hyper(lr, betas, eps, weight_decay)
+        store = model_or_params if isinstance(model_or_params, ShardedParams) else None
+        if store is None and not isinstance(model_or_params, Module):
+            raise ValueError(WRONG_STORE)
+        params = store.params if store is not None else trainable(model_or_params.parameters(), "ZeroOptimizer",
+                                                                   allow_empty=False)
+        shapes = store.shapes if store is not None else {id(p): tuple(p.shape) for p in params}
+        decayed = decayed_ids(params, shapes, decay)  # before the store empties p.data
+        counted = counted or (store.counted if store is not None else (lambda p: True))
+        if store is None:
+            store = ShardedParams(model_or_params, comm, counted, init=init, units=units, probe_len=probe_len)
+        self._init_shard(params, comm, store.groups, shapes, decayed, counted, lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, norm_comms=norm_comms)
+        self.store, self.units = store, store.units
+        self.param_shard, self.grad_shard = store.data, store.grad
+        self._init_master()
+
+    def gather_parameters(self) -> dict:
+        """Name -> full parameter as a host array. Collective over dp."""
+        out = {}
+        for g in self.groups:
+            full = B.to_host(g.gather(self.comm, self.param_shard))
+            for p, v in zip(g.params, g.views(full)):
+                out[p.name] = v.copy()
+        return out
+
+    def _held(self) -> tuple:
+        """The parameter and gradient arrays kept between steps: the shards."""
+        return self.param_shard, self.grad_shard
+
+    def zero_grad(self) -> None:
+        """Zero the gradient shard (the units' reduce-scatters add into it)."""
+        self._reduced = False
+        self.grad_shard.fill(0)
+
+    def _reduce(self) -> None:
+        """Nothing: the units reduce-scattered the gradients into the shard during backward."""
+
+    def calls(self) -> list[tuple[str, str, int, str]]:
+        """None of a fixed number: the units' gathers and reduce-scatters go with their runs."""
+        return []
+
+    def _publish(self) -> None:
+        """Nothing: the units gather the updated shard when they run."""
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Context: inside, every ``p.data`` is the full parameter (the full float32 master under
+        mixed precision), gathered from the shards, so ``model.state_dict()``,
+        ``model.load_state_dict()`` and the checkpoint functions work as without ZeRO. On exit the
+        values in ``p.data`` (written in place, or rebound to an array of the same shape) go back
+        into this rank's chunk and the full arrays are released. Collective over dp; every rank
+        must write the same values. Do not run the model inside (the units release the parameters
+        they gather). On an exception nothing is written back."""
+        try:
+            with self._gathered():
+                yield
+        finally:
+            self.store.release()

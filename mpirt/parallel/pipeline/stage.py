@@ -39,8 +39,7 @@ import numpy as np
 import mpirt.core.backend as B
 from mpirt.core.injected import injected
 from mpirt.core.modeling import block_class, build_model, check_config, lm_loss, model_class, seed_dropouts
-from mpirt.core.nn import (Module, dropout_modules, graph_parameters, place_dropouts, seed_losses, stand_ins,
-                           zero_grads)
+from mpirt.core.nn import Module, dropout_modules, graph_parameters, place_dropouts, seed_losses, stand_ins
 from mpirt.parallel.experts import parallelize_experts
 from mpirt.parallel.pipeline.partition import layer_costs, partition
 from mpirt.parallel.pipeline.executor import PipelineExecutor
@@ -223,10 +222,6 @@ class PipelineStage(PipelineExecutor):
     def named_parameters(self) -> list:
         return list(self.model.named_parameters())
 
-    def zero_grad(self) -> None:
-        """Zero the gradients in place; a parameter without one gets none (:func:`zero_grads`)."""
-        zero_grads(self._params, allocate=False)
-
     def describe_partition(self) -> str:
         """``stage s (rank r, chunk c): h.lo-h.hi [+ embed] [+ head]`` per virtual stage."""
         out = []
@@ -240,15 +235,15 @@ class PipelineStage(PipelineExecutor):
         """Forward and backward of the batch ``(x, y)`` (this dp replica's rows, split into
         ``microbatches``), then the tied-weight gradient sum over the pipeline ends. The last stage
         seeds backward with ``loss_scale`` (the gradients are then that many times the loss's).
-        Returns the mean loss of these rows on every pp rank. Averaging over dp, the sequence-
-        parallel gradient sum and clipping are the engine's (:class:`mpirt.parallel.engine.Engine`).
+        Returns the mean loss of these rows on every pp rank. The gradients add to what the
+        parameters hold: zeroing them, averaging over dp, the sequence-parallel gradient sum and
+        clipping are the engine's (:class:`mpirt.parallel.engine.Engine`).
         ``place``: (step, global batch row of x's first row): each micro-batch's dropout masks are
         then the single rank's for its rows (None: the modules' call counts stand in). The
         schedule runs inside ``no_sync()`` (the dp sync waits for the whole step)."""
         self.loss_scale, self.place = float(loss_scale), place
         seed_losses(self.dropout_roots, self.loss_scale / self.m)
         x, y = self._prepare(x, y)
-        self.zero_grad()
         try:
             with no_sync():
                 loss = self._run(self.schedule, x, y, training=True)
