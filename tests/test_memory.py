@@ -220,6 +220,8 @@ def test_what_a_cpu_rank_can_have_is_its_share_of_the_nodes_available_memory(tmp
     (4, ["--model=mixtral-tiny", "--dp=4", "--ep=2", "--zero=2"]),
     (4, ["--model=mixtral-tiny", "--dp=2", "--ep=2", "--pp=2", "--microbatches=4", "--zero=1"]),
     (4, ["--model=mixtral-tiny", "--dp=4", "--batch-size=4", "--model.n_expert=16", "--model.n_inner=512"]),
+    (4, ["--model=mixtral-tiny", "--dp=4", "--ep=4"]),
+    (4, ["--model=mixtral-tiny", "--dp=4", "--ep=4", "--model.capacity_factor=1.25"]),
 ], ids=str)
 def test_run_that_fits_is_predicted(tiny_data, tmp_path, ranks, layout):
     """Every rank's measured peak within 5% of memory.predict's: GPT and Llama (grouped-query
@@ -237,11 +239,31 @@ def test_run_that_fits_is_predicted(tiny_data, tmp_path, ranks, layout):
     assert s["memory_budget_bytes"] == 2**30 and s["peak_memory_bytes"] <= 2**30
     for measured, predicted in zip(s["peak_memory_bytes_per_rank"], s["predicted_peak_bytes_per_rank"]):
         assert predicted == pytest.approx(measured, rel=0.05), (measured / 2**20, predicted / 2**20)
-    if any(a.startswith("--ep=") for a in layout):
-        assert len(s["moe_expert_load_per_rank"]) == ranks and s["moe_expert_load_planned"] == 2.0
-        assert all(p >= m for m, p in zip(s["peak_memory_bytes_per_rank"], s["planned_peak_bytes_per_rank"])), s
+    if "--model=mixtral-tiny" in layout:  # planned at the routing's bounds; under ep above what ran
+        bound = 1.25 if "--model.capacity_factor=1.25" in layout else 2.0
+        assert s["moe_busiest_expert_load_planned"] == bound and len(s["moe_busiest_expert_load_per_rank"]) == ranks
+        if any(a.startswith("--ep=") for a in layout):
+            assert s["moe_expert_load_planned"] == bound and len(s["moe_expert_load_per_rank"]) == ranks
+            assert all(p >= m for m, p in zip(s["peak_memory_bytes_per_rank"], s["planned_peak_bytes_per_rank"])), s
     else:
         assert s["planned_peak_bytes_per_rank"] == s["predicted_peak_bytes_per_rank"]
+
+
+def test_a_router_biased_to_one_expert_is_predicted_and_planned_for(tiny_data, tmp_path):
+    """Every token's first choice is expert 0 (the test-only ``moe-router-bias``): at ep 4 its
+    rank runs twice the even share (the most it can: every token of the group once), the others
+    0.7-0.9; every rank within 5% of the prediction at its measured load, and the plan the budget
+    checks (--moe-imbalance 2) at or above the measured peak on every rank, so such a router is
+    not an out-of-memory under --memory-budget."""
+    run_module("mpirt.train", *ARGS, f"--data={tiny_data}", f"--out-dir={tmp_path}", "--memory-budget=1GiB",
+               "--model=mixtral-tiny", "--dp=4", "--ep=4", ranks=4, env={"MPIRT_VERIFY_INJECT": "moe-router-bias"})
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["moe_expert_load_per_rank"][0] == 2.0 and max(s["moe_expert_load_per_rank"][1:]) < 1.0, s
+    assert s["moe_busiest_expert_load_per_rank"][0] == 2.0 == s["moe_busiest_expert_load_planned"]
+    for measured, predicted, planned in zip(s["peak_memory_bytes_per_rank"], s["predicted_peak_bytes_per_rank"],
+                                            s["planned_peak_bytes_per_rank"]):
+        assert predicted == pytest.approx(measured, rel=0.05), (measured / 2**20, predicted / 2**20)
+        assert planned >= measured, (measured / 2**20, planned / 2**20)
 
 
 def test_prediction_starts_from_the_process_as_measured(tiny_data, tmp_path):

@@ -183,12 +183,29 @@ def expert_load_bound(cfg, model_cfg, ep: int) -> float:
     if ep <= 1 or not n_expert:
         return 1.0
     most = ep * min(top_k, n_expert // ep) / top_k
+    return min(_imbalance_bound(cfg, model_cfg), most)
+
+
+def busiest_expert_bound(cfg, model_cfg) -> float:
+    """The rows the busiest expert runs in one forward, over an expert's even share of the ep
+    group's assignments (``top_k`` x its tokens / ``n_expert``), that the prediction plans for:
+    the capacity factor or ``cfg.moe_imbalance`` as :func:`expert_load_bound`, never more than
+    every token of the group (a token picks an expert once: ``n_expert / top_k``), with or without
+    ep. 1 for a model without experts."""
+    n_expert, top_k = getattr(model_cfg, "n_expert", 0), getattr(model_cfg, "top_k", 1)
+    return min(_imbalance_bound(cfg, model_cfg), n_expert / top_k) if n_expert else 1.0
+
+
+def _imbalance_bound(cfg, model_cfg) -> float:
+    """An expert's rows over its even share that routing allows: the capacity factor, else
+    ``--moe-imbalance`` (dropless routing has no bound of its own)."""
     capacity = getattr(model_cfg, "capacity_factor", 0.0)
-    return min(capacity if capacity > 0 else cfg.moe_imbalance, most)
+    return capacity if capacity > 0 else cfg.moe_imbalance
 
 
 def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
-            checkpoint_gather: bool = False, expert_load: float | None = None) -> dict:
+            checkpoint_gather: bool = False, expert_load: float | None = None,
+            busiest_expert: float | None = None) -> dict:
     """Predicted peak bytes of world rank ``rank`` by category (:data:`CATEGORIES`) plus ``"peak"``,
     their sum, from the run's config alone (pure: nothing is built or communicated).
 
@@ -216,15 +233,19 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     a machine's environment); ``checkpoint_gather=True`` models the older whole-state checkpoints instead (the
     full state gathered on every rank without pp, on pp rank 0 with it); ``expert_load``: under
     expert parallelism, the rows this rank's experts run over the even share (a run's measured
-    ``moe_expert_load``; None: :func:`expert_load_bound`, what a budget is checked against).
+    ``moe_expert_load``; None: :func:`expert_load_bound`, what a budget is checked against);
+    ``busiest_expert``: the busiest expert's rows in one forward over its even share, which the
+    grouped experts' backward holds (a run's measured ``moe_busiest_expert_load``; None:
+    :func:`busiest_expert_bound`).
     """
     return _predict(cfg, model_cfg, layout, rank, data_bytes, process_bytes=process_bytes,
-                    checkpoint_gather=checkpoint_gather, expert_load=expert_load,
+                    checkpoint_gather=checkpoint_gather, expert_load=expert_load, busiest_expert=busiest_expert,
                     recompute=None if recompute_pays(cfg, model_cfg, layout, rank) else "none")[0]  # as the engine runs
 
 
 def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
-             checkpoint_gather: bool = False, expert_load: float | None = None, recompute: str | None = None) -> dict:
+             checkpoint_gather: bool = False, expert_load: float | None = None, busiest_expert: float | None = None,
+             recompute: str | None = None) -> dict:
     """:func:`predict`'s categories with ``recompute`` (default ``cfg.recompute``) applied as it
     is, and the step's activation peak (kept activations plus the backward's transient)."""
     from mpirt.core.precision import bytes_per_parameter, compute_dtype
@@ -239,10 +260,14 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
     costs = layer_costs(model_cfg, cfg.seq_len)
     n_full = num_parameters(model_cfg)
+    routing = {}  # a mixture of experts': the loads measured, else their bounds
+    if getattr(model_cfg, "n_expert", 0):
+        routing["busiest"] = busiest_expert_bound(cfg, model_cfg) if busiest_expert is None else busiest_expert
+    if lay.ep > 1:
+        routing.update(ep=lay.ep, expert_load=expert_load_bound(cfg, model_cfg, lay.ep)
+                       if expert_load is None else expert_load)
     acts = activation_bytes(model_cfg, batch=rows, seq_len=seq, tp=tp, sequence_parallel=sp, itemsize=e,
-                            **({"cp": lay.cp} if lay.cp > 1 else {}),
-                            **({"ep": lay.ep, "expert_load": expert_load_bound(cfg, model_cfg, lay.ep)
-                                if expert_load is None else expert_load} if lay.ep > 1 else {}))
+                            **({"cp": lay.cp} if lay.cp > 1 else {}), **routing)
     recompute = cfg.recompute if recompute is None else recompute
     mode = "full" if cfg.zero == 3 and recompute == "none" else recompute
     picked = set(lay.recomputed)
@@ -267,9 +292,12 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
             for c, (lo, hi) in enumerate(mine)) / tp
         ends = [(c == 0 and pos["pp"] == 0, c == chunks - 1 and pos["pp"] == pp - 1) for c in range(chunks)]
         per_chunk = [stage_bytes(lo, hi, *ends[c]) for c, (lo, hi) in enumerate(mine)]
-        # between B and W a chunk holds its weight passes' inputs and output gradients (recomputed
-        # or not: the rerun's B leaves the same) and the buffers it received them in
-        per_chunk_w = [(hi - lo) * acts["weight_pass"] + ends[c][0] * acts["embed_weight_pass"]
+        # between B and W a chunk holds its weight passes' inputs and output gradients (the rerun's
+        # B leaves the same) and the buffers it received them in; a fully recomputed block's rerun
+        # is itself a deferred weight pass, holding its input and its output's gradient until W
+        rerun_w = 2 * acts["input"] if mode == "full" else 0
+        per_chunk_w = [(hi - lo) * acts["weight_pass"] + sum(i in picked for i in range(lo, hi)) * rerun_w
+                       + ends[c][0] * acts["embed_weight_pass"]
                        + ends[c][1] * acts["head_weight_pass"]
                        + acts["input"] * ((not ends[c][0]) + (not ends[c][1]))  # the received input and gradient
                        for c, (lo, hi) in enumerate(mine)]

@@ -32,8 +32,8 @@ from mpirt.data.tokens import DataError, MetaError, TokenDataset, default_datase
 from mpirt.run.distributed import init_distributed, input_fingerprint
 from mpirt.parallel.grid import Grid
 from mpirt.plan.budget import available_budget
-from mpirt.plan.memory import (check_budget, decode_over_budget, expert_load_bound, explicit_budget, format_size,
-                               measured_baseline, over_budget_flag, predict, recompute_where_it_pays)
+from mpirt.plan.memory import (busiest_expert_bound, check_budget, decode_over_budget, expert_load_bound,
+                               explicit_budget, format_size, measured_baseline, over_budget_flag, predict, recompute_where_it_pays)
 from mpirt.monitor.live import Metrics, Progress, RunMonitor, format_seconds, monitor_lines, tensorboard_writer_class
 from mpirt.monitor.steps import owned_bytes
 from mpirt.core.optim import cosine_lr
@@ -455,9 +455,10 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     baselines = baselines or [None] * ctx.size
 
     def predictions(loads=None) -> list[dict]:  # every rank's, as the end block's model check counts them;
-        # ``loads``: each rank's measured expert load (None: the bound the budget is checked against)
-        return [predict(cfg, model_cfg, layout, r, process_bytes=baselines[r],
-                        expert_load=loads[r] if loads else None) for r in range(ctx.size)]
+        # ``loads``: each rank's measured expert load, its experts alike (None: the bounds the budget is
+        # checked against)
+        return [predict(cfg, model_cfg, layout, r, process_bytes=baselines[r], expert_load=loads[r] if loads else None,
+                        busiest_expert=loads[r] if loads else None) for r in range(ctx.size)]
 
     def predicted_peaks(loads=None) -> list[int]:
         return [p["peak"] for p in predictions(loads)]
@@ -692,10 +693,16 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     grid.free()
 
     peaks = world_comm.allgather_object(owned_bytes(peak=True))
-    # under ep the rows a rank's experts ran follow the routing: the model is held at the measured
-    # load, the budget was checked at its bound (memory.expert_load_bound)
-    loads = world_comm.allgather_object(max((r.get("moe_expert_load", 0.0) for r in metrics.records), default=0.0))
-    loads = loads if layout["ep"] > 1 and all(loads) else None
+    # a mixture of experts' rows follow the routing: the model is held at the rank's measured load
+    # under ep (its experts alike), the budget was checked at the bounds (memory.expert_load_bound,
+    # busiest_expert_bound); the busiest expert's measured load is reported beside its bound
+    def largest(key: str) -> list:  # every rank's largest over its steps (None: never measured)
+        mine = [r[key] for r in metrics.records if key in r]
+        return world_comm.allgather_object(max(mine) if mine else None)
+
+    loads, busiest = largest("moe_expert_load"), largest("moe_busiest_expert_load")
+    busiest = None if None in busiest else busiest  # None: no mixture of experts
+    loads = None if busiest is None else loads if layout["ep"] > 1 else [1.0] * ctx.size  # one rank: every row
     planned, expected = predicted_peaks(), predictions(loads)
     predicted = [p["peak"] for p in expected]
     summary = {
@@ -732,7 +739,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
         # what the report draws where no pipeline stash was measured (a whole model's activations)
         "predicted_activations_bytes_per_rank": [p["activations"] for p in expected],
         **({"moe_expert_load_per_rank": loads, "moe_expert_load_planned": expert_load_bound(cfg, model_cfg, layout["ep"])}
-           if loads else {}),
+           if loads and layout["ep"] > 1 else {}),
+        **({"moe_busiest_expert_load_per_rank": busiest,
+            "moe_busiest_expert_load_planned": busiest_expert_bound(cfg, model_cfg)} if busiest else {}),
         "process_baseline_bytes_per_rank": baselines,
         "memory_budget_bytes": budget,
         **monitored,
