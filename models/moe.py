@@ -222,8 +222,9 @@ class Mixtral(Llama):
         Under expert parallelism (``ep`` > 1) a rank runs the rows the whole ep group routed to
         its experts: ``expert_load`` times the ``k b s`` it sends (1: even routing; the rest of
         the block does not depend on routing). The experts' arrays (gate and up products, the
-        rows received and the outputs before they go back) scale with it; the rows sent and the
-        outputs received back are ``2 k u`` more.
+        rows received) scale with it; the outputs go back and the exchange keeps only its row
+        orders, so the block keeps the rows received and the outputs received back, ``(1 + load)
+        k u`` in place of ``2 k u`` (neither the rows sent nor the outputs before they go back).
 
         The backward: the grouped op runs expert by expert, holding its incoming gradient and
         ``dx`` (the rank's rows, ``C`` wide) and one expert's seven ``F``-wide intermediates
@@ -237,12 +238,10 @@ class Mixtral(Llama):
         e = kwargs.get("itemsize", 4)
         tokens = kwargs["batch"] * kwargs["seq_len"]
         routed = e * tokens * cfg.top_k * cfg.n_embd  # one (tokens x top_k, C) array
-        extra = int(2 * routed * load + e * tokens * 2 * cfg.n_expert)
+        extra = int(routed * (1 + load) + e * tokens * 2 * cfg.n_expert)
         busiest_rows = min(busiest * ep * tokens * cfg.top_k / cfg.n_expert, ep * tokens)  # a token picks an expert once
         grouped = 2 * routed * load + GROUPED_BACKWARD_ARRAYS * e * busiest_rows * cfg.hidden
         exchange = routed * (1 + load) if ep > 1 else 0
-        if ep > 1:
-            extra += 2 * routed
         # lm's MLP gradients and the block output's: the grouped op's (its incoming gradient) instead
         dense_mlp = e * 2 * tokens * cfg.top_k * cfg.hidden * load / kwargs.get("tp", 1) + e * tokens * cfg.n_embd
         return {**out, "block": out["block"] + extra, "backward": int(out["backward"] - dense_mlp + max(grouped, exchange))}

@@ -39,6 +39,11 @@ from mpirt.core.tensor import Function
 
 AXIS = "ep"
 EXPERT_SPEC = ShardSpec((AXIS, None, None))  # stacked expert weights (E, C, F): whole experts per rank
+# What the MPI library keeps after a rank's first all-to-all of rows, per peer: MPICH's shared-memory
+# transport grows a pool of message buffers and keeps it (measured here, MPICH 5.0, MPI_Alltoallv of
+# 0.5-2 MiB rows: 1.0 MiB per peer, 1-3 MiB at 4 ranks, whatever the rows' size); the memory
+# prediction counts it under ep (mpirt.plan.memory)
+EXCHANGE_POOL_BYTES_PER_PEER = 2**20
 
 
 def _inverse(order: np.ndarray) -> np.ndarray:

@@ -164,6 +164,12 @@ def vocab_from_data(cfg, model_cfg, data: TokenDataset, tp: int):
     return dataclasses.replace(model_cfg, vocab_size=-(-data.vocab_size // step) * step)
 
 
+def host_heap(cfg) -> bool:
+    """Whether the run's arrays will live in the host heap (NumPy: ``--backend numpy``, or ``auto``
+    without a GPU), before the backend is set up: what the memory prediction models then."""
+    return cfg.backend == "numpy" or (cfg.backend == "auto" and not B.cupy_available())
+
+
 def comm_timeout(cfg, model_cfg) -> float:
     """The watchdog's timeout in training: ``--comm-timeout``, or for -1 (auto) 300 s plus the time
     rank 0 may spend writing a checkpoint (weights and both AdamW moments at 50 MB/s) while the
@@ -396,7 +402,8 @@ def main(argv=None) -> dict:
                 if cfg.memory_budget.strip().lower() == "auto" else None)
         baselines, available = (list(x) for x in zip(*comm.world_comm().allgather_object(mine)))
         try:
-            check_budget(cfg, model_cfg, layout, world.size, baselines=baselines, available=available)
+            check_budget(cfg, model_cfg, layout, world.size, baselines=baselines, available=available,
+                         host_heap=host_heap(cfg))
         except ValueError as err:  # the same on every rank: they all hold the same baselines
             failed = (0, str(err))
     startup.refuse_if_any(failed, world.rank, lock)
@@ -454,11 +461,12 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     world_comm = ctx.comm
     baselines = baselines or [None] * ctx.size
 
-    def predictions(loads=None) -> list[dict]:  # every rank's, as the end block's model check counts them;
-        # ``loads``: each rank's measured expert load, its experts alike (None: the bounds the budget is
-        # checked against)
+    def predictions(loads=None, busiest=None) -> list[dict]:  # every rank's, as the end block's model check
+        # counts them; ``loads``, ``busiest``: each rank's measured expert load and busiest expert's (None:
+        # the bounds the budget is checked against)
         return [predict(cfg, model_cfg, layout, r, process_bytes=baselines[r], expert_load=loads[r] if loads else None,
-                        busiest_expert=loads[r] if loads else None) for r in range(ctx.size)]
+                        busiest_expert=busiest[r] if busiest else None, host_heap=B.name == "numpy")
+                for r in range(ctx.size)]
 
     def predicted_peaks(loads=None) -> list[int]:
         return [p["peak"] for p in predictions(loads)]
@@ -693,9 +701,9 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     grid.free()
 
     peaks = world_comm.allgather_object(owned_bytes(peak=True))
-    # a mixture of experts' rows follow the routing: the model is held at the rank's measured load
-    # under ep (its experts alike), the budget was checked at the bounds (memory.expert_load_bound,
-    # busiest_expert_bound); the busiest expert's measured load is reported beside its bound
+    # a mixture of experts' rows follow the routing: the model is held at the rank's measured loads
+    # (its experts' rows under ep, its deepest layer's busiest expert), the budget was checked at
+    # their bounds (memory.expert_load_bound, busiest_expert_bound), reported beside them
     def largest(key: str) -> list:  # every rank's largest over its steps (None: never measured)
         mine = [r[key] for r in metrics.records if key in r]
         return world_comm.allgather_object(max(mine) if mine else None)
@@ -703,7 +711,7 @@ def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path,
     loads, busiest = largest("moe_expert_load"), largest("moe_busiest_expert_load")
     busiest = None if None in busiest else busiest  # None: no mixture of experts
     loads = None if busiest is None else loads if layout["ep"] > 1 else [1.0] * ctx.size  # one rank: every row
-    planned, expected = predicted_peaks(), predictions(loads)
+    planned, expected = predicted_peaks(), predictions(loads, busiest)
     predicted = [p["peak"] for p in expected]
     summary = {
         "steps": step,
