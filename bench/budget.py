@@ -75,6 +75,22 @@ def run(a, layout: str, ranks: int, out: Path, axis: str, extra=()) -> dict:
     return {"summary": summary, "losses": [r["loss"] for r in steps], "comm_share": share, "axis_bytes": sent}
 
 
+def routing_notes(summary: dict, layout: str) -> list[str]:
+    """A mixture of experts' measured loads beside what the budget was planned at (none without
+    experts): the peak predicted is at the measured loads, the plan at their bounds."""
+    if "moe_busiest_expert_load_per_rank" not in summary:
+        return []
+    loads = summary.get("moe_expert_load_per_rank")
+    mib = " / ".join(f"{m / 2**20:.1f}" for m in summary["peak_memory_bytes_per_rank"])
+    predicted = " / ".join(f"{p / 2**20:.1f}" for p in summary["predicted_peak_bytes_per_rank"])
+    planned = " / ".join(f"{p / 2**20:.1f}" for p in summary["planned_peak_bytes_per_rank"])
+    return [(f"{layout}, first run, per rank: " + (f"expert load {', '.join(f'{x:.2f}' for x in loads)} (planned at "
+             f"{summary['moe_expert_load_planned']:g}); " if loads else "") + "busiest expert's load (deepest layer) "
+             f"{', '.join(f'{x:.2f}' for x in summary['moe_busiest_expert_load_per_rank'])} (planned at "
+             f"{summary['moe_busiest_expert_load_planned']:g}); peak measured / predicted at those loads / planned MiB: "
+             f"{mib}; {predicted}; {planned}")]
+
+
 def main(a, name: str, title: str, axis: str, what: str) -> None:
     """Run the benchmark (see the module docstring) and write ``NAME.json``/``.md``. ``axis``: the
     layout's own communicator, whose bytes a step get a column; ``what``: a line on the model."""
@@ -136,6 +152,7 @@ def main(a, name: str, title: str, axis: str, what: str) -> None:
              f"losses of {a.layout} against one rank: largest relative difference {worst:.1e}",
              f"tokens/s: median of the runs (range); comm: median step's time blocked in MPI / step time (rank 0); "
              f"{axis} MiB: sent on the {axis} axis a step (rank 0, median)"]
+    notes += routing_notes(runs["layout"][0]["summary"], a.layout)
     write_results(name, title, ["layout", "ranks", "tokens/s", "comm", f"{axis} MiB/step", "peak predicted",
                                 "peak measured", "within budget"],
                   rows, load.stop(children_cpu_s() - children_cpu0),

@@ -35,6 +35,7 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt.core import ops
+from mpirt.core.injected import injected
 from mpirt.core.modeling import LayerCost, register
 from mpirt.core.nn import Dropout, Linear, Module, Parameter
 from mpirt.core.ops.moe import grouped_swiglu
@@ -104,6 +105,8 @@ class MoEMLP(Module):
         """``(choice (N, k), kept (N * k,) bool)`` of router probabilities ``p`` (N, E) of ``rows``
         sequences: each token's top-k experts, and which assignments fit their expert's capacity."""
         n, e, k = p.shape[0], self.n_expert, self.top_k
+        if injected("moe-router-bias"):  # test-only (mpirt.core.injected): expert 0 first for every token
+            p = p + (np.arange(e) == 0)
         choice = np.argsort(-p, axis=-1, kind="stable")[:, :k]
         if self.capacity_factor <= 0:
             return choice, np.ones(n * k, dtype=bool)
@@ -151,6 +154,9 @@ class MoEBlock(LlamaBlock):
     mlp_class = MoEMLP
 
 
+# the F-wide arrays one expert's backward holds at once beyond its kept gate and up products (its
+# sigmoid, silu, the down projection's input gradient, the gate and up gradients, two temporaries)
+GROUPED_BACKWARD_ARRAYS = 7
 TP_PLAN = (VOCAB_TABLE, *ATTENTION_PLAN, *VOCAB_HEAD_PLAN)  # attention split; router and experts replicated
 
 
@@ -206,7 +212,8 @@ class Mixtral(Llama):
         return 6.0 * cls.active_parameters_of(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
 
     @classmethod
-    def activation_bytes_of(cls, cfg: MoEConfig, ep: int = 1, expert_load: float = 1.0, **kwargs) -> dict:
+    def activation_bytes_of(cls, cfg: MoEConfig, ep: int = 1, expert_load: float = 1.0, busiest: float | None = None,
+                            **kwargs) -> dict:
         """Llama's formulas with an MLP ``top_k`` experts wide whose two kept arrays are each
         token's experts' gate and up products (the grouped op keeps no output of its own: the
         backward makes ``silu(g) u`` again), plus the grouped input and output (``2 k u``) and the
@@ -215,20 +222,29 @@ class Mixtral(Llama):
         Under expert parallelism (``ep`` > 1) a rank runs the rows the whole ep group routed to
         its experts: ``expert_load`` times the ``k b s`` it sends (1: even routing; the rest of
         the block does not depend on routing). The experts' arrays (gate and up products, the
-        rows received and the outputs before they go back) scale with it; the rows sent and the
-        outputs received back are ``2 k u`` more; the backward of a token exchange holds the
-        gradient in the order it travels beside the one received."""
+        rows received) scale with it; the outputs go back and the exchange keeps only its row
+        orders, so the block keeps the rows received and the outputs received back, ``(1 + load)
+        k u`` in place of ``2 k u`` (neither the rows sent nor the outputs before they go back).
+
+        The backward: the grouped op runs expert by expert, holding its incoming gradient and
+        ``dx`` (the rank's rows, ``C`` wide) and one expert's seven ``F``-wide intermediates
+        (:class:`mpirt.core.ops.moe.GroupedSwiGLU`): the busiest expert's rows, ``busiest`` times
+        an expert's even share of the group's assignments ``ep k b s / E`` (None: ``expert_load``,
+        the rank's experts alike). A token exchange's backward holds the gradient in the order it
+        travels beside the one received, ``(1 + load) k u``, before or after it."""
         load = expert_load if ep > 1 else 1.0  # one rank runs every routed row: no imbalance
+        busiest = load if busiest is None else busiest
         out = activation_bytes(cfg, mlp_saved=1, mlp_width=cfg.top_k * cfg.hidden * load, **kwargs)
         e = kwargs.get("itemsize", 4)
         tokens = kwargs["batch"] * kwargs["seq_len"]
         routed = e * tokens * cfg.top_k * cfg.n_embd  # one (tokens x top_k, C) array
-        extra = int(2 * routed * load + e * tokens * 2 * cfg.n_expert)
-        backward = out["backward"]
-        if ep > 1:
-            extra += 2 * routed
-            backward += int(routed * (1 + load))
-        return {**out, "block": out["block"] + extra, "backward": backward}
+        extra = int(routed * (1 + load) + e * tokens * 2 * cfg.n_expert)
+        busiest_rows = min(busiest * ep * tokens * cfg.top_k / cfg.n_expert, ep * tokens)  # a token picks an expert once
+        grouped = 2 * routed * load + GROUPED_BACKWARD_ARRAYS * e * busiest_rows * cfg.hidden
+        exchange = routed * (1 + load) if ep > 1 else 0
+        # lm's MLP gradients and the block output's: the grouped op's (its incoming gradient) instead
+        dense_mlp = e * 2 * tokens * cfg.top_k * cfg.hidden * load / kwargs.get("tp", 1) + e * tokens * cfg.n_embd
+        return {**out, "block": out["block"] + extra, "backward": int(out["backward"] - dense_mlp + max(grouped, exchange))}
 
     @classmethod
     def layer_costs_of(cls, cfg: MoEConfig, seq_len: int) -> list:

@@ -326,7 +326,10 @@ def _array_base(a):
 
 
 def _arrays_in(value):
-    """The NumPy/CuPy arrays in ``value``: itself, or inside (nested) tuples and lists."""
+    """The NumPy/CuPy arrays in ``value``: itself, or inside (nested) tuples, lists and dict values
+    (a grouped op keeps its experts' arrays by expert)."""
+    if isinstance(value, dict):
+        value = list(value.values())
     if isinstance(value, (tuple, list)):
         for v in value:
             yield from _arrays_in(v)

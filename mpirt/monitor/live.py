@@ -170,7 +170,7 @@ class _TensorBoard:
 # per-step figures shown in TensorBoard (rank 0's), beside the ranks' spread
 _TB_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "step_over_gemm_floor",
             "compute_s", "mpi_wait_s", "comm_s", "bubble_s", "dp_exposed_s", "memory_bytes", "moe_imbalance",
-            "moe_expert_load", "moe_dropped", "moe_aux_loss")
+            "moe_expert_load", "moe_busiest_expert_load", "moe_dropped", "moe_aux_loss")
 
 
 def expert_figures(routers) -> dict:
@@ -181,7 +181,13 @@ def expert_figures(routers) -> dict:
     ``moe_aux_loss`` (the layers' mean load-balancing loss); under expert parallelism
     ``moe_expert_load``: the rows this rank's experts ran in the step's layers and micro-batches
     over its own tokens x top_k (1: even routing; what the memory prediction's ``expert_load``
-    means; the hooks' count restarts). {} without routers."""
+    means; the hooks' count restarts); ``moe_busiest_expert_load``: in this rank's deepest layer,
+    the most rows one of its experts ran in one forward over an expert's even share (``top_k`` x the
+    ep group's tokens / ``n_expert``; the prediction's ``busiest_expert``): under ep the step's
+    largest, without it the last micro-batch's (the router's ``tokens_per_expert``). The deepest
+    layer's: its backward runs first, beside every layer's kept activations, where its experts'
+    transient makes the step's peak (an earlier layer's runs after the later ones' are freed).
+    {} without routers."""
     stats = [m.stats for m in routers if m.stats]
     if not stats:
         return {}
@@ -192,8 +198,13 @@ def expert_figures(routers) -> dict:
            "moe_aux_loss": sum(s["aux_loss"] for s in stats) / len(stats)}
     hooks = [m.expert_parallel for m in routers if m.expert_parallel is not None]
     if hooks:
-        ran, assigned = (sum(part) for part in zip(*(h.take_load() for h in hooks)))
-        out["moe_expert_load"] = ran / assigned if assigned else 0.0
+        ran, assigned, busiest = zip(*(h.take_load() for h in hooks))
+        out["moe_expert_load"] = sum(ran) / sum(assigned) if sum(assigned) else 0.0
+        out["moe_busiest_expert_load"] = busiest[-1]
+    else:  # one rank runs every expert of its tokens' assignments (dropped ones included in the share)
+        deepest = stats[-1]
+        out["moe_busiest_expert_load"] = (max(deepest["tokens_per_expert"]) * len(deepest["tokens_per_expert"])
+                                          / (sum(deepest["tokens_per_expert"]) + deepest["dropped"]))
     return out
 
 

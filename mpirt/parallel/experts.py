@@ -40,6 +40,11 @@ from mpirt.core.tensor import Function
 
 AXIS = "ep"
 EXPERT_SPEC = ShardSpec((AXIS, None, None))  # stacked expert weights (E, C, F): whole experts per rank
+# What the MPI library keeps after a rank's first all-to-all of rows, per peer: MPICH's shared-memory
+# transport grows a pool of message buffers and keeps it (measured here, MPICH 5.0, MPI_Alltoallv of
+# 0.5-2 MiB rows: 1.0 MiB per peer, 1-3 MiB at 4 ranks, whatever the rows' size); the memory
+# prediction counts it under ep (mpirt.plan.memory)
+EXCHANGE_POOL_BYTES_PER_PEER = 2**20
 
 
 def _inverse(order: np.ndarray) -> np.ndarray:
@@ -74,7 +79,8 @@ class ExpertParallel:
         if n_expert % comm.size:
             raise ValueError(f"ep: {comm.size} does not divide n_expert={n_expert}")
         self.comm, self.n_expert, self.local = comm, n_expert, n_expert // comm.size
-        self.routed = [0, 0]  # rows run and assignments of the training forwards since the monitor last read them
+        # rows run, assignments and the busiest expert's load of the training forwards since the monitor last read them
+        self.routed = [0, 0, 0.0]
 
     def run(self, x, counts, w_gate, w_up, w_down, assignments: int):
         """The experts' outputs for rows ``x`` (M, C) grouped by global expert (``counts[e]`` rows
@@ -84,10 +90,12 @@ class ExpertParallel:
         ep, local = self.comm.size, self.local
         sent = np.asarray(counts, dtype=np.int64).reshape(ep, local)   # rows for each rank's experts
         got, _ = self.comm.alltoallv(sent, [1] * ep)                     # (ep, local): from each source
+        local_ids, per_expert = np.arange(local), got.sum(axis=0)
         if x.requires_grad:  # what a training step keeps for backward (an evaluation keeps nothing)
             self.routed[0] += int(got.sum())
             self.routed[1] += assignments
-        local_ids, per_expert = np.arange(local), got.sum(axis=0)
+            # an expert's even share of the group's assignments is assignments * ep / E = assignments / local
+            self.routed[2] = max(self.routed[2], int(per_expert.max()) * local / assignments if assignments else 0.0)
         if local > 1 and injected("ep-expert-swap"):  # test-only (mpirt.core.injected): rows meet the wrong weights
             local_ids, per_expert = local_ids[::-1], per_expert[::-1]
         expert_of_row = np.repeat(np.tile(local_ids, ep), got.reshape(-1))  # source-major rows
@@ -96,10 +104,12 @@ class ExpertParallel:
         ys = grouped_swiglu(xs, w_gate, w_up, w_down, per_expert, weight_grad_scale=1.0 / ep)  # the group's mean
         return TokenExchange.apply(ys, comm=self.comm, send=got.sum(axis=1), before=_inverse(order))
 
-    def take_load(self) -> tuple[int, int]:
-        """``(rows this rank's experts ran, this rank's assignments)`` over the training forwards
-        since the last call; their ratio is the load the memory prediction plans for (1: even)."""
-        taken, self.routed = tuple(self.routed), [0, 0]
+    def take_load(self) -> tuple[int, int, float]:
+        """``(rows this rank's experts ran, this rank's assignments, busiest)`` over the training
+        forwards since the last call: the first two's ratio is the rank's expert load, ``busiest``
+        the most rows one of its experts ran in one forward over an expert's even share of the
+        group's assignments (1: even routing), the two loads the memory prediction plans for."""
+        taken, self.routed = tuple(self.routed), [0, 0, 0.0]
         return taken
 
 

@@ -8,7 +8,7 @@ import re
 import numpy as np
 
 from mpirt.parallel.layout import AXES, Layout
-from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
+from mpirt.plan.holdings import peak_in_flight
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -68,6 +68,14 @@ LATE_BYTES = int(8.2 * 2**20)
 # its measured baseline less the other ranks', 9.0 MiB in the development install).
 PROCESS_BYTES = 44 * 2**20
 WRITER_BYTES = 9 * 2**20
+# A split (zero-bubble) schedule frees a micro-batch in two parts, its stash at B and its weight
+# passes' inputs at W, between other micro-batches' arrays and each action's transients: in the host
+# heap (which keeps freed memory resident for reuse, mpirt.cpu.hostalloc) the holes are not refilled.
+# Measured over pp 8 zb-h1 stages (llama-tiny 16 x 256 and 8 x 256, with and without --recompute
+# full): 12-24% of what a stage holds (35% on the smallest), median 17%, the same from step to step.
+# Handing the free pages back after each action removes them, but cost 19-24% more CPU time a step
+# (page faults, madvise): the runtime keeps them and the prediction counts them.
+SPLIT_HOST_HEAP_HOLES = 0.17
 CATEGORIES = ("baseline", "data", "parameters", "gradients", "optimizer_state", "activations", "communication",
               "workspace")
 
@@ -100,54 +108,22 @@ def _tensorboard_installed() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-def peak_in_flight(schedule, rank: int, chunk_bytes: list, weight_bytes: list | None = None) -> int:
-    """Peak bytes of the micro-batches a pipeline rank holds for backward under ``schedule`` (its
-    action list: an F stashes ``chunk_bytes[chunk]`` until its B), as
-    :class:`mpirt.parallel.pipeline.executor.PipelineExecutor` holds them. When the backward is split,
-    a B leaves ``weight_bytes[chunk]`` (the weight passes' inputs and output gradients) until its
-    W; without ``weight_bytes`` the stash itself stays until W."""
-    split = schedule.split_backward
-    weight_bytes = weight_bytes if split and weight_bytes is not None else chunk_bytes
-    sizes = list(chunk_bytes) + list(weight_bytes)
-    return max(sum(n * b for n, b in zip(held, sizes)) for held in _holdings(schedule, rank))
-
-
-_HOLDINGS: dict = {}
-
-
-def _holdings(schedule, rank: int) -> list:
-    """The distinct states of what ``rank`` holds along its action list (each after an action),
-    as counts ``[stashes of chunk 0 .. v-1, weight-pass holds of chunk 0 .. v-1]``: the peak of
-    any byte sizes is the largest of their dot products with these (the planner asks for the same
-    schedule with thousands of sizes). Keyed by the schedule's identity (the built schedules are
-    cached, :func:`mpirt.parallel.layout._schedule`), the schedule kept alive with the answer."""
-    key = (id(schedule), rank)
-    if key in _HOLDINGS and _HOLDINGS[key][0] is schedule:
-        return _HOLDINGS[key][1]
-    v, split = schedule.chunks, schedule.split_backward
-    held, states = [0] * (2 * v), {(0,) * (2 * v)}
-    for a in schedule.actions[rank]:
-        if a.op == FORWARD:
-            held[a.chunk] += 1
-        elif a.op == BACKWARD:
-            held[a.chunk] -= 1
-            held[v + a.chunk] += split  # without a split, nothing waits for W
-        elif a.op == WEIGHT:
-            held[v + a.chunk] -= 1
-        else:
-            continue
-        states.add(tuple(held))
-    if len(_HOLDINGS) >= 4096:
-        _HOLDINGS.clear()
-    _HOLDINGS[key] = (schedule, sorted(states))
-    return _HOLDINGS[key][1]
-
-
 def _kept(acts: dict, mode: str, recomputed: bool) -> int:
     """One block's kept bytes under ``mode`` (``recomputed``: the block is among the chosen)."""
     if not recomputed or mode == "none":
         return acts["block"]
     return acts["block"] - acts["core"] if mode == "selective" else acts["input"]
+
+
+def _handed_to_w(acts: dict, mode: str, picked: set, rerun_w: int, lo: int, hi: int) -> int:
+    """What a split B of blocks ``lo..hi-1`` holds beyond its start as a block's backward runs:
+    it goes block by block from the last, each block's stash giving way to its weight-pass hold,
+    so a block runs beside the blocks after it already handed to W (the most over the blocks)."""
+    handed = most = 0
+    for i in range(hi - 1, lo, -1):
+        handed += acts["weight_pass"] + (i in picked) * rerun_w - _kept(acts, mode, i in picked)
+        most = max(most, handed)
+    return most
 
 
 def recompute_pays(cfg, model_cfg, layout: dict, rank: int) -> bool:
@@ -183,12 +159,29 @@ def expert_load_bound(cfg, model_cfg, ep: int) -> float:
     if ep <= 1 or not n_expert:
         return 1.0
     most = ep * min(top_k, n_expert // ep) / top_k
+    return min(_imbalance_bound(cfg, model_cfg), most)
+
+
+def busiest_expert_bound(cfg, model_cfg) -> float:
+    """The rows the busiest expert runs in one forward, over an expert's even share of the ep
+    group's assignments (``top_k`` x its tokens / ``n_expert``), that the prediction plans for:
+    the capacity factor or ``cfg.moe_imbalance`` as :func:`expert_load_bound`, never more than
+    every token of the group (a token picks an expert once: ``n_expert / top_k``), with or without
+    ep. 1 for a model without experts."""
+    n_expert, top_k = getattr(model_cfg, "n_expert", 0), getattr(model_cfg, "top_k", 1)
+    return min(_imbalance_bound(cfg, model_cfg), n_expert / top_k) if n_expert else 1.0
+
+
+def _imbalance_bound(cfg, model_cfg) -> float:
+    """An expert's rows over its even share that routing allows: the capacity factor, else
+    ``--moe-imbalance`` (dropless routing has no bound of its own)."""
     capacity = getattr(model_cfg, "capacity_factor", 0.0)
-    return min(capacity if capacity > 0 else cfg.moe_imbalance, most)
+    return capacity if capacity > 0 else cfg.moe_imbalance
 
 
 def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
-            checkpoint_gather: bool = False, expert_load: float | None = None) -> dict:
+            checkpoint_gather: bool = False, expert_load: float | None = None,
+            busiest_expert: float | None = None, host_heap: bool = False) -> dict:
     """Predicted peak bytes of world rank ``rank`` by category (:data:`CATEGORIES`) plus ``"peak"``,
     their sum, from the run's config alone (pure: nothing is built or communicated).
 
@@ -200,9 +193,10 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     buckets being reduced, the gradients in flight and a pipeline's tied embedding gradient); ``activations``: one micro-batch's kept bytes (the model's
     ``activation_bytes_of`` under the recomputation setting; ZeRO-3 keeps only unit inputs) times the
     pipeline schedule's peak in flight (a pipeline stash also holds the stage's received input and
-    its output); ``communication``: pipeline receive buffers, ZeRO-3's
-    gathered unit (parameters and gradient), ring attention's keys and values in flight (context
-    parallelism); ``workspace``: the larger transient of the backward's
+    its output); ``communication``: pipeline receive buffers, the MPI library's message pool an
+    expert-parallel token exchange grows (``EXCHANGE_POOL_BYTES_PER_PEER`` in
+    :mod:`mpirt.parallel.experts`), ZeRO-3's gathered unit (parameters and gradient), ring
+    attention's keys and values in flight (context parallelism); ``workspace``: the larger transient of the backward's
     gradient of the logits (plus one recomputed block, whole again) and, less the activations
     (freed by then), data parallelism's allreduce temporaries (MPI's, one per bucket in flight: at
     worst the whole gradient) or what saving a checkpoint holds: every rank streams the boxes it owns (format 3),
@@ -216,15 +210,23 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     a machine's environment); ``checkpoint_gather=True`` models the older whole-state checkpoints instead (the
     full state gathered on every rank without pp, on pp rank 0 with it); ``expert_load``: under
     expert parallelism, the rows this rank's experts run over the even share (a run's measured
-    ``moe_expert_load``; None: :func:`expert_load_bound`, what a budget is checked against).
+    ``moe_expert_load``; None: :func:`expert_load_bound`, what a budget is checked against);
+    ``busiest_expert``: the busiest expert's rows in one forward over its even share, which the
+    grouped experts' backward holds, in the deepest layer (its backward runs beside every layer's
+    kept activations; a run's measured ``moe_busiest_expert_load``; None: :func:`busiest_expert_bound`);
+    ``host_heap``: the arrays live in the host heap (the NumPy backend), where a split schedule's
+    stage also holds the holes its freed arrays leave (:data:`SPLIT_HOST_HEAP_HOLES` of its
+    activations; a GPU's pool is not modelled).
     """
     return _predict(cfg, model_cfg, layout, rank, data_bytes, process_bytes=process_bytes,
-                    checkpoint_gather=checkpoint_gather, expert_load=expert_load,
-                    recompute=None if recompute_pays(cfg, model_cfg, layout, rank) else "none")[0]  # as the engine runs
+                    checkpoint_gather=checkpoint_gather, expert_load=expert_load, busiest_expert=busiest_expert,
+                    host_heap=host_heap,  # recomputing as the engine does
+                    recompute=None if recompute_pays(cfg, model_cfg, layout, rank) else "none")[0]
 
 
 def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
-             checkpoint_gather: bool = False, expert_load: float | None = None, recompute: str | None = None) -> dict:
+             checkpoint_gather: bool = False, expert_load: float | None = None, busiest_expert: float | None = None,
+             host_heap: bool = False, recompute: str | None = None) -> dict:
     """:func:`predict`'s categories with ``recompute`` (default ``cfg.recompute``) applied as it
     is, and the step's activation peak (kept activations plus the backward's transient)."""
     from mpirt.core.precision import bytes_per_parameter, compute_dtype
@@ -239,10 +241,14 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
     costs = layer_costs(model_cfg, cfg.seq_len)
     n_full = num_parameters(model_cfg)
+    routing = {}  # a mixture of experts': the loads measured, else their bounds
+    if getattr(model_cfg, "n_expert", 0):
+        routing["busiest"] = busiest_expert_bound(cfg, model_cfg) if busiest_expert is None else busiest_expert
+    if lay.ep > 1:
+        routing.update(ep=lay.ep, expert_load=expert_load_bound(cfg, model_cfg, lay.ep)
+                       if expert_load is None else expert_load)
     acts = activation_bytes(model_cfg, batch=rows, seq_len=seq, tp=tp, sequence_parallel=sp, itemsize=e,
-                            **({"cp": lay.cp} if lay.cp > 1 else {}),
-                            **({"ep": lay.ep, "expert_load": expert_load_bound(cfg, model_cfg, lay.ep)
-                                if expert_load is None else expert_load} if lay.ep > 1 else {}))
+                            **({"cp": lay.cp} if lay.cp > 1 else {}), **routing)
     recompute = cfg.recompute if recompute is None else recompute
     mode = "full" if cfg.zero == 3 and recompute == "none" else recompute
     picked = set(lay.recomputed)
@@ -267,14 +273,18 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
             for c, (lo, hi) in enumerate(mine)) / tp
         ends = [(c == 0 and pos["pp"] == 0, c == chunks - 1 and pos["pp"] == pp - 1) for c in range(chunks)]
         per_chunk = [stage_bytes(lo, hi, *ends[c]) for c, (lo, hi) in enumerate(mine)]
-        # between B and W a chunk holds its weight passes' inputs and output gradients (recomputed
-        # or not: the rerun's B leaves the same) and the buffers it received them in
-        per_chunk_w = [(hi - lo) * acts["weight_pass"] + ends[c][0] * acts["embed_weight_pass"]
+        # between B and W a chunk holds its weight passes' inputs and output gradients (the rerun's
+        # B leaves the same) and the buffers it received them in; a fully recomputed block's rerun
+        # is itself a deferred weight pass, holding its input and its output's gradient until W
+        rerun_w = 2 * acts["input"] if mode == "full" else 0
+        per_chunk_w = [(hi - lo) * acts["weight_pass"] + sum(i in picked for i in range(lo, hi)) * rerun_w
+                       + ends[c][0] * acts["embed_weight_pass"]
                        + ends[c][1] * acts["head_weight_pass"]
                        + acts["input"] * ((not ends[c][0]) + (not ends[c][1]))  # the received input and gradient
                        for c, (lo, hi) in enumerate(mine)]
         activations = peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w)
         held = [i for lo, hi in mine for i in range(lo, hi)]
+        handed_before = [_handed_to_w(acts, mode, picked, rerun_w, lo, hi) for lo, hi in mine]
     # a mixture of experts' stacked experts: replicated over tp, split over ep, sharded over edp
     experts = len(held) * getattr(model_class(model_cfg), "expert_weights_of", lambda c: 0)(model_cfg)
     n_local -= experts / tp
@@ -298,6 +308,9 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         grads += bucket * (2 - 1 / replicas) + 2 * min(max(c.params for c in costs[1:-1]) / 3 / tp * e, n_local * e)
         if pp > 1 and pos["pp"] in (0, pp - 1):  # the tied embedding's gradient, held for the step
             grads += costs[0].params / tp * e
+    if lay.ep > 1:  # the MPI library's message pool, grown by the first token exchange and kept
+        from mpirt.parallel.experts import EXCHANGE_POOL_BYTES_PER_PEER
+        comm += (lay.ep - 1) * EXCHANGE_POOL_BYTES_PER_PEER
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
         comm += 2 * rows * (seq // (tp if sp else 1)) * model_cfg.n_embd * e
     if lay.cp > 1:  # ring attention's keys and values in flight, with their gradient in the backward
@@ -317,6 +330,10 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     backward = max(logits if has_head else 0, block)
     if any(i in picked for i in held) and mode != "none":  # one rerun, alive while its backward runs
         backward += acts["block"] if mode == "full" else acts["rerun"]
+    if pp > 1 and lay.split_backward:  # a split stage holds most after a B, not while it runs
+        during = [gain + backward for gain in handed_before]
+        backward = max(0, peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w, during)
+                       - activations)
     gathers_state = pp == 1 or pos["pp"] == 0
     checkpoint = 3 * n_full * state_e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * tp * state_e
     if not checkpoint_gather:  # format 3: boxes stream from the arrays, one at a time copied when not
@@ -331,6 +348,8 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     red = 4 if e == 2 else e
     synced = 0 if cfg.zero else (n_local * (replicas > 1) + experts / lay.ep * (dp // lay.ep > 1)) * red
     buckets = (synced - DDP_BUCKET / 2) * (2 if e == 2 else 1) if synced > DDP_BUCKET else 0
+    if host_heap and pp > 1 and lay.split_backward:
+        activations *= 1 + SPLIT_HOST_HEAP_HOLES
     # the step's transient comes on top of the activations, the end of the run's after they are freed
     workspace = max(backward, checkpoint - activations, buckets - activations)
     out = {"baseline": PROCESS_BYTES if process_bytes is None else process_bytes, "data": data_bytes, "parameters": params, "gradients": grads, "optimizer_state": optimizer,
@@ -349,14 +368,15 @@ def describe_rank(layout, rank: int) -> str:
 
 
 def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int = 0,
-                 baselines: list[int] | None = None, available: list | None = None) -> list[dict]:
+                 baselines: list[int] | None = None, available: list | None = None,
+                 host_heap: bool = False) -> list[dict]:
     """Every rank's :func:`predict` (``baselines``: each rank's :func:`measured_baseline`, else
-    :data:`PROCESS_BYTES`); ValueError for the rank whose peak exceeds its budget by the most,
-    naming its largest term, the numbers and what would shrink it. The budget: an explicit
+    :data:`PROCESS_BYTES`; ``host_heap`` as there); ValueError for the rank whose peak exceeds its
+    budget by the most, naming its largest term, the numbers and what would shrink it. The budget: an explicit
     ``cfg.memory_budget``, or under ``auto`` each rank's ``available`` entry (``(bytes, where
     from)`` of :func:`mpirt.plan.budget.available_budget`; None: unknown, unchecked)."""
-    preds = [predict(cfg, model_cfg, layout, r, data_bytes, process_bytes=baselines[r] if baselines else None)
-             for r in range(world_size)]
+    preds = [predict(cfg, model_cfg, layout, r, data_bytes, process_bytes=baselines[r] if baselines else None,
+                     host_heap=host_heap) for r in range(world_size)]
     explicit = explicit_budget(cfg.memory_budget)
     if explicit is not None:
         limits = [(explicit, None)] * world_size

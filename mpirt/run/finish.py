@@ -14,7 +14,7 @@ from mpirt.core.modeling import num_parameters
 from mpirt.monitor.live import format_seconds, monitor_lines
 from mpirt.monitor.steps import owned_bytes
 from mpirt.plan import format_lines as prediction_lines, self_check
-from mpirt.plan.memory import expert_load_bound
+from mpirt.plan.memory import busiest_expert_bound, expert_load_bound
 from mpirt.run import health, jobctl
 
 
@@ -27,11 +27,17 @@ def finish(run) -> dict:
     run.engine.close()
     run.grid.free()
     peaks = world_comm.allgather_object(owned_bytes(peak=True))
-    # under ep the rows a rank's experts ran follow the routing: the model is held at the measured
-    # load, the budget was checked at its bound (memory.expert_load_bound)
-    loads = world_comm.allgather_object(max((r.get("moe_expert_load", 0.0) for r in metrics.records), default=0.0))
-    loads = loads if layout["ep"] > 1 and all(loads) else None
-    planned, expected = run.predicted_peaks(), run.predictions(loads)
+    # a mixture of experts' rows follow the routing: the model is held at the rank's measured loads
+    # (its experts' rows under ep, its deepest layer's busiest expert), the budget was checked at
+    # their bounds (memory.expert_load_bound, busiest_expert_bound), reported beside them
+    def largest(key: str) -> list:  # every rank's largest over its steps (None: never measured)
+        mine = [r[key] for r in metrics.records if key in r]
+        return world_comm.allgather_object(max(mine) if mine else None)
+
+    loads, busiest = largest("moe_expert_load"), largest("moe_busiest_expert_load")
+    busiest = None if None in busiest else busiest  # None: no mixture of experts
+    loads = None if busiest is None else loads if layout["ep"] > 1 else [1.0] * run.ctx.size  # one rank: every row
+    planned, expected = run.predicted_peaks(), run.predictions(loads, busiest)
     predicted = [p["peak"] for p in expected]
     summary = {
         "steps": run.step,
@@ -67,7 +73,10 @@ def finish(run) -> dict:
         # what the report draws where no pipeline stash was measured (a whole model's activations)
         "predicted_activations_bytes_per_rank": [p["activations"] for p in expected],
         **({"moe_expert_load_per_rank": loads,
-            "moe_expert_load_planned": expert_load_bound(cfg, run.model_cfg, layout["ep"])} if loads else {}),
+            "moe_expert_load_planned": expert_load_bound(cfg, run.model_cfg, layout["ep"])}
+           if loads and layout["ep"] > 1 else {}),
+        **({"moe_busiest_expert_load_per_rank": busiest,
+            "moe_busiest_expert_load_planned": busiest_expert_bound(cfg, run.model_cfg)} if busiest else {}),
         "process_baseline_bytes_per_rank": run.baselines,
         "memory_budget_bytes": run.budget,
         **monitored,

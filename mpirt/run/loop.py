@@ -109,11 +109,13 @@ class TrainingRun:
                   f"recent range; {advice}", file=sys.stderr, flush=True)
 
     # --- predictions, evaluation, checkpoints ------------------------------------------------------
-    def predictions(self, loads=None) -> list[dict]:
-        """Every rank's predicted memory, as the end block's model check counts them; ``loads``:
-        each rank's measured expert load (None: the bound the budget is checked against)."""
+    def predictions(self, loads=None, busiest=None) -> list[dict]:
+        """Every rank's predicted memory, as the end block's model check counts them; ``loads``,
+        ``busiest``: each rank's measured expert load and busiest expert's (None: the bounds the
+        budget is checked against)."""
         return [predict(self.cfg, self.model_cfg, self.layout, r, process_bytes=self.baselines[r],
-                        expert_load=loads[r] if loads else None) for r in range(self.ctx.size)]
+                        expert_load=loads[r] if loads else None, busiest_expert=busiest[r] if busiest else None,
+                        host_heap=B.name == "numpy") for r in range(self.ctx.size)]
 
     def predicted_peaks(self, loads=None) -> list[int]:
         return [p["peak"] for p in self.predictions(loads)]

@@ -143,6 +143,12 @@ def vocab_from_data(cfg, model_cfg, data: TokenDataset, tp: int):
     return dataclasses.replace(model_cfg, vocab_size=-(-data.vocab_size // step) * step)
 
 
+def host_heap(cfg) -> bool:
+    """Whether the run's arrays will live in the host heap (NumPy: ``--backend numpy``, or ``auto``
+    without a GPU), before the backend is set up: what the memory prediction models then."""
+    return cfg.backend == "numpy" or (cfg.backend == "auto" and not B.cupy_available())
+
+
 def comm_timeout(cfg, model_cfg) -> float:
     """The watchdog's timeout in training: ``--comm-timeout``, or for -1 (auto) 300 s plus the time
     rank 0 may spend writing a checkpoint (weights and both AdamW moments at 50 MB/s) while the

@@ -30,6 +30,7 @@ from mpirt.run.config import parse_args, parse_duration
 from mpirt.run.finish import finish
 from mpirt.run.loop import TrainingRun
 from mpirt.run.prepare import (DISK_FULL, PREFLIGHT_ERRORS, check_fit, check_out_dir, check_resources, check_resume,
+                               host_heap,
                                check_resumed_model, fit_eval_batches, last_checkpoint, open_dataset, plan_layout,
                                plan_out_dir, resolve_model, vocab_from_data)
 
@@ -102,7 +103,8 @@ def main(argv=None) -> dict:
                 if cfg.memory_budget.strip().lower() == "auto" else None)
         baselines, available = (list(x) for x in zip(*comm.world_comm().allgather_object(mine)))
         try:
-            check_budget(cfg, model_cfg, layout, world.size, baselines=baselines, available=available)
+            check_budget(cfg, model_cfg, layout, world.size, baselines=baselines, available=available,
+                         host_heap=host_heap(cfg))
         except ValueError as err:  # the same on every rank: they all hold the same baselines
             failed = (0, str(err))
     startup.refuse_if_any(failed, world.rank, lock)
