@@ -13,7 +13,7 @@
   group fits in a node, else the inter-node ones. A calibrated CPU preset uses the (alpha, beta)
   measured for that op at that world and group size instead.
 - **Pipeline**: the schedule's own action lists (``schedules.build``) run by
-  ``pipeline.check.simulate`` with each action's predicted time and each message's p2p time: the
+  ``pipeline.check.timed`` (the proof run once per schedule, then its flattened program timed) with each action's predicted time and each message's p2p time: the
   makespan and each rank's idle time (the bubble) come from the lists the executor runs.
 - **Data parallel**: the gradient allreduce (ZeRO-1: allreduce + parameter allgather; ZeRO-2:
   reduce-scatter + allgather; ZeRO-3: per unit an allgather forward and backward and a
@@ -180,7 +180,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     stage's first rank: the most stashed micro-batches and the logits) or ``"all"``; ``memory``:
     :func:`peak_memory`'s answer for these arguments when the caller has it already."""
     from mpirt.core.modeling import flops_per_token, layer_costs, model_class
-    from mpirt.parallel.pipeline.check import simulate
+    from mpirt.parallel.pipeline.check import timed
 
     layout = _engine_layout(cfg, model_cfg)
     dp, pp, tp, cp, ep, world = layout.dp, layout.pp, layout.tp, layout.cp, layout.ep, layout.world_size
@@ -259,12 +259,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     else:
         sched = layout.pipeline_schedule
 
-        def cost(r, a):
-            c, s = times[(r, a.chunk)][a.op]
-            return c + s
-        sim = simulate(sched, cost, latency=p2p)
-        if not sim.ok:
-            raise ValueError(f"schedule {cfg.schedule} pp={pp} m={m} chunks={chunks}: {sim.errors[0]}")
+        sim = timed(sched, lambda r, op, chunk: sum(times[(r, chunk)][op]), latency=p2p)
         pipe, bubble = sim.makespan, sim.bubble
         r0 = {op: sum(times[(0, c)][op][0] + times[(0, c)][op][1] for c in range(chunks)) for op in (FORWARD, BACKWARD, WEIGHT)}
         parts.update(forward=m * r0[FORWARD], backward=m * r0[BACKWARD], weight_grad=m * r0[WEIGHT],
