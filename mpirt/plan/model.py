@@ -152,7 +152,8 @@ def peak_memory(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ra
     and ``"per_rank"``: {rank: peak}."""
     from mpirt.plan import memory
 
-    layout = layout or _engine_layout(cfg, model_cfg)
+    # each rank's prediction decides its own stage's recomputation: the sizes are all it needs here
+    layout = layout or Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp, "cp": cfg.cp, "ep": cfg.ep})
     pp, cp, tp = layout.pp, layout.cp, layout.tp
     ranks = range(layout.world_size) if memory_ranks == "all" else sorted({0, (pp - 1) * cp * tp})
     mcfg = dataclasses.replace(cfg, dp=layout.dp, microbatches=layout.microbatches if pp > 1 else cfg.microbatches)

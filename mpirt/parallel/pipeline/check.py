@@ -70,16 +70,15 @@ def _structure_errors(s: Schedule) -> list:
     for r, acts in enumerate(s.actions):
         seen = {}  # (op, mb, chunk) -> position
         for i, a in enumerate(acts):
-            what = f"rank {r}: {a.describe(v)}"
             if a.op not in COMPUTE + COMM:
-                errs.append(f"{what}: unknown op {a.op!r}")
+                errs.append(f"rank {r}: {a.describe(v)}: unknown op {a.op!r}")
                 continue
             if not (0 <= a.mb < m and 0 <= a.chunk < v):
-                errs.append(f"{what}: micro-batch or chunk out of range (m={m}, chunks={v})")
+                errs.append(f"rank {r}: {a.describe(v)}: micro-batch or chunk out of range (m={m}, chunks={v})")
                 continue
             key = (a.op, a.mb, a.chunk)
             if key in seen:
-                errs.append(f"{what}: appears twice (positions {seen[key]} and {i})")
+                errs.append(f"rank {r}: {a.describe(v)}: appears twice (positions {seen[key]} and {i})")
             seen[key] = i
             st = s.stage(r, a.chunk)
             if a.op in COMM:
@@ -87,9 +86,9 @@ def _structure_errors(s: Schedule) -> list:
                         SEND_GRAD: (r - 1) % p}[a.op]
                 exists = st < last if a.op in (SEND_ACT, RECV_GRAD) else st > 0
                 if not exists:
-                    errs.append(f"{what}: virtual stage {st} has no such neighbour")
+                    errs.append(f"rank {r}: {a.describe(v)}: virtual stage {st} has no such neighbour")
                 elif a.peer != want:
-                    errs.append(f"{what}: wrong peer (the neighbour is rank {want})")
+                    errs.append(f"rank {r}: {a.describe(v)}: wrong peer (the neighbour is rank {want})")
         for mb in range(m):
             for c in range(v):
                 st = s.stage(r, c)
