@@ -76,6 +76,11 @@ def main() -> None:
            "| planner's #1 | MFU | best with ep > 1 | MFU | its ep all-to-all s / step s |", "|---|---|---|---|---|",
            f"| {r['best']} | {100 * r['best_mfu']:.1f}% | {r['best_ep']} | {100 * (r['best_ep_mfu'] or 0):.1f}% | "
            f"{r['best_ep_comm_s'] or 0:.2f} / {r['best_ep_step_s'] or 0:.2f} |"]
+    r = P.deepseek_like_row()
+    md += ["", f"## A DeepSeek-V3-like fine-grained MoE (256 experts, top-8) in DeepSeek-V3's layout on {r['gpus']} "
+           "H100 (no published MFU)", "", "| layout | step s | exposed all-to-all s | predicted MFU | largest rank GiB |",
+           "|---|---|---|---|---|", f"| {r['layout']} | {r['step_s']:.1f} | {r['ep_s']:.1f} | {100 * r['mfu']:.1f}% | "
+           f"{r['peak_gib']:.0f} |"]
 
     rows = []
     for i, row in enumerate(P.MEGATRON):

@@ -317,7 +317,8 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     if ep > 1:  # per MoE block and micro-batch: the routed rows out and back, forward and backward
         routed = rows * seq * getattr(model_cfg, "top_k", 1) * model_cfg.n_embd * e
         sent = routed * (ep - 1) / ep
-        one = coll_time(cluster, "alltoall", sent * ep, ep, world, _spans_nodes(cluster, "ep", layout))
+        # the full send buffer, as comm records an all-to-all: (ep - 1) / ep of it leaves the rank
+        one = coll_time(cluster, "alltoall", routed, ep, world, _spans_nodes(cluster, "ep", layout))
         blocks = m * model_cfg.n_layer / pp
         exchange_exposed = blocks * 4 * one
         comm["ep"] = {"bytes": blocks * 4 * sent, "s": exchange_exposed}
