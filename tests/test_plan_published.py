@@ -22,10 +22,11 @@ def test_korthikanti_22b_layout_ranks_in_the_top_three():
     _in_top_three(published.korthikanti_row("22B"))
 
 
+@pytest.mark.timeout(600)  # the 1T search: 15 s on a quiet machine, 164 s measured at load 17
 @pytest.mark.parametrize("name", ["175B", "530B", "1T"])
 def test_korthikanti_large_layouts_rank_in_the_top_three(name):
     code = f"import json; from mpirt.plan.published import korthikanti_row; print(json.dumps(korthikanti_row({name!r})))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=560)
     assert r.returncode == 0, r.stderr
     _in_top_three(json.loads(r.stdout.splitlines()[-1]))
 
