@@ -1,6 +1,7 @@
 """The planner search's shortcuts answer what the direct computation answers: the remembered
 activation peaks behind ``recompute_pays`` (shared over ZeRO 0-2 and over the recomputation
-modes' common "none"), for every pipeline stage. Pure: no MPI."""
+modes' common "none"), for every pipeline stage, and memory pruning on the layout's sizes alone.
+Pure: no MPI."""
 import dataclasses
 
 import pytest
@@ -31,3 +32,19 @@ def test_remembered_recompute_decision_is_the_direct_comparison(schedule, recomp
     model.n_embd *= 2
     again = memory._predict(cfg, model, lay, 0)[1] < memory._predict(cfg, model, lay, 0, recompute="none")[1]
     assert memory.recompute_pays(cfg, model, lay, 0) == again
+
+
+def test_memory_pruning_without_the_engine_layout_predicts_the_same_peaks():
+    """The search prunes by :func:`peak_memory` on the layout's sizes alone (each rank's prediction
+    decides its own stage's recomputation); the engine's layout gives the same per-rank peaks."""
+    from mpirt.plan import hardware
+    from mpirt.plan.model import _engine_layout, peak_memory
+
+    model = dataclasses.replace(load_model_config("tiny", {}), attn_pdrop=0.1)
+    cluster = hardware.load("h100").with_shape(1, 8)
+    for recompute in ("none", "selective", "full"):
+        cfg = dataclasses.replace(TrainConfig(), dp=2, pp=4, tp=1, microbatches=8, seq_len=64, batch_size=16,
+                                  schedule="zb-h1", zero=1, recompute=recompute, dtype="bfloat16")
+        plain = peak_memory(cfg, model, cluster, memory_ranks="all")
+        engine = peak_memory(cfg, model, cluster, memory_ranks="all", layout=_engine_layout(cfg, model))
+        assert plain["per_rank"] == engine["per_rank"], recompute
