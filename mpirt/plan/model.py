@@ -13,8 +13,9 @@
   group fits in a node, else the inter-node ones. A calibrated CPU preset uses the (alpha, beta)
   measured for that op at that world and group size instead.
 - **Pipeline**: the schedule's own action lists (``schedules.build``) run by
-  ``pipeline.check.timed`` (the proof run once per schedule, then its flattened program timed) with each action's predicted time and each message's p2p time: the
-  makespan and each rank's idle time (the bubble) come from the lists the executor runs.
+  ``pipeline.check.timed`` (proved once per schedule, then its run's order replayed) with each
+  action's predicted time and each message's p2p time: the makespan and each rank's idle time
+  (the bubble) come from the lists the executor runs.
 - **Data parallel**, where mpirt's engines run it: DDP's bucketed allreduce overlaps the last
   micro-batch's backward where the cluster progresses MPI on its own (``overlap``), else it is
   exposed; ZeRO-1's allreduce and allgather run in ``step()`` (exposed); ZeRO-2 reduce-scatters
