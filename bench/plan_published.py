@@ -53,6 +53,35 @@ def main() -> None:
     md += ["", "bfloat16, micro-batches of one sequence, GPU process baseline left out; per-row statistics "
            "(8/h sbh) are mpirt's only bytes above the paper's."]
 
+    md += ["", "## Published layouts in the planner's ranking (Korthikanti et al. 2022; A100 80 GB, 2048 tokens, "
+           "SP + selective recomputation)", "",
+           "| model | GPUs | batch | published layout | its place (feasible) | its layout as planned | step over #1 | "
+           "predicted MFU | paper MFU | err | planner's #1 (MFU) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, *_ in P.KORTHIKANTI:
+        r = P.korthikanti_row(name)
+        md.append(f"| {name} | {r['gpus']} | {r['batch']} | {r['published']} | #{r['place']} ({r['feasible']}) | "
+                  f"{r.get('layout', 'does not fit')} | {r.get('ratio', float('nan')):.3f} | {100 * r.get('mfu', 0):.1f}% | "
+                  f"{100 * r['paper_mfu']:.1f}% | {100 * (r.get('mfu', 0) - r['paper_mfu']) / r['paper_mfu']:+.0f}% | "
+                  f"{r['best']} ({100 * r['best_mfu']:.1f}%) |")
+    md += ["", "## Llama 3 405B, the published layout (tp 8, pp 16, interleaved, no recomputation, SP; ZeRO-1), H100",
+           "", "| GPUs | layout | step s | bubble s | predicted MFU | paper MFU | err | largest rank GiB |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in P.llama3_rows():
+        md.append(f"| {r['gpus']} | {r['layout']} | {r['step_s']:.2f} | {r['bubble_s']:.2f} | {100 * r['mfu']:.1f}% | "
+                  f"{100 * r['paper_mfu']:.0f}% | {100 * (r['mfu'] - r['paper_mfu']) / r['paper_mfu']:+.0f}% | "
+                  f"{r['peak_gib']:.1f} |")
+    r = P.mixtral_row()
+    md += ["", f"## Mixtral 8x22B on {r['gpus']} H100 ({r['batch']} x {r['seq']} tokens; MoE Parallel Folding paper: "
+           f"{100 * r['paper_mfu']:.1f}% MFU)", "",
+           "| planner's #1 | MFU | best with ep > 1 | MFU | its ep all-to-all s / step s |", "|---|---|---|---|---|",
+           f"| {r['best']} | {100 * r['best_mfu']:.1f}% | {r['best_ep']} | {100 * (r['best_ep_mfu'] or 0):.1f}% | "
+           f"{r['best_ep_comm_s'] or 0:.2f} / {r['best_ep_step_s'] or 0:.2f} |"]
+    r = P.deepseek_like_row()
+    md += ["", f"## A DeepSeek-V3-like fine-grained MoE (256 experts, top-8) in DeepSeek-V3's layout on {r['gpus']} "
+           "H100 (no published MFU)", "", "| layout | step s | exposed all-to-all s | predicted MFU | largest rank GiB |",
+           "|---|---|---|---|---|", f"| {r['layout']} | {r['step_s']:.1f} | {r['ep_s']:.1f} | {100 * r['mfu']:.1f}% | "
+           f"{r['peak_gib']:.0f} |"]
+
     rows = []
     for i, row in enumerate(P.MEGATRON):
         saved = P.MEGATRON

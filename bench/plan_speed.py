@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline-timeout", type=float, default=300.0)
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    ap.add_argument("--note", action="append", default=[], help="a line for the results' notes (repeatable): "
+                    "e.g. what changed in the step-time model between the two contenders")
     a = ap.parse_args()
     load = LoadMonitor().start()
     rows, record = [], {}
@@ -121,7 +123,7 @@ def main() -> None:
                    "feasible of tried"], rows, load, {"cases": record},
                   notes=[f"{a.repeats} runs of each, alternating with the planner of {a.baseline}; CPU seconds of "
                          "the planner's process (median [min-max]); a baseline that did not finish in "
-                         f"{a.baseline_timeout:.0f} s runs once."])
+                         f"{a.baseline_timeout:.0f} s runs once.", *a.note])
 
 
 if __name__ == "__main__":

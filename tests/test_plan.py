@@ -208,6 +208,8 @@ def test_expert_parallelism_is_searched_and_priced():
     assert one.comm["ep"]["bytes"] == 0
     routed = 2 * 128 * 2 * 128 * 4  # a rank's 2 rows x 128 tokens x top-2, 128 wide, float32
     assert four.comm["ep"]["bytes"] == pytest.approx(4 * 4 * routed * 3 / 4)  # 4 blocks, 4 exchanges each
+    # each exchange: the rank's whole buffer, 3/4 of it leaving in 3 messages (not 3/4 per peer)
+    assert four.comm["ep"]["s"] == pytest.approx(4 * 4 * 3 * (c.intra_latency + routed / 4 / c.intra_bandwidth))
     assert four.comm["ep"]["s"] > 0 and four.parts["optimizer"] < one.parts["optimizer"]  # 1/4 of the experts
     assert "dp 4 ep 4 tp 1" in plan_describe(four)
 

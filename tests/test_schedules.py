@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from mpirt.run import schedule as cli
-from mpirt.parallel.pipeline.check import check, format_timeline, simulate, theoretical_bubble
+from mpirt.parallel.pipeline.check import check, format_timeline, simulate, theoretical_bubble, timed
 from mpirt.parallel.pipeline.schedules import (BACKWARD as B, FORWARD as F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
                                               WEIGHT as W, Action, Schedule, ScheduleError, build)
 
@@ -46,6 +46,26 @@ def test_generated_schedules_pass_the_check(name, p, m, v):
     assert r.messages == 2 * (p * v - 1) * m
     if m >= p:  # the simulated bubble is the textbook one, at unit costs
         assert r.bubble == pytest.approx(theoretical_bubble(name, p, m, v), abs=1e-12)
+
+
+@pytest.mark.parametrize("name,p,m,v", [g for g in GRID if not refused(*g) and g[1] > 1][::3])
+def test_timed_program_gives_the_simulated_times(name, p, m, v):
+    """The performance model's flattened replay (proved once, then timed) against the full
+    simulation, with costs that differ per rank, op and chunk and a message latency."""
+    s = build(name, p, m, v)
+    def cost(r, op, chunk):
+        return 1.0 + 0.37 * r + {F: 0.5, B: 1.1, W: 0.7}[op] * (1 + chunk)
+    want = simulate(s, lambda r, a: cost(r, a.op, a.chunk), latency=0.3)
+    got = timed(s, cost, latency=0.3)
+    assert got.ok and got.makespan == pytest.approx(want.makespan, rel=1e-12)
+    assert got.busy == pytest.approx(want.busy, rel=1e-12) and got.bubble == pytest.approx(want.bubble, rel=1e-12)
+
+
+def test_timed_refuses_a_schedule_that_fails_the_proof():
+    s = build("1f1b", 2, 4)
+    broken = edited(s, 1, lambda acts: [a for a in acts if a.op != RECV_ACT])
+    with pytest.raises(ScheduleError, match="recv act"):
+        timed(broken, lambda r, op, chunk: 1.0)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (4, 2), (6, 12)])

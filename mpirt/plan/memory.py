@@ -138,7 +138,29 @@ def recompute_pays(cfg, model_cfg, layout: dict, rank: int) -> bool:
     if cfg.recompute == "none" or cfg.zero == 3 or cfg.recompute_layers:
         return cfg.zero == 3 or cfg.recompute != "none"
     first = Layout.of(cfg, layout).stage_rank(rank)
-    return _predict(cfg, model_cfg, layout, first)[1] < _predict(cfg, model_cfg, layout, first, recompute="none")[1]
+    return _activation_peak(cfg, model_cfg, layout, first, cfg.recompute) < \
+        _activation_peak(cfg, model_cfg, layout, first, "none")
+
+
+_PEAKS: dict = {}
+# config fields the step's activation peak does not read under ZeRO 0-2 (those shard the states, not
+# the activations; ZeRO-3 never asks), or that the key carries as the mode in effect instead
+_NOT_IN_PEAK = ("zero", "recompute", "model_overrides")
+
+
+def _activation_peak(cfg, model_cfg, layout, stage_rank: int, recompute: str) -> int:
+    """:func:`_predict`'s activation peak of the stage whose first rank is ``stage_rank`` under
+    ``recompute``, remembered: the planner asks it of every stage for each ZeRO stage and
+    recomputation mode of a shape, and the answer without recomputation is the same for all."""
+    from mpirt.core.modeling import config_key
+
+    fields = tuple((k, v) for k, v in vars(cfg).items() if k not in _NOT_IN_PEAK and not isinstance(v, (dict, list)))
+    key = (recompute, config_key(model_cfg), fields, tuple(int(layout.get(a, 1)) for a in AXES), stage_rank)
+    if key not in _PEAKS:
+        if len(_PEAKS) >= 1 << 16:
+            _PEAKS.clear()
+        _PEAKS[key] = _predict(cfg, model_cfg, layout, stage_rank, recompute=recompute)[1]
+    return _PEAKS[key]
 
 
 def recompute_where_it_pays(cfg, model_cfg, layout: Layout) -> Layout:

@@ -13,12 +13,14 @@
   group fits in a node, else the inter-node ones. A calibrated CPU preset uses the (alpha, beta)
   measured for that op at that world and group size instead.
 - **Pipeline**: the schedule's own action lists (``schedules.build``) run by
-  ``pipeline.check.simulate`` with each action's predicted time and each message's p2p time: the
-  makespan and each rank's idle time (the bubble) come from the lists the executor runs.
-- **Data parallel**: the gradient allreduce (ZeRO-1: allreduce + parameter allgather; ZeRO-2:
-  reduce-scatter + allgather; ZeRO-3: per unit an allgather forward and backward and a
-  reduce-scatter) overlaps the last micro-batch's backward where the cluster progresses MPI on its
-  own (``overlap``), else it is exposed whole.
+  ``pipeline.check.timed`` (proved once per schedule, then its run's order replayed) with each
+  action's predicted time and each message's p2p time: the makespan and each rank's idle time
+  (the bubble) come from the lists the executor runs.
+- **Data parallel**, where mpirt's engines run it: DDP's bucketed allreduce overlaps the last
+  micro-batch's backward where the cluster progresses MPI on its own (``overlap``), else it is
+  exposed; ZeRO-1's allreduce and allgather run in ``step()`` (exposed); ZeRO-2 reduce-scatters
+  each micro-batch's gradients inside its backward (blocking: part of each B, or W) and allgathers
+  in ``step()``; ZeRO-3 gathers and reduce-scatters per unit and micro-batch.
 - **Optimizer**: clipping's pass over the gradients and AdamW over the local shard: per tensor
   and per byte as calibrated (else ~12 array passes of 4 bytes).
 - A calibrated CPU preset holds, per rank count N, how much slower a block runs on each of N
@@ -110,9 +112,7 @@ class _Machine:
         return self.rate * d / (d + self.c.gemm_half_dim)
 
     def compute(self, w: Work, ew_share: float) -> float:
-        gemm = 0.0
-        if w.gemm_flops:
-            gemm = w.gemm_flops / (self.gemm_rate(w.gemm_dim) * self.share)
+        gemm = sum(f / (self.gemm_rate(d) * self.share) for f, d in [(w.gemm_flops, w.gemm_dim), *w.more_gemms] if f)
         ew = w.ew_bytes * self.ew_passes * ew_share / (self.bandwidth * self.share)
         return gemm + ew + w.ops * self.op_s / self.python_share
 
@@ -153,7 +153,8 @@ def peak_memory(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ra
     and ``"per_rank"``: {rank: peak}."""
     from mpirt.plan import memory
 
-    layout = layout or _engine_layout(cfg, model_cfg)
+    # each rank's prediction decides its own stage's recomputation: the sizes are all it needs here
+    layout = layout or Layout.of(cfg, {"dp": cfg.dp or 1, "pp": cfg.pp, "tp": cfg.tp, "cp": cfg.cp, "ep": cfg.ep})
     pp, cp, tp = layout.pp, layout.cp, layout.tp
     ranks = range(layout.world_size) if memory_ranks == "all" else sorted({0, (pp - 1) * cp * tp})
     mcfg = dataclasses.replace(cfg, dp=layout.dp, microbatches=layout.microbatches if pp > 1 else cfg.microbatches)
@@ -180,7 +181,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     stage's first rank: the most stashed micro-batches and the logits) or ``"all"``; ``memory``:
     :func:`peak_memory`'s answer for these arguments when the caller has it already."""
     from mpirt.core.modeling import flops_per_token, layer_costs, model_class
-    from mpirt.parallel.pipeline.check import simulate
+    from mpirt.parallel.pipeline.check import timed
 
     layout = _engine_layout(cfg, model_cfg)
     dp, pp, tp, cp, ep, world = layout.dp, layout.pp, layout.tp, layout.cp, layout.ep, layout.world_size
@@ -231,19 +232,31 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     red_e = 4 if e == 2 else e
     dp_span = _spans_nodes(cluster, "dp", layout)
 
-    def dp_sync(n_local: float, replicas: int = replicas) -> tuple[float, float]:
-        if replicas == 1 or n_local == 0:
-            return 0.0, 0.0
-        if cfg.zero == 0:
-            ops = [("allreduce", n_local * red_e)]
-        elif cfg.zero == 1:
-            ops = [("allreduce", n_local * red_e), ("allgather", n_local * e)]
-        elif cfg.zero == 2:
-            ops = [("reduce_scatter", n_local * red_e), ("allgather", n_local * e)]
-        else:  # per micro-batch: every unit gathered forward and backward, its gradient reduce-scattered
-            ops = [("allgather", n_local * e), ("allgather", n_local * e), ("reduce_scatter", n_local * red_e)]
-            ops = ops * m
-        return (sum(coll_time(cluster, op, n, replicas, world, dp_span) for op, n in ops), sum(n for _, n in ops))
+    def dp_ops(n: float, group: int) -> tuple[list, list]:
+        """(collectives inside each micro-batch's backward, collectives at the step's end) of ``n``
+        gradients over ``group`` ranks, where mpirt's engines run them: DDP allreduces its buckets
+        from the backward's hooks (:mod:`mpirt.parallel.ddp`: may overlap the last backward, below);
+        ZeRO-1 allreduces and allgathers in ``step()``; ZeRO-2 reduce-scatters every micro-batch's
+        gradients bucket by bucket inside its backward, blocking, and allgathers in ``step()``
+        (:mod:`mpirt.parallel.zero`); ZeRO-3 gathers each unit forward and backward and
+        reduce-scatters its gradient, per micro-batch."""
+        if group == 1 or n == 0:
+            return [], []
+        grads, weights = n * red_e, n * e
+        return {0: ([], [("allreduce", grads)]), 1: ([], [("allreduce", grads), ("allgather", weights)]),
+                2: ([("reduce_scatter", grads)], [("allgather", weights)]),
+                3: ([("allgather", weights), ("allgather", weights), ("reduce_scatter", grads)], [])}[cfg.zero]
+
+    def dp_cost(r: int, which: int) -> tuple[float, float]:
+        """(seconds, bytes) of stage ``r``'s dense and expert gradients' ``dp_ops`` part ``which``."""
+        ops = [(op, n, g) for n, g in ((local_params[r], replicas), (local_experts[r], replicas // ep))
+               for op, n in dp_ops(n, g)[which]]
+        return sum(coll_time(cluster, op, n, g, world, dp_span) for op, n, g in ops), sum(n for _, n, _ in ops)
+
+    in_backward = {r: dp_cost(r, 0) for r in range(pp)}
+    reduced_in = WEIGHT if layout.split_backward else BACKWARD  # where a micro-batch's gradients are final
+    for (r, c), t in times.items():
+        t[reduced_in] = (t[reduced_in][0], t[reduced_in][1] + in_backward[r][0] / chunks)
 
     parts = dict.fromkeys(("forward", "backward", "weight_grad", "bubble", "grad_sync", "optimizer", "other"), 0.0)
     comm = {"tp": {"bytes": 0.0, "s": 0.0}, "pp": {"bytes": 0.0, "s": 0.0}, "dp": {"bytes": 0.0, "s": 0.0},
@@ -259,12 +272,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     else:
         sched = layout.pipeline_schedule
 
-        def cost(r, a):
-            c, s = times[(r, a.chunk)][a.op]
-            return c + s
-        sim = simulate(sched, cost, latency=p2p)
-        if not sim.ok:
-            raise ValueError(f"schedule {cfg.schedule} pp={pp} m={m} chunks={chunks}: {sim.errors[0]}")
+        sim = timed(sched, lambda r, op, chunk: sum(times[(r, chunk)][op]), latency=p2p)
         pipe, bubble = sim.makespan, sim.bubble
         r0 = {op: sum(times[(0, c)][op][0] + times[(0, c)][op][1] for c in range(chunks)) for op in (FORWARD, BACKWARD, WEIGHT)}
         parts.update(forward=m * r0[FORWARD], backward=m * r0[BACKWARD], weight_grad=m * r0[WEIGHT],
@@ -279,14 +287,13 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
                 for op in (FORWARD, BACKWARD, WEIGHT):
                     comm["tp"]["bytes"] += m * sum(n for _, n in work[i][op].tp)
                     comm["tp"]["s"] += m * tp_time(work[i][op])
-    # dp sync: the slowest stage's (the most parameters), overlapping the last backward when it can
+    # dp sync at the step's end: the slowest stage's (the most parameters); DDP's overlaps the last backward
     worst = max(range(pp), key=lambda r: local_params[r] + local_experts[r])
-    dp_s, dp_bytes = (a + b for a, b in zip(dp_sync(local_params[worst]),
-                                            dp_sync(local_experts[worst], replicas // ep)))
+    dp_s, dp_bytes = dp_cost(worst, 1)
     exposed = dp_s
-    if cluster.overlap and dp_s and cfg.zero != 3:
+    if cluster.overlap and dp_s and cfg.zero == 0:
         exposed = max(dp_s / max(1, -(-dp_bytes // (25 * 2**20))), dp_s - 0.9 * last_b)
-    comm["dp"] = {"bytes": dp_bytes, "s": dp_s}
+    comm["dp"] = {"bytes": dp_bytes + m * in_backward[worst][1], "s": dp_s + m * in_backward[worst][0]}
     # the loss's allreduce over dp ends the step's sync; clipping reduces the norm over the group that
     # shards the gradients (ZeRO: dp x cp; tp; pp: the stages' tp x pp), none for plain data parallelism
     small = coll_time(cluster, "allreduce", 8, replicas, world, dp_span)
@@ -311,7 +318,8 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     if ep > 1:  # per MoE block and micro-batch: the routed rows out and back, forward and backward
         routed = rows * seq * getattr(model_cfg, "top_k", 1) * model_cfg.n_embd * e
         sent = routed * (ep - 1) / ep
-        one = coll_time(cluster, "alltoall", sent * ep, ep, world, _spans_nodes(cluster, "ep", layout))
+        # the full send buffer, as comm records an all-to-all: (ep - 1) / ep of it leaves the rank
+        one = coll_time(cluster, "alltoall", routed, ep, world, _spans_nodes(cluster, "ep", layout))
         blocks = m * model_cfg.n_layer / pp
         exchange_exposed = blocks * 4 * one
         comm["ep"] = {"bytes": blocks * 4 * sent, "s": exchange_exposed}
@@ -336,8 +344,9 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     mem = memory or peak_memory(cfg, model_cfg, cluster, data_bytes, memory_ranks, layout)
 
     shares = {"compute": parts["forward"] + parts["backward"] + parts["weight_grad"] - comm["tp"]["s"] - ring_exposed
-              - exchange_exposed + parts["optimizer"],
-              "dp comm": exposed, "tp comm": comm["tp"]["s"], "cp comm": ring_exposed, "ep comm": exchange_exposed,
+              - exchange_exposed - m * in_backward[0][0] + parts["optimizer"],
+              "dp comm": exposed + m * in_backward[0][0], "tp comm": comm["tp"]["s"], "cp comm": ring_exposed,
+              "ep comm": exchange_exposed,
               "bubble": (bubble * pipe) if pp > 1 else 0.0}
     neck = max(shares, key=shares.get)
     if mem["peak"] > 0.9 * cluster.memory_bytes:

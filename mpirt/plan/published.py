@@ -181,3 +181,118 @@ def frontier_rows() -> list[dict]:
                     "block_sbh": selective / (s * h),
                     "paper_block_sbh": 34 / t if model_cfg.model_type == "gpt2" else None})
     return out
+
+
+# Korthikanti et al. 2022 (A100 80 GB, sequence 2048, vocabulary 51,200), table 3's layouts and
+# table 5's model FLOPs utilization with sequence parallelism and selective recomputation:
+# (name, heads, hidden, layers, tp, pp, GPUs, global batch, micro-batch, MFU %)
+KORTHIKANTI = [
+    ("22B", 64, 6144, 48, 8, 1, 8, 4, 4, 41.5),
+    ("175B", 96, 12288, 96, 8, 8, 64, 64, 1, 51.4),
+    ("530B", 128, 20480, 105, 8, 35, 280, 280, 1, 56.0),
+    ("1T", 160, 25600, 128, 8, 64, 512, 512, 1, 56.3),
+]
+# Llama 3 405B (Dubey et al. 2024, table 4): 8K sequences, 16M-token batches, tp 8 x pp 16, BF16 MFU
+# (GPUs, dp, MFU %); the model and the rest of the layout are FRONTIER's row
+LLAMA3 = [(8192, 64, 43.0), (16384, 128, 41.0)]
+# Mixtral 8x22B on H100 (Liu et al. 2025, MoE Parallel Folding, Megatron-Core): 49.3 % MFU; planned
+# here on 128 GPUs at 256 sequences of 4096 tokens
+MIXTRAL_8X22B = ({"model_type": "mixtral", "n_layer": 56, "n_embd": 6144, "n_head": 48, "n_kv_head": 8,
+                  "n_inner": 16384, "n_expert": 8, "vocab_size": 32768, "n_positions": 4096}, 128, 256, 4096, 49.3)
+
+
+def ranking(model_cfg, cluster, batch: int, seq: int, sizes: dict, rows: int) -> dict:
+    """The planner's search on ``cluster`` for ``batch`` sequences of ``seq`` tokens, and where the
+    best layout with the published ``sizes`` (dp, tp, pp; cp 1, ep 1 unless given) and ``rows``
+    sequences per micro-batch ranks (schedule, ZeRO and recomputation as the planner picks them):
+    its place (1-based, None when none fits), its step time over the first's, both MFUs."""
+    from mpirt.plan.search import describe, plan
+
+    ests, tried = plan(model_cfg, cluster, batch, seq, "bfloat16")
+    want = {"cp": 1, "ep": 1, **sizes}
+    place = next((i for i, e in enumerate(ests) if e.layout["rows_per_microbatch"] == rows
+                  and all(e.layout.get(k, 1) == v for k, v in want.items())), None)
+    out = {"feasible": len(ests), "tried": tried, "best": describe(ests[0]), "best_mfu": ests[0].mfu, "place": None}
+    if place is not None:
+        e = ests[place]
+        out.update(place=place + 1, layout=describe(e), ratio=e.step_s / ests[0].step_s, mfu=e.mfu)
+    return out
+
+
+def korthikanti_row(name: str) -> dict:
+    """:func:`ranking` of :data:`KORTHIKANTI`'s row ``name`` on its A100s, with the paper's MFU."""
+    _, heads, hidden, layers, tp, pp, gpus, batch, micro, mfu = next(r for r in KORTHIKANTI if r[0] == name)
+    from mpirt.plan import hardware
+
+    cluster = hardware.load("a100").with_shape(max(1, gpus // 8), min(8, gpus))
+    row = ranking(gpt_config(hidden, layers, heads), cluster, batch, 2048,
+                  {"dp": gpus // (tp * pp), "tp": tp, "pp": pp}, micro)
+    return {"name": name, "published": f"tp {tp} pp {pp} dp {gpus // (tp * pp)} b={micro}", "gpus": gpus,
+            "batch": batch, "paper_mfu": mfu / 100, **row}
+
+
+def llama3_rows(chunks=(2, 4)) -> list[dict]:
+    """Llama 3 405B's published layout (:data:`FRONTIER`'s row: tp 8, pp 16, interleaved, no
+    recomputation, SP, ZeRO-1) on 8,192 and 16,384 H100s with ``chunks`` model chunks per rank (the
+    paper does not give them): mpirt's predicted MFU and largest rank's peak against the paper's MFU."""
+    from mpirt.core.modeling import config_from_dict
+    from mpirt.plan import hardware
+    from mpirt.plan.model import estimate
+    from mpirt.plan.search import base_config
+
+    fields, train = FRONTIER["Llama 3 405B (Dubey et al.)"]
+    model_cfg = config_from_dict(fields)
+    out = []
+    for gpus, dp, mfu in LLAMA3:
+        cluster = hardware.load("h100").with_shape(gpus // 8, 8)
+        for v in chunks:
+            cfg = dataclasses.replace(base_config(train["batch_size"], train["seq_len"], "bfloat16"),
+                                      **{**train, "dp": dp, "chunks": v}, microbatches=train["batch_size"] // dp,
+                                      grad_accum=1)
+            est = estimate(cfg, model_cfg, cluster)
+            out.append({"gpus": gpus, "layout": f"tp 8 pp 16 dp {dp} interleaved(v={v}) zero 1", "chunks": v,
+                        "mfu": est.mfu, "paper_mfu": mfu / 100, "peak_gib": est.memory["peak"] / 2**30,
+                        "bubble_s": est.parts["bubble"], "step_s": est.step_s})
+    return out
+
+
+def mixtral_row() -> dict:
+    """Mixtral 8x22B (:data:`MIXTRAL_8X22B`) planned on 128 H100s: the best layout and the best
+    with expert parallelism, their MFU, against the paper's."""
+    from mpirt.core.modeling import config_from_dict
+    from mpirt.plan import hardware
+    from mpirt.plan.search import describe, plan
+
+    fields, gpus, batch, seq, mfu = MIXTRAL_8X22B
+    ests, tried = plan(config_from_dict(fields), hardware.load("h100").with_shape(gpus // 8, 8), batch, seq,
+                       "bfloat16")
+    with_ep = next((e for e in ests if e.layout.get("ep", 1) > 1), None)
+    return {"gpus": gpus, "batch": batch, "seq": seq, "paper_mfu": mfu / 100, "feasible": len(ests), "tried": tried,
+            "best": describe(ests[0]), "best_mfu": ests[0].mfu,
+            "best_ep": describe(with_ep) if with_ep else None, "best_ep_mfu": with_ep.mfu if with_ep else None,
+            "best_ep_comm_s": with_ep.comm["ep"]["s"] if with_ep else None,
+            "best_ep_step_s": with_ep.step_s if with_ep else None}
+
+
+# A DeepSeek-V3-like fine-grained MoE as the mixtral model type expresses it (256 experts of width
+# 2048, top-8, 61 layers, hidden 7168, 128 heads; no MLA, shared expert or dense first layers) in
+# DeepSeek-V3's layout (pp 16, ep 64 over dp 128, ZeRO-1; 2048 GPUs, 15,360 sequences of 4096):
+# the report gives GPU hours in FP8, not an MFU, so there is no published figure to hold it to
+DEEPSEEK_V3_LIKE = ({"model_type": "mixtral", "n_layer": 61, "n_embd": 7168, "n_head": 128, "n_kv_head": 128,
+                     "n_inner": 2048, "n_expert": 256, "top_k": 8, "vocab_size": 129280, "n_positions": 4096},
+                    {"dp": 128, "ep": 64, "tp": 1, "pp": 16, "schedule": "zb-h1", "zero": 1, "batch_size": 15360,
+                     "seq_len": 4096, "microbatches": 120}, 2048)
+
+
+def deepseek_like_row() -> dict:
+    """:data:`DEEPSEEK_V3_LIKE` estimated on H100s: MFU, the exposed all-to-all, the largest rank's peak."""
+    from mpirt.core.modeling import config_from_dict
+    from mpirt.plan import hardware
+    from mpirt.plan.model import estimate
+    from mpirt.plan.search import base_config
+
+    fields, train, gpus = DEEPSEEK_V3_LIKE
+    cfg = dataclasses.replace(base_config(train["batch_size"], train["seq_len"], "bfloat16"), **train, grad_accum=1)
+    est = estimate(cfg, config_from_dict(fields), hardware.load("h100").with_shape(gpus // 8, 8))
+    return {"gpus": gpus, "layout": "dp 128 ep 64 tp 1 pp 16 zb-h1 m=120 b=1 zero 1", "mfu": est.mfu,
+            "step_s": est.step_s, "ep_s": est.comm["ep"]["s"], "peak_gib": est.memory["peak"] / 2**30}

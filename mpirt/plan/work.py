@@ -20,24 +20,31 @@ from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 
 @dataclass
 class Work:
-    """One pass of one layer on one rank. ``tp``: ``[(op, bytes), ...]`` collectives over tp."""
+    """One pass of one layer on one rank. ``tp``: ``[(op, bytes), ...]`` collectives over tp;
+    ``more_gemms``: ``[(flops, smallest dimension), ...]`` added to the pass at another shape than
+    its own (a selective rerun's attention core), each priced at its own rate."""
 
     gemm_flops: float = 0.0
     gemm_dim: float = 1e9
     ew_bytes: float = 0.0
     ops: float = 0.0
     tp: list = field(default_factory=list)
+    more_gemms: list = field(default_factory=list)
 
     def __iadd__(self, o: "Work") -> "Work":
-        self.gemm_flops += o.gemm_flops
-        self.gemm_dim = min(self.gemm_dim, o.gemm_dim)
+        if o.gemm_dim == self.gemm_dim or not o.gemm_flops:
+            self.gemm_flops += o.gemm_flops
+        else:
+            self.more_gemms = self.more_gemms + [(o.gemm_flops, o.gemm_dim)]
+        self.more_gemms = self.more_gemms + o.more_gemms
         self.ew_bytes += o.ew_bytes
         self.ops += o.ops
         self.tp = self.tp + o.tp
         return self
 
     def scaled(self, k: float) -> "Work":
-        return Work(self.gemm_flops * k, self.gemm_dim, self.ew_bytes * k, self.ops * k, self.tp * int(round(k)))
+        return Work(self.gemm_flops * k, self.gemm_dim, self.ew_bytes * k, self.ops * k, self.tp * int(round(k)),
+                    [(f * k, d) for f, d in self.more_gemms])
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,6 +144,6 @@ def layer_work(model_cfg, costs: list, *, rows: int, seq_len: int, tp: int, sp: 
                 b += Work(4.0 * c * seq_len * tokens / tp, min(seq_len, c / model_cfg.n_head), acts["core"], 4, [])
         if split:  # the weight gradients leave B for W
             w = Work(fwd / tp if kind != "embed" else 0.0, f.gemm_dim, b.ew_bytes / 3, f.ops / 2, [])
-            b = Work(b.gemm_flops - w.gemm_flops, b.gemm_dim, b.ew_bytes - w.ew_bytes, b.ops, b.tp)
+            b = Work(b.gemm_flops - w.gemm_flops, b.gemm_dim, b.ew_bytes - w.ew_bytes, b.ops, b.tp, b.more_gemms)
         out.append({FORWARD: f, BACKWARD: b, WEIGHT: w})
     return out

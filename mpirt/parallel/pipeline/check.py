@@ -70,16 +70,15 @@ def _structure_errors(s: Schedule) -> list:
     for r, acts in enumerate(s.actions):
         seen = {}  # (op, mb, chunk) -> position
         for i, a in enumerate(acts):
-            what = f"rank {r}: {a.describe(v)}"
             if a.op not in COMPUTE + COMM:
-                errs.append(f"{what}: unknown op {a.op!r}")
+                errs.append(f"rank {r}: {a.describe(v)}: unknown op {a.op!r}")
                 continue
             if not (0 <= a.mb < m and 0 <= a.chunk < v):
-                errs.append(f"{what}: micro-batch or chunk out of range (m={m}, chunks={v})")
+                errs.append(f"rank {r}: {a.describe(v)}: micro-batch or chunk out of range (m={m}, chunks={v})")
                 continue
             key = (a.op, a.mb, a.chunk)
             if key in seen:
-                errs.append(f"{what}: appears twice (positions {seen[key]} and {i})")
+                errs.append(f"rank {r}: {a.describe(v)}: appears twice (positions {seen[key]} and {i})")
             seen[key] = i
             st = s.stage(r, a.chunk)
             if a.op in COMM:
@@ -87,9 +86,9 @@ def _structure_errors(s: Schedule) -> list:
                         SEND_GRAD: (r - 1) % p}[a.op]
                 exists = st < last if a.op in (SEND_ACT, RECV_GRAD) else st > 0
                 if not exists:
-                    errs.append(f"{what}: virtual stage {st} has no such neighbour")
+                    errs.append(f"rank {r}: {a.describe(v)}: virtual stage {st} has no such neighbour")
                 elif a.peer != want:
-                    errs.append(f"{what}: wrong peer (the neighbour is rank {want})")
+                    errs.append(f"rank {r}: {a.describe(v)}: wrong peer (the neighbour is rank {want})")
         for mb in range(m):
             for c in range(v):
                 st = s.stage(r, c)
@@ -120,11 +119,13 @@ def _structure_errors(s: Schedule) -> list:
     return errs
 
 
-def simulate(s: Schedule, costs=None, latency: float = 0.0) -> SimResult:
+def simulate(s: Schedule, costs=None, latency: float = 0.0, trace: list | None = None) -> SimResult:
     """Run every rank's list together (see the module doc) and collect all problems.
 
     ``costs``: a dict op -> time (default :func:`default_costs`) or a callable
-    ``(rank, action) -> time``; ``latency`` is added to every message.
+    ``(rank, action) -> time``; ``latency`` is added to every message. ``trace``: a list that
+    receives the run's order, ``(0, rank, action)`` per compute, ``(1, rank, message)`` per send
+    and ``(2, rank, message)`` per receive with the number of the send it matched.
     """
     p, v = s.pp, s.chunks
     if costs is None:
@@ -139,6 +140,7 @@ def simulate(s: Schedule, costs=None, latency: float = 0.0) -> SimResult:
     sent: dict = {}       # (src, dst, kind) -> [(mb, sender stage, time, action)]
     taken: dict = {}      # (src, dst, kind) -> number consumed
     release = WEIGHT if s.split_backward else BACKWARD
+    messages = 0
     progress = True
     while progress:
         progress = False
@@ -147,6 +149,8 @@ def simulate(s: Schedule, costs=None, latency: float = 0.0) -> SimResult:
             while pc[r] < len(acts):
                 a = acts[pc[r]]
                 if a.op in COMPUTE:
+                    if trace is not None:
+                        trace.append((0, r, a))
                     t0 = clock[r]
                     clock[r] += cost(r, a)
                     busy[r] += clock[r] - t0
@@ -160,14 +164,20 @@ def simulate(s: Schedule, costs=None, latency: float = 0.0) -> SimResult:
                     if not 0 <= a.peer < p:
                         errs.append(f"rank {r}: {a.describe(v)}: no rank {a.peer}")
                     else:
-                        sent.setdefault((r, a.peer, a.kind), []).append((a.mb, s.stage(r, a.chunk), clock[r], a))
+                        if trace is not None:
+                            trace.append((1, r, messages))
+                        sent.setdefault((r, a.peer, a.kind), []).append((a.mb, s.stage(r, a.chunk), clock[r], a,
+                                                                         messages))
+                        messages += 1
                 elif a.is_recv:
                     key = (a.peer, r, a.kind)
                     queue, k = sent.get(key, []), taken.get(key, 0)
                     if k >= len(queue):
                         break  # blocked until the sender gets there (or forever)
                     taken[key] = k + 1
-                    mb, src_stage, t_sent, send = queue[k]
+                    mb, src_stage, t_sent, send, number = queue[k]
+                    if trace is not None:
+                        trace.append((2, r, number))
                     st = s.stage(r, a.chunk)
                     want = st - 1 if a.kind == "act" else st + 1
                     if (mb, src_stage) != (a.mb, want):
@@ -193,10 +203,9 @@ def simulate(s: Schedule, costs=None, latency: float = 0.0) -> SimResult:
                    f"action {blocker.describe(v)}" if blocker else "never sent")
         errs.append(f"rank {r}: {a.describe(v)}, {why} (blocked at action {pc[r]} of {len(s.actions[r])})")
     for key, queue in sorted(sent.items()):
-        for mb, _, _, send in queue[taken.get(key, 0):]:
+        for mb, _, _, send, _ in queue[taken.get(key, 0):]:
             errs.append(f"rank {key[0]}: {send.describe(v)}, never received")
     makespan = max(clock) if clock else 0.0
-    messages = sum(len(q) for q in sent.values())
     return SimResult(not errs, errs, timeline, makespan, busy, peak, messages, s)
 
 
@@ -241,3 +250,48 @@ def format_timeline(result: SimResult, width: int = 0) -> str:
     for r, row in enumerate(labels):
         rows.append(f"rank {r} | " + " ".join((x or ".").ljust(w) for x in row).rstrip())
     return "\n".join(rows)
+
+
+_PROGRAMS: dict = {}
+
+
+def _program(s: Schedule) -> tuple:
+    """``s`` proved once (:func:`simulate` with unit costs; ScheduleError names its first problem)
+    and its run's order kept (``trace``), each compute as its cost slot ``(rank, op, chunk)``:
+    messages are matched FIFO per (source, destination, kind) from the action lists alone, so
+    any costs time the same program. Remembered per schedule object (the runtime's schedules
+    are built once per shape)."""
+    hit = _PROGRAMS.get(id(s))
+    if hit is not None and hit[0] is s:
+        return hit[1]
+    trace: list = []
+    proof = simulate(s, trace=trace)
+    if not proof.ok:
+        raise ScheduleError(f"schedule {s.name} pp={s.pp} m={s.microbatches} chunks={s.chunks}: {proof.errors[0]}")
+    slots: dict = {}
+    program = [(0, r, slots.setdefault((r, x.op, x.chunk), len(slots))) if kind == 0 else (kind, r, x)
+               for kind, r, x in trace]
+    if len(_PROGRAMS) >= 256:
+        _PROGRAMS.clear()
+    _PROGRAMS[id(s)] = (s, (program, list(slots), proof.messages, proof.peak_stash))
+    return _PROGRAMS[id(s)][1]
+
+
+def timed(s: Schedule, cost, latency: float = 0.0) -> SimResult:
+    """:func:`simulate`'s makespan, busy time per rank and bubble for a schedule that passes its
+    proof, with ``cost(rank, op, chunk)`` seconds per compute (the same for every micro-batch) and
+    ``latency`` per message: the proof runs once per schedule, each call after it only times the
+    flattened program (no timeline kept). ScheduleError for a schedule that fails the proof."""
+    program, slots, messages, peak = _program(s)
+    costs = [cost(r, op, chunk) for r, op, chunk in slots]
+    clock, busy, at = [0.0] * s.pp, [0.0] * s.pp, [0.0] * messages
+    for kind, r, x in program:
+        if kind == 0:
+            c = costs[x]
+            clock[r] += c
+            busy[r] += c
+        elif kind == 1:
+            at[x] = clock[r]
+        elif at[x] + latency > clock[r]:
+            clock[r] = at[x] + latency
+    return SimResult(True, [], [], max(clock), busy, list(peak), messages, s)
