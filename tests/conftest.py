@@ -6,6 +6,7 @@ The ``launch`` marker goes on every test that starts processes (it runs an entry
 :func:`run_module`, calls ``subprocess``, or trains on the :func:`tiny_data` set), so that
 ``pytest -m "not launch and not mpi" tests`` runs the single-process unit tests alone, in a few
 minutes."""
+import compileall
 import inspect
 import os
 import subprocess
@@ -23,6 +24,10 @@ LAUNCHES = ("run_module(", "subprocess.", "Popen(", "mpiexec")
 def pytest_configure(config):
     config.addinivalue_line("markers", "launch: starts processes (an entry point, mpiexec, a subprocess); "
                                        "-m 'not launch and not mpi' runs the unit tests alone")
+    # the bytecode of this tree, written once: every process the tests launch then reads it, also
+    # under PYTHONDONTWRITEBYTECODE=1, instead of compiling ~100 modules again (~0.2 s of CPU a rank)
+    for package in ("mpirt", "models"):
+        compileall.compile_dir(ROOT / package, quiet=2)
 
 
 def pytest_collection_modifyitems(config, items):

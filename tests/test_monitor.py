@@ -460,6 +460,8 @@ def test_a_start_under_load_keeps_the_best_gemm_rate_seen(tmp_path, monkeypatch)
     assert flops.remembered_gemm_rate(products, 1e10, ranks_on_node=4) == 1e10  # 4 ranks share the node
     assert flops.remembered_gemm_rate(flops.layer_products(64, 256, 64, "float32"), 3e10) == 3e10
     assert len(json.loads((tmp_path / "gemm_rate.json").read_text())) == 3
+    # what a start looks up to time a short confirmation instead of a full measurement
+    assert flops.known_gemm_rate(products) == 6e10 and flops.known_gemm_rate(products, ranks_on_node=2) == 0.0
 
 
 def test_slow_fault_parses_and_needs_seconds():

@@ -116,10 +116,23 @@ MORE = [["--dp=2", "--zero=1"], ["--dp=2", "--zero=2"], ["--dp=2", "--zero=3"], 
         ["--model=llama-tiny", "--tp=2", "--sequence-parallel"], ["--model=llama-tiny", "--pp=2", "--schedule=zb-h1"]]
 
 
+@pytest.fixture(scope="module")
+def without_recomputation(tiny_data, tmp_path_factory):
+    """The losses of a layout's run without recomputation, run once per layout for the module (the
+    layouts are tested with both modes)."""
+    runs = {}
+
+    def losses(layout: list[str]) -> list[float]:
+        if tuple(layout) not in runs:
+            runs[tuple(layout)] = _losses(tiny_data, tmp_path_factory.mktemp("ref"), *layout, ranks=2)
+        return runs[tuple(layout)]
+    return losses
+
+
 @pytest.mark.parametrize("layout, mode", [(lay, m) for lay in LAYOUTS for m in ("full", "selective")]
                          + [(lay, "full") for lay in MORE] + [(MORE[-2], "selective")], ids=str)
-def test_train_losses_equal_with_recomputation(tiny_data, tmp_path, layout, mode):
-    ref = _losses(tiny_data, tmp_path / "ref", *layout, ranks=2)
+def test_train_losses_equal_with_recomputation(tiny_data, tmp_path, without_recomputation, layout, mode):
+    ref = without_recomputation(layout)
     # every block named: recompute runs on every stage, also where it would not lower the peak
     got = _losses(tiny_data, tmp_path / "rc", "--recompute-layers=0-3", *layout, f"--recompute={mode}", ranks=2)
     assert len(got) == 4

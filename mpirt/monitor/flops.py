@@ -129,7 +129,11 @@ def layer_products(n_embd: int, hidden: int, rows: int, dtype: str) -> list:
     return [(x, w), (g, w.T), (x.T, g)]
 
 
-def gemm_rate(products: list, seconds: float = 0.3) -> float:
+GEMM_MEASURE_S = 0.3    # a rate's first measurement: the fastest of its rounds is the least disturbed by load
+GEMM_CONFIRM_S = 0.05   # with a best rate recorded (remembered_gemm_rate), which bounds the result from below
+
+
+def gemm_rate(products: list, seconds: float = GEMM_MEASURE_S) -> float:
     """FLOP/s of :func:`mpirt.cpu.threads.matmul` (the layers' path: mpirt's threads and GEMM
     library) on ``products``: the fastest of the rounds run in ``seconds``, the one least
     disturbed by other processes (a rate under load would make a peak that training beats)."""
@@ -148,6 +152,23 @@ def gemm_rate(products: list, seconds: float = 0.3) -> float:
     return flops / best
 
 
+def _gemm_rate_entry(products: list, ranks_on_node: int) -> tuple[Path, str]:
+    """(the cache file, the key) of the best rate recorded for ``products`` with this machine's
+    threads, ranks sharing the node and GEMM library."""
+    from mpirt.cpu import blas, threads
+    lib = blas.current().library
+    text = json.dumps([cpu_model(), threads.num_threads(), ranks_on_node, lib.name, lib.version,
+                       [(a.shape, b.shape, str(a.dtype)) for a, b in products]])
+    return cache_dir() / "gemm_rate.json", hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def known_gemm_rate(products: list, ranks_on_node: int = 1) -> float:
+    """The best rate recorded for ``products`` (:func:`remembered_gemm_rate`), 0.0 when none is."""
+    path, key = _gemm_rate_entry(products, ranks_on_node)
+    best = read_cache(path).get(key, 0.0)
+    return float(best) if isinstance(best, (int, float)) else 0.0
+
+
 def remembered_gemm_rate(products: list, measured: float, ranks_on_node: int = 1) -> float:
     """The higher of ``measured`` (:func:`gemm_rate`) and the best rate measured on this machine
     before for the same products, threads, ranks sharing the node and GEMM library
@@ -155,16 +176,9 @@ def remembered_gemm_rate(products: list, measured: float, ranks_on_node: int = 1
     new best is recorded. A start under others' load measures a rate that later steps beat (an
     MFU above 100 %, a step "faster" than its GEMM floor); the best rate seen is the better
     bound. For the NumPy backend (a GPU's peak is its data sheet's)."""
-    from mpirt.cpu import blas, threads
-    lib = blas.current().library
-    text = json.dumps([cpu_model(), threads.num_threads(), ranks_on_node, lib.name, lib.version,
-                       [(a.shape, b.shape, str(a.dtype)) for a, b in products]])
-    key = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = cache_dir() / "gemm_rate.json"
-    best = read_cache(path).get(key, 0.0)
-    best = float(best) if isinstance(best, (int, float)) else 0.0
+    best = known_gemm_rate(products, ranks_on_node)
     if measured > best:
-        update_cache(path, key, measured)
+        update_cache(*_gemm_rate_entry(products, ranks_on_node), measured)
     return max(measured, best)
 
 
