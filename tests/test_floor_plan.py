@@ -35,8 +35,10 @@ UPWARD = {
 CIRCLES = {
     ("mpirt.core.ops", "mpirt.core.tensor"): "a Tensor's operators are the ops, and every op is a Function over "
                                              "Tensors (tensor.py binds the ops after defining both)",
-    ("mpirt.models.gpt", "mpirt.models.hf"): "GPT-2's HF reader needs its parameter shapes; the class offers the "
-                                             "reader as its HF interface (left to the models' owners)",
+    ("mpirt.core.modeling", "mpirt.models"): "the bundled models register in core.modeling, which imports them at "
+                                             "its first lookup when mpirt/__init__.py did not run (a process "
+                                             "beside a folder named mpirt imports that folder as the namespace); "
+                                             "within models, GPT-2's HF reader needs its parameter shapes",
     ("mpirt.plan", "mpirt.run.config"): "the config parses --memory-budget with the predictor's parser and the "
                                         "planner builds TrainConfigs (left to the planner's owners)",
 }

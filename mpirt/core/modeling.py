@@ -167,8 +167,18 @@ def register(cls: type) -> type:
     return cls
 
 
+def _bundled() -> None:
+    """Import the bundled models, which register their classes and config loader here. mpirt/__init__.py
+    does it, but a process whose working directory holds a folder named ``mpirt`` (a clone's
+    parent) imports that folder as the namespace ``mpirt`` and never runs it; the submodules still
+    resolve through the installed package."""
+    if not MODELS or not _CONFIG_LOADERS:
+        import mpirt.models  # noqa: F401  (models import this module: a cycle at module level)
+
+
 def _registry() -> dict[str, type]:
-    """:data:`MODELS` (the bundled models register when :mod:`mpirt` is imported: mpirt/__init__.py)."""
+    """:data:`MODELS`, the bundled models' included (:func:`_bundled`)."""
+    _bundled()
     return MODELS
 
 
@@ -333,6 +343,7 @@ def register_config_loader(load) -> None:
 def load_model_config(name_or_path: str, overrides: dict | None = None):
     """A preset name, a model TOML file or a Hugging Face directory -> a checked config, with
     ``overrides`` (field -> value) applied last (see :mod:`mpirt.models.presets`)."""
+    _bundled()
     return _CONFIG_LOADERS[0](name_or_path, overrides)
 
 
