@@ -257,11 +257,7 @@ class Optimizer(Scalars):
         if d.get("type", type(self).__name__) != type(self).__name__:
             raise ValueError(f"load_state_dict: state of a {d['type']} optimizer, this is a {type(self).__name__}")
         arrays = {f"{n}.{k}": a for n, st in zip(self._keys(), self.state) for k, a in st.items()}
-        given = {k for k, v in d.items() if hasattr(v, "shape")}
-        missing = sorted(set(arrays) - given) + [k for k in ("step", *self.hyper_names) if k not in d]
-        unexpected = sorted(given - set(arrays))
-        if missing or unexpected:
-            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        check_state_keys(d, arrays, self.hyper_names)
         for k, a in arrays.items():
             if tuple(d[k].shape) != tuple(a.shape):
                 raise ValueError(f"load_state_dict: {k} has shape {tuple(d[k].shape)}, expected {tuple(a.shape)}")
@@ -289,6 +285,16 @@ class SGD(Optimizer):
     def _update(self, i, param, grad, state, scratch) -> None:
         sgd_update(param, grad, state.get("momentum_buffer"), lr=self.lr, momentum=self.momentum,
                    weight_decay=self.weight_decay, nesterov=self.nesterov, scratch=scratch)
+
+
+def check_state_keys(d: dict, arrays, hyper_names) -> None:
+    """KeyError naming the keys an optimizer state dict ``d`` lacks or has beyond ``arrays`` (the
+    state arrays' keys), ``step`` and ``hyper_names``."""
+    given = {k for k, v in d.items() if hasattr(v, "shape")}
+    missing = sorted(set(arrays) - given) + [k for k in ("step", *hyper_names) if k not in d]
+    unexpected = sorted(given - set(arrays))
+    if missing or unexpected:
+        raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
 
 
 class AdamW(Optimizer):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import mpirt.core.backend as B
-from mpirt.core.optim import AdamW, Scalars, adamw_update
+from mpirt.core.optim import AdamW, Scalars, adamw_update, check_state_keys
 from mpirt.core.precision import compute_dtype, is_half
 from mpirt.parallel.flat import allreduce_runs, clip_flat, is_partial, place_shards, runs_calls, sum_squares
 
@@ -227,11 +227,7 @@ class ZeroOptimizer(Scalars):
         if d.get("type", "AdamW") != "AdamW":
             raise ValueError(f"load_state_dict: state of a {d['type']} optimizer, ZeroOptimizer loads AdamW state")
         want = {f"{p.name}.{k}": p for p in self.params for k in self.STATE_NAMES}
-        given = {k for k, v in d.items() if hasattr(v, "shape")}
-        missing = sorted(set(want) - given) + [k for k in ("step", *self.hyper_names) if k not in d]
-        unexpected = sorted(given - set(want))
-        if missing or unexpected:
-            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        check_state_keys(d, want, self.hyper_names)
         for k, p in want.items():
             if tuple(d[k].shape) != self._shapes[id(p)]:
                 raise ValueError(f"load_state_dict: {k} has shape {tuple(d[k].shape)}, expected {self._shapes[id(p)]}")
