@@ -37,19 +37,17 @@ def main() -> None:
     from mpirt.parallel.grid import Grid
     from mpirt.core.modeling import flops_per_token, load_model_config
     from mpirt.monitor.live import Metrics, RunMonitor
-    from mpirt.parallel.engine import Engine
-    from mpirt.parallel.layout import Layout
-    from mpirt.plan.memory import recompute_where_it_pays
-    from mpirt.run.train import open_dataset, plan_layout, vocab_from_data
+    from mpirt.parallel.engine import Engine, Hyper
+    from mpirt.run.prepare import open_dataset, plan_layout, vocab_from_data
 
     cfg = parse_args(train_args)
     ctx = init_distributed(cfg.seed, cfg.backend)
     layout = plan_layout(cfg, ctx.size)
     data = open_dataset(cfg.data)
     model_cfg = vocab_from_data(cfg, load_model_config(cfg.model, cfg.model_overrides), data, layout["tp"])
-    grid = Grid(layout["dp"], layout["pp"], layout["tp"], cp=layout["cp"])
-    layout = recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg))  # as mpirt.train builds it
-    engine = Engine(cfg, model_cfg, grid, dropout_seed=1, layout=layout)
+    layout = plan_layout(cfg, ctx.size, model_cfg)  # as mpirt.train builds it
+    grid = Grid(**layout)
+    engine = Engine(layout, model_cfg, grid, Hyper.of(cfg), dropout_seed=1)
     flops_per_step = flops_per_token(model_cfg, cfg.seq_len) * cfg.batch_size * cfg.seq_len
     tmp = Path(tempfile.mkdtemp(prefix="mpirt-bench-monitor-")) if ctx.rank == 0 else None
     out = Path(ctx.comm.broadcast_object(str(tmp) if tmp else None))

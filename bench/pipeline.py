@@ -158,7 +158,7 @@ def main() -> None:
             wait_sleeping(world, 0)
             sub.free()
             continue
-        g = Grid(1, p, 1, sub)
+        g = Grid(dp=1, pp=p, tp=1, comm=sub)
         for m in args.microbatches:
             names = [n for n in args.schedules if not (n == "interleaved" and (m % p or args.layers < 2 * p))]
             row = {r["schedule"]: r for r in run_round_robin(g, cfg, names, m, args)}

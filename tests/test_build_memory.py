@@ -184,7 +184,7 @@ def test_pipeline_stage_build_holds_its_layers_plus_one_parameter(group, pp, tp)
     comm = group(pp * tp)
     ok, detail = True, ""
     if comm is not None:
-        grid = Grid(1, pp, tp, comm)
+        grid = Grid(dp=1, pp=pp, tp=tp, comm=comm)
         make = lambda: PipelineStage(gpt_cfg(), grid, microbatches=2, dtype="float64", seed=1)  # noqa: E731
         make()  # warm
         stage, peak, held = traced(make)
@@ -209,16 +209,18 @@ def test_engine_build_holds_its_shard_plus_one_parameter(group, zero, tp, monkey
 
     from mpirt.run.config import TrainConfig
     from mpirt.parallel.grid import Grid
-    from mpirt.parallel.engine import Engine
+    from mpirt.parallel.engine import Engine, Hyper
+    from mpirt.parallel.layout import Layout
     if MPI.COMM_WORLD.size < 2 * tp:
         pytest.skip(f"needs {2 * tp} ranks")
     comm = group(2 * tp)
     ok, detail = True, ""
     if comm is not None:
         monkeypatch.setattr(nn, "INIT_CHUNK", 4096)
-        grid = Grid(2, 1, tp, comm)
+        grid = Grid(dp=2, pp=1, tp=tp, comm=comm)
         cfg = replace(TrainConfig(), dp=2, tp=tp, zero=zero, dtype="float64", seed=1)
-        make = lambda: Engine(cfg, gpt_cfg(), grid, dropout_seed=0)  # noqa: E731
+        layout, model_cfg = Layout.of(cfg, grid.sizes, gpt_cfg()), gpt_cfg()
+        make = lambda: Engine(layout, model_cfg, grid, Hyper.of(cfg), dropout_seed=0)  # noqa: E731
         make().close()  # warm: imports, communicators
         engine, peak, held = traced(make)
         opt = engine.optimizer
@@ -444,7 +446,7 @@ def test_hf_init_reads_only_this_ranks_boxes_and_gives_the_single_rank_loss(grou
         tmp = tempfile.TemporaryDirectory(prefix=f"build-hf-{MPI.COMM_WORLD.rank}-")
         d = hf_dir(os.path.join(tmp.name, "hf"))  # every rank its own copy: same bytes
         full, ref_loss = _hf_reference(d)
-        grid = Grid(1, pp, tp, comm)
+        grid = Grid(dp=1, pp=pp, tp=tp, comm=comm)
         tp_comm = grid.comm["tp"] if tp > 1 else None
         cfg, reader = open_hf(d, dtype="float64")
         if pp > 1:

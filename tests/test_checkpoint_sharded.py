@@ -187,12 +187,13 @@ def _engine(layout: dict, comm):
     from mpirt.run.config import parse_args
     from mpirt.parallel.grid import Grid
     from mpirt.core.modeling import load_model_config
-    from mpirt.parallel.engine import Engine
+    from mpirt.parallel.engine import Engine, Hyper
+    from mpirt.parallel.layout import Layout
 
     cfg = parse_args([f"--{k}={v}" for k, v in layout.items()] + ["--dtype=float64", "--seed=3"])
     model_cfg = load_model_config("tiny", {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 32})
-    grid = Grid(layout.get("dp", 1), layout.get("pp", 1), layout.get("tp", 1), comm)
-    return Engine(cfg, model_cfg, grid, dropout_seed=0), grid
+    grid = Grid(dp=layout.get("dp", 1), pp=layout.get("pp", 1), tp=layout.get("tp", 1), comm=comm)
+    return Engine(Layout.of(cfg, grid.sizes, model_cfg), model_cfg, grid, Hyper.of(cfg), dropout_seed=0), grid
 
 
 @pytest.mark.mpi

@@ -25,10 +25,10 @@ LAYOUTS = factorisations(8) + factorisations(12)
 @pytest.mark.parametrize("dp,pp,cp,tp", LAYOUTS)
 def test_coords_are_a_bijection_with_tp_innermost_then_cp_and_dp_outermost(dp, pp, cp, tp):
     n = dp * pp * cp * tp
-    coords = [grid_coords(r, dp, pp, tp, cp) for r in range(n)]
+    coords = [grid_coords(r, dp=dp, pp=pp, cp=cp, tp=tp) for r in range(n)]
     # rank order is the lexicographic order of (dp, pp, cp, tp): tp varies fastest, dp slowest
     assert coords == list(itertools.product(range(dp), range(pp), range(cp), range(tp)))
-    assert [grid_rank(c, dp, pp, tp, cp) for c in coords] == list(range(n))
+    assert [grid_rank(c, dp=dp, pp=pp, cp=cp, tp=tp) for c in coords] == list(range(n))
     for r in range(n):
         assert coords[r][3] == r % tp and coords[r][2] == r // tp % cp  # TP, then CP ranks are neighbours
 
@@ -38,49 +38,49 @@ def test_axis_groups_partition_the_ranks_along_one_coordinate(dp, pp, cp, tp):
     sizes = dict(zip(AXES, (dp, pp, cp, tp)))
     n = dp * pp * cp * tp
     for i, axis in enumerate(AXES):
-        groups = axis_groups(axis, dp, pp, tp, cp)
+        groups = axis_groups(axis, dp=dp, pp=pp, cp=cp, tp=tp)
         assert sorted(r for g in groups for r in g) == list(range(n))
         assert len(groups) == n // sizes[axis] and all(len(g) == sizes[axis] for g in groups)
         for g in groups:
-            cs = [grid_coords(r, dp, pp, tp, cp) for r in g]
+            cs = [grid_coords(r, dp=dp, pp=pp, cp=cp, tp=tp) for r in g]
             assert [c[i] for c in cs] == list(range(sizes[axis]))  # ordered by the axis coordinate
             assert len({c[:i] + c[i + 1:] for c in cs}) == 1       # the other coordinates agree
     if tp > 1:
-        assert axis_groups("tp", dp, pp, tp, cp)[0] == list(range(tp))
+        assert axis_groups("tp", dp=dp, pp=pp, cp=cp, tp=tp)[0] == list(range(tp))
     # dp and cp together: the ranks that hold the same parameters, ordered d * cp + c
-    for g in axis_groups("dp_cp", dp, pp, tp, cp):
-        cs = [grid_coords(r, dp, pp, tp, cp) for r in g]
+    for g in axis_groups("dp_cp", dp=dp, pp=pp, cp=cp, tp=tp):
+        cs = [grid_coords(r, dp=dp, pp=pp, cp=cp, tp=tp) for r in g]
         assert [(c[0], c[2]) for c in cs] == list(itertools.product(range(dp), range(cp)))
         assert len({(c[1], c[3]) for c in cs}) == 1
 
 
 def test_known_groups_of_2x2x2_and_of_a_context_parallel_grid():
-    assert axis_groups("dp", 2, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert axis_groups("pp", 2, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert axis_groups("tp", 2, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert grid_coords(5, 2, 2, 2) == (1, 0, 0, 1)
-    assert axis_groups("cp", 2, 1, 2, cp=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert axis_groups("dp_cp", 2, 1, 2, cp=2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert grid_coords(6, 2, 1, 2, cp=2) == (1, 0, 1, 0)
+    assert axis_groups("dp", dp=2, pp=2, tp=2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert axis_groups("pp", dp=2, pp=2, tp=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axis_groups("tp", dp=2, pp=2, tp=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid_coords(5, dp=2, pp=2, tp=2) == (1, 0, 0, 1)
+    assert axis_groups("cp", dp=2, pp=1, cp=2, tp=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axis_groups("dp_cp", dp=2, pp=1, cp=2, tp=2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid_coords(6, dp=2, pp=1, cp=2, tp=2) == (1, 0, 1, 0)
 
 
 def test_validation_names_the_failing_product():
     with pytest.raises(ValueError, match=r"^dp\(2\)\*pp\(2\)\*tp\(3\)=12 != world size 8$"):
-        check_layout(2, 2, 3, 8)
+        check_layout(dp=2, pp=2, tp=3, world_size=8)
     with pytest.raises(ValueError, match="tp: must be a positive integer, got 0"):
-        check_layout(2, 2, 0)
+        check_layout(dp=2, pp=2, tp=0)
     with pytest.raises(ValueError, match=r"world size 8 is not divisible by pp\(3\)\*tp\(1\)=3"):
-        resolve_dp(8, 0, 3, 1)
+        resolve_dp(8, dp=0, pp=3, tp=1)
     with pytest.raises(ValueError, match="outside"):
-        grid_coords(8, 2, 2, 2)
+        grid_coords(8, dp=2, pp=2, tp=2)
     with pytest.raises(ValueError, match="unknown grid axis 'ep'"):
-        axis_groups("ep", 2, 2, 2)
+        axis_groups("ep", dp=2, pp=2, tp=2)
     with pytest.raises(ValueError, match=r"^dp\(2\)\*pp\(1\)\*cp\(2\)\*tp\(3\)=12 != world size 8$"):
-        check_layout(2, 1, 3, 8, cp=2)
+        check_layout(dp=2, pp=1, cp=2, tp=3, world_size=8)
     with pytest.raises(ValueError, match=r"world size 8 is not divisible by pp\(1\)\*cp\(3\)\*tp\(1\)=3"):
-        resolve_dp(8, 0, 1, 1, cp=3)
-    assert resolve_dp(8, 0, 2, 2) == 2 and resolve_dp(12, 0, 1, 3) == 4 and resolve_dp(8, 8) == 8
-    assert resolve_dp(8, 0, 1, 2, cp=2) == 2
+        resolve_dp(8, dp=0, pp=1, cp=3, tp=1)
+    assert resolve_dp(8, dp=0, pp=2, tp=2) == 2 and resolve_dp(12, dp=0, pp=1, tp=3) == 4 and resolve_dp(8, dp=8) == 8
+    assert resolve_dp(8, dp=0, pp=1, cp=2, tp=2) == 2
 
 
 def _cli(*args):
@@ -120,12 +120,12 @@ def _check_grid(grid: Grid, fails: list) -> None:
     from mpirt.comm import PROC_NULL
     rank, (dp, pp, cp, tp) = MPI.COMM_WORLD.rank, (grid.dp, grid.pp, grid.cp, grid.tp)
     name = f"{dp}x{pp}x{cp}x{tp}"
-    d, p, k, t = grid_coords(rank, dp, pp, tp, cp)
+    d, p, k, t = grid_coords(rank, dp=dp, pp=pp, cp=cp, tp=tp)
     if grid.rank != rank or grid.coords != {"dp": d, "pp": p, "cp": k, "tp": t, "ep": 0}:
         fails.append(f"{name}: rank/coords {grid.rank} {grid.coords}")
     for axis in (*AXES, "dp_cp"):
         c = grid.comm[axis]
-        group = next(g for g in axis_groups(axis, dp, pp, tp, cp) if rank in g)
+        group = next(g for g in axis_groups(axis, dp=dp, pp=pp, cp=cp, tp=tp) if rank in g)
         members = c.allgather(np.array([rank])).tolist()
         want_rank = d * cp + k if axis == "dp_cp" else grid.coords[axis]
         want_size = dp * cp if axis == "dp_cp" else grid.sizes[axis]
@@ -142,8 +142,8 @@ def _check_grid(grid: Grid, fails: list) -> None:
             fails.append(f"{name} {axis}: reduce_scatter/allgather_flat")
         if not np.array_equal(grid.allgather(np.array([[rank]]), axis).ravel(), group):
             fails.append(f"{name} {axis}: allgather")
-    prev = grid_rank((d, p - 1, k, t), dp, pp, tp, cp) if p > 0 else PROC_NULL
-    nxt = grid_rank((d, p + 1, k, t), dp, pp, tp, cp) if p < pp - 1 else PROC_NULL
+    prev = grid_rank((d, p - 1, k, t), dp=dp, pp=pp, cp=cp, tp=tp) if p > 0 else PROC_NULL
+    nxt = grid_rank((d, p + 1, k, t), dp=dp, pp=pp, cp=cp, tp=tp) if p < pp - 1 else PROC_NULL
     pp_prev, pp_next = (p - 1 if p > 0 else PROC_NULL), (p + 1 if p < pp - 1 else PROC_NULL)
     if (grid.prev_rank, grid.next_rank, grid.pp_prev, grid.pp_next) != (prev, nxt, pp_prev, pp_next):
         fails.append(f"{name}: neighbours {grid.prev_rank} {grid.next_rank} {grid.pp_prev} {grid.pp_next}")
@@ -240,7 +240,7 @@ def test_grid_refuses_a_layout_that_does_not_fill_the_world():
     size = MPI.COMM_WORLD.size
     fails = []
     try:
-        Grid(3, 1, size)
+        Grid(dp=3, pp=1, tp=size)
         fails.append("accepted")
     except ValueError as err:
         if str(err) != f"dp(3)*pp(1)*tp({size})={3 * size} != world size {size}":

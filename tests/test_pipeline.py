@@ -14,7 +14,8 @@ from mpi4py import MPI
 from mpirt.comm import Comm
 from mpirt.run.config import TrainConfig
 from mpirt.parallel.grid import Grid
-from mpirt.parallel.engine import Engine
+from mpirt.parallel.engine import Engine, Hyper
+from mpirt.parallel.layout import Layout
 from mpirt.parallel.pipeline.partition import layer_costs, partition
 from mpirt.parallel.pipeline.stage import PipelineStage
 from mpirt.parallel.pipeline.check import simulate
@@ -42,7 +43,7 @@ def grid(group):
         comm = group(pp * dp * tp)
         if comm is None:
             return None
-        grids.append(Grid(dp, pp, tp, comm))
+        grids.append(Grid(dp=dp, pp=pp, tp=tp, comm=comm))
         return grids[-1]
 
     yield make
@@ -55,7 +56,7 @@ def pipeline_run(g, cfg, dtype, schedule, m, chunks=1, steps=STEPS, clip=None, r
     stage = PipelineStage(cfg, g, schedule, m, chunks, dtype=dtype, seed=1, **kw)
     train_cfg = replace(TrainConfig(), dp=g.dp, pp=g.pp, tp=g.tp, dtype=dtype, lr=LR, weight_decay=WD, beta1=0.9,
                         beta2=0.999, zero=zero, sequence_parallel=kw.get("sequence_parallel", False))
-    engine = Engine(train_cfg, cfg, g, dropout_seed=0, local=stage)
+    engine = Engine(Layout.of(train_cfg, g.sizes, cfg), cfg, g, Hyper.of(train_cfg), dropout_seed=0, local=stage)
     d, dp = g.coords["dp"], g.dp
     losses, norms, grads, stats = [], [], None, []
     for step in range(steps):
@@ -296,7 +297,7 @@ def test_partition_balances_cost():
 
 def test_one_stage_is_the_plain_model():
     """pp = 1 (one rank holds embed, blocks and head, wte once): the executor alone."""
-    g = Grid(1, 1, 1, Comm(MPI.COMM_SELF, "world"))
+    g = Grid(dp=1, pp=1, tp=1, comm=Comm(MPI.COMM_SELF, "world"))
     for name in ("1f1b", "zb-h1"):
         ok, detail, stage, _ = parity(g, config(2), "float64", name, 2, steps=3)
         assert ok, detail

@@ -424,7 +424,7 @@ def test_gpt_matches_single_rank(layout, sp, dtype, group):
     ok, detail = True, ""
     if g is not None:
         ref = reference_run(dtype, cfg=CFG, lr=LR, clip=CLIP, rows=BATCH, ignore=2)
-        grid = Grid(dp, 1, tp, comm=g)
+        grid = Grid(dp=dp, pp=1, tp=tp, comm=g)
         model, losses, norms = tp_run(grid, dtype, sp)
         tpc = grid.comm["tp"]
         want = TP.shard_state_dict(model, ref.weights, {"tp": tpc.size}, {"tp": tpc.rank})

@@ -14,7 +14,8 @@ import pytest
 
 from mpirt.run.config import TrainConfig
 from mpirt.parallel.grid import Grid
-from mpirt.parallel.engine import Engine
+from mpirt.parallel.engine import Engine, Hyper
+from mpirt.parallel.layout import Layout
 from mpirt.parallel.tensor import shard_state_dict
 from mpirt.parallel.zero import ZeroOptimizer
 
@@ -24,6 +25,11 @@ from parity import batch as parity_batch  # this module's parity() is the check 
 
 ROWS, CLIP = 8, 0.05
 batch = partial(parity_batch, rows=ROWS, token_seed=3)
+
+
+def engine_of(cfg, model, grid) -> Engine:
+    """The engine of ``cfg``'s layout on ``grid``."""
+    return Engine(Layout.of(cfg, grid.sizes, model), model, grid, Hyper.of(cfg), dropout_seed=0)
 
 
 def train_config(dp, pp, tp, zero, **kw) -> TrainConfig:
@@ -63,9 +69,9 @@ def parity(group, dp, pp, tp, zero, model=MODEL, **kw):
     if comm is None:
         agree(True)
         return
-    grid = Grid(dp, pp, tp, comm)
+    grid = Grid(dp=dp, pp=pp, tp=tp, comm=comm)
     cfg = train_config(dp, pp, tp, zero, **kw)
-    engine = Engine(cfg, model, grid, dropout_seed=0)
+    engine = engine_of(cfg, model, grid)
     losses, norms = run(engine, grid)
     weights = local_weights(engine)
     ref = reference(cfg, model)
@@ -148,13 +154,13 @@ def test_sharded_checkpoint_moves_between_zero_pp_and_plain_tp(group):
         agree(True)
         return
     root = comm.broadcast_object(tempfile.mkdtemp() if comm.rank == 0 else None)
-    first = Engine(train_config(2, 2, 2, 1), MODEL, g1 := Grid(2, 2, 2, comm), dropout_seed=0)
+    first = engine_of(train_config(2, 2, 2, 1), MODEL, g1 := Grid(dp=2, pp=2, tp=2, comm=comm))
     run(first, g1, steps=3)
     path = save_sharded(root, comm, first.save_sharded, step=3, config={}, extra=None,
                         optimizer={"type": "AdamW", "scalars": first.optimizer.scalars()})
     first.close()
     g1.free()
-    second = Engine(train_config(4, 1, 2, 0), MODEL, g2 := Grid(4, 1, 2, comm), dropout_seed=0)
+    second = engine_of(train_config(4, 1, 2, 0), MODEL, g2 := Grid(dp=4, pp=1, tp=2, comm=comm))
     second.load_sharded(CheckpointReader(path))
     d = g2.coords["dp"]
     losses = []

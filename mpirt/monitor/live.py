@@ -221,7 +221,6 @@ class RunMonitor:
 
     def __init__(self, cfg, ctx, grid, engine, model_cfg, out: Path, start_step: int, flops_per_step: float):
         from mpirt.cpu import threads
-        from mpirt.parallel.layout import Layout
         from mpirt.monitor.trace import TraceRecorder
 
         self.cfg, self.ctx, self.grid, self.engine, self.out = cfg, ctx, grid, engine, out
@@ -229,7 +228,7 @@ class RunMonitor:
                         if "tokens_per_expert" in getattr(m, "stats_keys", ())]
         self.world, self.is_main, self.enabled = ctx.comm, ctx.rank == 0, bool(cfg.monitor)
         self.flops_per_step = flops_per_step
-        rows = max(1, Layout.of(cfg, grid.sizes).rows) * (cfg.seq_len // grid.sizes["cp"])  # this rank's tokens
+        rows = max(1, engine.layout.rows) * engine.layout.tokens  # this rank's tokens of a micro-batch
         hidden = getattr(model_cfg, "hidden", 4 * model_cfg.n_embd) // grid.sizes["tp"]
         products = flops.layer_products(model_cfg.n_embd, hidden, rows, cfg.dtype)
         ceiling = (flops.cpu_ceiling(self.world, cfg.dtype, threads.num_threads())

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 from mpirt.core import recompute
 from mpirt.core.modeling import attention_core
@@ -48,52 +49,68 @@ from mpirt.parallel.shards import load_shards, save_shards
 from mpirt.parallel.whole import WholeModel, parameter_axes
 
 
+@dataclass(frozen=True)
+class Hyper:
+    """What the engine takes from the run beyond its layout: the dtype of weights and
+    activations, the seed of the initial weights, and AdamW's settings."""
+
+    dtype: str = "float32"
+    seed: int = 0
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    weight_decay: float = 0.0
+
+    @classmethod
+    def of(cls, cfg) -> "Hyper":
+        """A :class:`mpirt.run.config.TrainConfig`'s."""
+        return cls(dtype=cfg.dtype, seed=cfg.seed, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                   weight_decay=cfg.weight_decay)
+
+
 class Engine:
     """This rank's part of the model on ``grid``, its parameter groups (:attr:`groups`: each a
     store, its sync and optimizer) and the optimizer that steps them all (:attr:`optimizer`).
 
-    ``cfg``: a :class:`mpirt.run.config.TrainConfig` (layout, schedule, ZeRO stage, recompute, dtype,
-    optimizer); ``model_cfg``: any registered model's config; ``dropout_seed``: this dp replica's
-    mask seed. ``local``: a prebuilt :class:`PipelineStage` to use instead of building one (tests
-    that pass their own partition or wait mode); ``layout``: the run's resolved
-    :class:`~mpirt.parallel.layout.Layout` with the model, whose ``recomputed`` blocks this rank
-    recomputes (the training script leaves out the stages where it would not lower the peak,
-    :func:`mpirt.plan.memory.recompute_where_it_pays`); None, or one resolved without the model:
-    resolved here from ``cfg`` with the model, every block the config picks recomputing."""
+    ``layout``: the run's :class:`~mpirt.parallel.layout.Layout`, resolved with the model
+    (``Layout.resolve(cfg, world, model_cfg)``; the training script's also leaves out the blocks
+    whose recomputation would not lower the peak, :func:`mpirt.run.prepare.plan_layout`): every
+    choice of the layout (stages and schedule, micro-batches, ZeRO stage, sequence parallelism,
+    the blocks that recompute and how) is read from it, never derived again. ``model_cfg``: any
+    registered model's config; ``hyper``: dtype, seed and optimizer settings (:class:`Hyper`);
+    ``dropout_seed``: the mask seed. ``local``: a prebuilt :class:`PipelineStage` to use instead
+    of building one (tests that pass their own partition or wait mode)."""
 
-    def __init__(self, cfg, model_cfg, grid, dropout_seed: int, local=None, layout: Layout | None = None):
-        self.grid, self.cfg, self._width = grid, cfg, model_cfg.n_embd
+    def __init__(self, layout: Layout, model_cfg, grid, hyper: Hyper, dropout_seed: int, local=None):
+        if not layout.bounds:
+            raise ValueError("Engine: the layout was resolved without the model (no stage bounds): "
+                             "Layout.resolve(cfg, world, model_cfg)")
+        self.grid, self.layout, self.hyper, self._width = grid, layout, hyper, model_cfg.n_embd
         self.tp_comm, self.pp_comm = grid.comm["tp"], grid.comm["pp"]
         self.dp_comm = grid.comm["dp_cp"]  # the ranks holding the same parameters: dp, and cp when > 1
-        tp, pp, cp = grid.sizes["tp"], grid.sizes["pp"], grid.sizes["cp"]
-        if layout is None or not layout.bounds:
-            layout = Layout.of(cfg, grid.sizes, model_cfg)
-        sp = layout.sequence_parallel
-        if pp > 1 or local is not None:
+        tp, sp = layout.tp, layout.sequence_parallel
+        if layout.pp > 1 or local is not None:
             self.local = local or PipelineStage(
-                model_cfg, grid, schedule=cfg.schedule, microbatches=layout.microbatches,
-                chunks=layout.chunks, dtype=cfg.dtype, seed=cfg.seed, split=[hi - lo for lo, hi in layout.bounds],
-                seq_len=cfg.seq_len // cp, sequence_parallel=cfg.sequence_parallel)
+                model_cfg, grid, schedule=layout.pipeline_schedule, dtype=hyper.dtype, seed=hyper.seed,
+                split=[hi - lo for lo, hi in layout.bounds], sequence_parallel=sp)
         else:
-            self.local = WholeModel(model_cfg, grid, dtype=cfg.dtype, seed=cfg.seed,
-                                    sequence_parallel=cfg.sequence_parallel, grad_accum=cfg.grad_accum)
+            self.local = WholeModel(layout, model_cfg, grid, dtype=hyper.dtype, seed=hyper.seed)
         self.model = self.local.model
-        self.context = ContextShard(grid.comm["cp"]) if cp > 1 else None
+        self.context = ContextShard(grid.comm["cp"]) if layout.cp > 1 else None
         if self.context is not None:
             for part in self.local.dropout_roots:
                 parallelize_context(part, self.context)
         if local is None:
             for part in self.local.dropout_roots:
-                TP.reseed_dropouts(part, dropout_seed, grid.coords["tp"], tp, cfg.sequence_parallel)
+                TP.reseed_dropouts(part, dropout_seed, grid.coords["tp"], tp, sp)
         counted = count_once(grid.coords["tp"] if tp > 1 else 0, self.local.tied_copy)
         self._norm_comms = (self.tp_comm, self.pp_comm)  # ranks along them hold different parameters
-        hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-        self.groups = parameter_groups(self.local, grid, cfg.zero, counted, self._norm_comms, hyper,
-                                       probe_len=(tp if sp else 1) * (2 if cp > 1 else 1))
+        optimizer = dict(lr=hyper.lr, betas=hyper.betas, weight_decay=hyper.weight_decay)
+        self.groups = parameter_groups(self.local, grid, layout.zero, counted, self._norm_comms, optimizer,
+                                       probe_len=layout.probe_tokens)
         self._units_rerun = self.groups[0].sync.reruns_units
         if not self._units_rerun:  # ZeRO-3's units rerun in backward already (they keep only their inputs)
             picked = {i: b for i, b in self.local.blocks.items() if i in layout.recomputed}
-            recompute.apply(picked, cfg.recompute, "", attention_core(model_cfg))  # "": each block given
+            recompute.apply(picked, layout.recompute, "", attention_core(model_cfg))  # "": each block given
         optimizers = [g.optimizer for g in self.groups]
         self.optimizer = optimizers[0] if len(optimizers) == 1 else ChainedOptimizer(optimizers)
 
@@ -140,22 +157,22 @@ class Engine:
         sq = sum((part_sq for part_sq, _ in parts[1:]), parts[0][0])
         return clip_flat(sq, [a for _, arrays in parts for a in arrays], self._norm_comms, max_norm)
 
-    def step_calls(self, layout) -> list[tuple[str, str, int, str]]:
-        """``(axis, kind, bytes, dtype)`` of the calls a step on ``layout`` makes that the engine's
+    def step_calls(self) -> list[tuple[str, str, int, str]]:
+        """``(axis, kind, bytes, dtype)`` of the calls a step on its layout makes that the engine's
         parts list themselves: tp's inside the modules (:func:`mpirt.parallel.tensor.program.step_calls`,
         a block recomputed whole or every unit under ZeRO-3 running its forward twice) and the sum
         of sequence parallelism's partial gradients; each group's sync's calls of a fixed number
         and size (DataParallel's buckets; ZeRO's, as :meth:`~mpirt.parallel.zero.Zero12Optimizer.calls`
         lists them); the pipeline's tied-embedding gradient sum (a send and a receive of each tied
         copy's gradient, under ZeRO-3 its shard, between the two pipeline ends)."""
+        layout = self.layout
         if self._units_rerun:   # every unit reruns its forward in backward
             rerun = [self.model]
         else:
-            rerun = [b for i, b in self.local.blocks.items() if i in layout.recomputed and self.cfg.recompute == "full"]
+            rerun = [b for i, b in self.local.blocks.items() if i in layout.recomputed and layout.recompute == "full"]
         reruns = {id(m) for part in rerun for m in [m for _, m in part.named_modules()] + list(vars(part).values())}
-        tokens = layout.rows * (self.cfg.seq_len // layout.cp)
-        out = program.step_calls(self.model, self.tp_comm, tokens, layout.microbatches, reruns,
-                                 self._width, self.cfg.dtype, lookups=self.local.has_embed)
+        out = program.step_calls(self.model, self.tp_comm, layout.rows * layout.tokens, layout.microbatches, reruns,
+                                 self._width, self.hyper.dtype, lookups=self.local.has_embed)
         out += [c for g in self.groups for c in g.sync.partial_sum_calls(self.tp_comm)]
         out += [c for g in self.groups for c in g.sync.calls()]
         return out + self.local.tied_calls()

@@ -1,4 +1,4 @@
-"""The process grid: ``Grid(dp, pp, tp, cp=1)`` over the ranks of a communicator.
+"""The process grid: ``Grid(dp=, pp=, cp=, tp=)`` over the ranks of a communicator.
 
 Ranks are laid out row-major over ``(dp, pp, cp, tp)``: tp innermost (tensor-parallel ranks are
 neighbours, hence on one node), context parallelism next to it (its ring passes keys and values
@@ -13,7 +13,8 @@ experts; tokens travel between them by all-to-all), those with the same ``d % ep
 is plain dp.
 
 The coordinate math is pure (``grid_coords``, ``grid_rank``, ``axis_groups``, ``check_layout``)
-and needs no MPI; :class:`Grid` builds the Cartesian communicator and one sub-communicator per
+and needs no MPI; every function and :class:`Grid` take the axis sizes by keyword, in rank order
+(``dp=, pp=, cp=, tp=``, each 1 when left out); :class:`Grid` builds the Cartesian communicator and one sub-communicator per
 axis, and addresses collectives by axis name: ``grid.allreduce(x, "dp", op="avg")``. There is no
 module-global state: pass the grid around.
 
@@ -30,18 +31,14 @@ AXES = ("dp", "pp", "cp", "tp")
 DATA_AXES = ("dp", "cp")
 
 
-def _sizes(dp: int, pp: int, tp: int, cp: int) -> tuple[int, ...]:
-    return dp, pp, cp, tp
-
-
 def _product(sizes: tuple) -> str:
     """``dp(2)*pp(2)*tp(2)``, cp named only when it splits anything (cp > 1)."""
     return "*".join(f"{a}({n})" for a, n in zip(AXES, sizes) if a != "cp" or n != 1)
 
 
-def grid_coords(rank: int, dp: int, pp: int, tp: int, cp: int = 1) -> tuple[int, int, int, int]:
+def grid_coords(rank: int, *, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> tuple[int, int, int, int]:
     """The (d, p, c, t) coordinates of ``rank`` (tp innermost, then cp, pp, dp outermost)."""
-    sizes = _sizes(dp, pp, tp, cp)
+    sizes = dp, pp, cp, tp
     n = dp * pp * cp * tp
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} is outside a {_product(sizes)}={n} grid")
@@ -52,9 +49,9 @@ def grid_coords(rank: int, dp: int, pp: int, tp: int, cp: int = 1) -> tuple[int,
     return tuple(reversed(coords))
 
 
-def grid_rank(coords, dp: int, pp: int, tp: int, cp: int = 1) -> int:
+def grid_rank(coords, *, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> int:
     """The rank at ``coords`` (d, p, c, t); the inverse of :func:`grid_coords`."""
-    sizes = _sizes(dp, pp, tp, cp)
+    sizes = dp, pp, cp, tp
     if len(coords) != 4 or not all(0 <= c < n for c, n in zip(coords, sizes)):
         raise ValueError(f"coordinates {dict(zip(AXES, coords))} are outside a {_product(sizes)} grid")
     rank = 0
@@ -63,9 +60,9 @@ def grid_rank(coords, dp: int, pp: int, tp: int, cp: int = 1) -> int:
     return rank
 
 
-def check_layout(dp: int, pp: int, tp: int, world_size: int | None = None, cp: int = 1) -> None:
+def check_layout(*, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, world_size: int | None = None) -> None:
     """Refuse non-positive sizes, or a product that is not the world size, naming the product."""
-    sizes = _sizes(dp, pp, tp, cp)
+    sizes = dp, pp, cp, tp
     for axis, n in zip(AXES, sizes):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{axis}: must be a positive integer, got {n!r}")
@@ -91,28 +88,28 @@ def expert_groups(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
             [list(range(e, dp, ep)) for e in range(ep)])
 
 
-def resolve_dp(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1, cp: int = 1) -> int:
+def resolve_dp(world_size: int, *, dp: int = 0, pp: int = 1, cp: int = 1, tp: int = 1) -> int:
     """``dp``, or when it is 0, the world size divided by pp*cp*tp (refused when not divisible)."""
     if dp == 0:
-        check_layout(1, pp, tp, cp=cp)
+        check_layout(pp=pp, cp=cp, tp=tp)
         rest = pp * cp * tp
         if world_size % rest:
             raise ValueError(f"world size {world_size} is not divisible by "
                              f"{_product((1, pp, cp, tp)).removeprefix('dp(1)*')}={rest}")
         dp = world_size // rest
-    check_layout(dp, pp, tp, world_size, cp=cp)
+    check_layout(dp=dp, pp=pp, cp=cp, tp=tp, world_size=world_size)
     return dp
 
 
-def axis_groups(axis: str, dp: int, pp: int, tp: int, cp: int = 1) -> list[list[int]]:
+def axis_groups(axis: str, *, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> list[list[int]]:
     """The ranks that communicate along ``axis`` (or the axes joined by ``_``, e.g. ``dp_cp``): one
     list per group, ordered by those coordinates (which is the rank inside the axis
     sub-communicator); groups in rank order."""
     picked = _axis_indices(axis)
-    sizes = _sizes(dp, pp, tp, cp)
+    sizes = dp, pp, cp, tp
     groups: dict[tuple, list[int]] = {}
     for rank in range(dp * pp * cp * tp):
-        c = grid_coords(rank, dp, pp, tp, cp)
+        c = grid_coords(rank, dp=dp, pp=pp, cp=cp, tp=tp)
         groups.setdefault(tuple(x for i, x in enumerate(c) if i not in picked), []).append(rank)
     width = 1
     for i in picked:
@@ -128,22 +125,22 @@ def _axis_indices(axis: str) -> tuple[int, ...]:
     return tuple(AXES.index(p) for p in parts)
 
 
-def format_rank_map(dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1) -> str:
+def format_rank_map(*, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> str:
     """A table rank -> (dp, pp, cp, tp) and, per axis, the groups of ranks (cp left out when 1);
     with ep > 1 also the ep and edp groups of dp ranks."""
-    check_layout(dp, pp, tp, cp=cp)
-    sizes = _sizes(dp, pp, tp, cp)
+    check_layout(dp=dp, pp=pp, cp=cp, tp=tp)
+    sizes = dp, pp, cp, tp
     shown = [i for i, a in enumerate(AXES) if a != "cp" or cp > 1]
     n = dp * pp * cp * tp
     w = max(4, len(str(n - 1)))
     lines = [f"grid {' x '.join(f'{AXES[i]}={sizes[i]}' for i in shown)} = {n} ranks (tp innermost)", "",
              f"{'rank':>{w}}  " + " ".join(f"{AXES[i]:>3}" for i in shown)]
     for rank in range(n):
-        coords = grid_coords(rank, dp, pp, tp, cp)
+        coords = grid_coords(rank, dp=dp, pp=pp, cp=cp, tp=tp)
         lines.append(f"{rank:>{w}}  " + " ".join(f"{coords[i]:>3}" for i in shown))
     lines.append("")
     for i in shown:
-        groups = axis_groups(AXES[i], dp, pp, tp, cp)
+        groups = axis_groups(AXES[i], dp=dp, pp=pp, cp=cp, tp=tp)
         lines.append(f"{AXES[i]} groups ({len(groups)} x {len(groups[0])}): " + " ".join(map(str, groups)))
     if ep > 1:
         eps, edps = expert_groups(dp, ep)
@@ -170,20 +167,20 @@ class Grid:
       PROC_NULL at the ends; ``pp_prev``/``pp_next``: the same as ranks in ``comm["pp"]``.
     """
 
-    def __init__(self, dp: int, pp: int, tp: int, comm=None, cp: int = 1, ep: int = 1):
+    def __init__(self, *, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, comm=None):
         from mpirt import comm as C
 
         if comm is None:
             comm = C.world_comm()
         parent = comm.mpi if isinstance(comm, C.Comm) else comm
-        check_layout(dp, pp, tp, parent.Get_size(), cp=cp)
+        check_layout(dp=dp, pp=pp, cp=cp, tp=tp, world_size=parent.Get_size())
         check_expert_layout(dp, ep)
         self.dp, self.pp, self.cp, self.tp, self.ep = dp, pp, cp, tp, ep
-        sizes = _sizes(dp, pp, tp, cp)
+        sizes = dp, pp, cp, tp
         cart = parent.Create_cart(list(sizes), periods=[False] * len(AXES), reorder=False)
         self.rank = cart.Get_rank()
         coords = tuple(cart.Get_coords(self.rank))
-        assert coords == grid_coords(self.rank, dp, pp, tp, cp), (coords, self.rank)
+        assert coords == grid_coords(self.rank, dp=dp, pp=pp, cp=cp, tp=tp), (coords, self.rank)
         self.coords = dict(zip(AXES, coords))
         self.sizes = dict(zip(AXES, sizes))
         self.comm = {"world": C.Comm(cart, "world")}
@@ -201,14 +198,14 @@ class Grid:
         self.pp_next = p + 1 if p < pp - 1 else C.PROC_NULL
 
     @classmethod
-    def from_world(cls, dp: int = 0, pp: int = 1, tp: int = 1, comm=None, cp: int = 1, ep: int = 1) -> "Grid":
+    def from_world(cls, *, dp: int = 0, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, comm=None) -> "Grid":
         """A grid over ``comm`` (default the world) where ``dp=0`` means world size // (pp*cp*tp)."""
         from mpirt import comm as C
 
         if comm is None:
             comm = C.world_comm()
         size = comm.size if isinstance(comm, C.Comm) else comm.Get_size()
-        return cls(resolve_dp(size, dp, pp, tp, cp), pp, tp, comm, cp=cp, ep=ep)
+        return cls(dp=resolve_dp(size, dp=dp, pp=pp, cp=cp, tp=tp), pp=pp, cp=cp, tp=tp, ep=ep, comm=comm)
 
     def __repr__(self) -> str:
         return (f"Grid(dp={self.dp}, pp={self.pp}, cp={self.cp}, tp={self.tp}, ep={self.ep}, rank={self.rank}, "
@@ -273,11 +270,12 @@ def main(argv=None) -> int:
     try:
         if args.dp == 0 and args.world is None:
             raise ValueError("dp=0 (derive from the world size) needs --world")
-        dp = resolve_dp(args.world, args.dp, args.pp, args.tp, args.cp) if args.world is not None else args.dp
-        check_layout(dp, args.pp, args.tp, cp=args.cp)
+        sizes = dict(pp=args.pp, cp=args.cp, tp=args.tp)
+        dp = resolve_dp(args.world, dp=args.dp, **sizes) if args.world is not None else args.dp
+        check_layout(dp=dp, **sizes)
         check_expert_layout(dp, args.ep)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(format_rank_map(dp, args.pp, args.tp, args.cp, args.ep))
+    print(format_rank_map(dp=dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep))
     return 0

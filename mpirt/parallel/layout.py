@@ -75,12 +75,16 @@ class Layout(Mapping):
 
     ``microbatches``: per step and dp replica, the pipeline schedule's under pp, else
     ``grad_accum``; ``rows``: batch rows per micro-batch; ``chunks``: model chunks per pipeline
-    rank (the interleaved schedule's virtual stages; 1 otherwise). Resolved with a model
-    (``Layout.of(cfg, sizes, model_cfg)``): ``bounds``, the block range ``[lo, hi)`` of each of the
-    ``stages`` (balanced by FLOPs, :func:`mpirt.parallel.pipeline.partition.partition`; virtual
-    stage ``s`` runs on pp rank ``s % pp`` as chunk ``s // pp``), and ``recomputed``, the global
-    block indices that ``recompute``/``recompute_layers`` pick (every block under ZeRO-3, whose
-    units always rerun); both empty without a model."""
+    rank (the interleaved schedule's virtual stages; 1 otherwise); ``seq_len``: the global
+    sequence length (:attr:`tokens` of each sequence a rank holds); ``recompute``: the rerun mode
+    (none, selective, full). Resolved with a model (``Layout.resolve(cfg, world, model_cfg)``):
+    ``bounds``, the block range ``[lo, hi)`` of each of the ``stages`` (balanced by FLOPs,
+    :func:`mpirt.parallel.pipeline.partition.partition`; virtual stage ``s`` runs on pp rank
+    ``s % pp`` as chunk ``s // pp``), and ``recomputed``, the global block indices that
+    ``recompute``/``recompute_layers`` pick (every block under ZeRO-3, whose units always rerun);
+    both empty without a model. The training start-up leaves out of ``recomputed`` the blocks of
+    the stages where a rerun would not lower the peak and lists them in ``recompute_unpaid``
+    (:func:`mpirt.plan.memory.recompute_where_it_pays`): the object the runtime is built from."""
 
     dp: int
     pp: int
@@ -93,8 +97,11 @@ class Layout(Mapping):
     microbatches: int = 1
     chunks: int = 1
     rows: int = 1
+    seq_len: int = 0
+    recompute: str = "none"
     bounds: tuple = ()
     recomputed: tuple = ()
+    recompute_unpaid: tuple = ()
 
     @classmethod
     def of(cls, cfg, sizes, model_cfg=None) -> "Layout":
@@ -118,7 +125,7 @@ class Layout(Mapping):
         return cls(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, zero=cfg.zero,
                    sequence_parallel=sequence_parallel_in_effect(cfg.sequence_parallel, tp),
                    schedule=cfg.schedule, microbatches=m, chunks=chunks, rows=cfg.batch_size // dp // m,
-                   bounds=bounds, recomputed=recomputed)
+                   seq_len=cfg.seq_len, recompute=cfg.recompute, bounds=bounds, recomputed=recomputed)
 
     @staticmethod
     def axes(world_size: int, dp: int, pp: int, tp: int, cp: int = 1) -> tuple[int, int, int]:
@@ -127,19 +134,20 @@ class Layout(Mapping):
         from mpirt.parallel.grid import check_layout, resolve_dp
 
         try:
-            dp = resolve_dp(world_size, dp, pp, tp, cp)
-            check_layout(dp, pp, tp, world_size, cp=cp)
+            dp = resolve_dp(world_size, dp=dp, pp=pp, cp=cp, tp=tp)
+            check_layout(dp=dp, pp=pp, cp=cp, tp=tp, world_size=world_size)
         except ValueError as err:
             raise LayoutError("dp/pp/tp", str(err)) from None
         return dp, pp, tp
 
     @classmethod
-    def resolve(cls, cfg, world_size: int, batch_rules: bool = True) -> "Layout":
+    def resolve(cls, cfg, world_size: int, model_cfg=None, batch_rules: bool = True) -> "Layout":
         """The layout of ``cfg`` on ``world_size`` ranks (dp derived when not given), refusing
-        (:class:`LayoutError`) what cannot run. Pure: no communication. ``batch_rules=False``
-        leaves out the rules that the batch settings (batch_size, grad_accum, microbatches and the
-        schedule's shape they make) take part in: a job script checks the rest before they are
-        final."""
+        (:class:`LayoutError`) what cannot run. Pure: no communication. With ``model_cfg``, also
+        what the model refuses (:meth:`check_model`), and the stage bounds and recomputed blocks
+        filled in. ``batch_rules=False`` leaves out the rules that the batch settings (batch_size,
+        grad_accum, microbatches and the schedule's shape they make) take part in: a job script
+        checks the rest before they are final."""
         from mpirt.parallel.pipeline.schedules import check_shape
 
         from mpirt.parallel.grid import check_expert_layout
@@ -159,7 +167,7 @@ class Layout(Mapping):
             raise LayoutError("cp", f"seq_len {cfg.seq_len} does not cut into 2 x cp = {2 * cfg.cp} equal chunks "
                               "(each context-parallel rank holds one from each end of the sequence)")
         if not batch_rules:
-            return layout
+            return layout.with_model(cfg, model_cfg) if model_cfg is not None else layout
         if cfg.pp > 1:
             if cfg.grad_accum > 1:
                 raise LayoutError("grad_accum", f"with pp={cfg.pp} the pipeline's micro-batches replace gradient "
@@ -175,7 +183,13 @@ class Layout(Mapping):
         if cfg.batch_size % (dp * cfg.grad_accum):
             raise LayoutError("batch_size", f"the global batch {cfg.batch_size} does not divide into dp={dp} x "
                               f"grad_accum={cfg.grad_accum} = {dp * cfg.grad_accum} equal micro-batches")
-        return layout
+        return layout.with_model(cfg, model_cfg) if model_cfg is not None else layout
+
+    def with_model(self, cfg, model_cfg) -> "Layout":
+        """This layout with ``model_cfg``'s stage bounds and recomputed blocks, refusing
+        (:class:`LayoutError`) a model it cannot hold (:meth:`check_model`)."""
+        self.check_model(cfg, model_cfg)
+        return self.of(cfg, self, model_cfg)
 
     def check_model(self, cfg, model_cfg) -> None:
         """Refuse (:class:`LayoutError`) a model this layout cannot hold: a sequence longer than
@@ -234,6 +248,18 @@ class Layout(Mapping):
         return self.dp * self.pp * self.cp * self.tp
 
     @property
+    def tokens(self) -> int:
+        """The tokens of each sequence a rank holds: its ``2 x cp`` chunks' share of ``seq_len``."""
+        return self.seq_len // self.cp
+
+    @property
+    def probe_tokens(self) -> int:
+        """The fewest tokens a probe of the model (a lazy build looking which parameters a part
+        uses) may run through a rank: one per tp rank under sequence parallelism, and a cp rank's
+        two chunks."""
+        return (self.tp if self.sequence_parallel else 1) * (2 if self.cp > 1 else 1)
+
+    @property
     def stages(self) -> int:
         """Pipeline stages: pp x chunks (1 without a pipeline)."""
         return self.pp * self.chunks
@@ -252,7 +278,7 @@ class Layout(Mapping):
         """``{"dp", "pp", "cp", "tp", "ep"}`` coordinates of world rank ``rank`` (tp innermost, then cp,
         as :class:`mpirt.parallel.grid.Grid`; ep: the place in its ep group, dp rank % ep)."""
         from mpirt.parallel.grid import grid_coords
-        coords = dict(zip(AXES, grid_coords(rank, self.dp, self.pp, self.tp, self.cp)))
+        coords = dict(zip(AXES, grid_coords(rank, dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)))
         return {**coords, "ep": coords["dp"] % self.ep}
 
     def pipeline_rank(self, block: int) -> int:

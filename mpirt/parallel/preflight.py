@@ -107,7 +107,7 @@ class StepPrograms:
 
     def world(self, pos: dict, **moved) -> int:
         lay, c = self.layout, {**pos, **moved}
-        return grid_rank((c["dp"], c["pp"], c["cp"], c["tp"]), lay.dp, lay.pp, lay.tp, lay.cp)
+        return grid_rank((c["dp"], c["pp"], c["cp"], c["tp"]), dp=lay.dp, pp=lay.pp, cp=lay.cp, tp=lay.tp)
 
     def units(self, chunk: int, p: int) -> list[tuple[str, int, range]]:
         """(name, parameter bytes, the blocks it holds) of the units of chunk ``chunk`` on pp rank
@@ -218,7 +218,7 @@ def proof_rank(layout, rank: int) -> int:
     """Where world rank ``rank`` of ``layout`` stands on the proof's grid (:func:`reduced`)."""
     small = reduced(layout)
     pos = layout.position(rank)
-    return grid_rank((pos["dp"] % small.dp, pos["pp"], pos["cp"], 0), small.dp, small.pp, 1, small.cp)
+    return grid_rank((pos["dp"] % small.dp, pos["pp"], pos["cp"], 0), dp=small.dp, pp=small.pp, cp=small.cp, tp=1)
 
 
 def check_step(layout, model_cfg, seq_len: int, dtype: str, rank: int | None = None) -> None:

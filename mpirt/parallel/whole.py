@@ -56,9 +56,9 @@ def seeded_init(seed: int, axis_sizes: dict, axis_ranks: dict):
 
 
 class WholeModel:
-    """The whole model (``model_cfg``, made tensor parallel over ``grid``'s tp axis, its experts split
-    over ep), its rows split
-    into ``grad_accum`` micro-batches whose gradients accumulate.
+    """The whole model (``model_cfg``, made tensor parallel over ``grid``'s tp axis as ``layout``
+    says, sequence parallel or not; its experts split over ep), its rows split into the layout's
+    micro-batches (``grad_accum``) whose gradients accumulate.
 
     Built lazily (no arrays): every layout starts from the single-rank weights, each parameter's
     slice of its seeded tensor generated straight into the parameter store by :attr:`init`
@@ -69,17 +69,16 @@ class WholeModel:
     has_embed = True   # it looks tokens up (of a pipeline's stages, the first only)
     units = probe = unit_runs = None
 
-    def __init__(self, model_cfg, grid, *, dtype: str, seed: int, sequence_parallel: bool, grad_accum: int):
-        tp = grid.sizes["tp"]
+    def __init__(self, layout, model_cfg, grid, *, dtype: str, seed: int):
         self.model = build_model(model_cfg, dtype=dtype)
-        if tp > 1:
-            TP.parallelize(self.model, grid.comm["tp"], sequence_parallel=sequence_parallel)
+        if layout.tp > 1:
+            TP.parallelize(self.model, grid.comm["tp"], sequence_parallel=layout.sequence_parallel)
         parallelize_experts(self.model, grid.comm["ep"])
         self.init = seeded_init(seed, *parameter_axes(grid))
         self.blocks = dict(enumerate(self.model.h))
         self.dropout_roots = (self.model,)
         self._dropouts = list(dropout_modules(self.model).values())
-        self.grad_accum = grad_accum
+        self.grad_accum = layout.microbatches
         self.trace = False
         self.stats: dict = {}
 

@@ -165,10 +165,12 @@ def _activation_peak(cfg, model_cfg, layout, stage_rank: int, recompute: str) ->
 
 def recompute_where_it_pays(cfg, model_cfg, layout: Layout) -> Layout:
     """``layout`` (resolved with the model) without recomputation on the pipeline ranks where it
-    would not lower the peak (:func:`recompute_pays`): the blocks the engine recomputes."""
+    would not lower the peak (:func:`recompute_pays`): the blocks the engine recomputes; the
+    blocks left out are its ``recompute_unpaid``."""
     idle = {r for r in range(layout.pp) if not recompute_pays(cfg, model_cfg, layout, r * layout.cp * layout.tp)}
-    return dataclasses.replace(layout, recomputed=tuple(i for i in layout.recomputed
-                                                        if layout.pipeline_rank(i) not in idle))
+    unpaid = tuple(i for i in layout.recomputed if layout.pipeline_rank(i) in idle)
+    return dataclasses.replace(layout, recomputed=tuple(i for i in layout.recomputed if i not in unpaid),
+                               recompute_unpaid=unpaid)
 
 
 def expert_load_bound(cfg, model_cfg, ep: int) -> float:

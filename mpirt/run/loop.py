@@ -26,11 +26,9 @@ from mpirt.core.precision import LossScaler
 from mpirt.data.tokens import get_batch, get_eval_batch
 from mpirt.monitor.live import Metrics, Progress, RunMonitor
 from mpirt.monitor.steps import owned_bytes
-from mpirt.parallel.engine import Engine
+from mpirt.parallel.engine import Engine, Hyper
 from mpirt.parallel.grid import Grid
-from mpirt.parallel.layout import Layout
-from mpirt.plan.memory import decode_over_budget, explicit_budget, format_size, over_budget_flag, predict, \
-    recompute_where_it_pays
+from mpirt.plan.memory import decode_over_budget, explicit_budget, format_size, over_budget_flag, predict
 from mpirt.run import faults, health, jobctl
 from mpirt.run.config import ConfigError
 from mpirt.run.distributed import init_distributed, input_fingerprint
@@ -70,9 +68,8 @@ class TrainingRun:
         comm.start_watchdog(comm_timeout(cfg, model_cfg))  # a stuck call, or a rank exiting alone, ends the job
         if cfg.verify:  # the layout held to one rank first; exits 2 when it differs
             verify_before_training(cfg, model_cfg, data.train, comm.world_comm())
-        # the final config's, with the model's stages and the blocks that recompute
-        self.layout = recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg))
-        self.grid = Grid(layout["dp"], layout["pp"], layout["tp"], cp=layout["cp"], ep=layout["ep"])
+        self.layout = layout  # resolved with the model by the pre-flight (run.prepare.plan_layout)
+        self.grid = Grid(**layout)  # a Layout is the mapping of its axis sizes
         self.cfg, self.model_cfg, self.data, self.deadline, self.out, self.started = \
             cfg, model_cfg, data, deadline, out, started
         self.resume, self.model_source, self.ctx = resume, model_source, ctx
@@ -80,8 +77,7 @@ class TrainingRun:
         self.baselines = baselines or [None] * ctx.size
         B.limit_pool(explicit_budget(cfg.memory_budget))  # on a GPU the pool itself holds an explicit budget
         # one dropout seed for every rank: the masks depend on each element's place in the global batch
-        self.engine = Engine(cfg, model_cfg, self.grid, dropout_seed=ctx.rank_seed("dropout", rank=0),
-                             layout=self.layout)
+        self.engine = Engine(layout, model_cfg, self.grid, Hyper.of(cfg), dropout_seed=ctx.rank_seed("dropout", rank=0))
         self.optimizer = self.engine.optimizer
         self.scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window) if cfg.dtype == "float16" else None
         self.start_step = 0

@@ -20,18 +20,21 @@ from mpirt.core.precision import is_half
 from mpirt.cpu import blas, kernels
 from mpirt.data.tokens import MetaError, TokenDataset, default_dataset_dir, num_eval_batches
 from mpirt.parallel.layout import Layout, LayoutError
-from mpirt.plan.memory import format_size
+from mpirt.plan.memory import format_size, recompute_where_it_pays
 from mpirt.run import jobctl, startup
 from mpirt.run.config import ConfigError
 
 
-def plan_layout(cfg, world_size: int) -> Layout:
+def plan_layout(cfg, world_size: int, model_cfg=None) -> Layout:
     """The run's :class:`~mpirt.parallel.layout.Layout` (pure: no communication), refusing
-    impossible layouts (ConfigError naming the key)."""
+    impossible layouts (ConfigError naming the key). With the model: the one object the runtime
+    is built from, its stages, and recomputation only where it lowers the peak
+    (:func:`mpirt.plan.memory.recompute_where_it_pays`)."""
     try:
-        return Layout.resolve(cfg, world_size)
+        layout = Layout.resolve(cfg, world_size, model_cfg)
     except LayoutError as err:
         raise ConfigError(str(err)) from None
+    return layout if model_cfg is None else recompute_where_it_pays(cfg, model_cfg, layout)
 
 
 # --model.* keys that must equal the loaded model's: they set tensor shapes, or (initializer_range)
@@ -94,13 +97,10 @@ def resolve_model(cfg) -> tuple[object, object | None, bool]:
     return changed, weights, resume
 
 
-def check_fit(cfg, model_cfg, data: TokenDataset, layout: dict) -> list[str]:
-    """Refuse a run whose data, sequence length or tp does not fit the model, naming the numbers;
-    returns notes for the start-up lines (a split whose ids are checked as it is read)."""
-    try:
-        Layout.of(cfg, layout).check_model(cfg, model_cfg)
-    except LayoutError as err:
-        raise ConfigError(str(err)) from None
+def check_fit(cfg, model_cfg, data: TokenDataset) -> list[str]:
+    """Refuse a run whose data does not fit the model (its vocabulary, a validation batch), naming
+    the numbers; returns notes for the start-up lines (a split whose ids are checked as it is
+    read). What the layout refuses of the model :func:`plan_layout` has said."""
     if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"data: vocabulary {data.vocab_size} of {data.directory} exceeds the model's "
                           f"vocab_size {model_cfg.vocab_size}")
@@ -282,7 +282,7 @@ def banner(ctx, cfg, layout: Layout, model_cfg, data, out: Path, start_step: int
         f"mpirt: memory: predicted peak {format_size(predicted_peak)} on the largest rank, budget "
         f"{cfg.memory_budget or 'none'}; recompute {cfg.recompute}"
         + (f" on blocks {cfg.recompute_layers}" if cfg.recompute_layers and cfg.recompute != "none" else "")
-        + _recompute_skipped(cfg, model_cfg, layout),
+        + _recompute_skipped(layout),
         f"mpirt: out {out}: {where}, steps {start_step} -> {end_step} of {cfg.steps}; checkpoint "
         f"{', '.join(stops) or 'at the end'}, keep {cfg.keep_checkpoints}"
         + (f"; time limit {cfg.time_limit}" if cfg.time_limit else ""),
@@ -290,11 +290,10 @@ def banner(ctx, cfg, layout: Layout, model_cfg, data, out: Path, start_step: int
     return "\n".join(lines)
 
 
-def _recompute_skipped(cfg, model_cfg, layout: Layout) -> str:
+def _recompute_skipped(layout: Layout) -> str:
     """The banner's note on the pipeline stages where recomputation would not lower the peak and
     so does not run (:func:`mpirt.plan.memory.recompute_where_it_pays` left them out of ``layout``)."""
-    picked = Layout.of(cfg, layout, model_cfg).recomputed
-    stages = sorted({layout.pipeline_rank(i) for i in set(picked) - set(layout.recomputed)})
+    stages = sorted({layout.pipeline_rank(i) for i in layout.recompute_unpaid})
     if not stages:
         return ""
     if len(stages) == layout.pp:

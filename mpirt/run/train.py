@@ -21,10 +21,9 @@ from mpirt import comm
 from mpirt.checkpoint.store import read_checkpoint_meta
 from mpirt.data.tokens import DataError
 from mpirt.monitor.live import tensorboard_writer_class
-from mpirt.parallel.layout import Layout
 from mpirt.parallel.preflight import check_step
 from mpirt.plan.budget import available_budget
-from mpirt.plan.memory import check_budget, measured_baseline, recompute_where_it_pays
+from mpirt.plan.memory import check_budget, measured_baseline
 from mpirt.run import jobctl, startup
 from mpirt.run.config import parse_args, parse_duration
 from mpirt.run.finish import finish
@@ -70,11 +69,11 @@ def main(argv=None) -> dict:
         model_cfg, hf_weights, resume = resolve_model(cfg)
         if not (resume or hf_weights is not None):
             model_cfg = vocab_from_data(cfg, model_cfg, data, layout["tp"])
-        notes = [f"mpirt: data: {note}" for note in check_fit(cfg, model_cfg, data, layout)]
+        layout = plan_layout(cfg, world.size, model_cfg)  # the final layout: everything after is built from it
+        notes = [f"mpirt: data: {note}" for note in check_fit(cfg, model_cfg, data)]
         # the step's communication (pipeline, ring attention, ZeRO-3 gathers) proven consistent: each
         # rank checks its own program against its stage's, and the stages' together
-        check_step(recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg)), model_cfg,
-                   cfg.seq_len, cfg.dtype, rank=world.rank)
+        check_step(layout, model_cfg, cfg.seq_len, cfg.dtype, rank=world.rank)
         cfg, eval_warning = fit_eval_batches(cfg, data)
         for line in notes + ([eval_warning] if eval_warning else []):
             if world.rank == 0:

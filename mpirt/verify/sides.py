@@ -22,7 +22,7 @@ from mpirt.core.optim import cosine_lr
 from mpirt.core.settings import ConfigError, convert_value, field_types
 from mpirt.data.tokens import get_batch
 from mpirt.monitor.live import expert_figures
-from mpirt.parallel.engine import Engine
+from mpirt.parallel.engine import Engine, Hyper
 from mpirt.parallel.grid import Grid
 from mpirt.parallel.layout import Layout, LayoutError, pipeline_microbatches
 from mpirt.plan.memory import check_budget, recompute_where_it_pays
@@ -68,9 +68,7 @@ def resolve(cfg: TrainConfig, model_cfg, world_size: int, what: str) -> Layout:
     training script checks it (the budget too, when ``--memory-budget`` is given); ConfigError
     starting with ``what`` (e.g. "reference tp=2")."""
     try:
-        layout = Layout.resolve(cfg, world_size)
-        layout.check_model(cfg, model_cfg)
-        layout = recompute_where_it_pays(cfg, model_cfg, Layout.of(cfg, layout, model_cfg))
+        layout = recompute_where_it_pays(cfg, model_cfg, Layout.resolve(cfg, world_size, model_cfg))
         check_budget(cfg, model_cfg, layout, world_size)
     except (LayoutError, ValueError) as err:
         raise ConfigError(f"{what}: {err}") from None
@@ -138,8 +136,8 @@ def run_side(cfg: TrainConfig, model_cfg, layout: Layout, comm, tokens, snapshot
     "communication" (the first step: what its calls differ in from what its layout predicts,
     :func:`mpirt.verify.traffic.differences`, every rank's, "rank R: ..."; else None),
     "snapshot"}`` on every rank of ``comm``."""
-    grid = Grid(layout.dp, layout.pp, layout.tp, comm=comm, cp=layout.cp, ep=layout.ep)
-    engine = Engine(cfg, model_cfg, grid, dropout_seed=derive_seed(cfg.seed, 0, "dropout"), layout=layout)
+    grid = Grid(**layout, comm=comm)
+    engine = Engine(layout, model_cfg, grid, Hyper.of(cfg), dropout_seed=derive_seed(cfg.seed, 0, "dropout"))
     if reader is not None:
         engine.load_sharded(reader, with_optimizer=True)
     records = []

@@ -65,7 +65,7 @@ def predicted(layout, model_cfg, seq_len: int, dtype: str, rank: int, engine) ->
             want += [(axis, "send", n, op.dtype) for _, n in op.sends] + [(axis, "recv", n, op.dtype) for _, n in op.recvs]
         elif op.what != "wait":
             want.append((axis, KIND.get(op.what, op.what), op.nbytes, op.dtype))
-    return want + engine.step_calls(layout)
+    return want + engine.step_calls()
 
 
 def differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: int, engine) -> list[str]:
