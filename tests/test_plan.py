@@ -412,3 +412,37 @@ def test_calibrated_presets_live_in_mpirt_cache(tmp_path, monkeypatch):
     assert path == tmp_path / "cache" / "plan" / "here.json" and hardware.load("here").cores == 2
     monkeypatch.setenv("MPIRT_PLAN_CACHE", str(tmp_path / "old"))
     assert hardware.save(cpu(name="here")) == tmp_path / "old" / "here.json"
+
+
+def test_each_axis_message_is_one_function_the_proof_sends_and_the_planner_prices():
+    """The pipeline's, the ring's and the experts' message bytes come from the axis's own module
+    (``message_bytes``, ``ring_message_bytes``, ``routed_bytes``): the pre-flight proof's
+    program sends exactly them, and the planner's traffic is their count times them."""
+    from mpirt.parallel.context import ring_message_bytes
+    from mpirt.parallel.experts import routed_bytes
+    from mpirt.parallel.layout import Layout
+    from mpirt.parallel.pipeline.stage import message_bytes
+    from mpirt.parallel.preflight import StepPrograms
+
+    c = cpu(cores=2).with_shape(1, 8)
+    for dtype in ("float32", "bfloat16"):
+        dense, model = cfg(pp=2, cp=2, tp=2, sequence_parallel=True, batch_size=4, seq_len=64, microbatches=2,
+                           dtype=dtype), load_model_config("llama-tiny", {})
+        layout = Layout.resolve(dense, 8, model)
+        act, kv = message_bytes(layout, model, dtype), ring_message_bytes(layout, model, dtype)
+        assert act == 2 * 64 // 2 // 2 * model.n_embd * (2 if dtype == "bfloat16" else 4)  # rows x tokens/cp/tp x C
+        ops = StepPrograms(layout, model, 64, dtype).program(0)
+        assert {n for op in ops if op.comm == "pp" for _, n in op.sends + op.recvs} == {act}
+        assert {n for op in ops if op.comm == "cp" for _, n in op.sends + op.recvs} == {kv}
+        est = estimate(dense, model, c)
+        m, blocks = layout.microbatches, layout.microbatches * model.n_layer / 2
+        assert est.comm["pp"]["bytes"] == 2 * m * act and est.comm["cp"]["bytes"] == blocks * (3 * 2 - 2) * kv
+
+    moe = load_model_config("mixtral-tiny", {})
+    experts = cfg(dp=2, ep=2, zero=1, batch_size=4, seq_len=64)
+    layout = Layout.resolve(experts, 2, moe)
+    routed = routed_bytes(layout, moe, "float32")
+    ops = StepPrograms(layout, moe, 64, "float32").program(0)
+    assert {op.nbytes for op in ops if op.comm == "ep" and op.dtype == "float32"} == {routed}
+    assert estimate(experts, moe, cpu(cores=2).with_shape(1, 2)).comm["ep"]["bytes"] == \
+        pytest.approx(moe.n_layer * 4 * routed / 2)  # 4 exchanges a block, half of each leaves the rank

@@ -39,7 +39,7 @@ from mpirt.core.injected import injected
 from mpirt.core.nn import Module
 from mpirt.core.ops.attention import block_backward, block_forward, split_qkv
 from mpirt.core.ops.dropout import _check_p, as_mask_source, dropout_mask
-from mpirt.core.precision import float32_compute
+from mpirt.core.precision import float32_compute, is_half
 from mpirt.core.tensor import Function
 
 # the kinds of (query chunk, key chunk) pairs: keys before the queries, the same chunk, keys after
@@ -106,6 +106,15 @@ class ContextShard:
         first, second = (slice(k * half, (k + 1) * half) for k in self.chunks())
         xp = np if isinstance(a, np.ndarray) else B.xp  # host batches stay on the host
         return xp.concatenate([a[:, first], a[:, second]], axis=1)
+
+
+def ring_message_bytes(layout, model_cfg, dtype: str) -> int:
+    """One ring hop's bytes: one block's keys and values of the tokens a cp rank holds, for one
+    micro-batch (``layout.rows`` sequences) and this tp rank's share of the KV heads, in float32
+    under half precision (what :class:`RingAttention` sends; the proof and the planner count it)."""
+    kv_heads = getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head
+    carried = np.dtype("float32" if is_half(dtype) else dtype).itemsize
+    return layout.rows * layout.tokens * 2 * kv_heads * (model_cfg.n_embd // model_cfg.n_head) // layout.tp * carried
 
 
 class RingLabel(NamedTuple):

@@ -47,6 +47,17 @@ EXPERT_SPEC = ShardSpec((AXIS, None, None))  # stacked expert weights (E, C, F):
 EXCHANGE_POOL_BYTES_PER_PEER = 2**20
 
 
+def routed_bytes(layout, model_cfg, dtype: str) -> int:
+    """A rank's routed rows of one MoE layer and micro-batch, evenly routed: its tokens x top_k rows
+    of ``n_embd`` (each all-to-all's send buffer, out and back, forward and backward)."""
+    return layout.rows * layout.tokens * getattr(model_cfg, "top_k", 1) * model_cfg.n_embd * np.dtype(dtype).itemsize
+
+
+def count_bytes(layout, model_cfg) -> int:
+    """The expert counts' all-to-all before the rows move: an int64 count per expert."""
+    return model_cfg.n_expert // layout.ep * 8 * layout.ep
+
+
 def _inverse(order: np.ndarray) -> np.ndarray:
     inv = np.empty_like(order)
     inv[order] = np.arange(len(order))

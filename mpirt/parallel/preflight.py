@@ -41,8 +41,11 @@ import dataclasses
 import numpy as np
 
 from mpirt.core.precision import is_half
+from mpirt.parallel.context import ring_message_bytes
+from mpirt.parallel.experts import count_bytes, routed_bytes
 from mpirt.parallel.grid import grid_rank
 from mpirt.parallel.pipeline.schedules import Action, BACKWARD, FORWARD, WEIGHT
+from mpirt.parallel.pipeline.stage import message_bytes
 from mpirt.parallel.step_simulation import Grid3, Op, StepCommError, first_difference, simulate_step
 
 __all__ = ["Op", "StepCommError", "StepPrograms", "check_step", "proof_rank", "reduced", "simulate_step",
@@ -90,20 +93,18 @@ class StepPrograms:
 
     def __init__(self, layout, model_cfg, seq_len: int, dtype: str, blocks_apart: bool = False):
         from mpirt.core.modeling import layer_costs
-
+        if layout.seq_len != seq_len:
+            raise ValueError(f"StepPrograms: the layout was resolved at seq_len {layout.seq_len}, not {seq_len}")
         self.layout, self.dtype, self.blocks_apart = layout, np.dtype(dtype).name, blocks_apart
-        self.itemsize = itemsize = np.dtype(dtype).itemsize
+        self.itemsize = np.dtype(dtype).itemsize
         self.ring_dtype = "float32" if is_half(dtype) else self.dtype
         self.costs = layer_costs(model_cfg, seq_len)
-        held = seq_len // layout.cp
-        kv_heads = getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head
-        self.kv_bytes = layout.rows * held * 2 * kv_heads * (model_cfg.n_embd // model_cfg.n_head) // layout.tp * \
-            np.dtype(self.ring_dtype).itemsize
-        # a pipeline message holds a micro-batch's activations: under sequence parallelism, tp's piece of them
-        self.act_bytes = layout.rows * held // (layout.tp if layout.sequence_parallel else 1) * model_cfg.n_embd * itemsize
+        # each axis's message sizes, as its module sends them (the planner prices the same)
+        self.kv_bytes = ring_message_bytes(layout, model_cfg, dtype)
+        self.act_bytes = message_bytes(layout, model_cfg, dtype)
         self.experts = getattr(model_cfg, "n_expert", 0)
-        self.routed = self.act_bytes * getattr(model_cfg, "top_k", 1)  # a rank's rows out to the experts (balanced)
-        self.counts_bytes = self.experts // layout.ep * 8 * layout.ep
+        self.routed = routed_bytes(layout, model_cfg, dtype) if self.experts else 0
+        self.counts_bytes = count_bytes(layout, model_cfg) if self.experts else 0
 
     def world(self, pos: dict, **moved) -> int:
         lay, c = self.layout, {**pos, **moved}

@@ -35,7 +35,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpirt.parallel.context import ring_message_bytes
+from mpirt.parallel.experts import routed_bytes
 from mpirt.parallel.layout import Layout
+from mpirt.parallel.pipeline.stage import message_bytes
 from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 from mpirt.plan.hardware import Cluster
 from mpirt.plan.work import Work, layer_work, tensors_per_block
@@ -261,7 +264,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     parts = dict.fromkeys(("forward", "backward", "weight_grad", "bubble", "grad_sync", "optimizer", "other"), 0.0)
     comm = {"tp": {"bytes": 0.0, "s": 0.0}, "pp": {"bytes": 0.0, "s": 0.0}, "dp": {"bytes": 0.0, "s": 0.0},
             "cp": {"bytes": 0.0, "s": 0.0}, "ep": {"bytes": 0.0, "s": 0.0}}
-    act_msg = rows * (seq // (tp if sp else 1)) * model_cfg.n_embd * e
+    act_msg = message_bytes(layout, model_cfg, cfg.dtype)
     p2p = coll_time(cluster, "p2p", act_msg, 2, world, _spans_nodes(cluster, "pp", layout)) if pp > 1 else 0.0
     if pp == 1:
         t = times[(0, 0)]
@@ -306,8 +309,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     parts["grad_sync"] = exposed + tied + sp_sync + small
     ring_exposed = 0.0
     if cp > 1:  # per block and micro-batch: keys and values around the ring both ways, their gradient back
-        kv = rows * seq * 2 * (getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head) \
-            * (model_cfg.n_embd // model_cfg.n_head) / tp * max(e, 4)  # float32 in half precision
+        kv = ring_message_bytes(layout, model_cfg, cfg.dtype)
         hop = coll_time(cluster, "p2p", kv, 2, world, _spans_nodes(cluster, "cp", layout))
         blocks = m * model_cfg.n_layer / pp
         block_s = (times[(0, 0)][FORWARD][0] + times[(0, 0)][BACKWARD][0]) / max(1, len(stage_layers[(0, 0)]))
@@ -316,7 +318,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         comm["cp"] = {"bytes": blocks * (3 * cp - 2) * kv, "s": blocks * (hidden + cp * hop)}
     exchange_exposed = 0.0
     if ep > 1:  # per MoE block and micro-batch: the routed rows out and back, forward and backward
-        routed = rows * seq * getattr(model_cfg, "top_k", 1) * model_cfg.n_embd * e
+        routed = routed_bytes(layout, model_cfg, cfg.dtype)
         sent = routed * (ep - 1) / ep
         # the full send buffer, as comm records an all-to-all: (ep - 1) / ep of it leaves the rank
         one = coll_time(cluster, "alltoall", routed, ep, world, _spans_nodes(cluster, "ep", layout))

@@ -56,6 +56,13 @@ class _Blocks(Module):
     """Blocks registered under their global index, so names read ``h.5.attn...``."""
 
 
+def message_bytes(layout, model_cfg, dtype: str) -> int:
+    """One pipeline message's bytes: a micro-batch's activations (or their gradient) between two
+    stages, under sequence parallelism the tp rank's piece of the sequence."""
+    tokens = layout.tokens // (layout.tp if layout.sequence_parallel else 1)
+    return layout.rows * tokens * model_cfg.n_embd * np.dtype(dtype).itemsize
+
+
 class PipelineStage(PipelineExecutor):
     """This rank's stage of a pipeline-parallel model and the executor of its schedule.
 
