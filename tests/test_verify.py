@@ -306,3 +306,43 @@ def test_a_replayed_step_out_of_the_runs_recent_range_is_abnormal():
     assert abnormal_steps([{"step": 7, "loss": float("nan"), "grad_norm": 2.0}], record).startswith(
         "step 7's loss nan is outside the run's recent range 4.4..4.9")
     assert abnormal_steps([{"step": 3, "loss": 9.0, "grad_norm": 9.0}], record[:2]) is None  # too short to judge
+
+
+def test_calls_out_of_the_programs_order_are_named(monkeypatch):
+    """The order check (pure: the recorded calls stood in for): an ep2 x pp2 step's calls in the
+    program's order pass, and with a pipeline receive posted early among the sends; the experts'
+    counts exchanged after their rows, or a send the program does not make, are named with the
+    stream, the place and the program's op."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+    from mpirt.core.modeling import load_model_config
+    from mpirt.parallel.layout import Layout
+    from mpirt.parallel.preflight import StepPrograms
+    from mpirt.verify import traffic
+
+    model = load_model_config("mixtral-tiny", {"n_layer": 2})
+    cfg = replace(TrainConfig(), dp=2, ep=2, pp=2, batch_size=4, seq_len=16, dtype="float64")
+    layout = Layout.resolve(cfg, 4, model)
+    make = StepPrograms(layout, model, 16, "float64", blocks_apart=True)
+    calls = []
+    for op in make.program(0) + make.sums(0):
+        if op.what == "exchange":
+            calls += [(op.comm, "recv", n, op.dtype) for _, n in op.recvs] + [(op.comm, "send", n, op.dtype)
+                                                                               for _, n in op.sends]
+        elif op.what != "wait":
+            calls.append((op.comm, traffic.KIND.get(op.what, op.what), op.nbytes, op.dtype))
+    engine = SimpleNamespace(local=SimpleNamespace(tied_calls=lambda: []))
+
+    def order_of(recorded):
+        monkeypatch.setattr(traffic, "recorded", lambda cursor: recorded)
+        return traffic.order_differences(layout, model, 16, "float64", 0, 0, engine)
+
+    assert order_of(calls) == []
+    sends = [i for i, c in enumerate(calls) if c[:2] == ("pp", "send")]
+    early = calls[:sends[0]] + calls[sends[0] + 1:sends[1]] + [calls[sends[0]]] + calls[sends[1]:]
+    assert order_of(early) == []   # a receive between two sends: each stream keeps its order
+    counts = next(i for i, c in enumerate(calls) if c[0] == "ep" and c[3] == "int64")
+    swapped = calls[:counts] + [calls[counts + 1], calls[counts]] + calls[counts + 2:]
+    assert order_of(swapped) == ["ep collective #0: recorded 32768 B float64, the program 32 B int64 "
+                                 "(F mb 0 h.0-0 expert counts)"]
+    assert order_of(calls + [("pp", "send", 8, "float64")]) == ["pp send #2: recorded 8 B float64, the program none"]

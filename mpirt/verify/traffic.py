@@ -18,8 +18,12 @@ must equal the recorded one:
 Calls whose number the layout alone does not fix are held to their dtype only (:func:`dtype_only`):
 ZeRO-2's streamed reduce-scatters, ZeRO-3's gathers and reduce-scatters. The experts' row exchanges carry what routing sends, which the proof prices at
 balanced routing: their count and dtype are compared, not their bytes. Not compared: peers (the
-registry records none) and the order of the calls (the proof's simulation checks its programs'
-order).
+registry records none).
+
+The order (:func:`order_differences`): on the axes whose programs the proof simulates (pp, cp,
+ep), each axis's sends, receives and collectives, as three streams (MPI matches messages in the
+order they are posted), come in the order of the rank's program, then the tied embedding's sum
+and the scalar sums: the program the proof checked is the one the runtime ran.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from mpirt.parallel.preflight import StepPrograms
 
 KIND = {"isend": "send", "irecv": "recv", "iallreduce": "allreduce", "iallgather": "allgather"}  # one kind a call
 ANY_BYTES = -1   # an ep row exchange: compared by count and dtype only
+ORDERED_AXES = ("pp", "cp", "ep")   # the proof's programs give these axes' order
 
 
 def recorded(cursor: int) -> list[tuple]:
@@ -93,4 +98,43 @@ def differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: 
         allowed = named(axis, kind)
         if allowed is not None and t not in allowed:
             out.append(f"{axis} {kind} of {n} B in {t}: the layout names {' or '.join(sorted(allowed))} there")
+    return out
+
+
+def order_differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: int, engine) -> list[str]:
+    """Where rank ``rank``'s recorded calls on the proof's axes (pp, cp, ep) leave the order of its
+    program, one phrase per axis and stream (empty when none). MPI matches messages in the order
+    they are posted, so each axis's sends, its receives and its collectives are three streams whose
+    order must be the program's: a receive posted early (the pipeline's, ahead of its compute)
+    keeps its place among the receives. The experts' row exchanges compare by dtype (what routing
+    sends). The program is the proof's, then the tied embedding's gradient sum and the scalar sums
+    that close the step."""
+    make = StepPrograms(layout, model_cfg, seq_len, dtype, blocks_apart=True)
+    want: dict = {}
+    for op in make.program(rank) + make.sums(rank):
+        if op.comm not in ORDERED_AXES or op.what == "wait":
+            continue
+        if op.what == "exchange":
+            want.setdefault((op.comm, "send"), []).extend((n, op.dtype, op.label) for _, n in op.sends)
+            want.setdefault((op.comm, "recv"), []).extend((n, op.dtype, op.label) for _, n in op.recvs)
+        else:
+            want.setdefault((op.comm, "collective"), []).append((op.nbytes, op.dtype, op.label))
+    for axis, kind, n, t in engine.local.tied_calls():   # after the backward: the tied embedding's sum
+        want.setdefault((axis, kind), []).append((n, t, "the tied embedding's gradient"))
+    got: dict = {}
+    for axis, kind, n, t in recorded(cursor):
+        if axis in ORDERED_AXES:
+            got.setdefault((axis, kind if kind in ("send", "recv") else "collective"), []).append((n, t))
+    out = []
+    for key in sorted(set(want) | set(got)):
+        mine, theirs = got.get(key, []), want.get(key, [])
+        fuzzy = key == ("ep", "collective")
+        for i in range(max(len(mine), len(theirs))):
+            m = mine[i] if i < len(mine) else None
+            w = theirs[i] if i < len(theirs) else None
+            same = m is not None and w is not None and m[1] == w[1] and (m[0] == w[0] or (fuzzy and w[1] != "int64"))
+            if not same:
+                out.append(f"{key[0]} {key[1]} #{i}: recorded {f'{m[0]} B {m[1]}' if m else 'none'}, the program "
+                           f"{f'{w[0]} B {w[1]} ({w[2]})' if w else 'none'}")
+                break
     return out
