@@ -41,6 +41,7 @@ from mpirt.core.ops.attention import block_backward, block_forward, split_qkv
 from mpirt.core.ops.dropout import _check_p, as_mask_source, dropout_mask
 from mpirt.core.precision import float32_compute, is_half
 from mpirt.core.tensor import Function
+from mpirt.parallel.step_simulation import Op
 
 # the kinds of (query chunk, key chunk) pairs: keys before the queries, the same chunk, keys after
 FULL, DIAGONAL, NONE = "full", "diagonal", "none"
@@ -115,6 +116,23 @@ def ring_message_bytes(layout, model_cfg, dtype: str) -> int:
     kv_heads = getattr(model_cfg, "n_kv_head", None) or model_cfg.n_head
     carried = np.dtype("float32" if is_half(dtype) else dtype).itemsize
     return layout.rows * layout.tokens * 2 * kv_heads * (model_cfg.n_embd // model_cfg.n_head) // layout.tp * carried
+
+
+def ring_program(label: str, backward: bool, cp: int, nxt: int, prv: int, nbytes: int, dtype: str) -> list[Op]:
+    """One block's ring passes as the pre-flight proof's operations (what :class:`RingAttention`
+    sends, for the proof to check and the recorded step to be held to): forward, ``cp - 1``
+    exchanges of the keys and values (``nbytes``, :func:`ring_message_bytes`) to world rank
+    ``nxt`` and from ``prv``; backward, ``cp - 1`` exchanges of the keys and values with their
+    gradient, and the gradient's last pass home. None when ``cp`` is 1."""
+    if cp == 1:
+        return []
+    out, back = ((nxt, nbytes),), ((prv, nbytes),)
+    if not backward:
+        return [Op("exchange", "cp", sends=out, recvs=back, label=f"{label} ring step {s}", dtype=dtype)
+                for s in range(cp - 1)]
+    return [Op("exchange", "cp", sends=out * 2, recvs=back * 2, label=f"{label} ring backward step {s}", dtype=dtype)
+            for s in range(cp - 1)] + \
+        [Op("exchange", "cp", sends=out, recvs=back, label=f"{label} ring backward step {cp - 1}", dtype=dtype)]
 
 
 class RingLabel(NamedTuple):

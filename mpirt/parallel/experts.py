@@ -37,6 +37,7 @@ from mpirt.core.injected import injected
 from mpirt.core.nn import Module, ShardSpec
 from mpirt.core.ops.moe import grouped_swiglu
 from mpirt.core.tensor import Function
+from mpirt.parallel.step_simulation import Op
 
 AXIS = "ep"
 EXPERT_SPEC = ShardSpec((AXIS, None, None))  # stacked expert weights (E, C, F): whole experts per rank
@@ -56,6 +57,19 @@ def routed_bytes(layout, model_cfg, dtype: str) -> int:
 def count_bytes(layout, model_cfg) -> int:
     """The expert counts' all-to-all before the rows move: an int64 count per expert."""
     return model_cfg.n_expert // layout.ep * 8 * layout.ep
+
+
+def exchange_program(label: str, backward: bool, counts: int, routed: int, dtype: str) -> list[Op]:
+    """One MoE layer's all-to-alls on the ep group as the pre-flight proof's operations (what
+    :class:`TokenExchange` runs): forward, the expert counts (``counts`` bytes of int64,
+    :func:`count_bytes`), the rows out and the outputs back (``routed``, :func:`routed_bytes`);
+    backward, the outputs' gradient out and the rows' gradient back."""
+    if backward:
+        return [Op("alltoall", "ep", routed, label=f"{label} {step}", dtype=dtype)
+                for step in ("outputs' gradient out", "rows' gradient back")]
+    return [Op("alltoall", "ep", counts, label=f"{label} expert counts", dtype="int64"),
+            Op("alltoall", "ep", routed, label=f"{label} rows out", dtype=dtype),
+            Op("alltoall", "ep", routed, label=f"{label} outputs back", dtype=dtype)]
 
 
 def _inverse(order: np.ndarray) -> np.ndarray:

@@ -41,8 +41,8 @@ import dataclasses
 import numpy as np
 
 from mpirt.core.precision import is_half
-from mpirt.parallel.context import ring_message_bytes
-from mpirt.parallel.experts import count_bytes, routed_bytes
+from mpirt.parallel.context import ring_message_bytes, ring_program
+from mpirt.parallel.experts import count_bytes, exchange_program, routed_bytes
 from mpirt.parallel.grid import grid_rank
 from mpirt.parallel.pipeline.schedules import Action, BACKWARD, FORWARD, WEIGHT
 from mpirt.parallel.pipeline.stage import message_bytes
@@ -128,12 +128,7 @@ class StepPrograms:
         """A MoE layer's all-to-alls on the ep group (none without expert parallelism)."""
         if self.layout.ep == 1 or not self.experts:
             return []
-        if backward:
-            return [Op("alltoall", "ep", self.routed, label=f"{label} {step}", dtype=self.dtype)
-                    for step in ("outputs' gradient out", "rows' gradient back")]
-        return [Op("alltoall", "ep", self.counts_bytes, label=f"{label} expert counts", dtype="int64"),
-                Op("alltoall", "ep", self.routed, label=f"{label} rows out", dtype=self.dtype),
-                Op("alltoall", "ep", self.routed, label=f"{label} outputs back", dtype=self.dtype)]
+        return exchange_program(label, backward, self.counts_bytes, self.routed, self.dtype)
 
     def program(self, rank: int) -> list[Op]:
         """Rank ``rank``'s program of one step."""
@@ -141,18 +136,9 @@ class StepPrograms:
         pp, cp = lay.pp, lay.cp
         pos = lay.position(rank)
         nxt, prv = self.world(pos, cp=(pos["cp"] + 1) % cp), self.world(pos, cp=(pos["cp"] - 1) % cp)
-        out, back = ((nxt, self.kv_bytes),), ((prv, self.kv_bytes),)
 
         def ring(label: str, backward: bool) -> list[Op]:
-            if cp == 1:
-                return []
-            if not backward:
-                return [Op("exchange", "cp", sends=out, recvs=back, label=f"{label} ring step {s}",
-                           dtype=self.ring_dtype) for s in range(cp - 1)]
-            return [Op("exchange", "cp", sends=out * 2, recvs=back * 2, label=f"{label} ring backward step {s}",
-                       dtype=self.ring_dtype) for s in range(cp - 1)] + \
-                [Op("exchange", "cp", sends=out, recvs=back, label=f"{label} ring backward step {cp - 1}",
-                    dtype=self.ring_dtype)]
+            return ring_program(label, backward, cp, nxt, prv, self.kv_bytes, self.ring_dtype)
 
         recomputed = set(lay.recomputed)
         ops: list[Op] = []
