@@ -123,6 +123,31 @@ def test_expert_load_is_planned_at_its_bound():
     assert predict(cfg, moe, lay, 0) == predict(cfg, moe, lay, 0, expert_load=2.0)
 
 
+def test_expert_loads_per_layer_put_the_peak_where_a_layer_ran_the_most():
+    """Loads per block (a run's measured ``moe_*_per_layer``): alike, the prediction of the one
+    figure; a busier expert in an earlier block than in the deepest raises the peak by its
+    backward's extra less what the blocks after it kept (freed by then), the kept bytes follow
+    each block's load (the mean's), and a list that is not one per block is refused naming the rank."""
+    from mpirt.core.modeling import activation_bytes
+    moe = load_model_config("mixtral-tiny", {"n_expert": 16, "n_inner": 512})  # 4 blocks
+    cfg = replace(TrainConfig(), dp=4, ep=4, seq_len=128, batch_size=8)
+    lay = {"dp": 4, "pp": 1, "tp": 1, "ep": 4}
+    n = moe.n_layer
+    even = predict(cfg, moe, lay, 1, expert_load=1.2, busiest_expert=3.0)
+    assert predict(cfg, moe, lay, 1, expert_load=[1.2] * n, busiest_expert=[3.0] * n) == even
+    loads, busiest = [2.0] + [0.4] * (n - 1), [7.0] + [3.0] * (n - 1)
+    skewed = predict(cfg, moe, lay, 1, expert_load=loads, busiest_expert=busiest)
+    acts = [activation_bytes(moe, batch=2, seq_len=128, tp=1, sequence_parallel=False, itemsize=4, ep=4,
+                             expert_load=lo, busiest=b) for lo, b in zip(loads, busiest)]
+    mean = predict(cfg, moe, lay, 1, expert_load=sum(loads) / n, busiest_expert=3.0)
+    assert skewed["activations"] == pytest.approx(mean["activations"], abs=8)
+    first = acts[0]["backward"] - sum(a["block"] for a in acts[1:])  # block 0's backward, the rest freed
+    assert first > acts[-1]["backward"]
+    assert skewed["workspace"] == first - acts[0]["head"] > mean["workspace"]  # the head's freed before the blocks
+    with pytest.raises(ValueError, match="rank 1 holds"):
+        predict(cfg, moe, lay, 1, expert_load=[1.0] * (n + 1), busiest_expert=[1.0] * (n + 1))
+
+
 def test_first_pipeline_stage_holds_more():
     lay = {"dp": 1, "pp": 2, "tp": 1}
     first, last = (predict(_cfg(pp=2, microbatches=4), MODEL, lay, r) for r in (0, 1))
