@@ -321,6 +321,9 @@ class _Backward:
             self._deliver_all(fn, grads, skip=fn.weight_inputs if defer else ())
             if not (self.retain_graph or defer):
                 fn.__dict__.clear()  # drop saved activations as early as possible
+            # delivered: a rerun block's fresh weight gradients must not stay alive through the
+            # next Function's backward (the next block's rerun and backward)
+            grads = gx = g = None
 
     def run_deferred(self) -> None:
         for fn, g in self.deferred:

@@ -187,7 +187,9 @@ def expert_figures(routers) -> dict:
     largest, without it the last micro-batch's (the router's ``tokens_per_expert``). The deepest
     layer's: its backward runs first, beside every layer's kept activations, where its experts'
     transient makes the step's peak (an earlier layer's runs after the later ones' are freed).
-    {} without routers."""
+    ``moe_expert_load_per_layer`` and ``moe_busiest_expert_load_per_layer``: the same per layer of
+    this rank, in model order (an earlier layer whose experts ran more can make the peak: the
+    prediction at the measured loads takes them). {} without routers."""
     stats = [m.stats for m in routers if m.stats]
     if not stats:
         return {}
@@ -200,11 +202,12 @@ def expert_figures(routers) -> dict:
     if hooks:
         ran, assigned, busiest = zip(*(h.take_load() for h in hooks))
         out["moe_expert_load"] = sum(ran) / sum(assigned) if sum(assigned) else 0.0
-        out["moe_busiest_expert_load"] = busiest[-1]
+        out["moe_expert_load_per_layer"] = [r / a if a else 0.0 for r, a in zip(ran, assigned)]
     else:  # one rank runs every expert of its tokens' assignments (dropped ones included in the share)
-        deepest = stats[-1]
-        out["moe_busiest_expert_load"] = (max(deepest["tokens_per_expert"]) * len(deepest["tokens_per_expert"])
-                                          / (sum(deepest["tokens_per_expert"]) + deepest["dropped"]))
+        busiest = [max(s["tokens_per_expert"]) * len(s["tokens_per_expert"]) / (sum(s["tokens_per_expert"]) + s["dropped"])
+                   for s in stats]
+    out["moe_busiest_expert_load"] = busiest[-1]
+    out["moe_busiest_expert_load_per_layer"] = list(busiest)
     return out
 
 

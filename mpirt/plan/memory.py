@@ -126,6 +126,19 @@ def _handed_to_w(acts: dict, mode: str, picked: set, rerun_w: int, lo: int, hi: 
     return most
 
 
+def _block_backward(acts_of, mode: str, picked: set, chunks: list) -> int:
+    """The most a block's backward holds beyond the kept activations, blocks differing (a mixture
+    of experts' measured routing per block): its gradients (``backward``) less what the blocks
+    after it in its chunk kept, freed by then; where the blocks are alike, the deepest block's."""
+    most = 0
+    for lo, hi in chunks:
+        freed = 0
+        for i in range(hi - 1, lo - 1, -1):
+            most = max(most, acts_of(i)["backward"] - freed)
+            freed += _kept(acts_of(i), mode, i in picked)
+    return most
+
+
 def recompute_pays(cfg, model_cfg, layout: dict, rank: int) -> bool:
     """Whether ``cfg.recompute`` lowers the predicted peak of the training step (the activations
     kept plus the backward's transient, the rerun's included) on world rank ``rank``'s pipeline
@@ -238,6 +251,10 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     ``busiest_expert``: the busiest expert's rows in one forward over its even share, which the
     grouped experts' backward holds, in the deepest layer (its backward runs beside every layer's
     kept activations; a run's measured ``moe_busiest_expert_load``; None: :func:`busiest_expert_bound`);
+    both may be lists, one entry per block this rank holds in model order (a run's measured
+    ``moe_*_per_layer``): each block then keeps its own rows, and a block's backward counts beside
+    the blocks before it only (the later ones' arrays are freed by then), where an earlier block
+    whose experts ran more rows can make the peak;
     ``host_heap``: the arrays live in the host heap (the NumPy backend), where a split schedule's
     stage also holds the holes its freed arrays leave (:data:`SPLIT_HOST_HEAP_HOLES` of its
     activations; a GPU's pool is not modelled).
@@ -271,14 +288,28 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     if lay.ep > 1:
         routing.update(ep=lay.ep, expert_load=expert_load_bound(cfg, model_cfg, lay.ep)
                        if expert_load is None else expert_load)
-    acts = activation_bytes(model_cfg, batch=rows, seq_len=seq, tp=tp, sequence_parallel=sp, itemsize=e,
-                            **({"cp": lay.cp} if lay.cp > 1 else {}), **routing)
+    shape = dict(batch=rows, seq_len=seq, tp=tp, sequence_parallel=sp, itemsize=e, **({"cp": lay.cp} if lay.cp > 1 else {}))
+    per_layer = {k: v for k, v in routing.items() if isinstance(v, (list, tuple))}  # measured per block
+    # the blocks' common figures at the mean load and the deepest block's busiest expert
+    acts = activation_bytes(model_cfg, **shape, **{**routing, **{k: (v[-1] if k == "busiest" else sum(v) / len(v))
+                                                                 for k, v in per_layer.items()}})
     recompute = cfg.recompute if recompute is None else recompute
     mode = "full" if cfg.zero == 3 and recompute == "none" else recompute
     picked = set(lay.recomputed)
 
+    mine = [(0, model_cfg.n_layer)] if pp == 1 else [lay.bounds[c * pp + pos["pp"]] for c in range(chunks)]
+    held = [i for lo, hi in mine for i in range(lo, hi)]
+    if per_layer and any(len(v) != len(held) for v in per_layer.values()):
+        raise ValueError(f"memory.predict: rank {rank} holds {len(held)} blocks, got per-block loads "
+                         f"{ {k: len(v) for k, v in per_layer.items()} }")
+    block_acts = {i: activation_bytes(model_cfg, **shape, **{**routing, **{k: v[n] for k, v in per_layer.items()}})
+                  for n, i in enumerate(held)} if per_layer else {}
+
+    def acts_of(i: int) -> dict:
+        return block_acts.get(i, acts)
+
     def stage_bytes(lo: int, hi: int, first: bool, last: bool, how: str = mode) -> int:
-        kept = sum(_kept(acts, how, i in picked) for i in range(lo, hi))
+        kept = sum(_kept(acts_of(i), how, i in picked) for i in range(lo, hi))
         if pp > 1:  # a stash keeps the received input (unless a fully recomputed first block keeps
             # it anyway) and the output it sent: a block input's bytes each
             kept += acts["input"] * ((not first and not (how == "full" and lo in picked)) + (not last))
@@ -289,9 +320,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     if pp == 1:
         n_local = n_full / tp
         activations = stage_bytes(0, model_cfg.n_layer, True, True)
-        held = range(model_cfg.n_layer)
     else:
-        mine = [lay.bounds[c * pp + pos["pp"]] for c in range(chunks)]
         n_local = sum(costs[0].params * (c == 0 and pos["pp"] == 0) + costs[-1].params * (
             c == chunks - 1 and pos["pp"] == pp - 1) + sum(costs[1 + i].params for i in range(lo, hi))
             for c, (lo, hi) in enumerate(mine)) / tp
@@ -301,13 +330,13 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         # B leaves the same) and the buffers it received them in; a fully recomputed block's rerun
         # is itself a deferred weight pass, holding its input and its output's gradient until W
         rerun_w = 2 * acts["input"] if mode == "full" else 0
-        per_chunk_w = [(hi - lo) * acts["weight_pass"] + sum(i in picked for i in range(lo, hi)) * rerun_w
+        per_chunk_w = [(sum(acts_of(i)["weight_pass"] for i in range(lo, hi)) if per_layer else (hi - lo) * acts["weight_pass"])
+                       + sum(i in picked for i in range(lo, hi)) * rerun_w
                        + ends[c][0] * acts["embed_weight_pass"]
                        + ends[c][1] * acts["head_weight_pass"]
                        + acts["input"] * ((not ends[c][0]) + (not ends[c][1]))  # the received input and gradient
                        for c, (lo, hi) in enumerate(mine)]
         activations = peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w)
-        held = [i for lo, hi in mine for i in range(lo, hi)]
         handed_before = [_handed_to_w(acts, mode, picked, rerun_w, lo, hi) for lo, hi in mine]
     # a mixture of experts' stacked experts: replicated over tp, split over ep, sharded over edp
     experts = len(held) * getattr(model_class(model_cfg), "expert_weights_of", lambda c: 0)(model_cfg)
@@ -346,7 +375,8 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     logits = 2 * rows * seq * vocab / tp * e  # the logits' gradient and a temporary
     # the gradients alive inside a block's backward; without a split schedule the stage with the
     # head reaches its blocks after freeing what the head kept
-    block = max(0, acts["backward"] - (acts["head"] if has_head and not lay.split_backward else 0)) if held else 0
+    block = max(0, (_block_backward(acts_of, mode, picked, mine) if per_layer else acts["backward"])
+                - (acts["head"] if has_head and not lay.split_backward else 0)) if held else 0
     if state_e > e:  # half: fused ops widen to float32 in backward (mpirt.core.precision.float32_compute):
         # the loss's float32 gradient beside its rounding, or the MLP activation's backward
         logits = rows * seq * vocab / tp * (state_e + e)

@@ -18,6 +18,16 @@ from mpirt.plan.memory import busiest_expert_bound, expert_load_bound
 from mpirt.run import health, jobctl
 
 
+def _at_layer_loads(run, records) -> dict:
+    """This rank's prediction at the routing its steps measured per layer (``moe_*_per_layer``):
+    the largest over the distinct steps (a block keeps the rows its experts ran, and an earlier
+    block whose experts ran more can make the step's peak, :func:`mpirt.plan.memory.predict`)."""
+    seen = {(tuple(r.get("moe_expert_load_per_layer") or ()), tuple(r["moe_busiest_expert_load_per_layer"]))
+            for r in records if r.get("moe_busiest_expert_load_per_layer")}
+    preds = [run.prediction(run.ctx.rank, list(loads) or None, list(busiest)) for loads, busiest in seen]
+    return max(preds, key=lambda p: p["peak"]) if preds else run.prediction(run.ctx.rank)
+
+
 def finish(run) -> dict:
     """The end of a :class:`~mpirt.run.loop.TrainingRun` (collective): the monitor's last
     reductions, every rank's peaks, summary.json and the end block on rank 0, and the exit code
@@ -28,8 +38,9 @@ def finish(run) -> dict:
     run.grid.free()
     peaks = world_comm.allgather_object(owned_bytes(peak=True))
     # a mixture of experts' rows follow the routing: the model is held at the rank's measured loads
-    # (its experts' rows under ep, its deepest layer's busiest expert), the budget was checked at
-    # their bounds (memory.expert_load_bound, busiest_expert_bound), reported beside them
+    # per layer (its experts' rows under ep, each layer's busiest expert), the budget was checked at
+    # their bounds (memory.expert_load_bound, busiest_expert_bound); the largest over the steps
+    # (the deepest layer's busiest) are reported beside them
     def largest(key: str) -> list:  # every rank's largest over its steps (None: never measured)
         mine = [r[key] for r in metrics.records if key in r]
         return world_comm.allgather_object(max(mine) if mine else None)
@@ -37,7 +48,10 @@ def finish(run) -> dict:
     loads, busiest = largest("moe_expert_load"), largest("moe_busiest_expert_load")
     busiest = None if None in busiest else busiest  # None: no mixture of experts
     loads = None if busiest is None else loads if layout["ep"] > 1 else [1.0] * run.ctx.size  # one rank: every row
-    planned, expected = run.predicted_peaks(), run.predictions(loads, busiest)
+    planned = run.predicted_peaks()
+    # a mixture of experts: each rank at its steps' loads per layer (the step that predicts the most)
+    expected = run.predictions() if busiest is None else world_comm.allgather_object(
+        _at_layer_loads(run, metrics.records))
     predicted = [p["peak"] for p in expected]
     summary = {
         "steps": run.step,

@@ -105,16 +105,19 @@ class TrainingRun:
                   f"recent range; {advice}", file=sys.stderr, flush=True)
 
     # --- predictions, evaluation, checkpoints ------------------------------------------------------
-    def predictions(self, loads=None, busiest=None) -> list[dict]:
-        """Every rank's predicted memory, as the end block's model check counts them; ``loads``,
-        ``busiest``: each rank's measured expert load and busiest expert's (None: the bounds the
-        budget is checked against)."""
-        return [predict(self.cfg, self.model_cfg, self.layout, r, process_bytes=self.baselines[r],
-                        expert_load=loads[r] if loads else None, busiest_expert=busiest[r] if busiest else None,
-                        host_heap=B.name == "numpy") for r in range(self.ctx.size)]
+    def predictions(self) -> list[dict]:
+        """Every rank's predicted memory, as the end block's model check counts them, a mixture of
+        experts' at the routing's bounds (those the budget is checked against)."""
+        return [self.prediction(r) for r in range(self.ctx.size)]
 
-    def predicted_peaks(self, loads=None) -> list[int]:
-        return [p["peak"] for p in self.predictions(loads)]
+    def prediction(self, rank: int, load=None, busiest=None) -> dict:
+        """World rank ``rank``'s predicted memory at expert load ``load`` and busiest expert's
+        ``busiest`` (numbers, or lists per block the rank holds; None: their bounds)."""
+        return predict(self.cfg, self.model_cfg, self.layout, rank, process_bytes=self.baselines[rank],
+                       expert_load=load, busiest_expert=busiest, host_heap=B.name == "numpy")
+
+    def predicted_peaks(self) -> list[int]:
+        return [p["peak"] for p in self.predictions()]
 
     def eval_loss(self) -> float:
         cfg, t0 = self.cfg, time.time()
