@@ -47,6 +47,7 @@ from mpirt.parallel.grid import grid_rank
 from mpirt.parallel.pipeline.schedules import Action, BACKWARD, FORWARD, WEIGHT
 from mpirt.parallel.pipeline.stage import message_bytes
 from mpirt.parallel.step_simulation import Grid3, Op, StepCommError, first_difference, simulate_step
+from mpirt.parallel.zero3 import GatherProgram
 
 __all__ = ["Op", "StepCommError", "StepPrograms", "check_step", "proof_rank", "reduced", "simulate_step",
            "step_programs"]
@@ -55,32 +56,6 @@ __all__ = ["Op", "StepCommError", "StepPrograms", "check_step", "proof_rank", "r
 def reduced(layout):
     """``layout`` on the grid the proof runs on: dp at most 2 (ep at most 2 with it), tp 1."""
     return dataclasses.replace(layout, dp=min(layout.dp, 2), ep=min(layout.ep, 2), tp=1, sequence_parallel=False)
-
-
-class _Gathers:
-    """ZeRO-3's gathers as :class:`~mpirt.parallel.zero3.ShardedParams` issues them: a unit takes
-    the gather in flight when it is its own (waits for it), else completes and drops it and
-    gathers; then starts its neighbour's (``prefetch``)."""
-
-    def __init__(self, ops: list, dtype: str):
-        self.ops, self.dtype, self.count, self.pending = ops, dtype, 0, None
-
-    def _start(self, what: str, nbytes: int, label: str) -> int:
-        self.ops.append(Op(what, "dp_cp", nbytes, label=label, dtype=self.dtype))
-        self.count += 1
-        return self.count - 1
-
-    def gather(self, unit: tuple, prefetch: tuple | None, label: str) -> None:
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            self.ops.append(Op("wait", "dp_cp", label=label, index=pending[1]))
-        if pending is None or pending[0] != unit:
-            self._start("allgather", unit[1], label)
-        if prefetch is not None:
-            self.pending = (prefetch, self._start("iallgather", prefetch[1], f"{label}, prefetching {prefetch[0]}"))
-
-    def reduce_scatter(self, unit: tuple, label: str) -> None:
-        self._start("reduce_scatter", unit[1], label)
 
 
 class StepPrograms:
@@ -142,7 +117,7 @@ class StepPrograms:
 
         recomputed = set(lay.recomputed)
         ops: list[Op] = []
-        gathers = _Gathers(ops, self.dtype)
+        gathers = GatherProgram(ops, self.dtype)
         actions = lay.pipeline_schedule.actions[pos["pp"]] if pp > 1 else \
             [Action(op, mb) for mb in range(lay.microbatches) for op in (FORWARD, BACKWARD)]
         for a in actions:

@@ -28,6 +28,7 @@ from mpirt.core.recompute import Rerun
 from mpirt.core.tensor import Tensor, enable_grad
 from mpirt.parallel.ddp import broadcast_parameters
 from mpirt.parallel.flat import ShardedLayout, place_shards, trainable
+from mpirt.parallel.step_simulation import Op
 from mpirt.parallel.zero_shard import WRONG_STORE, ZeroOptimizer, check_hyper, decayed_ids
 
 
@@ -132,6 +133,33 @@ class ShardedParams:
             return None
         fulls = [h.wait() for h in pending[1]]
         return fulls if pending[0] == tuple(group_ids) else None
+
+
+class GatherProgram:
+    """ZeRO-3's gathers and reduce-scatters as the pre-flight proof's operations (appended to
+    ``ops``), in the order :class:`ShardedParams` issues them: a unit takes the gather in flight
+    when it is its own (waits for it), else completes and drops it and gathers; then starts its
+    neighbour's (``prefetch``). A unit is ``(name, bytes of its tp slice, blocks)``."""
+
+    def __init__(self, ops: list, dtype: str):
+        self.ops, self.dtype, self.count, self.pending = ops, dtype, 0, None
+
+    def _start(self, what: str, nbytes: int, label: str) -> int:
+        self.ops.append(Op(what, "dp_cp", nbytes, label=label, dtype=self.dtype))
+        self.count += 1
+        return self.count - 1
+
+    def gather(self, unit: tuple, prefetch: tuple | None, label: str) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.ops.append(Op("wait", "dp_cp", label=label, index=pending[1]))
+        if pending is None or pending[0] != unit:
+            self._start("allgather", unit[1], label)
+        if prefetch is not None:
+            self.pending = (prefetch, self._start("iallgather", prefetch[1], f"{label}, prefetching {prefetch[0]}"))
+
+    def reduce_scatter(self, unit: tuple, label: str) -> None:
+        self._start("reduce_scatter", unit[1], label)
 
 
 def plan_units(store, units, probe_len: int = 1, probe=None):
