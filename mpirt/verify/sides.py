@@ -28,7 +28,7 @@ from mpirt.parallel.layout import Layout, LayoutError, pipeline_microbatches
 from mpirt.plan.memory import check_budget, recompute_where_it_pays
 from mpirt.run.config import TrainConfig
 from mpirt.run.distributed import derive_seed
-from mpirt.verify.traffic import differences, order_differences
+from mpirt.verify.traffic import differences
 
 # the keys a layout string (--reference, --against) may name; what it leaves out is 1, 0 or off
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "schedule", "microbatches", "chunks")
@@ -154,8 +154,7 @@ def run_side(cfg: TrainConfig, model_cfg, layout: Layout, comm, tokens, snapshot
             engine.optimizer.step()
             traffic = None
             if step == first_step:   # the whole step's calls against the program its layout predicts
-                mine = differences(layout, model_cfg, cfg.seq_len, cfg.dtype, comm.rank, cursor, engine) + \
-                    order_differences(layout, model_cfg, cfg.seq_len, cfg.dtype, comm.rank, cursor, engine)
+                mine = differences(layout, model_cfg, cfg.seq_len, cfg.dtype, comm.rank, cursor, engine)
                 traffic = [f"rank {r}: {d}" for r, found in enumerate(comm.allgather_object(mine)) for d in found]
             routed = routing(engine, grid) if layout.microbatches == 1 else None
             path = save_sharded(snapshots, comm, lambda w: engine.save_sharded(ParamsOnly(w)), step=step + 1,

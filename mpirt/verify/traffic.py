@@ -58,26 +58,34 @@ def dtype_only(layout, dtype: str) -> dict[tuple, set]:
     return loose
 
 
-def predicted(layout, model_cfg, seq_len: int, dtype: str, rank: int, engine) -> list[tuple]:
-    """``(axis, kind, bytes, dtype)`` of every call rank ``rank`` of ``layout`` makes in a step as
-    its proof's program and sums and its ``engine``'s gradient sync list them."""
+def proof_calls(layout, model_cfg, seq_len: int, dtype: str, rank: int) -> list[tuple]:
+    """``(axis, kind, bytes, dtype, label)`` of rank ``rank``'s proof program, then its scalar
+    sums, call by call in program order (an exchange: its sends, then its receives)."""
     program = StepPrograms(layout, model_cfg, seq_len, dtype, blocks_apart=True)
     dense = "dp_cp" if layout.cp > 1 else "dp"   # the grid's name for dp x cp
-    want = []
+    out = []
     for op in program.program(rank) + program.sums(rank):
         axis = dense if op.comm == "dp_cp" else op.comm
         if op.what == "exchange":
-            want += [(axis, "send", n, op.dtype) for _, n in op.sends] + [(axis, "recv", n, op.dtype) for _, n in op.recvs]
+            out += [(axis, kind, n, op.dtype, op.label) for kind, pairs in (("send", op.sends), ("recv", op.recvs))
+                    for _, n in pairs]
         elif op.what != "wait":
-            want.append((axis, KIND.get(op.what, op.what), op.nbytes, op.dtype))
-    return want + engine.step_calls()
+            out.append((axis, KIND.get(op.what, op.what), op.nbytes, op.dtype, op.label))
+    return out
+
+
+def predicted(proof: list[tuple], engine) -> list[tuple]:
+    """``(axis, kind, bytes, dtype)`` of every call a rank makes in a step as its proof's calls
+    (:func:`proof_calls`) and its ``engine``'s parts list them."""
+    return [call[:4] for call in proof] + engine.step_calls()
 
 
 def differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: int, engine) -> list[str]:
     """What rank ``rank`` of ``layout`` (its ``engine``) recorded since ``cursor`` (one whole step
     in ``dtype``) differs in from :func:`predicted`, one phrase per ``(axis, kind, bytes, dtype)``
     ("cp send of 4096 B float64: 3 recorded, 2 predicted") or per call of a dtype the layout does
-    not name (:func:`dtype_only`); empty when none."""
+    not name (:func:`dtype_only`), then where the calls leave the program's order
+    (:func:`order_differences`); empty when none."""
     loose = dtype_only(layout, dtype)
 
     def named(axis, kind):
@@ -86,8 +94,8 @@ def differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: 
     def tally(calls):
         return Counter((a, k, ANY_BYTES if a == "ep" and k == "alltoall" and t != "int64" else n, t)
                        for a, k, n, t in calls if named(a, k) is None)
-    calls = recorded(cursor)
-    mine, theirs = tally(calls), tally(predicted(layout, model_cfg, seq_len, dtype, rank, engine))
+    calls, proof = recorded(cursor), proof_calls(layout, model_cfg, seq_len, dtype, rank)
+    mine, theirs = tally(calls), tally(predicted(proof, engine))
     out = []
     for key in sorted(set(mine) | set(theirs), key=str):
         if mine[key] != theirs[key]:
@@ -98,33 +106,35 @@ def differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: 
         allowed = named(axis, kind)
         if allowed is not None and t not in allowed:
             out.append(f"{axis} {kind} of {n} B in {t}: the layout names {' or '.join(sorted(allowed))} there")
-    return out
+    return out + _order(calls, proof, engine)
 
 
 def order_differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: int, engine) -> list[str]:
     """Where rank ``rank``'s recorded calls on the proof's axes (pp, cp, ep) leave the order of its
-    program, one phrase per axis and stream (empty when none). MPI matches messages in the order
-    they are posted, so each axis's sends, its receives and its collectives are three streams whose
-    order must be the program's: a receive posted early (the pipeline's, ahead of its compute)
-    keeps its place among the receives. The experts' row exchanges compare by dtype (what routing
-    sends). The program is the proof's, then the tied embedding's gradient sum and the scalar sums
-    that close the step."""
-    make = StepPrograms(layout, model_cfg, seq_len, dtype, blocks_apart=True)
+    program, one phrase per axis and stream (empty when none); :func:`differences` includes them.
+    MPI matches messages in the order they are posted, so each axis's sends, its receives and its
+    collectives are three streams whose order must be the program's: a receive posted early (the
+    pipeline's, ahead of its compute) keeps its place among the receives. The experts' row
+    exchanges compare by dtype (what routing sends). The program is the proof's, then the tied
+    embedding's gradient sum and the scalar sums that close the step."""
+    return _order(recorded(cursor), proof_calls(layout, model_cfg, seq_len, dtype, rank), engine)
+
+
+def _stream(axis: str, kind: str) -> tuple:
+    return axis, kind if kind in ("send", "recv") else "collective"
+
+
+def _order(calls: list[tuple], proof: list[tuple], engine) -> list[str]:
+    """:func:`order_differences` of recorded ``calls`` against the rank's ``proof`` calls."""
+    tied = [(*call, "the tied embedding's gradient") for call in engine.local.tied_calls()]  # after the backward
     want: dict = {}
-    for op in make.program(rank) + make.sums(rank):
-        if op.comm not in ORDERED_AXES or op.what == "wait":
-            continue
-        if op.what == "exchange":
-            want.setdefault((op.comm, "send"), []).extend((n, op.dtype, op.label) for _, n in op.sends)
-            want.setdefault((op.comm, "recv"), []).extend((n, op.dtype, op.label) for _, n in op.recvs)
-        else:
-            want.setdefault((op.comm, "collective"), []).append((op.nbytes, op.dtype, op.label))
-    for axis, kind, n, t in engine.local.tied_calls():   # after the backward: the tied embedding's sum
-        want.setdefault((axis, kind), []).append((n, t, "the tied embedding's gradient"))
-    got: dict = {}
-    for axis, kind, n, t in recorded(cursor):
+    for axis, kind, n, t, label in proof + tied:
         if axis in ORDERED_AXES:
-            got.setdefault((axis, kind if kind in ("send", "recv") else "collective"), []).append((n, t))
+            want.setdefault(_stream(axis, kind), []).append((n, t, label))
+    got: dict = {}
+    for axis, kind, n, t in calls:
+        if axis in ORDERED_AXES:
+            got.setdefault(_stream(axis, kind), []).append((n, t))
     out = []
     for key in sorted(set(want) | set(got)):
         mine, theirs = got.get(key, []), want.get(key, [])
