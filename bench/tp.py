@@ -46,6 +46,7 @@ from mpirt import comm as C  # noqa: E402
 from mpirt.comm import Comm  # noqa: E402
 from mpirt.core.nn import kept_bytes  # noqa: E402
 from mpirt.core.modeling import activation_bytes  # noqa: E402
+from mpirt.parallel.layout import Layout  # noqa: E402
 from mpirt.core.optim import AdamW  # noqa: E402
 from mpirt.parallel import tensor as TP  # noqa: E402
 from mpirt.parallel.flat import FlatParams  # noqa: E402
@@ -143,7 +144,7 @@ class Config:
         theory_sp = theory + 2 * b * s * h * (tp - 1) / tp * it if sp else theory
         state = sum(p.data.nbytes + p.grad.nbytes for p in self.model.parameters())
         state += sum(a.nbytes for st in self.opt.state for a in st.values())
-        per = activation_bytes(cfg, batch=b, seq_len=s, tp=tp, sequence_parallel=sp)
+        per = activation_bytes(cfg, Layout.micro_batch(b, s, tp=tp, sequence_parallel=sp))
         predicted = per["embed"] + cfg.n_layer * per["block"] + per["head"]
         step = statistics.median(seconds)
         return {"tp": tp, "sp": sp, "step_s": BC.spread(seconds), "tokens_per_s": b * s / step,

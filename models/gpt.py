@@ -132,9 +132,9 @@ class GPT(TiedLM):
                            LayerCost("head", 6.0 * v * c + 10.0 * c, v * c + 2 * c))
 
     @classmethod
-    def activation_bytes_of(cls, cfg: GPTConfig, **kwargs) -> dict:
+    def activation_bytes_of(cls, cfg: GPTConfig, layout, *, itemsize: int = 4) -> dict:
         """:func:`~mpirt.models.lm.activation_bytes` with learned positions (their ids kept)."""
-        return activation_bytes(cfg, positions=True, **kwargs)
+        return activation_bytes(cfg, layout, itemsize=itemsize, positions=True)
 
     @classmethod
     def read_hf_config(cls, path) -> dict:

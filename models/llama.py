@@ -155,11 +155,11 @@ class Llama(TiedLM):
         return 6.0 * cls.num_parameters_of(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
 
     @classmethod
-    def activation_bytes_of(cls, cfg: LlamaConfig, **kwargs) -> dict:
+    def activation_bytes_of(cls, cfg: LlamaConfig, layout, *, itemsize: int = 4) -> dict:
         """:func:`~mpirt.models.lm.activation_bytes` with SwiGLU's two saved arrays (gate and up)
         and no position table (the rotary embedding keeps only its cos/sin tables); the fused qkv
         is ``C + 2 Ck`` wide."""
-        return activation_bytes(cfg, mlp_saved=2, **kwargs)
+        return activation_bytes(cfg, layout, itemsize=itemsize, mlp_saved=2)
 
     @classmethod
     def layer_costs_of(cls, cfg: LlamaConfig, seq_len: int) -> list:

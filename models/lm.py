@@ -46,14 +46,16 @@ def stack_costs(cfg, embed: LayerCost, block: LayerCost, head: LayerCost) -> lis
     return [embed, *(dataclasses.replace(block, name=f"h.{i}") for i in range(cfg.n_layer)), head]
 
 
-def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
-                     itemsize: int = 4, positions: bool = False, mlp_saved: int = 1, cp: int = 1,
+def activation_bytes(cfg, layout, *, itemsize: int = 4, positions: bool = False, mlp_saved: int = 1,
                      mlp_width: float | None = None) -> dict:
     """Bytes one micro-batch keeps alive for backward, per rank, in a model built from this module's
     pre-norm block (see ``CausalLM.activation_bytes_of``; docs/memory.md has the table beside
     Korthikanti et al. 2022). The autograd keeps what each op saved and nothing else (an op's
     output is held only as its producer, :class:`mpirt.core.tensor.Edge`).
 
+    ``layout`` (a :class:`mpirt.parallel.layout.Layout`) gives the micro-batch's ``b`` rows
+    (``rows``) of ``s`` tokens (``tokens``: a context-parallel rank's share), ``t`` (``tp``),
+    sequence parallelism and ``cp``.
     With ``u = b s h``, ``p = t`` under sequence parallelism (else 1), ``f`` the MLP width, ``a``
     the heads, ``e`` the itemsize and ``e'`` that of per-row statistics (float32 in half
     precision), a block keeps:
@@ -100,8 +102,9 @@ def activation_bytes(cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_par
     Returns ``{"block", "core", "rerun", "input", "embed", "head", "weight_pass", "embed_weight_pass",
     "head_weight_pass", "widened", "backward"}`` in bytes.
     """
-    b, s, h, t, a, f = batch, seq_len, cfg.n_embd, tp, cfg.n_head, cfg.hidden if mlp_width is None else mlp_width
-    p = t if sequence_parallel else 1
+    b, s, h, t, cp = layout.rows, layout.tokens, cfg.n_embd, layout.tp, layout.cp
+    a, f = cfg.n_head, cfg.hidden if mlp_width is None else mlp_width
+    p = t if layout.sequence_parallel else 1
     u, e = b * s * h, itemsize
     qkv_out = (2 + 2 * kv_heads(cfg) / a) * u  # qkv and the attention output
     stat = 4 if e == 2 else e  # per-row statistics and the loss's probabilities stay float32 in half

@@ -64,17 +64,18 @@ class MLP(TiedLM):
         return flops_per_token(cfg, seq_len)
 
     @classmethod
-    def activation_bytes_of(cls, cfg: GPTConfig, *, batch: int, seq_len: int, itemsize: int = 4, **kwargs) -> dict:
+    def activation_bytes_of(cls, cfg: GPTConfig, layout, *, itemsize: int = 4) -> dict:
         """Embedding and head as :func:`~mpirt.models.lm.activation_bytes`; a block keeps the
         norm's normalised input, 1/std and output, GELU's derivative and output (``u = b s h``):
         ``e (2u + 2 b s f) + e' b s``, with dropout a mask of ``u`` bytes more. No attention core."""
-        out = activation_bytes(cfg, batch=batch, seq_len=seq_len, itemsize=itemsize, **kwargs)
-        u, e = batch * seq_len * cfg.n_embd, itemsize
-        block = e * (2 * u + 2 * batch * seq_len * cfg.hidden) + (4 if e == 2 else e) * batch * seq_len
+        out = activation_bytes(cfg, layout, itemsize=itemsize)
+        tokens = layout.rows * layout.tokens
+        u, e = tokens * cfg.n_embd, itemsize
+        block = e * (2 * u + 2 * tokens * cfg.hidden) + (4 if e == 2 else e) * tokens
         block += u if cfg.resid_pdrop > 0 else 0
         # until the weight passes: the norm's normalised input and gradient, both projections'
         # inputs and output gradients
-        weight_pass = e * (4 * u + 2 * batch * seq_len * cfg.hidden)
+        weight_pass = e * (4 * u + 2 * tokens * cfg.hidden)
         return {**out, "block": block, "core": 0, "rerun": 0, "weight_pass": weight_pass}
 
     @classmethod

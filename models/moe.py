@@ -212,14 +212,14 @@ class Mixtral(Llama):
         return 6.0 * cls.active_parameters_of(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
 
     @classmethod
-    def activation_bytes_of(cls, cfg: MoEConfig, ep: int = 1, expert_load: float = 1.0, busiest: float | None = None,
-                            **kwargs) -> dict:
+    def activation_bytes_of(cls, cfg: MoEConfig, layout, *, itemsize: int = 4, expert_load: float = 1.0,
+                            busiest: float | None = None) -> dict:
         """Llama's formulas with an MLP ``top_k`` experts wide whose two kept arrays are each
         token's experts' gate and up products (the grouped op keeps no output of its own: the
         backward makes ``silu(g) u`` again), plus the grouped input and output (``2 k u``) and the
         router's probabilities with the load-balancing loss's gradient (``2 b s E``).
 
-        Under expert parallelism (``ep`` > 1) a rank runs the rows the whole ep group routed to
+        Under expert parallelism (the layout's ``ep`` > 1) a rank runs the rows the whole ep group routed to
         its experts: ``expert_load`` times the ``k b s`` it sends (1: even routing; the rest of
         the block does not depend on routing). The experts' arrays (gate and up products, the
         rows received) scale with it; the outputs go back and the exchange keeps only its row
@@ -232,18 +232,19 @@ class Mixtral(Llama):
         an expert's even share of the group's assignments ``ep k b s / E`` (None: ``expert_load``,
         the rank's experts alike). A token exchange's backward holds the gradient in the order it
         travels beside the one received, ``(1 + load) k u``, before or after it."""
+        ep = layout.ep
         load = expert_load if ep > 1 else 1.0  # one rank runs every routed row: no imbalance
         busiest = load if busiest is None else busiest
-        out = activation_bytes(cfg, mlp_saved=1, mlp_width=cfg.top_k * cfg.hidden * load, **kwargs)
-        e = kwargs.get("itemsize", 4)
-        tokens = kwargs["batch"] * kwargs["seq_len"]
+        out = activation_bytes(cfg, layout, itemsize=itemsize, mlp_saved=1, mlp_width=cfg.top_k * cfg.hidden * load)
+        e = itemsize
+        tokens = layout.rows * layout.tokens
         routed = e * tokens * cfg.top_k * cfg.n_embd  # one (tokens x top_k, C) array
         extra = int(routed * (1 + load) + e * tokens * 2 * cfg.n_expert)
         busiest_rows = min(busiest * ep * tokens * cfg.top_k / cfg.n_expert, ep * tokens)  # a token picks an expert once
         grouped = 2 * routed * load + GROUPED_BACKWARD_ARRAYS * e * busiest_rows * cfg.hidden
         exchange = routed * (1 + load) if ep > 1 else 0
         # lm's MLP gradients and the block output's: the grouped op's (its incoming gradient) instead
-        dense_mlp = e * 2 * tokens * cfg.top_k * cfg.hidden * load / kwargs.get("tp", 1) + e * tokens * cfg.n_embd
+        dense_mlp = e * 2 * tokens * cfg.top_k * cfg.hidden * load / layout.tp + e * tokens * cfg.n_embd
         return {**out, "block": out["block"] + extra, "backward": int(out["backward"] - dense_mlp + max(grouped, exchange))}
 
     @classmethod

@@ -10,6 +10,7 @@ import pytest
 from conftest import agree
 from mpirt.core.tensor import Tensor
 from mpirt.models import Mixtral, MoEConfig
+from mpirt.parallel.layout import Layout
 
 ROWS = 2  # sequences per rank
 
@@ -116,7 +117,7 @@ def test_a_split_model_keeps_what_the_formula_says_at_its_load():
     _, loss = model(x, x)
     loads = [layer.expert_parallel.take_load() for layer in expert_layers(model)]
     ran, assigned = sum(r for r, _, _ in loads), sum(a for _, a, _ in loads)
-    a = Mixtral.activation_bytes_of(cfg, batch=ROWS, seq_len=64, ep=ep, expert_load=ran / assigned)
+    a = Mixtral.activation_bytes_of(cfg, Layout.micro_batch(ROWS, 64, ep=ep), expert_load=ran / assigned)
     predicted, kept = a["embed"] + a["head"] + cfg.n_layer * a["block"], kept_bytes(loss)
     comm.free()
     agree(abs(kept - predicted) <= 0.03 * predicted, f"rank {rank}: kept {kept}, predicted {predicted}")

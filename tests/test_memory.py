@@ -137,8 +137,8 @@ def test_expert_loads_per_layer_put_the_peak_where_a_layer_ran_the_most():
     assert predict(cfg, moe, lay, 1, expert_load=[1.2] * n, busiest_expert=[3.0] * n) == even
     loads, busiest = [2.0] + [0.4] * (n - 1), [7.0] + [3.0] * (n - 1)
     skewed = predict(cfg, moe, lay, 1, expert_load=loads, busiest_expert=busiest)
-    acts = [activation_bytes(moe, batch=2, seq_len=128, tp=1, sequence_parallel=False, itemsize=4, ep=4,
-                             expert_load=lo, busiest=b) for lo, b in zip(loads, busiest)]
+    acts = [activation_bytes(moe, Layout.micro_batch(2, 128, ep=4), itemsize=4, expert_load=lo, busiest=b)
+            for lo, b in zip(loads, busiest)]
     mean = predict(cfg, moe, lay, 1, expert_load=sum(loads) / n, busiest_expert=3.0)
     assert skewed["activations"] == pytest.approx(mean["activations"], abs=8)
     first = acts[0]["backward"] - sum(a["block"] for a in acts[1:])  # block 0's backward, the rest freed

@@ -9,6 +9,7 @@ import pytest
 from mpirt.core.ops.moe import grouped_swiglu
 from mpirt.core.tensor import Tensor
 from mpirt.models import Mixtral, MoEConfig
+from mpirt.parallel.layout import Layout
 
 CFG = MoEConfig(n_layer=2, n_head=4, n_embd=32, n_positions=16, vocab_size=64, n_inner=48, n_kv_head=2,
                 n_expert=4, top_k=2, aux_loss_coef=0.02)
@@ -210,5 +211,5 @@ def test_kept_activations_match_the_formula():
     model = Mixtral(cfg, dtype="float32", seed=1)
     x = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 64))
     _, loss = model(x, x)
-    a = Mixtral.activation_bytes_of(cfg, batch=2, seq_len=64)
+    a = Mixtral.activation_bytes_of(cfg, Layout.micro_batch(2, 64))
     assert kept_bytes(loss) == pytest.approx(a["embed"] + a["head"] + cfg.n_layer * a["block"], rel=0.03)

@@ -12,6 +12,7 @@ from mpirt.core import recompute
 from mpirt.core.nn import kept_bytes
 from mpirt.core.modeling import activation_bytes, attention_core, build_model, load_model_config
 from mpirt.core.tensor import Tensor
+from mpirt.parallel.layout import Layout
 
 DROPOUT = {"attn_pdrop": 0.1, "resid_pdrop": 0.1}
 
@@ -65,7 +66,7 @@ def test_kept_activations_match_the_formula(name, over, mode, layers):
     cfg, model, done = _model(name, mode, layers, dtype="float32", n_positions=64, **over)
     x = np.random.default_rng(1).integers(0, cfg.vocab_size, (b, t))
     _, loss = model(x, x)
-    a = activation_bytes(cfg, batch=b, seq_len=t)
+    a = activation_bytes(cfg, Layout.micro_batch(b, t))
     per = {"none": a["block"], "selective": a["block"] - a["core"], "full": a["input"]}
     predicted = a["embed"] + a["head"] + sum(per[mode] if i in done else a["block"] for i in range(cfg.n_layer))
     assert kept_bytes(loss) == pytest.approx(predicted, rel=0.1)

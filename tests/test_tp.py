@@ -23,6 +23,7 @@ from mpirt.core.nn import kept_bytes
 from mpirt.core.modeling import activation_bytes
 from mpirt.core.nn import ShardSpec
 from mpirt.core.optim import AdamW
+from mpirt.parallel.layout import Layout
 from mpirt.parallel import tensor as TP
 from mpirt.parallel.ddp import DataParallel
 from mpirt.parallel.flat import FlatParams, count_once
@@ -114,7 +115,7 @@ def test_layout_errors_name_the_numbers():
 
 def kept_per_rank(cfg, *, batch, seq_len, tp=1, sequence_parallel=False) -> int:
     """The model's activation formula for one forward with loss: embed, blocks, head."""
-    a = activation_bytes(cfg, batch=batch, seq_len=seq_len, tp=tp, sequence_parallel=sequence_parallel)
+    a = activation_bytes(cfg, Layout.micro_batch(batch, seq_len, tp=tp, sequence_parallel=sequence_parallel))
     return a["embed"] + cfg.n_layer * a["block"] + a["head"]
 
 

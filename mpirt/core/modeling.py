@@ -22,7 +22,7 @@ A registered class provides:
   entries read by :func:`mpirt.parallel.tensor.parallelize`.
 - from the config alone: ``num_parameters_of(cfg)``, ``flops_per_token_of(cfg, seq_len)``,
   ``layer_costs_of(cfg, seq_len)`` (per-layer :class:`LayerCost` for the pipeline split),
-  ``activation_bytes_of(cfg, ...)`` (activations kept per micro-batch: the memory prediction)
+  ``activation_bytes_of(cfg, layout)`` (activations kept per micro-batch: the memory prediction)
   and ``check_config(cfg)``.
 - optionally Hugging Face interop: ``read_hf_config(path)`` (a ``config.json`` -> config field
   values), ``load_hf(directory, dtype)`` -> ``(cfg, full weights)`` and ``open_hf(directory,
@@ -126,11 +126,11 @@ class CausalLM(Module):
         raise NotImplementedError
 
     @classmethod
-    def activation_bytes_of(cls, cfg, *, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
-                            itemsize: int = 4, cp: int = 1) -> dict:
-        """Bytes of activations one micro-batch of ``batch`` rows of ``seq_len`` tokens (a
-        context-parallel rank's share under ``cp`` > 1) keeps alive for backward, per tp
-        rank: ``{"block": per block without recomputation, "core": what selective recomputation
+    def activation_bytes_of(cls, cfg, layout, *, itemsize: int = 4) -> dict:
+        """Bytes of activations one micro-batch of ``layout`` (a
+        :class:`mpirt.parallel.layout.Layout`: its ``rows`` sequences of ``tokens``, a
+        context-parallel rank's share, split by its tp and sequence parallelism, experts over its
+        ep) keeps alive for backward, per rank, at ``itemsize`` bytes an element: ``{"block": per block without recomputation, "core": what selective recomputation
         of one block drops, "rerun": what its rerun makes again while its backward runs,
         "input": what full recomputation keeps of a block, "embed", "head", "weight_pass", "embed_weight_pass", "head_weight_pass": what a block, the embedding and
         the head hold from their input-gradient pass to their deferred weight pass, "widened":
@@ -404,6 +404,6 @@ def attention_core(cfg) -> str:
     return model_class(cfg).attention_core
 
 
-def activation_bytes(cfg, **kwargs) -> dict:
-    """Activations kept per micro-batch, per tp rank (:meth:`CausalLM.activation_bytes_of`)."""
-    return model_class(cfg).activation_bytes_of(cfg, **kwargs)
+def activation_bytes(cfg, layout, **kwargs) -> dict:
+    """Activations one micro-batch of ``layout`` keeps, per rank (:meth:`CausalLM.activation_bytes_of`)."""
+    return model_class(cfg).activation_bytes_of(cfg, layout, **kwargs)

@@ -127,6 +127,15 @@ class Layout(Mapping):
                    schedule=cfg.schedule, microbatches=m, chunks=chunks, rows=cfg.batch_size // dp // m,
                    seq_len=cfg.seq_len, recompute=cfg.recompute, bounds=bounds, recomputed=recomputed)
 
+    @classmethod
+    def micro_batch(cls, rows: int, seq_len: int, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = False,
+                    ep: int = 1) -> "Layout":
+        """One rank's share of a micro-batch of ``rows`` sequences of ``seq_len`` tokens under ``tp``,
+        ``cp``, sequence parallelism and ``ep``, the rest single: the shape a model's
+        ``activation_bytes_of`` reads, for a planner's estimate of a layout no run holds."""
+        return cls(dp=ep, pp=1, tp=tp, cp=cp, ep=ep, rows=rows, seq_len=seq_len,
+                   sequence_parallel=sequence_parallel_in_effect(sequence_parallel, tp))
+
     @staticmethod
     def axes(world_size: int, dp: int, pp: int, tp: int, cp: int = 1) -> tuple[int, int, int]:
         """``(dp, pp, tp)`` on ``world_size`` ranks, dp derived when 0 (LayoutError ``dp/pp/tp``

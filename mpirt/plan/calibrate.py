@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+from mpirt.parallel.layout import Layout
+
 SIZES = (64, 256 * 2**10, 4 * 2**20)
 REPS = 10  # calls timed back to back per sample
 
@@ -112,7 +114,7 @@ def measure_compute(calib_model: str = "tiny", dims=(32, 64, 128, 256, 512)) -> 
     dim = min(rows * seq, cfg.n_embd, cfg.hidden)
     ds = sorted(rates)
     gemm = 3 * fwd / float(np.interp(np.log(dim), np.log(ds), [rates[k] for k in ds]))
-    kept = activation_bytes(cfg, batch=rows, seq_len=seq, itemsize=4)["block"]
+    kept = activation_bytes(cfg, Layout.micro_batch(rows, seq), itemsize=4)["block"]
     ew_passes = max(0.5, (full - gemm - 2 * n_ops * op_s) * bandwidth / kept)
     opt = []
     for width in (cfg.n_embd // 4, cfg.n_embd):

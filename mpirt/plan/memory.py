@@ -286,13 +286,11 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     if getattr(model_cfg, "n_expert", 0):
         routing["busiest"] = busiest_expert_bound(cfg, model_cfg) if busiest_expert is None else busiest_expert
     if lay.ep > 1:
-        routing.update(ep=lay.ep, expert_load=expert_load_bound(cfg, model_cfg, lay.ep)
-                       if expert_load is None else expert_load)
-    shape = dict(batch=rows, seq_len=seq, tp=tp, sequence_parallel=sp, itemsize=e, **({"cp": lay.cp} if lay.cp > 1 else {}))
+        routing["expert_load"] = expert_load_bound(cfg, model_cfg, lay.ep) if expert_load is None else expert_load
     per_layer = {k: v for k, v in routing.items() if isinstance(v, (list, tuple))}  # measured per block
     # the blocks' common figures at the mean load and the deepest block's busiest expert
-    acts = activation_bytes(model_cfg, **shape, **{**routing, **{k: (v[-1] if k == "busiest" else sum(v) / len(v))
-                                                                 for k, v in per_layer.items()}})
+    acts = activation_bytes(model_cfg, lay, itemsize=e, **{**routing, **{k: (v[-1] if k == "busiest" else sum(v) / len(v))
+                                                                         for k, v in per_layer.items()}})
     recompute = cfg.recompute if recompute is None else recompute
     mode = "full" if cfg.zero == 3 and recompute == "none" else recompute
     picked = set(lay.recomputed)
@@ -302,7 +300,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     if per_layer and any(len(v) != len(held) for v in per_layer.values()):
         raise ValueError(f"memory.predict: rank {rank} holds {len(held)} blocks, got per-block loads "
                          f"{ {k: len(v) for k, v in per_layer.items()} }")
-    block_acts = {i: activation_bytes(model_cfg, **shape, **{**routing, **{k: v[n] for k, v in per_layer.items()}})
+    block_acts = {i: activation_bytes(model_cfg, lay, itemsize=e, **{**routing, **{k: v[n] for k, v in per_layer.items()}})
                   for n, i in enumerate(held)} if per_layer else {}
 
     def acts_of(i: int) -> dict:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from mpirt.parallel.layout import Layout
+
 # (params in billions, heads, hidden, layers, tp, pp, GPUs, batch, teraFLOP/s per GPU, % of peak)
 MEGATRON = [
     (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44),
@@ -172,7 +174,7 @@ def frontier_rows() -> list[dict]:
                  for stage in range(layout["pp"])]
         worst = max(range(layout["pp"]), key=lambda i: peaks[i]["peak"])
         s, h, t = train["seq_len"], model_cfg.n_embd, layout["tp"]
-        acts = activation_bytes(model_cfg, batch=1, seq_len=s, tp=t, sequence_parallel=True, itemsize=2)
+        acts = activation_bytes(model_cfg, Layout.micro_batch(1, s, tp=t, sequence_parallel=True), itemsize=2)
         selective = acts["block"] - acts["core"] if train["recompute"] == "selective" else acts["block"]
         out.append({"name": name, "params_b": num_parameters(model_cfg) / 1e9, "layout": layout,
                     "schedule": cfg.schedule, "recompute": cfg.recompute, "stage": worst,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpirt.parallel.layout import Layout
 from mpirt.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 
 
@@ -109,7 +110,7 @@ def layer_work(model_cfg, costs: list, *, rows: int, seq_len: int, tp: int, sp: 
     from mpirt.core.modeling import activation_bytes
 
     e = itemsize
-    acts = activation_bytes(model_cfg, batch=rows, seq_len=seq_len, tp=tp, sequence_parallel=sp, itemsize=e)
+    acts = activation_bytes(model_cfg, Layout.micro_batch(rows, seq_len, tp=tp, sequence_parallel=sp), itemsize=e)
     tokens = rows * seq_len
     c = model_cfg.n_embd
     u_bytes = tokens * c * e
