@@ -70,7 +70,7 @@ def run_round_robin(g, cfg, names, m, args) -> list:
     stages, opts, steps = {}, {}, {}
     for name in names:
         chunks = 2 if name == "interleaved" else 1
-        stages[name] = PipelineStage(cfg, g, name, m, chunks, dtype="float32", seed=0, wait=args.wait)
+        stages[name] = PipelineStage.standalone(cfg, g, name, m, chunks, dtype="float32", seed=0, wait=args.wait)
         opts[name] = AdamW(stages[name].parameters(), lr=1e-4)
         steps[name] = []
     rng = np.random.default_rng(0)

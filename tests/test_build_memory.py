@@ -185,7 +185,7 @@ def test_pipeline_stage_build_holds_its_layers_plus_one_parameter(group, pp, tp)
     ok, detail = True, ""
     if comm is not None:
         grid = Grid(dp=1, pp=pp, tp=tp, comm=comm)
-        make = lambda: PipelineStage(gpt_cfg(), grid, microbatches=2, dtype="float64", seed=1)  # noqa: E731
+        make = lambda: PipelineStage.standalone(gpt_cfg(), grid, microbatches=2, dtype="float64", seed=1)  # noqa: E731
         make()  # warm
         stage, peak, held = traced(make)
         ok, detail = check_build(stage.parameters(), peak, held)
@@ -450,7 +450,7 @@ def test_hf_init_reads_only_this_ranks_boxes_and_gives_the_single_rank_loss(grou
         tp_comm = grid.comm["tp"] if tp > 1 else None
         cfg, reader = open_hf(d, dtype="float64")
         if pp > 1:
-            stage = PipelineStage(cfg, grid, microbatches=2, dtype="float64", seed=0)
+            stage = PipelineStage.standalone(cfg, grid, microbatches=2, dtype="float64", seed=0)
             model, params = stage.model, stage.parameters()
         else:
             model = _tp_model(tp_comm, seed=0)

@@ -53,7 +53,7 @@ def grid(group):
 
 def pipeline_run(g, cfg, dtype, schedule, m, chunks=1, steps=STEPS, clip=None, rows=BATCH, zero=0, **kw):
     """The stage, built here (split, wait mode ...), trained by the engine with ``zero``."""
-    stage = PipelineStage(cfg, g, schedule, m, chunks, dtype=dtype, seed=1, **kw)
+    stage = PipelineStage.standalone(cfg, g, schedule, m, chunks, dtype=dtype, seed=1, **kw)
     train_cfg = replace(TrainConfig(), dp=g.dp, pp=g.pp, tp=g.tp, dtype=dtype, lr=LR, weight_decay=WD, beta1=0.9,
                         beta2=0.999, zero=zero, sequence_parallel=kw.get("sequence_parallel", False))
     engine = Engine(Layout.of(train_cfg, g.sizes, cfg), cfg, g, Hyper.of(train_cfg), dropout_seed=0, local=stage)
@@ -175,7 +175,7 @@ def test_microbatches_not_a_multiple_of_pp(grid):
     msg = ""
     if g is not None:
         with pytest.raises(ScheduleError) as err:
-            PipelineStage(config(4), g, "interleaved", 3, 2, dtype="float64")
+            PipelineStage.standalone(config(4), g, "interleaved", 3, 2, dtype="float64")
         msg = str(err.value)
     agree(g is None or "needs microbatches to be a multiple of pp: microbatches=3, pp=2" in msg, msg)
 
@@ -198,12 +198,12 @@ def test_refusals(grid):
                                ({"chunks": 3, "schedule": "interleaved"}, "n_layer=4 cannot fill pp x chunks = 6")]:
             kw = {"schedule": "1f1b", **kwargs}
             try:
-                PipelineStage(config(4), g, kw.pop("schedule"), 4, dtype="float64", **kw)
+                PipelineStage.standalone(config(4), g, kw.pop("schedule"), 4, dtype="float64", **kw)
                 msgs.append(f"no error for {kwargs}")
             except (ValueError, ScheduleError) as err:
                 if expect not in str(err):
                     msgs.append(f"{kwargs}: {err}")
-        stage = PipelineStage(config(4), g, "1f1b", 4, dtype="float64")
+        stage = PipelineStage.standalone(config(4), g, "1f1b", 4, dtype="float64")
         x, y = batch(0, rows=6)
         try:
             stage.train_step(x, y)
@@ -220,7 +220,7 @@ def test_ranks_agree_on_shapes_before_sending(grid):
     g = grid(2)
     msg = ""
     if g is not None:
-        stage = PipelineStage(config(4), g, "1f1b", 2, dtype="float64")
+        stage = PipelineStage.standalone(config(4), g, "1f1b", 2, dtype="float64")
         x, y = batch(0, rows=8 if g.coords["pp"] == 0 else 4)
         try:
             stage.train_step(x, y)

@@ -89,9 +89,7 @@ class Engine:
         self.dp_comm = grid.comm["dp_cp"]  # the ranks holding the same parameters: dp, and cp when > 1
         tp, sp = layout.tp, layout.sequence_parallel
         if layout.pp > 1 or local is not None:
-            self.local = local or PipelineStage(
-                model_cfg, grid, schedule=layout.pipeline_schedule, dtype=hyper.dtype, seed=hyper.seed,
-                split=[hi - lo for lo, hi in layout.bounds], sequence_parallel=sp)
+            self.local = local or PipelineStage(layout, model_cfg, grid, dtype=hyper.dtype, seed=hyper.seed)
         else:
             self.local = WholeModel(layout, model_cfg, grid, dtype=hyper.dtype, seed=hyper.seed)
         self.model = self.local.model

@@ -1,6 +1,6 @@
 """Pipeline parallelism: stage partitioning and the one executor that runs any schedule.
 
-    stage = PipelineStage(model_cfg, grid, schedule="1f1b", microbatches=8, dtype="float32", seed=0)
+    stage = PipelineStage(layout, model_cfg, grid, dtype="float32", seed=0)   # layout: Layout.resolve(...)
     loss = stage.train_step(x, y)   # every pp rank passes its dp share of the batch (same x, y)
 
 The stage is the pipeline's *local part*: it runs the schedule's forward and backward and sums
@@ -44,8 +44,8 @@ from mpirt.parallel.experts import parallelize_experts
 from mpirt.parallel.pipeline.partition import layer_costs, partition
 from mpirt.parallel.pipeline.executor import PipelineExecutor
 from mpirt.parallel.pipeline.check import check
-from mpirt.parallel.layout import pipeline_microbatches, sequence_parallel_in_effect
-from mpirt.parallel.pipeline.schedules import Schedule, ScheduleError, build, canonical_name
+from mpirt.parallel.layout import Layout, pipeline_microbatches, sequence_parallel_in_effect
+from mpirt.parallel.pipeline.schedules import ScheduleError, build, canonical_name
 from mpirt.parallel.whole import parameter_axes
 from mpirt.core.tensor import Tensor, no_grad
 
@@ -66,40 +66,40 @@ def message_bytes(layout, model_cfg, dtype: str) -> int:
 class PipelineStage(PipelineExecutor):
     """This rank's stage of a pipeline-parallel model and the executor of its schedule.
 
-    ``model_cfg``: the config of any registered model type (:mod:`mpirt.core.modeling`); ``grid``: a
-    :class:`mpirt.parallel.grid.Grid` (tp > 1 makes every stage tensor parallel through the model's
-    ``tp_plan``, :func:`mpirt.parallel.tensor.parallelize`; ``sequence_parallel`` then splits the
-    activations between stages along the sequence too); ``schedule``: a name (gpipe, 1f1b,
-    interleaved, zb-h1) or a :class:`Schedule`; ``microbatches`` per step (default pp);
-    ``chunks``: model chunks per rank (interleaved); ``split``: blocks per virtual stage, else
-    balanced by ``balance`` ("flops" or "params") at ``seq_len`` (default n_positions); ``wait``:
-    ``"block"`` (MPI Wait) or ``"poll"`` (test and sleep ``poll_s``: yields the CPU to other
-    ranks when cores are oversubscribed).
+    ``layout``: the run's :class:`~mpirt.parallel.layout.Layout` resolved with the model, from
+    which the stage reads its schedule (:attr:`Layout.pipeline_schedule`), the block range of
+    every virtual stage (:attr:`Layout.bounds`) and sequence parallelism; ``model_cfg``: the
+    config of any registered model type (:mod:`mpirt.core.modeling`); ``grid``: a
+    :class:`mpirt.parallel.grid.Grid` of the layout's sizes (tp > 1 makes every stage tensor
+    parallel through the model's ``tp_plan``, :func:`mpirt.parallel.tensor.parallelize`;
+    sequence parallelism then splits the activations between stages along the sequence too);
+    ``wait``: ``"block"`` (MPI Wait) or ``"poll"`` (test and sleep ``poll_s``: yields the CPU to
+    other ranks when cores are oversubscribed). :meth:`standalone` builds one from pipeline
+    settings alone (tests, benchmarks).
     """
 
-    def __init__(self, model_cfg, grid, schedule="1f1b", microbatches: int | None = None, chunks: int = 1,
-                 dtype="float32", seed: int = 0, split=None, balance: str = "flops", seq_len: int | None = None,
-                 wait: str = "block", poll_s: float = 2e-5, sequence_parallel: bool = False):
+    def __init__(self, layout, model_cfg, grid, *, dtype="float32", seed: int = 0, wait: str = "block",
+                 poll_s: float = 2e-5):
         if wait not in ("block", "poll"):
             raise ValueError(f"wait: expected block or poll, got {wait!r}")
-        self.cfg, self.grid, self.dtype = model_cfg, grid, np.dtype(dtype)
+        if not layout.bounds:
+            raise ValueError("PipelineStage: the layout was resolved without the model (no stage bounds): "
+                             "Layout.resolve(cfg, world, model_cfg)")
+        self.layout, self.cfg, self.grid, self.dtype = layout, model_cfg, grid, np.dtype(dtype)
         self.comm = grid.comm["pp"]
         self.rank, self.pp = self.comm.rank, self.comm.size
-        self.tp, self.sequence_parallel = grid.tp, sequence_parallel_in_effect(sequence_parallel, grid.tp)
+        self.tp, self.sequence_parallel = grid.tp, layout.sequence_parallel
         self.wait_mode, self.poll_s = wait, poll_s
         self.loss_scale = 1.0  # the last stage's backward seed (train_step sets it)
-        if isinstance(schedule, Schedule):
-            sched = schedule
-            if sched.pp != self.pp:
-                raise ScheduleError(f"schedule {sched.name} was made for pp={sched.pp}, the grid has pp={self.pp}")
-        else:
-            sched = build(canonical_name(schedule), self.pp, pipeline_microbatches(microbatches, self.pp), chunks)
+        # pp 1 (tests of the executor alone): a layout builds no pipeline schedule of its own
+        sched = layout.pipeline_schedule or build(layout.schedule, 1, layout.microbatches, layout.chunks)
+        if sched.pp != self.pp:
+            raise ScheduleError(f"schedule {sched.name} was made for pp={sched.pp}, the grid has pp={self.pp}")
         check(sched)                     # the pre-flight proof, on every rank, before any communication
         self.schedule, self.eval_schedule = sched, sched.forward_only()
         check(self.eval_schedule)
         self.m, self.v, self.S = sched.microbatches, sched.chunks, sched.num_stages
-        self.bounds = partition(layer_costs(model_cfg, seq_len) if split is None else [None] * (model_cfg.n_layer + 2),
-                                self.S, split, balance)
+        self.bounds = list(layout.bounds)
         self.chunk_bounds = [self.bounds[c * self.pp + self.rank] for c in range(self.v)]
         self.has_embed, self.has_head = self.rank == 0, self.rank == self.pp - 1
         self._build(seed)
@@ -107,6 +107,23 @@ class PipelineStage(PipelineExecutor):
         self.trace = False  # True: stats["trace"] lists (start, end, op, mb, chunk) of every compute and wait
         self.stats: dict = {}
         self._stash_bytes: dict = {}
+
+    @classmethod
+    def standalone(cls, model_cfg, grid, schedule: str = "1f1b", microbatches: int | None = None, chunks: int = 1,
+                   *, split=None, balance: str = "flops", seq_len: int | None = None,
+                   sequence_parallel: bool = False, **kwargs) -> "PipelineStage":
+        """A stage on ``grid`` from pipeline settings alone, outside a training layout (tests,
+        benchmarks): ``schedule`` by name (gpipe, 1f1b, interleaved, zb-h1), ``microbatches`` per
+        step (default pp), ``chunks`` per rank (interleaved); the blocks ``split`` as given (blocks
+        per virtual stage), else balanced by ``balance`` ("flops" or "params") at ``seq_len``
+        (default n_positions). ``kwargs``: the constructor's (dtype, seed, wait, poll_s)."""
+        layout = Layout(dp=grid.dp, pp=grid.pp, tp=grid.tp, schedule=canonical_name(schedule),
+                        microbatches=pipeline_microbatches(microbatches, grid.pp), chunks=chunks,
+                        seq_len=seq_len or model_cfg.n_positions,
+                        sequence_parallel=sequence_parallel_in_effect(sequence_parallel, grid.tp))
+        costs = layer_costs(model_cfg, seq_len) if split is None else [None] * (model_cfg.n_layer + 2)
+        bounds = tuple(partition(costs, layout.stages, split, balance))
+        return cls(dataclasses.replace(layout, bounds=bounds), model_cfg, grid, **kwargs)
 
     # -- construction ----------------------------------------------------------------------
     def _build(self, seed: int) -> None:
