@@ -68,7 +68,7 @@ def prove(case: str, before: str | None) -> dict:
     if before:
         preflight.check_step(layout, model, SEQ, "float32")
     else:
-        preflight.check_step(layout, model, SEQ, "float32", rank=world - 1)
+        preflight.check_step(layout, model, "float32", rank=world - 1)
     check(layout.pipeline_schedule)
     check(layout.pipeline_schedule.forward_only())
     usage = resource.getrusage(resource.RUSAGE_SELF)

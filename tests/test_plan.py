@@ -431,7 +431,7 @@ def test_each_axis_message_is_one_function_the_proof_sends_and_the_planner_price
         layout = Layout.resolve(dense, 8, model)
         act, kv = message_bytes(layout, model, dtype), ring_message_bytes(layout, model, dtype)
         assert act == 2 * 64 // 2 // 2 * model.n_embd * (2 if dtype == "bfloat16" else 4)  # rows x tokens/cp/tp x C
-        ops = StepPrograms(layout, model, 64, dtype).program(0)
+        ops = StepPrograms(layout, model, dtype).program(0)
         assert {n for op in ops if op.comm == "pp" for _, n in op.sends + op.recvs} == {act}
         assert {n for op in ops if op.comm == "cp" for _, n in op.sends + op.recvs} == {kv}
         est = estimate(dense, model, c)
@@ -442,7 +442,7 @@ def test_each_axis_message_is_one_function_the_proof_sends_and_the_planner_price
     experts = cfg(dp=2, ep=2, zero=1, batch_size=4, seq_len=64)
     layout = Layout.resolve(experts, 2, moe)
     routed = routed_bytes(layout, moe, "float32")
-    ops = StepPrograms(layout, moe, 64, "float32").program(0)
+    ops = StepPrograms(layout, moe, "float32").program(0)
     assert {op.nbytes for op in ops if op.comm == "ep" and op.dtype == "float32"} == {routed}
     assert estimate(experts, moe, cpu(cores=2).with_shape(1, 2)).comm["ep"]["bytes"] == \
         pytest.approx(moe.n_layer * 4 * routed / 2)  # 4 exchanges a block, half of each leaves the rank

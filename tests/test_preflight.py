@@ -34,8 +34,8 @@ def layout_of(world: int, model=MODEL, **changes) -> Layout:
 ], ids=str)
 def test_the_layouts_steps_pass(world, changes):
     lay = layout_of(world, **changes)
-    check_step(lay, MODEL, SEQ, "float32")
-    programs = step_programs(reduced(lay), MODEL, SEQ, "float32")
+    check_step(lay, MODEL, "float32")
+    programs = step_programs(reduced(lay), MODEL, "float32")
     simulate_step(reduced(lay), programs)  # every rank simulated, as the proof's stages stand for them
     kinds = {op.what + ":" + op.comm for ops in programs.values() for op in ops}
     assert ("exchange:cp" in kinds) == (lay.cp > 1) and ("allgather:dp_cp" in kinds) == (lay.zero == 3)
@@ -51,9 +51,9 @@ def test_the_expert_parallel_steps_pass(world, changes):
     """The experts' all-to-alls on the ep groups, between the pipeline's messages: 3 a MoE chunk
     forward, 2 backward (and 3 again where it reruns)."""
     lay = layout_of(world, MOE, **changes)
-    check_step(lay, MOE, SEQ, "float32")
+    check_step(lay, MOE, "float32")
     small = reduced(lay)
-    programs = step_programs(small, MOE, SEQ, "float32")
+    programs = step_programs(small, MOE, "float32")
     exchanges = [op for op in programs[0] if op.what == "alltoall"]
     per_chunk = 3 + 2 + (3 if lay.recomputed else 0)
     assert exchanges and all(op.comm == "ep" for op in exchanges)
@@ -62,7 +62,7 @@ def test_the_expert_parallel_steps_pass(world, changes):
 
 def programs_of(model=MODEL, **changes):
     lay = reduced(layout_of(2, model, **changes))
-    return lay, step_programs(lay, model, SEQ, "float32")
+    return lay, step_programs(lay, model, "float32")
 
 
 def test_collectives_in_another_order_on_one_rank_are_refused():
@@ -92,7 +92,7 @@ def test_an_activation_sent_after_the_experts_exchange_it_feeds_deadlocks():
     step; its last stage waits for it, so that stage's ep peer waits in the experts' exchange,
     never sends the gradient back, and the first stages wait in theirs: a cycle over pp and ep."""
     lay = reduced(layout_of(4, MOE, ep=2, pp=2))
-    programs = step_programs(lay, MOE, SEQ, "float32")
+    programs = step_programs(lay, MOE, "float32")
     first = next(r for r in programs if lay.position(r) == {"dp": 1, "pp": 0, "cp": 0, "tp": 0, "ep": 1})
     ops = programs[first]
     send = next(i for i, op in enumerate(ops) if op.what == "exchange" and op.sends)
@@ -184,12 +184,12 @@ def test_a_mismatch_on_a_far_rank_of_a_large_layout_is_found_by_that_rank(monkey
     far = proof_rank(lay, lay.world_size - 1)
     altered(monkeypatch, lambda small, rank: rank == far,
             lambda op: replace(op, sends=((op.sends[0][0], op.sends[0][1] + 8),)))
-    check_step(lay, DEEP, SEQ, "float32", rank=0)
+    check_step(lay, DEEP, "float32", rank=0)
     with pytest.raises(StepCommError, match=rf"^rank 16383 \(the proof's rank {far}\) does not run its pipeline "
                                             rf"stage's step program.*: operation #1: rank {far} runs send 4104 B float32 to "
                                             r"rank \d+, receive 4096 B float32 from rank \d+ on cp \(F mb 0 h\.15-15 ring step "
                                             r"0\), its stage's rank \d+ send 4096 B float32"):
-        check_step(lay, DEEP, SEQ, "float32", rank=lay.world_size - 1)
+        check_step(lay, DEEP, "float32", rank=lay.world_size - 1)
 
 
 def test_a_mismatch_on_the_far_stage_of_a_large_layout_is_found_by_the_stages_simulation(monkeypatch):
@@ -201,7 +201,7 @@ def test_a_mismatch_on_the_far_stage_of_a_large_layout_is_found_by_the_stages_si
             lambda op: replace(op, sends=((op.sends[0][0], op.sends[0][1] + 8),)))
     with pytest.raises(StepCommError, match=r"^rank \d+ receives 4096 B float32 from rank \d+ \(F mb 0 h\.15-15 ring step "
                                             r"0\) but rank \d+ sent 4104 B float32"):
-        check_step(lay, DEEP, SEQ, "float32", rank=lay.world_size - 1)
+        check_step(lay, DEEP, "float32", rank=lay.world_size - 1)
 
 
 def test_a_pipeline_message_under_sequence_parallelism_is_tps_piece_of_the_activations():
@@ -209,5 +209,5 @@ def test_a_pipeline_message_under_sequence_parallelism_is_tps_piece_of_the_activ
     programs: under SP a stage sends its tp piece of the sequence, not the whole of it."""
     for sp in (False, True):
         lay = layout_of(4, pp=2, tp=2, sequence_parallel=sp, microbatches=4)
-        sends = {n for op in StepPrograms(lay, MODEL, SEQ, "float64").program(0) if op.comm == "pp" for _, n in op.sends}
+        sends = {n for op in StepPrograms(lay, MODEL, "float64").program(0) if op.comm == "pp" for _, n in op.sends}
         assert sends == {lay.rows * SEQ // (2 if sp else 1) * MODEL.n_embd * 8}, (sp, sends)

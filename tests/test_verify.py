@@ -323,7 +323,7 @@ def test_calls_out_of_the_programs_order_are_named(monkeypatch):
     model = load_model_config("mixtral-tiny", {"n_layer": 2})
     cfg = replace(TrainConfig(), dp=2, ep=2, pp=2, batch_size=4, seq_len=16, dtype="float64")
     layout = Layout.resolve(cfg, 4, model)
-    make = StepPrograms(layout, model, 16, "float64", blocks_apart=True)
+    make = StepPrograms(layout, model, "float64", blocks_apart=True)
     calls = []
     for op in make.program(0) + make.sums(0):
         if op.what == "exchange":
@@ -335,7 +335,7 @@ def test_calls_out_of_the_programs_order_are_named(monkeypatch):
 
     def order_of(recorded):
         monkeypatch.setattr(traffic, "recorded", lambda cursor: recorded)
-        return traffic.order_differences(layout, model, 16, "float64", 0, 0, engine)
+        return traffic.order_differences(layout, model, "float64", 0, 0, engine)
 
     assert order_of(calls) == []
     sends = [i for i, c in enumerate(calls) if c[:2] == ("pp", "send")]

@@ -59,21 +59,19 @@ def reduced(layout):
 
 
 class StepPrograms:
-    """The programs of one step on ``layout`` (resolved with the model; use :func:`reduced` for the
-    proof's grid), for ``model_cfg`` at ``seq_len`` in ``dtype`` (the run's, a name: ring
+    """The programs of one step on ``layout`` (resolved with the model, at the run's sequence
+    length; use :func:`reduced` for the proof's grid), for ``model_cfg`` in ``dtype`` (the run's, a name: ring
     attention's keys and values travel in float32 in half precision): :meth:`program` makes one
     rank's, from what every rank shares (made once here); :meth:`sums` the scalar sums that close
     its step. The proof takes a chunk's blocks as one unit (its programs stay short at any depth);
     ``blocks_apart`` makes each block its own, as the runtime runs them (what a step records)."""
 
-    def __init__(self, layout, model_cfg, seq_len: int, dtype: str, blocks_apart: bool = False):
+    def __init__(self, layout, model_cfg, dtype: str, blocks_apart: bool = False):
         from mpirt.core.modeling import layer_costs
-        if layout.seq_len != seq_len:
-            raise ValueError(f"StepPrograms: the layout was resolved at seq_len {layout.seq_len}, not {seq_len}")
         self.layout, self.dtype, self.blocks_apart = layout, np.dtype(dtype).name, blocks_apart
         self.itemsize = np.dtype(dtype).itemsize
         self.ring_dtype = "float32" if is_half(dtype) else self.dtype
-        self.costs = layer_costs(model_cfg, seq_len)
+        self.costs = layer_costs(model_cfg, layout.seq_len)
         # each axis's message sizes, as its module sends them (the planner prices the same)
         self.kv_bytes = ring_message_bytes(layout, model_cfg, dtype)
         self.act_bytes = message_bytes(layout, model_cfg, dtype)
@@ -170,9 +168,9 @@ class StepPrograms:
         return [Op(what, axis, 8, label=label, dtype="float64") for axis, what, label in axes]
 
 
-def step_programs(layout, model_cfg, seq_len: int, dtype: str) -> dict[int, list[Op]]:
+def step_programs(layout, model_cfg, dtype: str) -> dict[int, list[Op]]:
     """Every rank's program of one step (:class:`StepPrograms`), rank -> its operations."""
-    make = StepPrograms(layout, model_cfg, seq_len, dtype)
+    make = StepPrograms(layout, model_cfg, dtype)
     return {rank: make.program(rank) for rank in range(layout.world_size)}
 
 
@@ -183,7 +181,7 @@ def proof_rank(layout, rank: int) -> int:
     return grid_rank((pos["dp"] % small.dp, pos["pp"], pos["cp"], 0), dp=small.dp, pp=small.pp, cp=small.cp, tp=1)
 
 
-def check_step(layout, model_cfg, seq_len: int, dtype: str, rank: int | None = None) -> None:
+def check_step(layout, model_cfg, dtype: str, rank: int | None = None) -> None:
     """The pre-flight proof of ``layout``'s step (see the module docstring); StepCommError when it
     fails. Nothing to prove without cp, pp, ep or ZeRO-3.
 
@@ -194,7 +192,7 @@ def check_step(layout, model_cfg, seq_len: int, dtype: str, rank: int | None = N
     if layout.cp == 1 and layout.pp == 1 and layout.ep == 1 and layout.zero != 3:
         return
     small = reduced(layout)
-    make = StepPrograms(small, model_cfg, seq_len, dtype)
+    make = StepPrograms(small, model_cfg, dtype)
     grid = Grid3(small)
     stages = {grid.rank(0, p, 0): make.program(grid.rank(0, p, 0)) for p in range(small.pp)}
     mine = range(small.world_size) if rank is None else [proof_rank(layout, rank)]

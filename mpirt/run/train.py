@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
         notes = [f"mpirt: data: {note}" for note in check_fit(cfg, model_cfg, data)]
         # the step's communication (pipeline, ring attention, ZeRO-3 gathers) proven consistent: each
         # rank checks its own program against its stage's, and the stages' together
-        check_step(layout, model_cfg, cfg.seq_len, cfg.dtype, rank=world.rank)
+        check_step(layout, model_cfg, cfg.dtype, rank=world.rank)
         cfg, eval_warning = fit_eval_batches(cfg, data)
         for line in notes + ([eval_warning] if eval_warning else []):
             if world.rank == 0:

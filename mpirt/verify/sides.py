@@ -154,7 +154,7 @@ def run_side(cfg: TrainConfig, model_cfg, layout: Layout, comm, tokens, snapshot
             engine.optimizer.step()
             traffic = None
             if step == first_step:   # the whole step's calls against the program its layout predicts
-                mine = differences(layout, model_cfg, cfg.seq_len, cfg.dtype, comm.rank, cursor, engine)
+                mine = differences(layout, model_cfg, cfg.dtype, comm.rank, cursor, engine)
                 traffic = [f"rank {r}: {d}" for r, found in enumerate(comm.allgather_object(mine)) for d in found]
             routed = routing(engine, grid) if layout.microbatches == 1 else None
             path = save_sharded(snapshots, comm, lambda w: engine.save_sharded(ParamsOnly(w)), step=step + 1,

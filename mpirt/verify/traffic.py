@@ -58,10 +58,10 @@ def dtype_only(layout, dtype: str) -> dict[tuple, set]:
     return loose
 
 
-def proof_calls(layout, model_cfg, seq_len: int, dtype: str, rank: int) -> list[tuple]:
+def proof_calls(layout, model_cfg, dtype: str, rank: int) -> list[tuple]:
     """``(axis, kind, bytes, dtype, label)`` of rank ``rank``'s proof program, then its scalar
     sums, call by call in program order (an exchange: its sends, then its receives)."""
-    program = StepPrograms(layout, model_cfg, seq_len, dtype, blocks_apart=True)
+    program = StepPrograms(layout, model_cfg, dtype, blocks_apart=True)
     dense = "dp_cp" if layout.cp > 1 else "dp"   # the grid's name for dp x cp
     out = []
     for op in program.program(rank) + program.sums(rank):
@@ -80,7 +80,7 @@ def predicted(proof: list[tuple], engine) -> list[tuple]:
     return [call[:4] for call in proof] + engine.step_calls()
 
 
-def differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: int, engine) -> list[str]:
+def differences(layout, model_cfg, dtype: str, rank: int, cursor: int, engine) -> list[str]:
     """What rank ``rank`` of ``layout`` (its ``engine``) recorded since ``cursor`` (one whole step
     in ``dtype``) differs in from :func:`predicted`, one phrase per ``(axis, kind, bytes, dtype)``
     ("cp send of 4096 B float64: 3 recorded, 2 predicted") or per call of a dtype the layout does
@@ -94,7 +94,7 @@ def differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: 
     def tally(calls):
         return Counter((a, k, ANY_BYTES if a == "ep" and k == "alltoall" and t != "int64" else n, t)
                        for a, k, n, t in calls if named(a, k) is None)
-    calls, proof = recorded(cursor), proof_calls(layout, model_cfg, seq_len, dtype, rank)
+    calls, proof = recorded(cursor), proof_calls(layout, model_cfg, dtype, rank)
     mine, theirs = tally(calls), tally(predicted(proof, engine))
     out = []
     for key in sorted(set(mine) | set(theirs), key=str):
@@ -109,7 +109,7 @@ def differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: 
     return out + _order(calls, proof, engine)
 
 
-def order_differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cursor: int, engine) -> list[str]:
+def order_differences(layout, model_cfg, dtype: str, rank: int, cursor: int, engine) -> list[str]:
     """Where rank ``rank``'s recorded calls on the proof's axes (pp, cp, ep) leave the order of its
     program, one phrase per axis and stream (empty when none); :func:`differences` includes them.
     MPI matches messages in the order they are posted, so each axis's sends, its receives and its
@@ -117,7 +117,7 @@ def order_differences(layout, model_cfg, seq_len: int, dtype: str, rank: int, cu
     pipeline's, ahead of its compute) keeps its place among the receives. The experts' row
     exchanges compare by dtype (what routing sends). The program is the proof's, then the tied
     embedding's gradient sum and the scalar sums that close the step."""
-    return _order(recorded(cursor), proof_calls(layout, model_cfg, seq_len, dtype, rank), engine)
+    return _order(recorded(cursor), proof_calls(layout, model_cfg, dtype, rank), engine)
 
 
 def _stream(axis: str, kind: str) -> tuple:
