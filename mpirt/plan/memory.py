@@ -7,7 +7,9 @@ import re
 
 import numpy as np
 
+from mpirt.parallel.context import ring_message_bytes
 from mpirt.parallel.layout import AXES, Layout
+from mpirt.parallel.pipeline.stage import message_bytes
 from mpirt.plan.holdings import peak_in_flight
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -272,11 +274,10 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     is, and the step's activation peak (kept activations plus the backward's transient)."""
     from mpirt.core.precision import bytes_per_parameter, compute_dtype
     from mpirt.core.modeling import activation_bytes, layer_costs, model_class, num_parameters
-    from mpirt.models.lm import kv_heads
 
     lay = Layout.of(cfg, layout, model_cfg)
     pos = lay.position(rank)
-    dp, pp, tp, sp, chunks, rows = lay.dp, lay.pp, lay.tp, lay.sequence_parallel, lay.chunks, lay.rows
+    dp, pp, tp, chunks, rows = lay.dp, lay.pp, lay.tp, lay.chunks, lay.rows
     seq = cfg.seq_len // lay.cp  # the tokens of each sequence this rank holds
     e = np.dtype(cfg.dtype).itemsize  # activations, buffers and gradients travel in the compute/storage dtype
     state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
@@ -362,12 +363,10 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     if lay.ep > 1:  # the MPI library's message pool, grown by the first token exchange and kept
         from mpirt.parallel.experts import EXCHANGE_POOL_BYTES_PER_PEER
         comm += (lay.ep - 1) * EXCHANGE_POOL_BYTES_PER_PEER
-    if pp > 1:  # receive buffers posted ahead (activation and gradient), one micro-batch each
-        comm += 2 * rows * (seq // (tp if sp else 1)) * model_cfg.n_embd * e
+    if pp > 1:  # receive buffers posted ahead (activation and gradient), one message each
+        comm += 2 * message_bytes(lay, model_cfg, cfg.dtype)
     if lay.cp > 1:  # ring attention's keys and values in flight, with their gradient in the backward
-        # (float32 in half precision: the op computes in float32)
-        head = model_cfg.n_embd // model_cfg.n_head
-        comm += 4 * rows * seq * 2 * kv_heads(model_cfg) * head / tp * max(e, 4)
+        comm += 4 * ring_message_bytes(lay, model_cfg, cfg.dtype)
     vocab = -(-model_cfg.vocab_size // tp) * tp
     has_head = pp == 1 or pos["pp"] == pp - 1
     logits = 2 * rows * seq * vocab / tp * e  # the logits' gradient and a temporary
