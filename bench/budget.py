@@ -28,7 +28,8 @@ from pathlib import Path
 from common import LoadMonitor, children_cpu_s, launch, workspace, write_results
 
 from mpirt.core.modeling import load_model_config
-from mpirt.plan.memory import format_size, parse_size, predict
+from mpirt.plan.memory import predict
+from mpirt.core.settings import format_size, parse_size
 from mpirt.run.config import parse_args
 from mpirt.run.train import plan_layout
 

@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import LoadMonitor, children_cpu_s, launch, workspace, write_results  # noqa: E402
 
 from mpirt.run.config import parse_args  # noqa: E402
-from mpirt.plan.memory import CATEGORIES, format_size, parse_size, predict  # noqa: E402
+from mpirt.plan.memory import CATEGORIES, predict  # noqa: E402
+from mpirt.core.settings import format_size, parse_size  # noqa: E402
 from mpirt.core.modeling import load_model_config, num_parameters  # noqa: E402
 from mpirt.run.train import open_dataset, plan_layout, vocab_from_data  # noqa: E402
 

@@ -273,7 +273,8 @@ def part_train(args) -> None:
     from mpirt.core import modeling
     from mpirt.run.config import TrainConfig
     from mpirt.monitor.flops import gpu_peak
-    from mpirt.plan.memory import format_size, predict
+    from mpirt.plan.memory import predict
+    from mpirt.core.settings import format_size
     _, model_name, framework = args.part.split("-")
     t0 = time.time()
     cfg, batch, seq, warmup, steps = train_setup(model_name, args.cpu)

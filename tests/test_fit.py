@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from mpirt.plan.memory import parse_size
+from mpirt.core.settings import parse_size
 
 # 118M parameters, most of them in the token table: little compute for the memory it needs. Its
 # single rank needs 2.12 GiB (predicted), 4.17x the budget; measured on 8 ranks: 465-474 MiB owned

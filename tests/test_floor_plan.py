@@ -39,8 +39,6 @@ CIRCLES = {
                                              "its first lookup when mpirt/__init__.py did not run (a process "
                                              "beside a folder named mpirt imports that folder as the namespace); "
                                              "within models, GPT-2's HF reader needs its parameter shapes",
-    ("mpirt.plan", "mpirt.run.config"): "the config parses --memory-budget with the predictor's parser and the "
-                                        "planner builds TrainConfigs (left to the planner's owners)",
 }
 
 

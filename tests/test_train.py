@@ -5,7 +5,7 @@ import math
 import pytest
 
 from conftest import run_module
-from mpirt.plan.memory import format_size
+from mpirt.core.settings import format_size
 from runs import TINY, read_metrics
 
 

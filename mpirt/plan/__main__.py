@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from mpirt.plan.memory import format_size, parse_size
+from mpirt.core.settings import format_size, parse_size
 from mpirt.plan import hardware
 from mpirt.plan.search import EstimateError, describe, plan, table, tp_options, training_flags
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mpirt.plan.memory import format_size
+from mpirt.core.settings import format_size
 
 
 def _cgroup_room() -> int | None:

@@ -1,56 +1,17 @@
-"""Per-rank memory: sizes, the process baseline, and the peak predicted from the config."""
+"""Per-rank memory: the process baseline and the peak predicted from the config (sizes are read and
+written by :mod:`mpirt.core.settings`)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import numpy as np
 
+from mpirt.core.settings import AUTO_BUDGET, explicit_budget, format_size
 from mpirt.parallel.context import ring_message_bytes
 from mpirt.parallel.layout import AXES, Layout
 from mpirt.parallel.pipeline.stage import message_bytes
 from mpirt.plan.holdings import peak_in_flight
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> int | None:
-    """Bytes in ``'1.5GiB'``, ``'800MB'``, ``'512 MiB'``, ``'2e9'`` (KB/MB/GB decimal, KiB/MiB/GiB
-    binary, case-insensitive); ``''`` -> None (no budget). ValueError names the text."""
-    t = text.strip()
-    if not t:
-        return None
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)", t.lower())
-    if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"cannot read {text!r} as a size (e.g. 1.5GiB, 800MB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-AUTO_BUDGET = "auto"
-NO_BUDGET = ("none", "0", "")  # "": what configs written before the default was auto say for none
-
-
-def explicit_budget(text: str) -> int | None:
-    """The bytes of an explicit ``--memory-budget`` size; None for ``auto`` (what the rank can
-    have: :mod:`mpirt.plan.budget`), ``none`` or ``0``. ValueError names text that is none of these."""
-    t = text.strip().lower()
-    if t == AUTO_BUDGET or t in NO_BUDGET:
-        return None
-    try:
-        return parse_size(text)
-    except ValueError:
-        raise ValueError(f"cannot read {text!r} as a size (e.g. 1.5GiB, 800MB), auto or none") from None
-
-
-def format_size(n: float) -> str:
-    """``1610612736`` -> ``1.50 GiB``; ``3e6`` -> ``2.9 MiB``."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} GiB" if unit == "GiB" else f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
 
 # =============================================================================================
 # the prediction: a rank's peak from the config and layout, before anything is built

@@ -28,14 +28,14 @@ except ModuleNotFoundError:  # Python 3.10
 from mpirt.core import modeling
 from mpirt.core.modeling import check_model_values
 from mpirt.core.precision import DTYPES
-from mpirt.core.settings import FALSE_WORDS, TRUE_WORDS, ConfigError, convert_value, field_types, unknown_key_error
+from mpirt.core.settings import FALSE_WORDS, TRUE_WORDS, ConfigError, convert_value, explicit_budget, field_types, \
+    unknown_key_error
 
 BACKENDS = ("auto", "numpy", "cupy")
 # Pipeline schedule names are those of mpirt.parallel.pipeline.schedules (canonical names plus aliases), so
 # `mpirt.train --schedule` and `python -m mpirt.schedule` accept the same set.
 from mpirt.parallel.pipeline.schedules import SCHEDULES, ScheduleError, canonical_name as _canonical_schedule  # noqa: E402
 RESUME = ("", "auto")
-from mpirt.plan.memory import explicit_budget  # noqa: E402
 from mpirt.core.recompute import MODES as RECOMPUTE, parse_layers  # noqa: E402
 NAN_POLICIES = ("skip", "stop")
 

@@ -28,7 +28,8 @@ from mpirt.monitor.live import Metrics, Progress, RunMonitor
 from mpirt.monitor.steps import owned_bytes
 from mpirt.parallel.engine import Engine, Hyper
 from mpirt.parallel.grid import Grid
-from mpirt.plan.memory import decode_over_budget, explicit_budget, format_size, over_budget_flag, predict
+from mpirt.plan.memory import decode_over_budget, over_budget_flag, predict
+from mpirt.core.settings import explicit_budget, format_size
 from mpirt.run import faults, health, jobctl
 from mpirt.run.config import ConfigError
 from mpirt.run.distributed import init_distributed, input_fingerprint

@@ -20,7 +20,8 @@ from mpirt.core.precision import is_half
 from mpirt.cpu import blas, kernels
 from mpirt.data.tokens import MetaError, TokenDataset, default_dataset_dir, num_eval_batches
 from mpirt.parallel.layout import Layout, LayoutError
-from mpirt.plan.memory import format_size, recompute_where_it_pays
+from mpirt.plan.memory import recompute_where_it_pays
+from mpirt.core.settings import format_size
 from mpirt.run import jobctl, startup
 from mpirt.run.config import ConfigError
 
