@@ -94,18 +94,7 @@ def main(argv=None) -> dict:
         error = str(err)
     failed = comm.first_error(error)  # every rank stops if any rank found a problem
     if failed is None:
-        # each rank's process as it stands before the model is built: the baselines of the predictions
-        if world.rank == 0 and cfg.monitor:
-            tensorboard_writer_class()  # rank 0's writer: imported now, it is counted in its baseline
-        # and what each can have: the budget of --memory-budget auto (the default)
-        mine = (measured_baseline(), available_budget(cfg.backend, world.local_rank, world.local_size)
-                if cfg.memory_budget.strip().lower() == "auto" else None)
-        baselines, available = (list(x) for x in zip(*comm.world_comm().allgather_object(mine)))
-        try:
-            check_budget(cfg, model_cfg, layout, world.size, baselines=baselines, available=available,
-                         host_heap=host_heap(cfg))
-        except ValueError as err:  # the same on every rank: they all hold the same baselines
-            failed = (0, str(err))
+        failed, baselines = _memory_refusal(cfg, model_cfg, layout, world)
     startup.refuse_if_any(failed, world.rank, lock)
     try:
         return train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out, started, model_source,
@@ -126,6 +115,23 @@ def main(argv=None) -> dict:
         if lock is not None:
             jobctl.release_lock(lock)
 
+
+def _memory_refusal(cfg, model_cfg, layout, world) -> tuple:
+    """``(refusal or None, every rank's baseline)``: each rank's process as it stands before the
+    model is built (the baselines of the predictions) and what each can have (the budget of
+    ``--memory-budget auto``, the default), agreed by all; the refusal ``(0, message)`` when a
+    rank's predicted peak is over its budget (the same on every rank: they hold the same figures)."""
+    if world.rank == 0 and cfg.monitor:
+        tensorboard_writer_class()  # rank 0's writer: imported now, it is counted in its baseline
+    mine = (measured_baseline(), available_budget(cfg.backend, world.local_rank, world.local_size)
+            if cfg.memory_budget.strip().lower() == "auto" else None)
+    baselines, available = (list(x) for x in zip(*comm.world_comm().allgather_object(mine)))
+    try:
+        check_budget(cfg, model_cfg, layout, world.size, baselines=baselines, available=available,
+                     host_heap=host_heap(cfg))
+    except ValueError as err:
+        return (0, str(err)), baselines
+    return None, baselines
 
 
 def train(cfg, layout, model_cfg, hf_weights, resume, data, deadline, out: Path, started: float,
