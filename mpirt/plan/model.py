@@ -168,6 +168,64 @@ def peak_memory(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ra
     return {**per_rank[big], "rank": big, "per_rank": {r: v["peak"] for r, v in per_rank.items()}}
 
 
+def _stage_layers(layout, n_costs: int) -> dict:
+    """Each (pp rank, chunk)'s layer indices into ``[embed, h.0 .. h.{L-1}, head]`` (``n_costs``
+    layers): the first stage holds the embedding, the last the head."""
+    if layout.pp == 1:
+        return {(0, 0): list(range(n_costs))}
+    out = {}
+    for s, (lo, hi) in enumerate(layout.bounds):
+        idx = [1 + i for i in range(lo, hi)]
+        if s == 0:
+            idx = [0] + idx
+        if s == layout.stages - 1:
+            idx = idx + [n_costs - 1]
+        out[(s % layout.pp, s // layout.pp)] = idx
+    return out
+
+
+def _dp_ops(zero: int, n: float, group: int, itemsize: int) -> tuple[list, list]:
+    """(collectives inside each micro-batch's backward, collectives at the step's end) of ``n``
+    gradients over ``group`` ranks at ZeRO stage ``zero``, where mpirt's engines run them: DDP
+    allreduces its buckets from the backward's hooks (:mod:`mpirt.parallel.ddp`: may overlap the
+    last backward); ZeRO-1 allreduces and allgathers in ``step()``; ZeRO-2 reduce-scatters every
+    micro-batch's gradients bucket by bucket inside its backward, blocking, and allgathers in
+    ``step()`` (:mod:`mpirt.parallel.zero`); ZeRO-3 gathers each unit forward and backward and
+    reduce-scatters its gradient, per micro-batch. Reductions of half dtypes travel as float32."""
+    if group == 1 or n == 0:
+        return [], []
+    grads, weights = n * (4 if itemsize == 2 else itemsize), n * itemsize
+    return {0: ([], [("allreduce", grads)]), 1: ([], [("allreduce", grads), ("allgather", weights)]),
+            2: ([("reduce_scatter", grads)], [("allgather", weights)]),
+            3: ([("allgather", weights), ("allgather", weights), ("reduce_scatter", grads)], [])}[zero]
+
+
+def _ring_cost(cluster: Cluster, layout, model_cfg, dtype: str, block_s: float) -> tuple[float, dict]:
+    """(exposed seconds, ``{"bytes", "s"}`` sent) of ring attention in one step of ``layout``: per
+    block and micro-batch the keys and values go round the ring ``cp - 1`` times forward and
+    backward, hidden behind the block's compute (``block_s``) where shorter, and the keys'
+    gradient ``cp`` times, exposed (each pass waits for it)."""
+    cp = layout.cp
+    kv = ring_message_bytes(layout, model_cfg, dtype)
+    hop = coll_time(cluster, "p2p", kv, 2, layout.world_size, _spans_nodes(cluster, "cp", layout))
+    blocks = layout.microbatches * model_cfg.n_layer / layout.pp
+    hidden = 2 * (cp - 1) * hop
+    return blocks * (cp * hop + max(0.0, hidden - block_s)), {"bytes": blocks * (3 * cp - 2) * kv,
+                                                              "s": blocks * (hidden + cp * hop)}
+
+
+def _exchange_cost(cluster: Cluster, layout, model_cfg, dtype: str) -> tuple[float, dict]:
+    """(exposed seconds, ``{"bytes", "s"}`` sent) of the experts' token exchange in one step of
+    ``layout``: per MoE block and micro-batch the routed rows out and back, forward and backward,
+    four all-to-alls the block waits for."""
+    ep = layout.ep
+    routed = routed_bytes(layout, model_cfg, dtype)
+    # the full send buffer, as comm records an all-to-all: (ep - 1) / ep of it leaves the rank
+    one = coll_time(cluster, "alltoall", routed, ep, layout.world_size, _spans_nodes(cluster, "ep", layout))
+    blocks = layout.microbatches * model_cfg.n_layer / layout.pp
+    return blocks * 4 * one, {"bytes": blocks * 4 * routed * (ep - 1) / ep, "s": blocks * 4 * one}
+
+
 def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks: str = "stages",
              memory: dict | None = None) -> Estimate:
     """Predict one step of the layout ``cfg`` (a :class:`mpirt.run.config.TrainConfig`: dp, tp, pp,
@@ -196,18 +254,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     costs = layer_costs(model_cfg, cfg.seq_len)
     mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
     picked = set(layout.recomputed)
-    # the stages: layer indices into `work` per (pp rank, chunk)
-    if pp == 1:
-        stage_layers = {(0, 0): list(range(len(costs)))}
-    else:
-        stage_layers = {}
-        for s, (lo, hi) in enumerate(layout.bounds):
-            idx = [1 + i for i in range(lo, hi)]
-            if s == 0:
-                idx = [0] + idx
-            if s == pp * chunks - 1:
-                idx = idx + [len(costs) - 1]
-            stage_layers[(s % pp, s // pp)] = idx
+    stage_layers = _stage_layers(layout, len(costs))
     split = layout.split_backward
     work = layer_work(model_cfg, costs, rows=rows, seq_len=seq, tp=tp, sp=sp, itemsize=e,
                       recompute=mode, recomputed=picked, split=split)
@@ -235,25 +282,10 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     red_e = 4 if e == 2 else e
     dp_span = _spans_nodes(cluster, "dp", layout)
 
-    def dp_ops(n: float, group: int) -> tuple[list, list]:
-        """(collectives inside each micro-batch's backward, collectives at the step's end) of ``n``
-        gradients over ``group`` ranks, where mpirt's engines run them: DDP allreduces its buckets
-        from the backward's hooks (:mod:`mpirt.parallel.ddp`: may overlap the last backward, below);
-        ZeRO-1 allreduces and allgathers in ``step()``; ZeRO-2 reduce-scatters every micro-batch's
-        gradients bucket by bucket inside its backward, blocking, and allgathers in ``step()``
-        (:mod:`mpirt.parallel.zero`); ZeRO-3 gathers each unit forward and backward and
-        reduce-scatters its gradient, per micro-batch."""
-        if group == 1 or n == 0:
-            return [], []
-        grads, weights = n * red_e, n * e
-        return {0: ([], [("allreduce", grads)]), 1: ([], [("allreduce", grads), ("allgather", weights)]),
-                2: ([("reduce_scatter", grads)], [("allgather", weights)]),
-                3: ([("allgather", weights), ("allgather", weights), ("reduce_scatter", grads)], [])}[cfg.zero]
-
     def dp_cost(r: int, which: int) -> tuple[float, float]:
         """(seconds, bytes) of stage ``r``'s dense and expert gradients' ``dp_ops`` part ``which``."""
         ops = [(op, n, g) for n, g in ((local_params[r], replicas), (local_experts[r], replicas // ep))
-               for op, n in dp_ops(n, g)[which]]
+               for op, n in _dp_ops(cfg.zero, n, g, e)[which]]
         return sum(coll_time(cluster, op, n, g, world, dp_span) for op, n, g in ops), sum(n for _, n, _ in ops)
 
     in_backward = {r: dp_cost(r, 0) for r in range(pp)}
@@ -281,7 +313,7 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
         parts.update(forward=m * r0[FORWARD], backward=m * r0[BACKWARD], weight_grad=m * r0[WEIGHT],
                      bubble=sim.makespan - sim.busy[0])
         last_b = times[(0, 0)][BACKWARD][0]
-        comm["pp"] = {"bytes": 2 * m * chunks * act_msg * (1 if pp > 1 else 0), "s": 2 * m * chunks * p2p}
+        comm["pp"] = {"bytes": 2 * m * chunks * act_msg, "s": 2 * m * chunks * p2p}
         stage_bubble = [sim.makespan - b for b in sim.busy]
     # tp comm per rank and step (rank 0's stages)
     for (r, c), v in stage_layers.items():
@@ -307,24 +339,12 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     sp_sync = coll_time(cluster, "allreduce", 4 * model_cfg.n_embd * model_cfg.n_layer * e, tp, world, tp_span) \
         if sp else 0.0
     parts["grad_sync"] = exposed + tied + sp_sync + small
-    ring_exposed = 0.0
-    if cp > 1:  # per block and micro-batch: keys and values around the ring both ways, their gradient back
-        kv = ring_message_bytes(layout, model_cfg, cfg.dtype)
-        hop = coll_time(cluster, "p2p", kv, 2, world, _spans_nodes(cluster, "cp", layout))
-        blocks = m * model_cfg.n_layer / pp
+    ring_exposed = exchange_exposed = 0.0
+    if cp > 1:
         block_s = (times[(0, 0)][FORWARD][0] + times[(0, 0)][BACKWARD][0]) / max(1, len(stage_layers[(0, 0)]))
-        hidden = 2 * (cp - 1) * hop
-        ring_exposed = blocks * (cp * hop + max(0.0, hidden - block_s))
-        comm["cp"] = {"bytes": blocks * (3 * cp - 2) * kv, "s": blocks * (hidden + cp * hop)}
-    exchange_exposed = 0.0
-    if ep > 1:  # per MoE block and micro-batch: the routed rows out and back, forward and backward
-        routed = routed_bytes(layout, model_cfg, cfg.dtype)
-        sent = routed * (ep - 1) / ep
-        # the full send buffer, as comm records an all-to-all: (ep - 1) / ep of it leaves the rank
-        one = coll_time(cluster, "alltoall", routed, ep, world, _spans_nodes(cluster, "ep", layout))
-        blocks = m * model_cfg.n_layer / pp
-        exchange_exposed = blocks * 4 * one
-        comm["ep"] = {"bytes": blocks * 4 * sent, "s": exchange_exposed}
+        ring_exposed, comm["cp"] = _ring_cost(cluster, layout, model_cfg, cfg.dtype, block_s)
+    if ep > 1:
+        exchange_exposed, comm["ep"] = _exchange_cost(cluster, layout, model_cfg, cfg.dtype)
     n_local = max(local_params[r] + local_experts[r] for r in range(pp))
     # ZeRO shards the dense part over dp x cp, the experts over the dp / ep ranks holding them
     shard = local_params[worst] / replicas + local_experts[worst] / (replicas // ep) if cfg.zero else n_local
@@ -338,8 +358,6 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     parts["backward"] += ring_exposed  # the ring's waits are inside the measured passes
     parts["forward"] += exchange_exposed / 2  # as the all-to-alls' (half of them each way)
     parts["backward"] += exchange_exposed / 2
-    if pp == 1:
-        parts["forward"] += 0.0
     tokens = cfg.batch_size * cfg.seq_len
     mfu = flops_per_token(model_cfg, cfg.seq_len) * tokens / step / (world * cluster.peak(cfg.dtype))
 
