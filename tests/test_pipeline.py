@@ -253,6 +253,44 @@ def test_peak_stashed_activations(grid):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_stash_lets_go_of_the_received_input_and_the_sent_output(grid, monkeypatch, recompute):
+    """Once a forward has run, the first stage's output is sent and its data let go of (the stash
+    keeps its graph for the backward) and the second stage's received input goes back to the
+    buffer pool, its tensor keeping only its shape; a block rerun in backward (--recompute full)
+    saved the input, which stays. The per-micro-batch stash bytes leave out what was let go of, and
+    the step still equals one rank (float64)."""
+    from mpirt.core.nn import kept_bytes
+    g = grid(2)
+    ok, detail = True, ""
+    if g is not None:
+        seen = []
+        forward = PipelineStage._forward
+
+        def watched(self, chunk, mb, inp, xs, ys):
+            out, loss = forward(self, chunk, mb, inp, xs, ys)
+            seen.append((inp, out, kept_bytes(out), inp.data.nbytes if inp is not None else 0, out.data.nbytes))
+            return out, loss
+        monkeypatch.setattr(PipelineStage, "_forward", watched)
+        cfg = replace(TrainConfig(), pp=2, dp=1, dtype="float64", microbatches=4, batch_size=BATCH, seq_len=SEQ,
+                      recompute=recompute, lr=LR, weight_decay=WD)
+        engine = Engine(Layout.of(cfg, g.sizes, config(4)), config(4), g, Hyper.of(cfg), dropout_seed=0)
+        x, y = batch(0, rows=BATCH)
+        engine.train_step(x, y)
+        first = g.coords["pp"] == 0
+        inp, out, kept, in_bytes, out_bytes = seen[0]
+        held = lambda t: int(t.data.base.nbytes if t.data.base is not None else t.data.nbytes)  # noqa: E731
+        let_go = first or recompute == "none"  # the rerun block keeps the second stage's input
+        ok = (held(out) < out_bytes) == first and (first or (held(inp) < in_bytes) == let_go)
+        expected = kept - (out_bytes if first else 0) - (0 if first or not let_go else in_bytes)
+        ok = ok and engine.local.stats["stash_bytes_per_mb"][0] == expected
+        detail = f"pp rank {g.coords['pp']}: held out {held(out)} of {out_bytes}, " \
+                 f"stash {engine.local.stats['stash_bytes_per_mb']} expected {expected}"
+        engine.close()
+    agree(ok, detail)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_timers_and_bubble_are_reported(grid):
     g = grid(2)
     ok, detail = True, ""

@@ -269,10 +269,9 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         return block_acts.get(i, acts)
 
     def stage_bytes(lo: int, hi: int, first: bool, last: bool, how: str = mode) -> int:
+        # a pipeline stash holds neither the received input nor the output it sent: the executor
+        # lets go of what no op saved (a fully recomputed block's input is in the block's count)
         kept = sum(_kept(acts_of(i), how, i in picked) for i in range(lo, hi))
-        if pp > 1:  # a stash keeps the received input (unless a fully recomputed first block keeps
-            # it anyway) and the output it sent: a block input's bytes each
-            kept += acts["input"] * ((not first and not (how == "full" and lo in picked)) + (not last))
         if cfg.zero == 3:  # embed and head are units too: the embedding output, the logits and loss
             return kept + (acts["input"] if first else 0) + (acts["head"] - acts["input"] if last else 0)
         return kept + (acts["embed"] if first else 0) + (acts["head"] if last else 0)

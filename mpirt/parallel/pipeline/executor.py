@@ -6,11 +6,15 @@ to the other pp ranks; the stage supplies the model (``_forward``, ``_params``, 
 the shape agreement (``_prepare`` sets ``act_shape`` and the buffer pool). Receives are posted
 ahead (one per neighbour and kind) into preallocated buffers and waited on where the list says
 ``recv``; sends are non-blocking and driven by ``test`` between computes. Every message is a
-``(micro-batch rows, T, n_embd)`` array in the model dtype. Per-rank timers, the peak number of
-stashed activations and their estimated bytes land in ``stats`` after each step.
+``(micro-batch rows, T, n_embd)`` array in the model dtype. A micro-batch's stash keeps its graph
+for the backward, not the received input nor the output sent when no op saved them: the input's
+buffer goes back to the pool once the forward has run, the output's data once its send completes
+(as Megatron-LM and Llama 3's run free them). Per-rank timers, the peak number of stashed
+activations and their estimated bytes land in ``stats`` after each step.
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import NamedTuple
 
@@ -35,6 +39,24 @@ class WaitLabel(NamedTuple):
         a = self.action
         verb, prep = ("send", "to") if a.is_send else ("recv", "from")
         return f"pp rank {self.rank}: {verb} {a.kind} mb={a.mb} chunk {a.chunk} {prep} pp rank {a.peer}"
+
+
+def _stand_in(a):
+    """A read-only array of ``a``'s shape and dtype that holds no memory (a broadcast zero): the
+    data of a stashed tensor once nothing reads it again (its shape and dtype still answer)."""
+    return B.xp.broadcast_to(B.xp.zeros((), dtype=a.dtype), a.shape)
+
+
+def _unfinished(sends: list) -> list:
+    """The ``(handle, tensor)`` sends still in flight; a finished one's tensor (an activation
+    nothing else reads) lets go of its data."""
+    out = []
+    for h, sent in sends:
+        if not h.test():
+            out.append((h, sent))
+        elif sent is not None:
+            sent.data = _stand_in(sent.data)
+    return out
 
 
 class PipelineExecutor:
@@ -119,26 +141,41 @@ class PipelineExecutor:
             elif a.is_send:
                 data = outbox.pop((a.kind,) + key)
                 with comm.labelled(WaitLabel(rank, a)):
-                    sends.append(comm.isend(data, a.peer, TAG_ACT if a.kind == "act" else TAG_GRAD))
+                    handle = comm.isend(data, a.peer, TAG_ACT if a.kind == "act" else TAG_GRAD)
+                # an activation nothing else reads is let go of once sent (the stash keeps its graph)
+                entry = stash.get(key) if a.kind == "act" else None
+                sends.append((handle, entry[1] if entry and entry[4] else None))
+                del data
             else:
                 t0 = time.perf_counter()
                 if a.op == FORWARD:
                     buf = inbox.pop(("act",) + key) if s > 0 else None
                     inp = Tensor(buf, requires_grad=training) if buf is not None else None
+                    held = sys.getrefcount(buf)
                     out, loss = self._forward(a.chunk, a.mb, inp, xs, ys)
                     if loss is not None:
                         losses[a.mb] = loss
-                    if s < last:
-                        outbox[("act",) + key] = out.data
                     if training:
-                        stash[key] = [inp, out, buf, None]
-                        if a.chunk not in self._stash_bytes:
-                            self._stash_bytes[a.chunk] = kept_bytes(out)
+                        # what no op saved for backward goes once the forward is done with it: the
+                        # received input now (its buffer back to the pool), the output once sent
+                        first = a.chunk not in self._stash_bytes
+                        kept = kept_bytes(out) if first else 0
+                        frees_out = s < last and sys.getrefcount(out.data) == 2
+                        if buf is not None and sys.getrefcount(buf) == held:
+                            kept -= buf.nbytes
+                            inp.data = _stand_in(buf)
+                            self._pool["act"].append(buf)
+                            buf = None
+                        if first:
+                            self._stash_bytes[a.chunk] = kept - (out.data.nbytes if frees_out else 0)
+                        stash[key] = [inp, out, buf, None, frees_out]
                         live += 1
                         live_bytes += self._stash_bytes[a.chunk]
                         peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
                     elif buf is not None:
                         self._pool["act"].append(buf)
+                    if s < last:
+                        outbox[("act",) + key] = out.data
                 elif a.op == BACKWARD:
                     entry = stash[key]
                     g = inbox.pop(("grad",) + key) if s < last else None
@@ -160,10 +197,12 @@ class PipelineExecutor:
                 if trace is not None:
                     trace.append((t0 - t_start, t1 - t_start, a.op, a.mb, a.chunk))
             if sends and a.op in (FORWARD, BACKWARD, WEIGHT):
-                sends = [h for h in sends if not h.test()]  # drives MPI progress of the sends
+                sends = _unfinished(sends)  # drives MPI progress of the sends
         t0 = time.perf_counter()
-        for h in sends:
+        for h, sent in sends:
             self._wait(h)
+            if sent is not None:
+                sent.data = _stand_in(sent.data)
         send_wait = time.perf_counter() - t0
         total = time.perf_counter() - t_start
         if stash or wpasses or inbox or outbox:
