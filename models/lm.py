@@ -158,8 +158,9 @@ class PreNormBlock(Module):
     """``x + attn(ln_1(x))`` then ``+ mlp(ln_2(x))``; subclasses build the four modules."""
 
     def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        # each branch's output is its sum's buffer (nothing saved it): no hole left in the heap
+        x = ops.add(self.attn(self.ln_1(x)), x, into_first=True)
+        return ops.add(self.mlp(self.ln_2(x)), x, into_first=True)
 
 
 class CausalSelfAttention(Module):
@@ -191,7 +192,7 @@ class CausalSelfAttention(Module):
             if self.context is not None:                           # the rows of the positions held
                 where = self.context.positions(held)
                 cos, sin = cos[where], sin[where]
-            qkv = ops.rotary_embedding(qkv, cos, sin, n_kv_head=self.n_kv_head)
+            qkv = ops.rotary_embedding(qkv, cos, sin, n_kv_head=self.n_kv_head, into_input=True)
         return self.resid_dropout(self.c_proj(self.core(qkv)))
 
     def core(self, qkv):

@@ -108,6 +108,40 @@ def test_rms_norm_and_swiglu_match_torch():
                                rtol=1e-12)
 
 
+def _in_place_cases():
+    """Each op that can write into the input it is given up: name -> op(input, into)."""
+    t, d = 6, 4
+    cos, sin = rotary_tables(t, d, 500.0, np.float32)
+    return {
+        "add": (lambda x, into: ops.add(x, Tensor(normal(2, t, 20, seed=5).astype(np.float32)), into_first=into)),
+        "rotary_embedding": (lambda x, into: ops.rotary_embedding(x, cos, sin, n_kv_head=1, into_input=into)),
+    }
+
+
+@pytest.mark.parametrize("name", ["add", "rotary_embedding"])
+def test_ops_written_into_a_given_up_input_equal_the_copying_form(name):
+    """``into_first`` / ``into_input``: the result is the input's buffer (nothing freed between
+    the kept activations) and equal to the copying form to the bit, forward and backward; a
+    read-only input is not written."""
+    op = _in_place_cases()[name]
+    x0 = normal(2, 6, 20, seed=4).astype(np.float32)               # (B, T, (3 + 2) heads x 4) for rotary
+    dy = normal(2, 6, 20, seed=6).astype(np.float32)
+    results = {}
+    for into in (False, True):
+        x = Tensor(x0.copy(), requires_grad=True)
+        lead = ops.mul(x, 1.0)                                     # an op's output, as in a model
+        buf = lead.data
+        y = op(lead, into)
+        assert (y.data is buf) == into
+        y.backward(dy)
+        results[into] = (y.data.copy(), x.grad.copy())
+    for copying, written in zip(results[False], results[True]):
+        np.testing.assert_array_equal(copying, written)
+    held = x0.copy()
+    held.flags.writeable = False
+    assert not np.shares_memory(op(Tensor(held), True).data, held)
+
+
 def _torch_rotate(x, cos, sin):
     """Hugging Face Llama's ``apply_rotary_pos_emb`` on (B, H, T, D) with (T, D/2) tables."""
     cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)

@@ -35,10 +35,11 @@ WRITER_BYTES = 9 * 2**20
 # passes' inputs at W, between other micro-batches' arrays and each action's transients: in the host
 # heap (which keeps freed memory resident for reuse, mpirt.cpu.hostalloc) the holes are not refilled.
 # Measured over pp 8 zb-h1 stages (llama-tiny 16 x 256 and 8 x 256, with and without --recompute
-# full): 12-24% of what a stage holds (35% on the smallest), median 17%, the same from step to step.
+# full): 3-23% of what a stage holds, median 10% (17% before the forward's ops wrote their results
+# into the inputs they consume, ops.add's into_first and the like).
 # Handing the free pages back after each action removes them, but cost 19-24% more CPU time a step
 # (page faults, madvise): the runtime keeps them and the prediction counts them.
-SPLIT_HOST_HEAP_HOLES = 0.17
+SPLIT_HOST_HEAP_HOLES = 0.10
 CATEGORIES = ("baseline", "data", "parameters", "gradients", "optimizer_state", "activations", "communication",
               "workspace")
 
@@ -195,9 +196,10 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     pipeline schedule's peak in flight (a pipeline stash also holds the stage's received input and
     its output); ``communication``: pipeline receive buffers, the MPI library's message pool an
     expert-parallel token exchange grows (``EXCHANGE_POOL_BYTES_PER_PEER`` in
-    :mod:`mpirt.parallel.experts`), ZeRO-3's gathered unit (parameters and gradient), ring
-    attention's keys and values in flight (context parallelism); ``workspace``: the larger transient of the backward's
-    gradient of the logits (plus one recomputed block, whole again) and, less the activations
+    :mod:`mpirt.parallel.experts`), ZeRO-3's gathered unit (parameters and gradient); ``workspace``:
+    the largest transient of the backward's gradient of the logits, a block's backward and ring
+    attention's keys and values in flight (context parallelism) (plus one recomputed block, whole
+    again) and, less the activations
     (freed by then), data parallelism's allreduce temporaries (MPI's, one per bucket in flight: at
     worst the whole gradient) or what saving a checkpoint holds: every rank streams the boxes it owns (format 3),
     one at a time, so at most the largest local tensor once and its finiteness mask. Split
@@ -325,8 +327,8 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         comm += (lay.ep - 1) * EXCHANGE_POOL_BYTES_PER_PEER
     if pp > 1:  # receive buffers posted ahead (activation and gradient), one message each
         comm += 2 * message_bytes(lay, model_cfg, cfg.dtype)
-    if lay.cp > 1:  # ring attention's keys and values in flight, with their gradient in the backward
-        comm += 4 * ring_message_bytes(lay, model_cfg, cfg.dtype)
+    # ring attention's keys and values in flight, with their gradient in the backward (a transient)
+    ring = 4 * ring_message_bytes(lay, model_cfg, cfg.dtype) if lay.cp > 1 else 0
     vocab = -(-model_cfg.vocab_size // tp) * tp
     has_head = pp == 1 or pos["pp"] == pp - 1
     logits = 2 * rows * seq * vocab / tp * e  # the logits' gradient and a temporary
@@ -338,7 +340,9 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         # the loss's float32 gradient beside its rounding, or the MLP activation's backward
         logits = rows * seq * vocab / tp * (state_e + e)
         block = max(block, acts["widened"] if held else 0)
-    backward = max(logits if has_head else 0, block)
+    # the ring's keys and values live inside a block's attention, whose backward starts once its MLP's
+    # activations are freed (and whose forward before they are made): a transient of their own
+    backward = max(logits if has_head else 0, block, ring)
     if any(i in picked for i in held) and mode != "none":  # one rerun, alive while its backward runs
         backward += acts["block"] if mode == "full" else acts["rerun"]
     if pp > 1 and lay.split_backward:  # a split stage holds most after a B, not while it runs

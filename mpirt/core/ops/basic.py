@@ -21,8 +21,11 @@ def _shape(x):
 
 
 class Add(Function):
-    def forward(self, a, b):
+    def forward(self, a, b, into_first=False):
         self.shapes = _shape(a), _shape(b)
+        if into_first and _can_take(a, b):
+            a += b
+            return a
         return a + b
 
     def backward(self, g):
@@ -129,7 +132,9 @@ class SwiGLU(Function):
 
     def forward(self, a, b):
         self.a, self.b = a, b
-        return _silu(a) * b
+        out = _silu(a)
+        out *= b
+        return out
 
     def backward(self, g):
         a, b = self.a, self.b
@@ -147,16 +152,27 @@ class SwiGLU(Function):
         return ga, gb
 
 
+def _can_take(a, b) -> bool:
+    """Whether ``a op= b`` leaves ``a`` the result's shape and dtype: ``a`` a writeable array."""
+    return (isinstance(a, B.xp.ndarray) and a.flags.writeable and _shape(b) in ((), a.shape)
+            and B.xp.result_type(a, b) == a.dtype)
+
+
 def _sigmoid(a):
-    """``1 / (1 + exp(-a))`` as ``(1 + tanh(a / 2)) / 2``: no overflow for large ``|a|``."""
-    out = B.xp.tanh(a * 0.5)
+    """``1 / (1 + exp(-a))`` as ``(1 + tanh(a / 2)) / 2``: no overflow for large ``|a|``. In place
+    in its one output: a temporary freed between the activations a forward keeps leaves a hole in
+    the host heap that larger later arrays cannot use (docs/memory.md, "the heap's holes")."""
+    out = B.xp.multiply(a, 0.5)
+    B.xp.tanh(out, out=out)
     out += 1.0
     out *= 0.5
     return out
 
 
 def _silu(a):
-    return a * _sigmoid(a)
+    out = _sigmoid(a)
+    out *= a
+    return out
 
 
 def _normalize_axes(axis, ndim):
@@ -210,7 +226,14 @@ class Max(Function):
         return (_expand_reduced(g, self.axes, self.keepdims) * share,)
 
 
-def add(a, b): return Add.apply(a, b)
+def add(a, b, into_first=False):
+    """``a + b``. ``into_first=True``: the caller gives ``a`` up (an op's output that nothing
+    saved, such as a residual branch's) and the sum is written into its buffer where shape and
+    dtype allow: no array is freed between the activations a forward keeps, so no hole is left in
+    the host heap (docs/memory.md, "the heap's holes")."""
+    return Add.apply(a, b, into_first=into_first)
+
+
 def sub(a, b): return Sub.apply(a, b)
 def mul(a, b): return Mul.apply(a, b)
 def div(a, b): return Div.apply(a, b)

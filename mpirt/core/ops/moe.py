@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 import mpirt.core.backend as B
-from mpirt.core.ops.basic import _sigmoid
+from mpirt.core.ops.basic import _sigmoid, _silu
 from mpirt.core.precision import float32_compute, upcast
 from mpirt.core.tensor import GRAD_ADDED, Function
 
@@ -43,7 +43,9 @@ class GroupedSwiGLU(Function):
         self.hidden = {}
         for e, lo, hi in _segments(counts):
             g, u = x[lo:hi] @ w_gate[e], x[lo:hi] @ w_up[e]        # (M_e, F)
-            y[lo:hi] = (g * _sigmoid(g) * u) @ w_down[e]
+            h = _silu(g)
+            h *= u
+            y[lo:hi] = h @ w_down[e]
             self.hidden[e] = (g, u)
         self.x, self.w_gate, self.w_up, self.w_down, self.counts = x, w_gate, w_up, w_down, tuple(counts)
         self.scale, self.pre = weight_grad_scale, {}

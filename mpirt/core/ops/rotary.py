@@ -43,7 +43,7 @@ class RotaryEmbedding(Function):
     nothing but the tables is saved.
     """
 
-    def forward(self, qkv, cos, sin, n_kv_head=None):
+    def forward(self, qkv, cos, sin, n_kv_head=None, into_input=False):
         t, w = qkv.shape[1:]
         d = 2 * cos.shape[-1]
         heads = w // d if d and w % d == 0 else 0                  # q, k and v heads together
@@ -54,6 +54,8 @@ class RotaryEmbedding(Function):
                              f"{cos.shape} (T, D/2) with D dividing C" + (f" and n_kv_head={n_kv_head}" if n_kv_head else ""))
         self.cos, self.sin = cos[:, None, :], sin[:, None, :]     # (T, 1, D/2): broadcast over heads
         self.n_qk = heads - kv                                    # heads of q and k together
+        if into_input and qkv.flags.writeable and qkv.flags.c_contiguous:
+            return self._apply_in_place(qkv)
         return self._apply(qkv, 1.0)
 
     def backward(self, g):
@@ -68,11 +70,27 @@ class RotaryEmbedding(Function):
         out[:, :, n_qk:] = src[:, :, n_qk:]                        # v passes through
         return out.reshape(a.shape)
 
+    def _apply_in_place(self, a):
+        """The forward rotation written into ``a``'s q and k heads (v is already in place); the
+        values are those of :meth:`_apply`, to the bit."""
+        b, t, w = a.shape
+        d = 2 * self.cos.shape[-1]
+        qk = a.reshape(b, t, w // d, d)[:, :, :self.n_qk]          # (B, T, H + Hk, D)
+        x1, x2 = qk[..., :d // 2], qk[..., d // 2:]
+        first = x1.copy()                                          # freed before anything is kept
+        x1 *= self.cos
+        x1 -= x2 * self.sin
+        x2 *= self.cos
+        x2 += first * self.sin
+        return a
 
-def rotary_embedding(qkv, cos, sin, n_kv_head=None):
+
+def rotary_embedding(qkv, cos, sin, n_kv_head=None, into_input=False):
     """Rotary position embeddings on a fused ``qkv`` (B, T, C + 2 Ck): every head of q and k (head
     size ``D = 2 * cos.shape[-1]``) is rotated by its position, v (the last ``n_kv_head`` heads;
     None: a third of them, ``Ck = C``) is unchanged. ``cos``/``sin`` are (T, D/2) arrays
     (:func:`rotary_tables`), constants. Works on a tp rank's local qkv too (``[q_r | k_r | v_r]``,
-    whole heads, ``n_kv_head`` the local count)."""
-    return RotaryEmbedding.apply(qkv, cos=cos, sin=sin, n_kv_head=n_kv_head)
+    whole heads, ``n_kv_head`` the local count). ``into_input=True``: the caller gives ``qkv`` up
+    (the projection's output, nothing saved it) and the rotation is written into it, leaving no
+    hole in the host heap (docs/memory.md, "the heap's holes")."""
+    return RotaryEmbedding.apply(qkv, cos=cos, sin=sin, n_kv_head=n_kv_head, into_input=into_input)
