@@ -37,7 +37,7 @@ class GPTMLP(Module):
         self.dropout = Dropout(cfg.resid_pdrop)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(ops.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(ops.gelu(self.c_fc(x), into_input=True)))  # c_fc's output: nothing saved it
 
 
 class Block(PreNormBlock):
@@ -133,8 +133,9 @@ class GPT(TiedLM):
 
     @classmethod
     def activation_bytes_of(cls, cfg: GPTConfig, layout, *, itemsize: int = 4) -> dict:
-        """:func:`~mpirt.models.lm.activation_bytes` with learned positions (their ids kept)."""
-        return activation_bytes(cfg, layout, itemsize=itemsize, positions=True)
+        """:func:`~mpirt.models.lm.activation_bytes` with learned positions (their ids kept) and the
+        GELU's backward one hidden-wide gradient above what its block has freed by then."""
+        return activation_bytes(cfg, layout, itemsize=itemsize, positions=True, mlp_backward=1)
 
     @classmethod
     def read_hf_config(cls, path) -> dict:

@@ -47,7 +47,7 @@ def stack_costs(cfg, embed: LayerCost, block: LayerCost, head: LayerCost) -> lis
 
 
 def activation_bytes(cfg, layout, *, itemsize: int = 4, positions: bool = False, mlp_saved: int = 1,
-                     mlp_width: float | None = None) -> dict:
+                     mlp_width: float | None = None, mlp_backward: int | None = None) -> dict:
     """Bytes one micro-batch keeps alive for backward, per rank, in a model built from this module's
     pre-norm block (see ``CausalLM.activation_bytes_of``; docs/memory.md has the table beside
     Korthikanti et al. 2022). The autograd keeps what each op saved and nothing else (an op's
@@ -98,7 +98,10 @@ def activation_bytes(cfg, layout, *, itemsize: int = 4, positions: bool = False,
     ``rerun``: what a selective rerun of the core makes again while its backward runs: the core
     plus its output, ``e u / t``. ``backward``: the gradients alive at once inside a block's
     backward, ``e (2u/p + (1 + m) b s f / t)``: the residual's and the current op's output
-    gradient, the MLP activation's incoming and outgoing gradients.
+    gradient, the MLP activation's incoming and outgoing gradients; ``mlp_backward`` replaces
+    ``1 + m`` where a model's MLP activation holds fewer hidden-wide arrays than that above
+    what its block has freed by then (GPT's GELU: one, its gradient, made once the output
+    projection's backward let go of its hidden-wide input).
     Returns ``{"block", "core", "rerun", "input", "embed", "head", "weight_pass", "embed_weight_pass",
     "head_weight_pass", "widened", "backward"}`` in bytes.
     """
@@ -125,7 +128,7 @@ def activation_bytes(cfg, layout, *, itemsize: int = 4, positions: bool = False,
             "embed": int(embed),
             "head": int(head), "weight_pass": int(weight_pass), "embed_weight_pass": int(e * u / p + 8 * b * s),
             "head_weight_pass": int(e * (3 * u / p + b * s * v / t)), "widened": int(widened),
-            "backward": int(e * (2 * u / p + (1 + mlp_saved) * b * s * f / t))}
+            "backward": int(e * (2 * u / p + (1 + mlp_saved if mlp_backward is None else mlp_backward) * b * s * f / t))}
 
 
 class TiedLM(CausalLM):

@@ -1,5 +1,7 @@
 """Single-process tests of every op in mpirt.core.ops: finite differences, PyTorch parity, dtypes,
 deferred weight gradients, hooks and graph recording."""
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -114,16 +116,22 @@ def _in_place_cases():
     cos, sin = rotary_tables(t, d, 500.0, np.float32)
     return {
         "add": (lambda x, into: ops.add(x, Tensor(normal(2, t, 20, seed=5).astype(np.float32)), into_first=into)),
+        "gelu": (lambda x, into: ops.gelu(x, into_input=into)),
         "rotary_embedding": (lambda x, into: ops.rotary_embedding(x, cos, sin, n_kv_head=1, into_input=into)),
     }
 
 
-@pytest.mark.parametrize("name", ["add", "rotary_embedding"])
-def test_ops_written_into_a_given_up_input_equal_the_copying_form(name):
+@pytest.mark.parametrize("numpy_forms", [False, True], ids=["kernels", "numpy"])
+@pytest.mark.parametrize("name", ["add", "gelu", "rotary_embedding"])
+def test_ops_written_into_a_given_up_input_equal_the_copying_form(name, numpy_forms):
     """``into_first`` / ``into_input``: the result is the input's buffer (nothing freed between
-    the kept activations) and equal to the copying form to the bit, forward and backward; a
-    read-only input is not written."""
-    op = _in_place_cases()[name]
+    the kept activations) and equal to the copying form to the bit, forward and backward, with
+    the C kernels and in their NumPy forms; a read-only input is not written."""
+    with kernels.numpy_forms() if numpy_forms else contextlib.nullcontext():
+        _check_written_into_input(_in_place_cases()[name])
+
+
+def _check_written_into_input(op):
     x0 = normal(2, 6, 20, seed=4).astype(np.float32)               # (B, T, (3 + 2) heads x 4) for rotary
     dy = normal(2, 6, 20, seed=6).astype(np.float32)
     results = {}

@@ -39,6 +39,8 @@ def _gelu_block(x, y, d):
     ``dy/dx = h (1 + 2 w (1 - h))`` with ``h = 0.5 (1 + t)`` and ``w = k x (1 + 3 a x^2)``.
     """
     xp, k, a = B.xp, _GELU_K, _GELU_A
+    if xp.may_share_memory(x, y):                               # in place: y is written before x is read again
+        x = x.copy()
     x2 = x * x                                                  # the one temporary (block-sized)
     xp.multiply(x2, a * k, out=y)
     y += k
@@ -64,15 +66,15 @@ class Gelu(Function):
     With the CUDA kernels the forward saves ``x`` itself (in its dtype: the linear layer before
     holds it anyway) and the backward recomputes the derivative in the same pass."""
 
-    def runs_half(self, x):
+    def runs_half(self, x, into_input=False):
         return cuda.takes(x)
 
-    def forward(self, x):
+    def forward(self, x, into_input=False):
         xp = B.xp
         if cuda.takes(x):
             self.x, self.d = x, None
             return cuda.gelu_forward(x)
-        y = xp.empty(x.shape, dtype=x.dtype)
+        y = x if into_input and x.flags.writeable else xp.empty(x.shape, dtype=x.dtype)
         self.d = xp.empty_like(y) if self.needs_input_grad[0] and is_grad_enabled() else None
         flat = (x.reshape(-1), y.reshape(-1), None if self.d is None else self.d.reshape(-1))
         if kernels.usable(*flat):
@@ -467,10 +469,12 @@ class CrossEntropy(Function):
 # ------------------------------------------------------------------------------------------
 # functional API
 # ------------------------------------------------------------------------------------------
-def gelu(x):
+def gelu(x, into_input=False):
     """GELU, tanh approximation as in GPT-2 (HF ``gelu_new``):
-    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
-    return Gelu.apply(x)
+    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``. ``into_input=True``: the caller gives
+    ``x`` up (a projection's output nothing saved) and, on the CPU, the result is written into its
+    buffer: no array is freed between the kept activations (docs/memory.md, "the heap's holes")."""
+    return Gelu.apply(x, into_input=into_input)
 
 
 def softmax(x, axis=-1):
