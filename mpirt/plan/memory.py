@@ -343,8 +343,6 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     # the ring's keys and values live inside a block's attention, whose backward starts once its MLP's
     # activations are freed (and whose forward before they are made): a transient of their own
     backward = max(logits if has_head else 0, block, ring)
-    import os, sys
-    if os.environ.get("DBGMEM"): print(f"DBG rank {rank} logits {logits/2**20:.3f} block {block/2**20:.3f} ring {ring/2**20:.2f} acts {activations/2**20:.3f} rerunblock {acts['block']/2**20:.3f} keys {sorted(acts)}", file=sys.stderr)
     if any(i in picked for i in held) and mode != "none":  # one rerun, alive while its backward runs
         backward += acts["block"] if mode == "full" else acts["rerun"]
     if pp > 1 and lay.split_backward:  # a split stage holds most after a B, not while it runs
