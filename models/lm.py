@@ -97,11 +97,9 @@ def activation_bytes(cfg, layout, *, itemsize: int = 4, positions: bool = False,
     array and its rounding.
     ``rerun``: what a selective rerun of the core makes again while its backward runs: the core
     plus its output, ``e u / t``. ``backward``: the gradients alive at once inside a block's
-    backward, ``e (2u/p + (1 + m) b s f / t)``: the residual's and the current op's output
-    gradient, the MLP activation's incoming and outgoing gradients; ``mlp_backward`` replaces
-    ``1 + m`` where a model's MLP activation holds fewer hidden-wide arrays than that above
-    what its block has freed by then (GPT's GELU: one, its gradient, made once the output
-    projection's backward let go of its hidden-wide input).
+    backward, ``e (2u/p + (1 + m) b s f / t)``: the residual's and the current op's output gradient,
+    the MLP activation's incoming and outgoing gradients (``mlp_backward`` replaces ``1 + m``: GPT's
+    GELU holds one above what its block freed by then, the output projection's input).
     Returns ``{"block", "core", "rerun", "input", "embed", "head", "weight_pass", "embed_weight_pass",
     "head_weight_pass", "widened", "backward"}`` in bytes.
     """

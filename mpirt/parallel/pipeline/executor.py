@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -47,16 +48,82 @@ def _stand_in(a):
     return B.xp.broadcast_to(B.xp.zeros((), dtype=a.dtype), a.shape)
 
 
+def _let_go(sent) -> None:
+    """A sent activation nothing else reads keeps only its shape once its send completed."""
+    if sent is not None:
+        sent.data = _stand_in(sent.data)
+
+
 def _unfinished(sends: list) -> list:
-    """The ``(handle, tensor)`` sends still in flight; a finished one's tensor (an activation
-    nothing else reads) lets go of its data."""
+    """The ``(handle, tensor)`` sends still in flight; a finished one's tensor lets go of its data."""
     out = []
     for h, sent in sends:
-        if not h.test():
+        if h.test():
+            _let_go(sent)
+        else:
             out.append((h, sent))
-        elif sent is not None:
-            sent.data = _stand_in(sent.data)
     return out
+
+
+@dataclass
+class _Stashed:
+    """A micro-batch's forward kept for its backward: its input and output tensors (the graph),
+    the received buffers an op still reads (activation; gradient, from its backward on) and
+    whether the output's data is let go of once sent."""
+
+    inp: Tensor | None
+    out: Tensor | None
+    act_buf: object = None
+    grad_buf: object = None
+    frees_out: bool = False
+
+
+class _Receives:
+    """A rank's receives, posted ahead into pool buffers, one per (peer, kind) at a time in the
+    order of its action list; the next of a kind is posted once the previous one has arrived."""
+
+    def __init__(self, executor: "PipelineExecutor", acts: list[Action]):
+        self.executor, self.queues, self.posted = executor, {}, {}
+        for a in acts:
+            if a.is_recv:
+                self.queues.setdefault((a.peer, a.kind), []).append(a)
+        self.heads = {k: 0 for k in self.queues}
+        for key in self.queues:
+            self._post(key)
+
+    def _post(self, key) -> None:
+        i = self.heads[key]
+        if i < len(self.queues[key]):
+            a = self.queues[key][i]
+            self.heads[key] = i + 1
+            ex = self.executor
+            buf = ex._buffer(a.kind)
+            with ex.comm.labelled(WaitLabel(ex.rank, a)):
+                self.posted[key] = (a, ex.comm.irecv(buf, a.peer, TAG_ACT if a.kind == "act" else TAG_GRAD), buf)
+
+    def take(self, a: Action):
+        """``(handle, buffer)`` of receive action ``a``; :meth:`post_next` once it has arrived."""
+        posted, handle, buf = self.posted.pop((a.peer, a.kind))
+        if posted is not a:  # cannot happen: receives are posted in list order per (peer, kind)
+            raise RuntimeError(f"pipeline rank {self.executor.rank}: posted {posted}, expected {a}")
+        return handle, buf
+
+    def post_next(self, a: Action) -> None:
+        self._post((a.peer, a.kind))
+
+
+class _Step:
+    """One step's state on a rank: the stash, what arrived and what waits to be sent, the
+    deferred weight passes, the sends in flight, the losses, and the stash's size (now, peak)."""
+
+    def __init__(self, m: int):
+        self.stash: dict = {}
+        self.inbox: dict = {}
+        self.outbox: dict = {}
+        self.wpasses: dict = {}
+        self.sends: list = []
+        self.losses = [0.0] * m
+        self.live = self.peak = self.live_bytes = self.peak_bytes = 0
 
 
 class PipelineExecutor:
@@ -81,143 +148,128 @@ class PipelineExecutor:
                 time.sleep(self.poll_s)
 
     def _run(self, sched: Schedule, xs, ys, training: bool):
-        comm, rank, last = self.comm, self.rank, self.S - 1
-        acts = sched.actions[rank]
-        split = sched.split_backward
-        queues: dict = {}
-        for a in acts:
-            if a.is_recv:
-                queues.setdefault((a.peer, a.kind), []).append(a)
-        heads = {k: 0 for k in queues}
-        posted: dict = {}
-
-        def post(key):
-            i = heads[key]
-            if i < len(queues[key]):
-                a = queues[key][i]
-                heads[key] = i + 1
-                buf = self._buffer(a.kind)
-                tag = TAG_ACT if a.kind == "act" else TAG_GRAD
-                with comm.labelled(WaitLabel(rank, a)):
-                    posted[key] = (a, comm.irecv(buf, a.peer, tag), buf)
-
-        stash, inbox, outbox, wpasses, sends = {}, {}, {}, {}, []
-        losses = [0.0] * self.m
+        acts = sched.actions[self.rank]
+        step = _Step(self.m)
         op_time = {FORWARD: 0.0, BACKWARD: 0.0, WEIGHT: 0.0}
         op_count = {FORWARD: 0, BACKWARD: 0, WEIGHT: 0}
         recv_wait = 0.0
         trace = [] if self.trace else None
-        live = peak = 0
-        live_bytes = peak_bytes = 0
         t_start = time.perf_counter()
-        for key in queues:
-            post(key)
-
-        def release(key):
-            nonlocal live, live_bytes
-            entry = stash.pop(key)
-            for kind, buf in (("act", entry[2]), ("grad", entry[3])):
-                if buf is not None:
-                    self._pool[kind].append(buf)
-            live -= 1
-            live_bytes -= self._stash_bytes.get(key[1], 0)
-
+        receives = _Receives(self, acts)
         for a in acts:
             key = (a.mb, a.chunk)
-            s = a.chunk * self.pp + rank
             if a.is_recv:
-                pk = (a.peer, a.kind)
-                pa, handle, buf = posted.pop(pk)
-                if pa is not a:  # cannot happen: receives are posted in list order per (peer, kind)
-                    raise RuntimeError(f"pipeline rank {rank}: posted {pa}, expected {a}")
+                handle, step.inbox[(a.kind,) + key] = receives.take(a)
                 t0 = time.perf_counter()
                 self._wait(handle)
                 t1 = time.perf_counter()
                 recv_wait += t1 - t0
                 if trace is not None:
                     trace.append((t0 - t_start, t1 - t_start, "wait", a.mb, a.chunk))
-                inbox[(a.kind,) + key] = buf
-                post(pk)
-            elif a.is_send:
-                data = outbox.pop((a.kind,) + key)
-                with comm.labelled(WaitLabel(rank, a)):
-                    handle = comm.isend(data, a.peer, TAG_ACT if a.kind == "act" else TAG_GRAD)
-                # an activation nothing else reads is let go of once sent (the stash keeps its graph)
-                entry = stash.get(key) if a.kind == "act" else None
-                sends.append((handle, entry[1] if entry and entry[4] else None))
-                del data
+                receives.post_next(a)
+                continue
+            if a.is_send:
+                self._send(a, step)
+                continue
+            t0 = time.perf_counter()
+            if a.op == FORWARD:
+                self._forward_action(a, step, xs, ys, training)
+            elif a.op == BACKWARD:
+                self._backward_action(a, step, sched.split_backward)
             else:
-                t0 = time.perf_counter()
-                if a.op == FORWARD:
-                    buf = inbox.pop(("act",) + key) if s > 0 else None
-                    inp = Tensor(buf, requires_grad=training) if buf is not None else None
-                    held = sys.getrefcount(buf)
-                    out, loss = self._forward(a.chunk, a.mb, inp, xs, ys)
-                    if loss is not None:
-                        losses[a.mb] = loss
-                    if training:
-                        # what no op saved for backward goes once the forward is done with it: the
-                        # received input now (its buffer back to the pool), the output once sent
-                        first = a.chunk not in self._stash_bytes
-                        kept = kept_bytes(out) if first else 0
-                        frees_out = s < last and sys.getrefcount(out.data) == 2
-                        if buf is not None and sys.getrefcount(buf) == held:
-                            kept -= buf.nbytes
-                            inp.data = _stand_in(buf)
-                            self._pool["act"].append(buf)
-                            buf = None
-                        if first:
-                            self._stash_bytes[a.chunk] = kept - (out.data.nbytes if frees_out else 0)
-                        stash[key] = [inp, out, buf, None, frees_out]
-                        live += 1
-                        live_bytes += self._stash_bytes[a.chunk]
-                        peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
-                    elif buf is not None:
-                        self._pool["act"].append(buf)
-                    if s < last:
-                        outbox[("act",) + key] = out.data
-                elif a.op == BACKWARD:
-                    entry = stash[key]
-                    g = inbox.pop(("grad",) + key) if s < last else None
-                    entry[3] = g
-                    wp = entry[1].backward(g, defer_weight_grad=split)
-                    if s > 0:
-                        outbox[("grad",) + key] = entry[0].grad
-                    entry[0] = entry[1] = None
-                    if split:
-                        wpasses[key] = wp
-                    else:
-                        release(key)
-                else:  # W
-                    wpasses.pop(key).run()
-                    release(key)
-                t1 = time.perf_counter()
-                op_time[a.op] += t1 - t0
-                op_count[a.op] += 1
-                if trace is not None:
-                    trace.append((t0 - t_start, t1 - t_start, a.op, a.mb, a.chunk))
-            if sends and a.op in (FORWARD, BACKWARD, WEIGHT):
-                sends = _unfinished(sends)  # drives MPI progress of the sends
+                step.wpasses.pop(key).run()
+                self._release(step, key)
+            t1 = time.perf_counter()
+            op_time[a.op] += t1 - t0
+            op_count[a.op] += 1
+            if trace is not None:
+                trace.append((t0 - t_start, t1 - t_start, a.op, a.mb, a.chunk))
+            if step.sends:
+                step.sends = _unfinished(step.sends)  # drives MPI progress of the sends
         t0 = time.perf_counter()
-        for h, sent in sends:
+        for h, sent in step.sends:
             self._wait(h)
-            if sent is not None:
-                sent.data = _stand_in(sent.data)
+            _let_go(sent)
         send_wait = time.perf_counter() - t0
         total = time.perf_counter() - t_start
-        if stash or wpasses or inbox or outbox:
-            raise RuntimeError(f"pipeline rank {rank}: schedule left work behind: stash {sorted(stash)}, "
-                               f"W {sorted(wpasses)}, inbox {sorted(inbox)}, outbox {sorted(outbox)}")
+        if step.stash or step.wpasses or step.inbox or step.outbox:
+            raise RuntimeError(f"pipeline rank {self.rank}: schedule left work behind: stash {sorted(step.stash)}, "
+                               f"W {sorted(step.wpasses)}, inbox {sorted(step.inbox)}, outbox {sorted(step.outbox)}")
         compute = sum(op_time.values())
         self.stats = {"t0": t_start, "step_s": total, "compute_s": compute, "idle_s": total - compute,
                       "bubble": (total - compute) / total if total > 0 else 0.0,
                       "recv_wait_s": recv_wait, "send_wait_s": send_wait,
                       "op_s": dict(op_time), "op_count": dict(op_count),
-                      "peak_stash": peak, "peak_stash_bytes": peak_bytes,
+                      "peak_stash": step.peak, "peak_stash_bytes": step.peak_bytes,
                       "stash_bytes_per_mb": dict(self._stash_bytes)}
         if trace is not None:
             self.stats["trace"] = trace
-        return sum(losses) / self.m if self.has_head else 0.0
+        return sum(step.losses) / self.m if self.has_head else 0.0
+
+    def _send(self, a: Action, step: _Step) -> None:
+        """Post send action ``a``; an activation nothing else reads is let go of once sent (the
+        stash keeps its graph)."""
+        data = step.outbox.pop((a.kind, a.mb, a.chunk))
+        with self.comm.labelled(WaitLabel(self.rank, a)):
+            handle = self.comm.isend(data, a.peer, TAG_ACT if a.kind == "act" else TAG_GRAD)
+        entry = step.stash.get((a.mb, a.chunk)) if a.kind == "act" else None
+        step.sends.append((handle, entry.out if entry and entry.frees_out else None))
+
+    def _forward_action(self, a: Action, step: _Step, xs, ys, training: bool) -> None:
+        """Run micro-batch ``a.mb``'s forward through chunk ``a.chunk``; in training, stash it for
+        its backward less what no op saved: the received input goes now (its buffer back to the
+        pool), the output's data once sent."""
+        key, s = (a.mb, a.chunk), a.chunk * self.pp + self.rank
+        buf = step.inbox.pop(("act",) + key) if s > 0 else None
+        inp = Tensor(buf, requires_grad=training) if buf is not None else None
+        held = sys.getrefcount(buf) if buf is not None else 0  # the references before the forward
+        out, loss = self._forward(a.chunk, a.mb, inp, xs, ys)
+        if loss is not None:
+            step.losses[a.mb] = loss
+        if s < self.S - 1:
+            step.outbox[("act",) + key] = out.data
+        if not training:
+            if buf is not None:
+                self._pool["act"].append(buf)
+            return
+        first = a.chunk not in self._stash_bytes
+        kept = kept_bytes(out) if first else 0
+        frees_out = s < self.S - 1 and sys.getrefcount(out.data) == 3  # the Tensor's, the outbox's
+        if buf is not None and sys.getrefcount(buf) == held:  # no op saved the input
+            kept -= buf.nbytes
+            inp.data = _stand_in(buf)
+            self._pool["act"].append(buf)
+            buf = None
+        if first:
+            self._stash_bytes[a.chunk] = kept - (out.data.nbytes if frees_out else 0)
+        step.stash[key] = _Stashed(inp, out, act_buf=buf, frees_out=frees_out)
+        step.live += 1
+        step.live_bytes += self._stash_bytes[a.chunk]
+        step.peak, step.peak_bytes = max(step.peak, step.live), max(step.peak_bytes, step.live_bytes)
+
+    def _backward_action(self, a: Action, step: _Step, split: bool) -> None:
+        """Run micro-batch ``a.mb``'s backward through chunk ``a.chunk`` from the gradient received
+        (the loss on the last stage); its weight pass waits for W under a split schedule."""
+        key, s = (a.mb, a.chunk), a.chunk * self.pp + self.rank
+        entry = step.stash[key]
+        entry.grad_buf = step.inbox.pop(("grad",) + key) if s < self.S - 1 else None
+        wp = entry.out.backward(entry.grad_buf, defer_weight_grad=split)
+        if s > 0:
+            step.outbox[("grad",) + key] = entry.inp.grad
+        entry.inp = entry.out = None
+        if split:
+            step.wpasses[key] = wp
+        else:
+            self._release(step, key)
+
+    def _release(self, step: _Step, key) -> None:
+        """A micro-batch's backward is complete: its received buffers go back to the pool."""
+        entry = step.stash.pop(key)
+        for kind, buf in (("act", entry.act_buf), ("grad", entry.grad_buf)):
+            if buf is not None:
+                self._pool[kind].append(buf)
+        step.live -= 1
+        step.live_bytes -= self._stash_bytes.get(key[1], 0)
 
     def tied_calls(self) -> list[tuple[str, str, int, str]]:
         """``(axis, kind, bytes, dtype)`` of the calls :meth:`_sync_tied` makes in a step: a send
