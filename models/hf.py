@@ -3,6 +3,9 @@ Llama and Mixtral (tied heads) by mapping tensors (:data:`HF_FAMILIES`; read by
 :mod:`mpirt.models.hf_decoder`). Every stored weight is checked when a directory is opened: name,
 shape, a floating-point dtype and finite values (:func:`check_stored`, :func:`check_finite`).
 
+Over 400 lines: reading, checking and writing a Hugging Face directory are one format's contract
+(the names, the config keys, the shards), kept in one place so that a load and a save cannot drift.
+
 A GPT-2 directory holds ``config.json`` and either ``model.safetensors`` or a sharded checkpoint
 (``model.safetensors.index.json`` naming several shard files). Tensor names may carry the
 ``transformer.`` prefix (``GPT2LMHeadModel``) or not (``GPT2Model``); both load. The attention

@@ -53,9 +53,8 @@ def activation_bytes(cfg, layout, *, itemsize: int = 4, positions: bool = False,
     Korthikanti et al. 2022). The autograd keeps what each op saved and nothing else (an op's
     output is held only as its producer, :class:`mpirt.core.tensor.Edge`).
 
-    ``layout`` (a :class:`mpirt.parallel.layout.Layout`) gives the micro-batch's ``b`` rows
-    (``rows``) of ``s`` tokens (``tokens``: a context-parallel rank's share), ``t`` (``tp``),
-    sequence parallelism and ``cp``.
+    ``layout`` (a :class:`mpirt.parallel.layout.Layout`) gives the micro-batch's ``b`` rows of
+    ``s`` tokens (a context-parallel rank's share), ``t`` (``tp``), sequence parallelism and ``cp``.
     With ``u = b s h``, ``p = t`` under sequence parallelism (else 1), ``f`` the MLP width, ``a``
     the heads, ``e`` the itemsize and ``e'`` that of per-row statistics (float32 in half
     precision), a block keeps:

@@ -17,9 +17,8 @@ import pytest
 from conftest import run_module
 from mpirt.run.config import TrainConfig
 from mpirt.core.settings import explicit_budget, format_size, parse_size
-from mpirt.plan.memory import CATEGORIES, LATE_BYTES, decode_over_budget, over_budget_flag, check_budget, \
-    expert_load_bound, peak_in_flight, predict
-from mpirt.plan.budget import available_budget, node_available
+from mpirt.plan.memory import CATEGORIES, LATE_BYTES, expert_load_bound, peak_in_flight, predict
+from mpirt.plan.budget import available_budget, check_budget, decode_over_budget, node_available, over_budget_flag
 from mpirt.monitor.steps import owned_bytes
 from mpirt.run.config import parse_args
 from mpirt.parallel.layout import Layout

@@ -85,11 +85,10 @@ def op_cases() -> dict:
     Tensors calling exactly that op, the input arrays). Integer arrays are constants; index
     constants are made on the active backend when the function runs."""
     from mpirt.core import ops
-    from mpirt.core.ops.rotary import rotary_tables
+    return {**_elementwise_cases(ops), **_reduction_and_shape_cases(ops), **_layer_cases(ops)}
 
-    def rot(qkv, t, d):
-        return ops.rotary_embedding(qkv, *rotary_tables(t, d, 10.0, B.xp.dtype(qkv.dtype)))
 
+def _elementwise_cases(ops) -> dict:
     return {
         "add_broadcast": ("add", lambda a, b: a + b, [normal(2, 3, 4), normal(3, 1, seed=1)]),
         "add_scalar": ("add", lambda a: 2.5 + a, [normal(3, 4)]),
@@ -110,6 +109,11 @@ def op_cases() -> dict:
         "tanh": ("tanh", lambda a: a.tanh(), [normal(2, 3)]),
         "relu": ("relu", lambda a: a.relu(), [away_from_zero(3, 4)]),
         "swiglu": ("swiglu", lambda a, b: ops.swiglu(a, b), [2 * normal(2, 3, 4), normal(2, 3, 4, seed=1)]),
+    }
+
+
+def _reduction_and_shape_cases(ops) -> dict:
+    return {
         "sum_all": ("sum", lambda a: a.sum(), [normal(2, 3, 4)]),
         "sum_axis": ("sum", lambda a: a.sum(axis=1), [normal(2, 3, 4)]),
         "sum_tuple_keepdims": ("sum", lambda a: a.sum(axis=(0, 2), keepdims=True), [normal(2, 3, 4)]),
@@ -135,6 +139,16 @@ def op_cases() -> dict:
         "matmul_batched_2d_weight": ("matmul", lambda a, b: a @ b, [normal(2, 3, 4), normal(4, 5, seed=1)]),
         "matmul_batched": ("matmul", lambda a, b: ops.matmul(a, b), [normal(2, 3, 4), normal(2, 4, 2, seed=1)]),
         "matmul_batch_broadcast": ("matmul", lambda a, b: a @ b, [normal(3, 4), normal(2, 4, 2, seed=1)]),
+    }
+
+
+def _layer_cases(ops) -> dict:
+    from mpirt.core.ops.rotary import rotary_tables
+
+    def rot(qkv, t, d):
+        return ops.rotary_embedding(qkv, *rotary_tables(t, d, 10.0, B.xp.dtype(qkv.dtype)))
+
+    return {
         "linear_bias": ("linear", lambda x, w, b: ops.linear(x, w, b),
                         [normal(2, 3, 4), normal(4, 5, seed=1), normal(5, seed=2)]),
         "linear_no_bias": ("linear", lambda x, w: ops.linear(x, w), [normal(3, 4), normal(4, 2, seed=1)]),

@@ -148,92 +148,103 @@ def simulate_step(layout, programs: dict[int, list[Op]], symmetric: bool = False
         if grid.ep not in (1, grid.dp):  # a move along dp must carry ep groups onto ep groups
             raise ValueError(f"a symmetric simulation needs ep 1 or ep = dp (the proof's grid), not ep {grid.ep} "
                              f"of dp {grid.dp}")
-        here, moved = grid.representative, grid.moved
-    else:
-        here, moved = (lambda r: r), (lambda r, by: r)
-    at = dict.fromkeys(programs, 0)
-    posted = dict.fromkeys(programs, False)
-    waiting: dict = {}                              # rank -> the receives its exchange still waits for
-    channels: dict = defaultdict(deque)             # (source, destination, comm) -> [(bytes, dtype, label)]
-    started: dict = defaultdict(list)               # (comm, rank) -> the collectives it started, in order
-    sleepers: dict = defaultdict(set)               # what a blocked rank waits on -> the ranks
-    ready = deque(sorted(programs))
+    _Simulation(grid, programs, symmetric).run_all()
 
-    @functools.cache
-    def channel(src, r, comm) -> tuple:
+
+class _Simulation:
+    """The ranks' programs run together: each rank runs until it blocks (a receive not yet sent, a
+    collective its group has not all started), and a rank another one unblocks runs again."""
+
+    def __init__(self, grid: "Grid3", programs: dict, symmetric: bool):
+        self.grid, self.programs = grid, programs
+        self.here, self.moved = (grid.representative, grid.moved) if symmetric else ((lambda r: r), (lambda r, by: r))
+        self.at = dict.fromkeys(programs, 0)
+        self.posted = dict.fromkeys(programs, False)
+        self.waiting: dict = {}                         # rank -> the receives its exchange still waits for
+        self.channels: dict = defaultdict(deque)        # (source, destination, comm) -> [(bytes, dtype, label)]
+        self.started: dict = defaultdict(list)          # (comm, rank) -> the collectives it started, in order
+        self.sleepers: dict = defaultdict(set)          # what a blocked rank waits on -> the ranks
+        self.ready = deque(sorted(programs))
+        self.channel = functools.cache(self._channel)
+        self.group = functools.cache(self._group)
+
+    def _channel(self, src, r, comm) -> tuple:
         """The channel from ``src`` to ``r`` as the sender's stand-in fills it."""
-        return here(src), moved(r, src), comm
+        return self.here(src), self.moved(r, src), comm
 
-    @functools.cache
-    def group(comm, r) -> tuple:
-        return tuple(dict.fromkeys(here(m) for m in grid.members(comm, r)))
+    def _group(self, comm, r) -> tuple:
+        return tuple(dict.fromkeys(self.here(m) for m in self.grid.members(comm, r)))
 
-    def wake(key) -> None:
-        woken = sleepers.pop(key, None)
+    def wake(self, key) -> None:
+        woken = self.sleepers.pop(key, None)
         if woken:
-            ready.extend(sorted(woken))
+            self.ready.extend(sorted(woken))
 
-    def start(r, op) -> int:
-        mine = started[(op.comm, r)]
+    def start(self, r, op) -> int:
+        mine = self.started[(op.comm, r)]
         n = len(mine)
-        for m in group(op.comm, r):
-            theirs = started[(op.comm, m)]
+        for m in self.group(op.comm, r):
+            theirs = self.started[(op.comm, m)]
             if m != r and len(theirs) > n and \
                     (theirs[n].what, theirs[n].nbytes, theirs[n].dtype) != (op.what, op.nbytes, op.dtype):
-                raise StepCommError(f"{op.comm} group {list(grid.members(op.comm, r))}, collective #{n}: rank {m} "
-                                    f"runs {theirs[n].describe()}, rank {r} {op.describe()}")
+                raise StepCommError(f"{op.comm} group {list(self.grid.members(op.comm, r))}, collective #{n}: "
+                                    f"rank {m} runs {theirs[n].describe()}, rank {r} {op.describe()}")
         mine.append(op)
-        wake(("started", op.comm, r))
+        self.wake(("started", op.comm, r))
         return n
 
-    def complete(r, comm, index) -> bool:
-        late = [m for m in group(comm, r) if len(started[(comm, m)]) <= index]
+    def complete(self, r, comm, index) -> bool:
+        late = [m for m in self.group(comm, r) if len(self.started[(comm, m)]) <= index]
         for m in late:
-            sleepers[("started", comm, m)].add(r)
+            self.sleepers[("started", comm, m)].add(r)
         return not late
 
-    def receive(r, op) -> bool:
+    def receive(self, r, op) -> bool:
         """Take what has arrived of the exchange's receives; whether all have."""
-        for src, n in list(waiting[r]):
-            key = channel(src, r, op.comm)
-            queue = channels[key]
+        for src, n in list(self.waiting[r]):
+            key = self.channel(src, r, op.comm)
+            queue = self.channels[key]
             if not queue:
-                sleepers[("channel", key)].add(r)
+                self.sleepers[("channel", key)].add(r)
                 continue
             sent, dtype, label = queue.popleft()
             if (sent, dtype) != (n, op.dtype):
                 raise StepCommError(f"rank {r} receives {n} B {op.dtype} from rank {src} ({op.label}) but rank {src} "
                                     f"sent {sent} B {dtype} ({label})")
-            waiting[r].remove((src, n))
-        return not waiting[r]
+            self.waiting[r].remove((src, n))
+        return not self.waiting[r]
 
-    def run(r) -> None:
-        ops = programs[r]
+    def run(self, r) -> None:
+        """Run rank ``r``'s program until it blocks or ends."""
+        ops, at, posted, waiting = self.programs[r], self.at, self.posted, self.waiting
         while at[r] < len(ops):
             op = ops[at[r]]
             if op.what == "exchange":
                 if not posted[r]:
                     for dst, n in op.sends:
-                        channels[(r, dst, op.comm)].append((n, op.dtype, op.label))
-                        wake(("channel", (r, dst, op.comm)))
+                        self.channels[(r, dst, op.comm)].append((n, op.dtype, op.label))
+                        self.wake(("channel", (r, dst, op.comm)))
                     posted[r], waiting[r] = True, list(op.recvs)
-                if not receive(r, op):
+                if not self.receive(r, op):
                     return
             elif op.what in STARTED:
                 if not posted[r]:
-                    posted[r], waiting[r] = True, start(r, op)
-                if op.what in BLOCKING and not complete(r, op.comm, waiting[r]):
+                    posted[r], waiting[r] = True, self.start(r, op)
+                if op.what in BLOCKING and not self.complete(r, op.comm, waiting[r]):
                     return
-            elif not complete(r, op.comm, op.index):       # a wait
+            elif not self.complete(r, op.comm, op.index):  # a wait
                 return
             at[r], posted[r] = at[r] + 1, False
 
-    while ready:
-        run(ready.popleft())
-    stuck = {r: programs[r][at[r]] for r in sorted(programs) if at[r] < len(programs[r])}
-    if stuck:
-        raise StepCommError("deadlock: " + "; ".join(f"rank {r} waits in {op.describe()}" for r, op in stuck.items()))
-    unread = {k: q for k, q in channels.items() if q}
-    if unread:
-        (src, dst, comm), q = next(iter(unread.items()))
-        raise StepCommError(f"rank {src} sends {q[0][0]} B to rank {dst} on {comm} ({q[0][2]}) that it never receives")
+    def run_all(self) -> None:
+        """Run until no rank can go on; StepCommError for a rank left blocked or a message unread."""
+        while self.ready:
+            self.run(self.ready.popleft())
+        programs, at = self.programs, self.at
+        stuck = {r: programs[r][at[r]] for r in sorted(programs) if at[r] < len(programs[r])}
+        if stuck:
+            raise StepCommError("deadlock: " + "; ".join(f"rank {r} waits in {op.describe()}" for r, op in stuck.items()))
+        unread = {k: q for k, q in self.channels.items() if q}
+        if unread:
+            (src, dst, comm), q = next(iter(unread.items()))
+            raise StepCommError(f"rank {src} sends {q[0][0]} B to rank {dst} on {comm} ({q[0][2]}) that it never receives")

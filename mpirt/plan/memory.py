@@ -1,5 +1,9 @@
-"""Per-rank memory: the process baseline and the peak predicted from the config (sizes are read and
-written by :mod:`mpirt.core.settings`)."""
+"""Per-rank memory: the process baseline and the peak predicted from the config (the budget it is
+checked against: :mod:`mpirt.plan.budget`).
+
+Over 400 lines: each term of the prediction sits beside the measurement that set it, and the
+terms are one model that a change to one of them has to be read against.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +11,6 @@ import functools
 
 import numpy as np
 
-from mpirt.core.settings import AUTO_BUDGET, explicit_budget, format_size
 from mpirt.parallel.context import ring_message_bytes
 from mpirt.parallel.layout import AXES, Layout
 from mpirt.parallel.pipeline.stage import message_bytes
@@ -230,88 +233,30 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
                     recompute=None if recompute_pays(cfg, model_cfg, layout, rank) else "none")[0]
 
 
-def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
-             checkpoint_gather: bool = False, expert_load: float | None = None, busiest_expert: float | None = None,
-             host_heap: bool = False, recompute: str | None = None) -> dict:
-    """:func:`predict`'s categories with ``recompute`` (default ``cfg.recompute``) applied as it
-    is, and the step's activation peak (kept activations plus the backward's transient)."""
-    from mpirt.core.precision import bytes_per_parameter, compute_dtype
-    from mpirt.core.modeling import activation_bytes, layer_costs, model_class, num_parameters
-
-    lay = Layout.of(cfg, layout, model_cfg)
-    pos = lay.position(rank)
-    dp, pp, tp, chunks, rows = lay.dp, lay.pp, lay.tp, lay.chunks, lay.rows
-    seq = cfg.seq_len // lay.cp  # the tokens of each sequence this rank holds
-    e = np.dtype(cfg.dtype).itemsize  # activations, buffers and gradients travel in the compute/storage dtype
-    state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
-    costs = layer_costs(model_cfg, cfg.seq_len)
-    n_full = num_parameters(model_cfg)
-    routing = {}  # a mixture of experts': the loads measured, else their bounds
+def _routing(cfg, model_cfg, ep: int, expert_load, busiest_expert) -> dict:
+    """A mixture of experts' loads :func:`predict` counts: the measured ones given, else their bounds."""
+    routing = {}
     if getattr(model_cfg, "n_expert", 0):
         routing["busiest"] = busiest_expert_bound(cfg, model_cfg) if busiest_expert is None else busiest_expert
-    if lay.ep > 1:
-        routing["expert_load"] = expert_load_bound(cfg, model_cfg, lay.ep) if expert_load is None else expert_load
-    per_layer = {k: v for k, v in routing.items() if isinstance(v, (list, tuple))}  # measured per block
-    # the blocks' common figures at the mean load and the deepest block's busiest expert
-    acts = activation_bytes(model_cfg, lay, itemsize=e, **{**routing, **{k: (v[-1] if k == "busiest" else sum(v) / len(v))
-                                                                         for k, v in per_layer.items()}})
-    recompute = cfg.recompute if recompute is None else recompute
-    mode = "full" if cfg.zero == 3 and recompute == "none" else recompute
-    picked = set(lay.recomputed)
+    if ep > 1:
+        routing["expert_load"] = expert_load_bound(cfg, model_cfg, ep) if expert_load is None else expert_load
+    return routing
 
-    mine = [(0, model_cfg.n_layer)] if pp == 1 else [lay.bounds[c * pp + pos["pp"]] for c in range(chunks)]
-    held = [i for lo, hi in mine for i in range(lo, hi)]
-    if per_layer and any(len(v) != len(held) for v in per_layer.values()):
-        raise ValueError(f"memory.predict: rank {rank} holds {len(held)} blocks, got per-block loads "
-                         f"{ {k: len(v) for k, v in per_layer.items()} }")
-    block_acts = {i: activation_bytes(model_cfg, lay, itemsize=e, **{**routing, **{k: v[n] for k, v in per_layer.items()}})
-                  for n, i in enumerate(held)} if per_layer else {}
 
-    def acts_of(i: int) -> dict:
-        return block_acts.get(i, acts)
-
-    def stage_bytes(lo: int, hi: int, first: bool, last: bool, how: str = mode) -> int:
-        # a pipeline stash holds neither the received input nor the output it sent: the executor
-        # lets go of what no op saved (a fully recomputed block's input is in the block's count)
-        kept = sum(_kept(acts_of(i), how, i in picked) for i in range(lo, hi))
-        if cfg.zero == 3:  # embed and head are units too: the embedding output, the logits and loss
-            return kept + (acts["input"] if first else 0) + (acts["head"] - acts["input"] if last else 0)
-        return kept + (acts["embed"] if first else 0) + (acts["head"] if last else 0)
-
-    if pp == 1:
-        n_local = n_full / tp
-        activations = stage_bytes(0, model_cfg.n_layer, True, True)
-    else:
-        n_local = sum(costs[0].params * (c == 0 and pos["pp"] == 0) + costs[-1].params * (
-            c == chunks - 1 and pos["pp"] == pp - 1) + sum(costs[1 + i].params for i in range(lo, hi))
-            for c, (lo, hi) in enumerate(mine)) / tp
-        ends = [(c == 0 and pos["pp"] == 0, c == chunks - 1 and pos["pp"] == pp - 1) for c in range(chunks)]
-        per_chunk = [stage_bytes(lo, hi, *ends[c]) for c, (lo, hi) in enumerate(mine)]
-        # between B and W a chunk holds its weight passes' inputs and output gradients (the rerun's
-        # B leaves the same) and the buffers it received them in; a fully recomputed block's rerun
-        # is itself a deferred weight pass, holding its input and its output's gradient until W
-        rerun_w = 2 * acts["input"] if mode == "full" else 0
-        per_chunk_w = [(sum(acts_of(i)["weight_pass"] for i in range(lo, hi)) if per_layer else (hi - lo) * acts["weight_pass"])
-                       + sum(i in picked for i in range(lo, hi)) * rerun_w
-                       + ends[c][0] * acts["embed_weight_pass"]
-                       + ends[c][1] * acts["head_weight_pass"]
-                       + acts["input"] * ((not ends[c][0]) + (not ends[c][1]))  # the received input and gradient
-                       for c, (lo, hi) in enumerate(mine)]
-        activations = peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w)
-        handed_before = [_handed_to_w(acts, mode, picked, rerun_w, lo, hi) for lo, hi in mine]
-    # a mixture of experts' stacked experts: replicated over tp, split over ep, sharded over edp
-    experts = len(held) * getattr(model_class(model_cfg), "expert_weights_of", lambda c: 0)(model_cfg)
-    n_local -= experts / tp
-    replicas = dp * lay.cp  # ZeRO shards over dp and cp together (the ranks holding the same parameters)
+def _states(cfg, model_cfg, lay: Layout, stage: int, costs, n_local: float, experts: float, e: int) -> tuple:
+    """``(parameters, gradients, optimizer state, communication)`` bytes of a rank of pipeline stage
+    ``stage`` holding ``n_local`` dense parameters and ``experts`` expert parameters (its tp slice)."""
+    from mpirt.core.precision import bytes_per_parameter
+    replicas = lay.dp * lay.cp  # ZeRO shards over dp and cp together (the ranks holding the same parameters)
     per_param = bytes_per_parameter(cfg.dtype, replicas, cfg.zero)  # masters and moments in float32 for half
-    per_expert = bytes_per_parameter(cfg.dtype, dp // lay.ep, cfg.zero)
+    per_expert = bytes_per_parameter(cfg.dtype, lay.dp // lay.ep, cfg.zero)
     params, grads, optimizer = (n_local * per_param[k] + experts / lay.ep * per_expert[k]
                                 for k in ("params", "grads", "optimizer"))
     comm = 0.0
     if cfg.zero == 3:  # the largest unit (its tp slice), gathered with its gradient; the next unit's
         # prefetched parameters are not counted: measured here they reuse freed memory (+0.2 MiB for a
         # 0.76 MiB unit at dp 2 x pp 2, zb-h1), and a zb first stage is already predicted 3-5 % high
-        unit = max(c.params for c in costs) / tp
+        unit = max(c.params for c in costs) / lay.tp
         comm += 2 * unit * e
     elif cfg.zero == 2:  # buckets reduced during backward: the staging buffer and the reduction's own
         # (the parts bound for the other ranks), and the gradients being filled: a bucket that spans
@@ -319,14 +264,129 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         # third of a block)
         from mpirt.parallel.zero import BUCKET_BYTES
         bucket = min(BUCKET_BYTES, n_local * e)
-        grads += bucket * (2 - 1 / replicas) + 2 * min(max(c.params for c in costs[1:-1]) / 3 / tp * e, n_local * e)
-        if pp > 1 and pos["pp"] in (0, pp - 1):  # the tied embedding's gradient, held for the step
-            grads += costs[0].params / tp * e
+        grads += bucket * (2 - 1 / replicas) + 2 * min(max(c.params for c in costs[1:-1]) / 3 / lay.tp * e, n_local * e)
+        if lay.pp > 1 and stage in (0, lay.pp - 1):  # the tied embedding's gradient, held for the step
+            grads += costs[0].params / lay.tp * e
     if lay.ep > 1:  # the MPI library's message pool, grown by the first token exchange and kept
         from mpirt.parallel.experts import EXCHANGE_POOL_BYTES_PER_PEER
         comm += (lay.ep - 1) * EXCHANGE_POOL_BYTES_PER_PEER
-    if pp > 1:  # receive buffers posted ahead (activation and gradient), one message each
+    if lay.pp > 1:  # receive buffers posted ahead (activation and gradient), one message each
         comm += 2 * message_bytes(lay, model_cfg, cfg.dtype)
+    return params, grads, optimizer, comm
+
+
+def _end_of_step(cfg, model_cfg, lay: Layout, rank: int, stage: int, costs, n_local: float, experts: float,
+                 e: int, checkpoint_gather: bool) -> tuple:
+    """``(checkpoint, buckets)``: what saving a checkpoint holds and data parallelism's allreduce
+    temporaries, both once the backward has freed the activations (see :func:`predict`)."""
+    from mpirt.core.modeling import num_parameters
+    from mpirt.core.precision import compute_dtype
+    state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
+    n_full = num_parameters(model_cfg)
+    gathers_state = lay.pp == 1 or stage == 0
+    checkpoint = 3 * n_full * state_e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * lay.tp * state_e
+    if not checkpoint_gather:  # format 3: boxes stream from the arrays, one at a time copied when not
+        # contiguous, after a finiteness mask (1 byte per element); the token table is the largest
+        checkpoint = max(costs[0].params, max(c.params for c in costs[1:-1]) / 4) / lay.tp * (state_e + 1)
+    # DataParallel: each bucket's non-blocking allreduce holds MPI's temporary of its size (half:
+    # reduced from a float32 copy, a second one) as backward ends, when the activations are freed:
+    # measured +75-85 MiB at dp 4 for 100 MiB of float64 gradients in 25 MiB buckets, +30 MiB for 50
+    # MiB of float32 ones, nothing visible for one bucket (the allocator reuses the freed
+    # activations): the gradients less half a bucket, from two buckets on
+    from mpirt.parallel.ddp import BUCKET_BYTES as DDP_BUCKET
+    red = 4 if e == 2 else e
+    synced = 0 if cfg.zero else (n_local * (lay.dp * lay.cp > 1) + experts / lay.ep * (lay.dp // lay.ep > 1)) * red
+    buckets = (synced - DDP_BUCKET / 2) * (2 if e == 2 else 1) if synced > DDP_BUCKET else 0
+    return checkpoint, buckets
+
+
+class _RankBlocks:
+    """The blocks a rank holds and what each keeps for its backward (:func:`predict`): ``acts`` the
+    blocks' common figures (the model's ``activation_bytes_of`` at the mean expert load and the
+    deepest block's busiest expert), :meth:`of` a block's own where the loads were measured per
+    block, ``mode`` the recomputation that applies (ZeRO-3's units rerun: full), ``picked`` the
+    blocks it applies to, ``mine`` the rank's chunks as ``(lo, hi)`` block ranges."""
+
+    def __init__(self, cfg, model_cfg, lay: Layout, rank: int, e: int, routing: dict, recompute: str):
+        from mpirt.core.modeling import activation_bytes
+        self.zero = cfg.zero
+        self.per_layer = {k: v for k, v in routing.items() if isinstance(v, (list, tuple))}  # measured per block
+        self.acts = activation_bytes(model_cfg, lay, itemsize=e, **{
+            **routing, **{k: (v[-1] if k == "busiest" else sum(v) / len(v)) for k, v in self.per_layer.items()}})
+        self.mode = "full" if cfg.zero == 3 and recompute == "none" else recompute
+        self.picked = set(lay.recomputed)
+        stage = lay.position(rank)["pp"]
+        self.mine = [(0, model_cfg.n_layer)] if lay.pp == 1 else [lay.bounds[c * lay.pp + stage] for c in range(lay.chunks)]
+        self.held = [i for lo, hi in self.mine for i in range(lo, hi)]
+        if self.per_layer and any(len(v) != len(self.held) for v in self.per_layer.values()):
+            raise ValueError(f"memory.predict: rank {rank} holds {len(self.held)} blocks, got per-block loads "
+                             f"{ {k: len(v) for k, v in self.per_layer.items()} }")
+        self._own = {i: activation_bytes(model_cfg, lay, itemsize=e, **{**routing, **{k: v[n] for k, v in self.per_layer.items()}})
+                     for n, i in enumerate(self.held)} if self.per_layer else {}
+
+    def of(self, i: int) -> dict:
+        return self._own.get(i, self.acts)
+
+    def stage_bytes(self, lo: int, hi: int, first: bool, last: bool) -> int:
+        """What a micro-batch keeps on blocks ``lo`` to ``hi`` (with the embedding, the head): a
+        pipeline stash holds neither the received input nor the output it sent (the executor lets go
+        of what no op saved; a fully recomputed block's input is in the block's count)."""
+        acts = self.acts
+        kept = sum(_kept(self.of(i), self.mode, i in self.picked) for i in range(lo, hi))
+        if self.zero == 3:  # embed and head are units too: the embedding output, the logits and loss
+            return kept + (acts["input"] if first else 0) + (acts["head"] - acts["input"] if last else 0)
+        return kept + (acts["embed"] if first else 0) + (acts["head"] if last else 0)
+
+    def weight_pass_holdings(self, ends: list) -> tuple[list, list]:
+        """Per chunk (``ends``: whether it holds the embedding, the head): what a micro-batch holds
+        between its B and its W, and what its blocks have handed to W before the last block's B.
+        Between B and W a chunk holds its weight passes' inputs and output gradients (the rerun's B
+        leaves the same) and the buffers it received them in; a fully recomputed block's rerun is
+        itself a deferred weight pass, holding its input and its output's gradient until W."""
+        acts, picked = self.acts, self.picked
+        rerun_w = 2 * acts["input"] if self.mode == "full" else 0
+        per_chunk_w = [(sum(self.of(i)["weight_pass"] for i in range(lo, hi)) if self.per_layer
+                        else (hi - lo) * acts["weight_pass"])
+                       + sum(i in picked for i in range(lo, hi)) * rerun_w
+                       + first * acts["embed_weight_pass"] + last * acts["head_weight_pass"]
+                       + acts["input"] * ((not first) + (not last))  # the received input and gradient
+                       for (first, last), (lo, hi) in zip(ends, self.mine)]
+        return per_chunk_w, [_handed_to_w(acts, self.mode, picked, rerun_w, lo, hi) for lo, hi in self.mine]
+
+
+def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, process_bytes: int | None = None,
+             checkpoint_gather: bool = False, expert_load: float | None = None, busiest_expert: float | None = None,
+             host_heap: bool = False, recompute: str | None = None) -> dict:
+    """:func:`predict`'s categories with ``recompute`` (default ``cfg.recompute``) applied as it
+    is, and the step's activation peak (kept activations plus the backward's transient)."""
+    from mpirt.core.precision import compute_dtype
+    from mpirt.core.modeling import layer_costs, model_class, num_parameters
+
+    lay = Layout.of(cfg, layout, model_cfg)
+    pos = lay.position(rank)
+    pp, tp, chunks, rows = lay.pp, lay.tp, lay.chunks, lay.rows
+    seq = cfg.seq_len // lay.cp  # the tokens of each sequence this rank holds
+    e = np.dtype(cfg.dtype).itemsize  # activations, buffers and gradients travel in the compute/storage dtype
+    state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
+    costs = layer_costs(model_cfg, cfg.seq_len)
+    n_full = num_parameters(model_cfg)
+    blocks = _RankBlocks(cfg, model_cfg, lay, rank, e, _routing(cfg, model_cfg, lay.ep, expert_load, busiest_expert),
+                         cfg.recompute if recompute is None else recompute)
+    acts, acts_of, mode, picked, mine, held = blocks.acts, blocks.of, blocks.mode, blocks.picked, blocks.mine, blocks.held
+    if pp == 1:
+        n_local = n_full / tp
+        activations = blocks.stage_bytes(0, model_cfg.n_layer, True, True)
+    else:
+        ends = [(c == 0 and pos["pp"] == 0, c == chunks - 1 and pos["pp"] == pp - 1) for c in range(chunks)]
+        per_chunk = [blocks.stage_bytes(lo, hi, *ends[c]) for c, (lo, hi) in enumerate(mine)]
+        per_chunk_w, handed_before = blocks.weight_pass_holdings(ends)
+        activations = peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w)
+        n_local = sum(costs[0].params * first + costs[-1].params * last + sum(costs[1 + i].params for i in range(lo, hi))
+                      for (first, last), (lo, hi) in zip(ends, mine)) / tp
+    # a mixture of experts' stacked experts: replicated over tp, split over ep, sharded over edp
+    experts = len(held) * getattr(model_class(model_cfg), "expert_weights_of", lambda c: 0)(model_cfg)
+    n_local -= experts / tp
+    params, grads, optimizer, comm = _states(cfg, model_cfg, lay, pos["pp"], costs, n_local, experts, e)
     # ring attention's keys and values in flight, with their gradient in the backward (a transient)
     ring = 4 * ring_message_bytes(lay, model_cfg, cfg.dtype) if lay.cp > 1 else 0
     vocab = -(-model_cfg.vocab_size // tp) * tp
@@ -334,7 +394,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     logits = 2 * rows * seq * vocab / tp * e  # the logits' gradient and a temporary
     # the gradients alive inside a block's backward; without a split schedule the stage with the
     # head reaches its blocks after freeing what the head kept
-    block = max(0, (_block_backward(acts_of, mode, picked, mine) if per_layer else acts["backward"])
+    block = max(0, (_block_backward(acts_of, mode, picked, mine) if blocks.per_layer else acts["backward"])
                 - (acts["head"] if has_head and not lay.split_backward else 0)) if held else 0
     if state_e > e:  # half: fused ops widen to float32 in backward (mpirt.core.precision.float32_compute):
         # the loss's float32 gradient beside its rounding, or the MLP activation's backward
@@ -349,20 +409,8 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         during = [gain + backward for gain in handed_before]
         backward = max(0, peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w, during)
                        - activations)
-    gathers_state = pp == 1 or pos["pp"] == 0
-    checkpoint = 3 * n_full * state_e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * tp * state_e
-    if not checkpoint_gather:  # format 3: boxes stream from the arrays, one at a time copied when not
-        # contiguous, after a finiteness mask (1 byte per element); the token table is the largest
-        checkpoint = max(costs[0].params, max(c.params for c in costs[1:-1]) / 4) / tp * (state_e + 1)
-    # DataParallel: each bucket's non-blocking allreduce holds MPI's temporary of its size (half:
-    # reduced from a float32 copy, a second one) as backward ends, when the activations are freed:
-    # measured +75-85 MiB at dp 4 for 100 MiB of float64 gradients in 25 MiB buckets, +30 MiB for 50
-    # MiB of float32 ones, nothing visible for one bucket (the allocator reuses the freed
-    # activations): the gradients less half a bucket, from two buckets on
-    from mpirt.parallel.ddp import BUCKET_BYTES as DDP_BUCKET
-    red = 4 if e == 2 else e
-    synced = 0 if cfg.zero else (n_local * (replicas > 1) + experts / lay.ep * (dp // lay.ep > 1)) * red
-    buckets = (synced - DDP_BUCKET / 2) * (2 if e == 2 else 1) if synced > DDP_BUCKET else 0
+    checkpoint, buckets = _end_of_step(cfg, model_cfg, lay, rank, pos["pp"], costs, n_local, experts, e,
+                                       checkpoint_gather)
     if host_heap and pp > 1 and lay.split_backward:
         activations *= 1 + SPLIT_HOST_HEAP_HOLES
     # the step's transient comes on top of the activations, the end of the run's after they are freed
@@ -372,65 +420,3 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     out = {k: int(v) for k, v in out.items()}
     out["peak"] = sum(out.values())
     return out, activations + backward
-
-
-def describe_rank(layout, rank: int) -> str:
-    """``rank 3 (pp stage 1)``, ``rank 2 (dp 1, tp 0)``: where a rank sits, for messages."""
-    sizes = {a: layout.get(a, 1) for a in AXES}
-    pos = Layout(**sizes).position(rank)
-    where = ", ".join(f"{'pp stage' if a == 'pp' else a} {pos[a]}" for a in AXES if sizes[a] > 1)
-    return f"rank {rank}" + (f" ({where})" if where else "")
-
-
-def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int = 0,
-                 baselines: list[int] | None = None, available: list | None = None,
-                 host_heap: bool = False) -> list[dict]:
-    """Every rank's :func:`predict` (``baselines``: each rank's :func:`measured_baseline`, else
-    :data:`PROCESS_BYTES`; ``host_heap`` as there); ValueError for the rank whose peak exceeds its
-    budget by the most, naming its largest term, the numbers and what would shrink it. The budget: an explicit
-    ``cfg.memory_budget``, or under ``auto`` each rank's ``available`` entry (``(bytes, where
-    from)`` of :func:`mpirt.plan.budget.available_budget`; None: unknown, unchecked)."""
-    preds = [predict(cfg, model_cfg, layout, r, data_bytes, process_bytes=baselines[r] if baselines else None,
-                     host_heap=host_heap) for r in range(world_size)]
-    explicit = explicit_budget(cfg.memory_budget)
-    if explicit is not None:
-        limits = [(explicit, None)] * world_size
-    elif cfg.memory_budget.strip().lower() == AUTO_BUDGET and available:
-        limits = available
-    else:
-        return preds
-    checked = [r for r in range(world_size) if limits[r] is not None]
-    if not checked:
-        return preds
-    worst = max(checked, key=lambda r: preds[r]["peak"] - limits[r][0])
-    p = preds[worst]
-    budget, source = limits[worst]
-    if p["peak"] <= budget:
-        return preds
-    term = max(CATEGORIES, key=lambda k: p[k])
-    zero_hint = {k: f"--zero {z} or a larger pp or tp" if cfg.zero < z and not (z == 3 and layout["pp"] > 1)
-                 else "a larger pp or tp" for k, z in (("optimizer_state", 1), ("gradients", 2), ("parameters", 3))}
-    hints = {**zero_hint,
-             "activations": "--recompute selective/full, a smaller --batch-size or more --microbatches",
-             "communication": "a larger pp or tp (smaller stages and units)",
-             "workspace": "a larger tp or pp (smaller logits and tensors)",
-             "baseline": "a larger budget: the process alone needs it",
-             "data": "a larger budget: the dataset bytes held in memory"}
-    over = f"budget {format_size(budget)}" if source is None else \
-        f"the {format_size(budget)} it can have ({source}; --memory-budget SIZE sets a budget, none checks none)"
-    raise ValueError(f"memory_budget: {describe_rank(layout, worst)}: predicted peak {format_size(p['peak'])} > "
-                     f"{over}; largest term {term.replace('_', ' ')} {format_size(p[term])} "
-                     f"({', '.join(f'{k.replace(chr(95), chr(32))} {format_size(p[k])}' for k in CATEGORIES)}); "
-                     f"try {hints[term]}")
-
-
-def over_budget_flag(peak: int, budget: int | None, rank: int) -> int:
-    """This rank's entry in the training loop's per-step max-reduction: 0 within ``budget``, else
-    the peak (KiB) and the rank packed into one int64, so the maximum over ranks names the
-    largest peak over the budget and its rank (:func:`decode_over_budget`)."""
-    return 0 if budget is None or peak <= budget else (peak // 1024) << 20 | rank
-
-
-def decode_over_budget(flag: int) -> tuple[int, int]:
-    """``(rank, peak bytes)`` of a nonzero :func:`over_budget_flag`."""
-    return int(flag) & (2**20 - 1), (int(flag) >> 20) * 1024

@@ -28,7 +28,8 @@ from mpirt.monitor.live import Metrics, Progress, RunMonitor
 from mpirt.monitor.steps import owned_bytes
 from mpirt.parallel.engine import Engine, Hyper
 from mpirt.parallel.grid import Grid
-from mpirt.plan.memory import decode_over_budget, over_budget_flag, predict
+from mpirt.plan.budget import decode_over_budget, over_budget_flag
+from mpirt.plan.memory import predict
 from mpirt.core.settings import explicit_budget, format_size
 from mpirt.run import faults, health, jobctl
 from mpirt.run.config import ConfigError

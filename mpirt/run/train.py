@@ -15,15 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from mpirt import comm
 from mpirt.checkpoint.store import read_checkpoint_meta
 from mpirt.data.tokens import DataError
 from mpirt.monitor.live import tensorboard_writer_class
 from mpirt.parallel.preflight import check_step
-from mpirt.plan.budget import available_budget
-from mpirt.plan.memory import check_budget, measured_baseline
+from mpirt.plan.budget import available_budget, check_budget
+from mpirt.plan.memory import measured_baseline
 from mpirt.run import jobctl, startup
 from mpirt.run.config import parse_args, parse_duration
 from mpirt.run.finish import finish

@@ -158,7 +158,7 @@ def plan_replay(own: dict, argv: list[str], given: set, world_size: int) -> Plan
     for name, n in (("the run's layout", run_world), (f"against {own.get('against', 'dp=1')!r}", against_world)):
         if n > world_size:
             raise ConfigError(f"replay: {name} needs {n} ranks, the launch has {world_size}")
-    run_layout = resolve(run, model_cfg, run_world, f"replay: the run's layout")
+    run_layout = resolve(run, model_cfg, run_world, "replay: the run's layout")
     ref_layout = resolve(against, model_cfg, against_world, f"against {own.get('against', 'dp=1')}")
     scalars = (meta.get("optimizer") or {}).get("scalars") or {}
     step = meta["step"]

@@ -25,7 +25,8 @@ from mpirt.monitor.live import expert_figures
 from mpirt.parallel.engine import Engine, Hyper
 from mpirt.parallel.grid import Grid
 from mpirt.parallel.layout import Layout, LayoutError, pipeline_microbatches
-from mpirt.plan.memory import check_budget, recompute_where_it_pays
+from mpirt.plan.budget import check_budget
+from mpirt.plan.memory import recompute_where_it_pays
 from mpirt.run.config import TrainConfig
 from mpirt.run.distributed import derive_seed
 from mpirt.verify.traffic import differences

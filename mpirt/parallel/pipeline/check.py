@@ -119,6 +119,32 @@ def _structure_errors(s: Schedule) -> list:
     return errs
 
 
+def _unfinished_errors(s: Schedule, pc: list, sent: dict, taken: dict) -> list[str]:
+    """Why the run stopped short: each blocked rank's receive (its sender has no such rank, never
+    sends it, or sends it only after its own blocked action: a deadlock) and each send nobody
+    received. ``pc``: each rank's next action; ``sent``/``taken``: the messages and how many were
+    received, per (source, destination, kind)."""
+    p, v, errs = s.pp, s.chunks, []
+    for r in (r for r in range(p) if pc[r] < len(s.actions[r])):
+        a = s.actions[r][pc[r]]
+        q = a.peer
+        later = [b for b in s.actions[q][pc[q]:] if b.is_send and b.peer == r and b.kind == a.kind] \
+            if 0 <= q < p else []
+        if not 0 <= q < p:
+            why = f"no rank {q}"
+        elif not later:
+            why = "never sent"
+        else:
+            blocker = s.actions[q][pc[q]] if pc[q] < len(s.actions[q]) else None
+            why = (f"deadlock: rank {q} would send it ({later[0].describe(v)}) only after its own blocked "
+                   f"action {blocker.describe(v)}" if blocker else "never sent")
+        errs.append(f"rank {r}: {a.describe(v)}, {why} (blocked at action {pc[r]} of {len(s.actions[r])})")
+    for key, queue in sorted(sent.items()):
+        for mb, _, _, send, _ in queue[taken.get(key, 0):]:
+            errs.append(f"rank {key[0]}: {send.describe(v)}, never received")
+    return errs
+
+
 def simulate(s: Schedule, costs=None, latency: float = 0.0, trace: list | None = None) -> SimResult:
     """Run every rank's list together (see the module doc) and collect all problems.
 
@@ -186,25 +212,7 @@ def simulate(s: Schedule, costs=None, latency: float = 0.0, trace: list | None =
                     clock[r] = max(clock[r], t_sent + latency)
                 pc[r] += 1
                 progress = True
-    stuck = [r for r in range(p) if pc[r] < len(s.actions[r])]
-    for r in stuck:
-        a = s.actions[r][pc[r]]
-        key = (a.peer, r, a.kind)
-        q = a.peer
-        later = [b for b in s.actions[q][pc[q]:] if b.is_send and b.peer == r and b.kind == a.kind] \
-            if 0 <= q < p else []
-        if not 0 <= q < p:
-            why = f"no rank {q}"
-        elif not later:
-            why = "never sent"
-        else:
-            blocker = s.actions[q][pc[q]] if pc[q] < len(s.actions[q]) else None
-            why = (f"deadlock: rank {q} would send it ({later[0].describe(v)}) only after its own blocked "
-                   f"action {blocker.describe(v)}" if blocker else "never sent")
-        errs.append(f"rank {r}: {a.describe(v)}, {why} (blocked at action {pc[r]} of {len(s.actions[r])})")
-    for key, queue in sorted(sent.items()):
-        for mb, _, _, send, _ in queue[taken.get(key, 0):]:
-            errs.append(f"rank {key[0]}: {send.describe(v)}, never received")
+    errs += _unfinished_errors(s, pc, sent, taken)
     makespan = max(clock) if clock else 0.0
     return SimResult(not errs, errs, timeline, makespan, busy, peak, messages, s)
 

@@ -80,6 +80,27 @@ def _new_module(kind, old, spec: dict, comm, sp, regather):
     return SequenceParallelEmbedding(v, c, comm, std=w.std, dtype=dtype)
 
 
+def _check_changes(changes: list, t: int, sizes: dict) -> None:
+    """Refuse a plan's ``(name, module, kind, specs)`` changes that tp ``t`` cannot make: an
+    unknown kind, heads that ``t`` does not divide, a parameter whose shape its spec cannot split."""
+    for name, module, kind, specs in changes:
+        if kind not in KINDS:
+            raise ValueError(f"tp plan: {name}: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+        for heads in ("n_head", "n_kv_head"):
+            if kind == "heads" and getattr(module, heads, 0) % t:
+                raise ValueError(f"tensor parallelism: tp={t} must divide {name}.{heads}={getattr(module, heads)}")
+        for pname, spec in specs.items():
+            p = module._parameters.get(pname)
+            if p is not None:
+                shape = p.global_shape
+                if kind == "vocab":
+                    shape = (pad_vocab(shape[0], t),) + tuple(shape[1:])
+                try:
+                    spec.local_shape(shape, sizes)
+                except ValueError as err:
+                    raise ValueError(f"tensor parallelism: {name}.{pname} {shape} with tp={t}: {err}") from None
+
+
 def parallelize(model: Module, comm, sequence_parallel: bool = False, seed: int | None = None, plan=None,
                 regather: bool = True) -> Module:
     """Make ``model`` tensor parallel over ``comm`` (the tp Comm) in place, following its plan.
@@ -117,23 +138,7 @@ def parallelize(model: Module, comm, sequence_parallel: bool = False, seed: int 
             if kind == "qkv":
                 kind, specs = "column", _qkv_specs(modules[name.rpartition(".")[0]])
             changes.append((name, module, kind, specs))
-    # validate everything (with the numbers) before changing anything
-    for name, module, kind, specs in changes:
-        if kind not in KINDS:
-            raise ValueError(f"tp plan: {name}: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
-        for heads in ("n_head", "n_kv_head"):
-            if kind == "heads" and getattr(module, heads, 0) % t:
-                raise ValueError(f"tensor parallelism: tp={t} must divide {name}.{heads}={getattr(module, heads)}")
-        for pname, spec in specs.items():
-            p = module._parameters.get(pname)
-            if p is not None:
-                shape = p.global_shape
-                if kind == "vocab":
-                    shape = (pad_vocab(shape[0], t),) + tuple(shape[1:])
-                try:
-                    spec.local_shape(shape, sizes)
-                except ValueError as err:
-                    raise ValueError(f"tensor parallelism: {name}.{pname} {shape} with tp={t}: {err}") from None
+    _check_changes(changes, t, sizes)  # everything, with the numbers, before anything changes
     for name, module, kind, specs in changes:
         if kind in ("column", "row", "vocab") or (kind == "positions" and sequence_parallel):
             new = _new_module(kind, module, specs, comm, sequence_parallel, regather)
