@@ -27,10 +27,14 @@
   concurrent ranks than on one alone (``compute_by_ranks``): that replaces ``cores / N`` at that N.
 - **Memory**: :func:`mpirt.plan.memory.predict` for rank 0 and the last stage's first rank (or all),
   with the cluster's calibrated process baseline (:func:`mpirt.plan.memory.planned_baseline`).
+
+Over 400 lines: the parts above are one model of one step; each is a function of its own, kept
+beside the others it is added to.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -226,6 +230,114 @@ def _exchange_cost(cluster: Cluster, layout, model_cfg, dtype: str) -> tuple[flo
     return blocks * 4 * one, {"bytes": blocks * 4 * routed * (ep - 1) / ep, "s": blocks * 4 * one}
 
 
+def _tp_time(cluster: Cluster, layout, span: bool, w: Work) -> float:
+    """Seconds of the tp collectives of one layer's pass ``w``."""
+    return sum(coll_time(cluster, op, n, layout.tp, layout.world_size, span) for op, n in w.tp)
+
+
+def _stage_times(mach, tp_time, work: list, stage_layers: dict) -> dict:
+    """(pp rank, chunk) -> op -> (compute, tp comm) seconds of one micro-batch's pass over the
+    chunk's layers."""
+    share = {FORWARD: 1 / 3, BACKWARD: 2 / 3, WEIGHT: 2 / 3}  # W's bytes: already a third of B's
+
+    def pass_time(ws: list, op: str) -> tuple[float, float]:
+        return sum(mach.compute(w[op], share[op]) for w in ws), sum(tp_time(w[op]) for w in ws)
+
+    return {k: {op: pass_time([work[i] for i in v], op) for op in (FORWARD, BACKWARD, WEIGHT)}
+            for k, v in stage_layers.items()}
+
+
+def _local_parameters(layout, model_cfg, costs, stage_layers: dict) -> tuple[dict, dict]:
+    """Per pp rank, the dense parameters it holds (its tp slice) and its experts' (a mixture of
+    experts' stacked experts: replicated over tp, split over ep, synced over edp)."""
+    from mpirt.core.modeling import model_class
+    pp, tp = layout.pp, layout.tp
+    local = {r: sum(costs[i].params for (rr, _), v in stage_layers.items() if rr == r for i in v) / tp
+             for r in range(pp)}
+    per_block = getattr(model_class(model_cfg), "expert_weights_of", lambda c: 0)(model_cfg)
+    blocks_of = {r: sum(hi - lo for s, (lo, hi) in enumerate(layout.bounds) if s % pp == r) for r in range(pp)}
+    experts = {r: blocks_of[r] * per_block / layout.ep for r in range(pp)}
+    return {r: local[r] - blocks_of[r] * per_block / tp for r in range(pp)}, experts  # the dense rest
+
+
+def _pipeline_run(layout, times: dict, p2p: float, parts: dict) -> tuple[float, float, list | None]:
+    """(the passes' seconds, the bubble fraction, each stage's idle seconds (None without pp)) of
+    the step's micro-batches; fills ``parts``' forward, backward, weight_grad and bubble (rank 0's)."""
+    from mpirt.parallel.pipeline.check import timed
+    m, chunks = layout.microbatches, layout.chunks
+    if layout.pp == 1:
+        t = times[(0, 0)]
+        parts["forward"] = m * (t[FORWARD][0] + t[FORWARD][1])
+        parts["backward"] = m * (t[BACKWARD][0] + t[BACKWARD][1])
+        return parts["forward"] + parts["backward"], 0.0, None
+    sim = timed(layout.pipeline_schedule, lambda r, op, chunk: sum(times[(r, chunk)][op]), latency=p2p)
+    r0 = {op: sum(times[(0, c)][op][0] + times[(0, c)][op][1] for c in range(chunks)) for op in (FORWARD, BACKWARD, WEIGHT)}
+    parts.update(forward=m * r0[FORWARD], backward=m * r0[BACKWARD], weight_grad=m * r0[WEIGHT],
+                 bubble=sim.makespan - sim.busy[0])
+    return sim.makespan, sim.bubble, [sim.makespan - b for b in sim.busy]
+
+
+def _step_end_sync(cluster: Cluster, cfg, layout, model_cfg, costs, dp_s: float, dp_bytes: float,
+                   last_b: float) -> tuple[float, float, float]:
+    """(the exposed part of the dp sync ``dp_s``, the whole gradient sync, the clipping's norm sum)
+    seconds at the step's end: DDP's sync overlaps the last backward (``last_b``); the tied
+    embedding's gradient sum (pp), the sequence-parallel partial sums (tp) and the loss's allreduce
+    over dp come after it."""
+    tp, pp, world, e = layout.tp, layout.pp, layout.world_size, np.dtype(cfg.dtype).itemsize
+    replicas = layout.dp * layout.cp
+    exposed = dp_s
+    if cluster.overlap and dp_s and cfg.zero == 0:
+        exposed = max(dp_s / max(1, -(-dp_bytes // (25 * 2**20))), dp_s - 0.9 * last_b)
+    # the loss's allreduce over dp ends the step's sync; clipping reduces the norm over the group that
+    # shards the gradients (ZeRO: dp x cp; tp; pp: the stages' tp x pp), none for plain data parallelism
+    small = coll_time(cluster, "allreduce", 8, replicas, world, _spans_nodes(cluster, "dp", layout))
+    clip_group = (replicas if cfg.zero else 1) * tp * pp
+    clip = coll_time(cluster, "allreduce", 8, clip_group, world, clip_group > cluster.devices_per_node and not cluster.cores)
+    tied = coll_time(cluster, "p2p", costs[0].params / tp * (4 if e == 2 else e), 2, world,
+                     _spans_nodes(cluster, "pp", layout)) if pp > 1 else 0.0
+    sp_sync = coll_time(cluster, "allreduce", 4 * model_cfg.n_embd * model_cfg.n_layer * e, tp, world,
+                        _spans_nodes(cluster, "tp", layout)) if layout.sequence_parallel else 0.0
+    return exposed, exposed + tied + sp_sync + small, clip
+
+
+def _dp_cost(cluster: Cluster, zero: int, layout, local_params: dict, local_experts: dict, e: int, r: int,
+             which: int) -> tuple[float, float]:
+    """(seconds, bytes) of pp rank ``r``'s dense and expert gradients' :func:`_dp_ops` part ``which``
+    (0: inside the backward, 1: at the step's end); the dense ones over dp x cp, the experts' over
+    the dp / ep ranks holding them."""
+    replicas = layout.dp * layout.cp
+    ops = [(op, n, g) for n, g in ((local_params[r], replicas), (local_experts[r], replicas // layout.ep))
+           for op, n in _dp_ops(zero, n, g, e)[which]]
+    span = _spans_nodes(cluster, "dp", layout)
+    return sum(coll_time(cluster, op, n, g, layout.world_size, span) for op, n, g in ops), sum(n for _, n, _ in ops)
+
+
+def _tp_comm(stage_layers: dict, work: list, m: int, tp_time) -> dict:
+    """``{"bytes", "s"}`` of tp's collectives a step on pp rank 0 (its chunks' layers, ``m``
+    micro-batches)."""
+    out = {"bytes": 0.0, "s": 0.0}
+    for (r, c), v in stage_layers.items():
+        if r == 0:
+            for i in v:
+                for op in (FORWARD, BACKWARD, WEIGHT):
+                    out["bytes"] += m * sum(n for _, n in work[i][op].tp)
+                    out["s"] += m * tp_time(work[i][op])
+    return out
+
+
+def _optimizer_time(mach, zero: int, layout, model_cfg, local_params: dict, local_experts: dict, worst: int,
+                    e: int) -> float:
+    """Seconds of the optimizer's update on the rank holding the most parameters: ZeRO shards the
+    dense part over dp x cp, the experts over the dp / ep ranks holding them."""
+    replicas = layout.dp * layout.cp
+    n_local = max(local_params[r] + local_experts[r] for r in range(layout.pp))
+    shard = local_params[worst] / replicas + local_experts[worst] / (replicas // layout.ep) if zero else n_local
+    tensors = model_cfg.n_layer / layout.pp * tensors_per_block(model_cfg) + 4
+    if zero:
+        tensors = max(1.0, tensors / replicas)
+    return mach.optimizer(tensors, shard * 4, n_local * e)
+
+
 def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks: str = "stages",
              memory: dict | None = None) -> Estimate:
     """Predict one step of the layout ``cfg`` (a :class:`mpirt.run.config.TrainConfig`: dp, tp, pp,
@@ -238,121 +350,50 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     MoE block's routed rows (``rows x seq x top_k``, hidden size wide) go to the ep ranks holding
     their experts and come back, forward and backward (four all-to-alls sending ``(ep - 1) / ep`` of
     them, exposed: the block waits for its rows), the experts' weights count ``1 / ep`` on a rank
-    (replicated over tp) and their gradients are synced over edp (``dp / ep`` ranks). ``memory_ranks``: ``"stages"`` (rank 0 and the last
-    stage's first rank: the most stashed micro-batches and the logits) or ``"all"``; ``memory``:
-    :func:`peak_memory`'s answer for these arguments when the caller has it already."""
-    from mpirt.core.modeling import flops_per_token, layer_costs, model_class
-    from mpirt.parallel.pipeline.check import timed
+    (replicated over tp) and their gradients are synced over edp (``dp / ep`` ranks).
+    ``memory_ranks``: ``"stages"`` (rank 0 and the last stage's first rank: the most stashed
+    micro-batches and the logits) or ``"all"``; ``memory``: :func:`peak_memory`'s answer for these
+    arguments when the caller has it already."""
+    from mpirt.core.modeling import flops_per_token, layer_costs
 
     layout = _engine_layout(cfg, model_cfg)
-    dp, pp, tp, cp, ep, world = layout.dp, layout.pp, layout.tp, layout.cp, layout.ep, layout.world_size
-    replicas = dp * cp  # the ranks that average gradients (and hold ZeRO's shards): dp, and cp with it
-    seq = cfg.seq_len // cp  # the tokens of each sequence a rank holds
+    pp, world, chunks, m = layout.pp, layout.world_size, layout.chunks, layout.microbatches
     mach = _Machine(cluster, world, cfg.dtype)
     e = np.dtype(cfg.dtype).itemsize
-    sp, chunks, m, rows = layout.sequence_parallel, layout.chunks, layout.microbatches, layout.rows
     costs = layer_costs(model_cfg, cfg.seq_len)
-    mode = "full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute
-    picked = set(layout.recomputed)
     stage_layers = _stage_layers(layout, len(costs))
-    split = layout.split_backward
-    work = layer_work(model_cfg, costs, rows=rows, seq_len=seq, tp=tp, sp=sp, itemsize=e,
-                      recompute=mode, recomputed=picked, split=split)
-    tp_span = _spans_nodes(cluster, "tp", layout)
-
-    def tp_time(w: Work) -> float:
-        return sum(coll_time(cluster, op, n, tp, world, tp_span) for op, n in w.tp)
-
-    def pass_time(ws: list, op: str) -> tuple[float, float]:
-        """(compute, tp comm) seconds of pass ``op`` over the layers ``ws``."""
-        share = {FORWARD: 1 / 3, BACKWARD: 2 / 3, WEIGHT: 2 / 3}[op]  # W's bytes: already a third of B's
-        comp = sum(mach.compute(w[op], share) for w in ws)
-        return comp, sum(tp_time(w[op]) for w in ws)
-
-    times = {k: {op: pass_time([work[i] for i in v], op) for op in (FORWARD, BACKWARD, WEIGHT)} for k, v in stage_layers.items()}
-    local_params = {r: sum(costs[i].params for (rr, _), v in stage_layers.items() if rr == r for i in v) / tp
-                    for r in range(pp)}
-    # a mixture of experts' stacked experts: replicated over tp, split over ep, synced over edp
-    per_block = getattr(model_class(model_cfg), "expert_weights_of", lambda c: 0)(model_cfg)
-    blocks_of = {r: sum(hi - lo for s, (lo, hi) in enumerate(layout.bounds) if s % pp == r) for r in range(pp)}
-    local_experts = {r: blocks_of[r] * per_block / ep for r in range(pp)}
-    local_params = {r: local_params[r] - blocks_of[r] * per_block / tp for r in range(pp)}  # the dense rest
-
-    # data parallel sync of a rank's gradients (bytes: reductions of half dtypes travel as float32)
-    red_e = 4 if e == 2 else e
-    dp_span = _spans_nodes(cluster, "dp", layout)
-
-    def dp_cost(r: int, which: int) -> tuple[float, float]:
-        """(seconds, bytes) of stage ``r``'s dense and expert gradients' ``dp_ops`` part ``which``."""
-        ops = [(op, n, g) for n, g in ((local_params[r], replicas), (local_experts[r], replicas // ep))
-               for op, n in _dp_ops(cfg.zero, n, g, e)[which]]
-        return sum(coll_time(cluster, op, n, g, world, dp_span) for op, n, g in ops), sum(n for _, n, _ in ops)
-
+    work = layer_work(model_cfg, costs, rows=layout.rows, seq_len=cfg.seq_len // layout.cp, tp=layout.tp,
+                      sp=layout.sequence_parallel, itemsize=e, split=layout.split_backward, recomputed=set(layout.recomputed),
+                      recompute="full" if cfg.zero == 3 and cfg.recompute == "none" else cfg.recompute)
+    tp_time = functools.partial(_tp_time, cluster, layout, _spans_nodes(cluster, "tp", layout))
+    times = _stage_times(mach, tp_time, work, stage_layers)
+    local_params, local_experts = _local_parameters(layout, model_cfg, costs, stage_layers)
+    dp_cost = functools.partial(_dp_cost, cluster, cfg.zero, layout, local_params, local_experts, e)
     in_backward = {r: dp_cost(r, 0) for r in range(pp)}
     reduced_in = WEIGHT if layout.split_backward else BACKWARD  # where a micro-batch's gradients are final
     for (r, c), t in times.items():
         t[reduced_in] = (t[reduced_in][0], t[reduced_in][1] + in_backward[r][0] / chunks)
-
     parts = dict.fromkeys(("forward", "backward", "weight_grad", "bubble", "grad_sync", "optimizer", "other"), 0.0)
-    comm = {"tp": {"bytes": 0.0, "s": 0.0}, "pp": {"bytes": 0.0, "s": 0.0}, "dp": {"bytes": 0.0, "s": 0.0},
-            "cp": {"bytes": 0.0, "s": 0.0}, "ep": {"bytes": 0.0, "s": 0.0}}
+    comm = {axis: {"bytes": 0.0, "s": 0.0} for axis in ("tp", "pp", "dp", "cp", "ep")}
     act_msg = message_bytes(layout, model_cfg, cfg.dtype)
     p2p = coll_time(cluster, "p2p", act_msg, 2, world, _spans_nodes(cluster, "pp", layout)) if pp > 1 else 0.0
-    if pp == 1:
-        t = times[(0, 0)]
-        parts["forward"] = m * (t[FORWARD][0] + t[FORWARD][1])
-        parts["backward"] = m * (t[BACKWARD][0] + t[BACKWARD][1])
-        bubble, pipe = 0.0, parts["forward"] + parts["backward"]
-        last_b = t[BACKWARD][0]
-    else:
-        sched = layout.pipeline_schedule
-
-        sim = timed(sched, lambda r, op, chunk: sum(times[(r, chunk)][op]), latency=p2p)
-        pipe, bubble = sim.makespan, sim.bubble
-        r0 = {op: sum(times[(0, c)][op][0] + times[(0, c)][op][1] for c in range(chunks)) for op in (FORWARD, BACKWARD, WEIGHT)}
-        parts.update(forward=m * r0[FORWARD], backward=m * r0[BACKWARD], weight_grad=m * r0[WEIGHT],
-                     bubble=sim.makespan - sim.busy[0])
-        last_b = times[(0, 0)][BACKWARD][0]
+    pipe, bubble, stage_bubble = _pipeline_run(layout, times, p2p, parts)
+    last_b = times[(0, 0)][BACKWARD][0]
+    if pp > 1:
         comm["pp"] = {"bytes": 2 * m * chunks * act_msg, "s": 2 * m * chunks * p2p}
-        stage_bubble = [sim.makespan - b for b in sim.busy]
-    # tp comm per rank and step (rank 0's stages)
-    for (r, c), v in stage_layers.items():
-        if r == 0:
-            for i in v:
-                for op in (FORWARD, BACKWARD, WEIGHT):
-                    comm["tp"]["bytes"] += m * sum(n for _, n in work[i][op].tp)
-                    comm["tp"]["s"] += m * tp_time(work[i][op])
+    comm["tp"] = _tp_comm(stage_layers, work, m, tp_time)
     # dp sync at the step's end: the slowest stage's (the most parameters); DDP's overlaps the last backward
     worst = max(range(pp), key=lambda r: local_params[r] + local_experts[r])
     dp_s, dp_bytes = dp_cost(worst, 1)
-    exposed = dp_s
-    if cluster.overlap and dp_s and cfg.zero == 0:
-        exposed = max(dp_s / max(1, -(-dp_bytes // (25 * 2**20))), dp_s - 0.9 * last_b)
     comm["dp"] = {"bytes": dp_bytes + m * in_backward[worst][1], "s": dp_s + m * in_backward[worst][0]}
-    # the loss's allreduce over dp ends the step's sync; clipping reduces the norm over the group that
-    # shards the gradients (ZeRO: dp x cp; tp; pp: the stages' tp x pp), none for plain data parallelism
-    small = coll_time(cluster, "allreduce", 8, replicas, world, dp_span)
-    clip_group = (replicas if cfg.zero else 1) * tp * pp
-    clip = coll_time(cluster, "allreduce", 8, clip_group, world, clip_group > cluster.devices_per_node and not cluster.cores)
-    tied = coll_time(cluster, "p2p", costs[0].params / tp * red_e, 2, world, _spans_nodes(cluster, "pp", layout)) \
-        if pp > 1 else 0.0
-    sp_sync = coll_time(cluster, "allreduce", 4 * model_cfg.n_embd * model_cfg.n_layer * e, tp, world, tp_span) \
-        if sp else 0.0
-    parts["grad_sync"] = exposed + tied + sp_sync + small
+    exposed, parts["grad_sync"], clip = _step_end_sync(cluster, cfg, layout, model_cfg, costs, dp_s, dp_bytes, last_b)
     ring_exposed = exchange_exposed = 0.0
-    if cp > 1:
+    if layout.cp > 1:
         block_s = (times[(0, 0)][FORWARD][0] + times[(0, 0)][BACKWARD][0]) / max(1, len(stage_layers[(0, 0)]))
         ring_exposed, comm["cp"] = _ring_cost(cluster, layout, model_cfg, cfg.dtype, block_s)
-    if ep > 1:
+    if layout.ep > 1:
         exchange_exposed, comm["ep"] = _exchange_cost(cluster, layout, model_cfg, cfg.dtype)
-    n_local = max(local_params[r] + local_experts[r] for r in range(pp))
-    # ZeRO shards the dense part over dp x cp, the experts over the dp / ep ranks holding them
-    shard = local_params[worst] / replicas + local_experts[worst] / (replicas // ep) if cfg.zero else n_local
-    blocks_local = model_cfg.n_layer / pp
-    tensors = blocks_local * tensors_per_block(model_cfg) + 4
-    if cfg.zero:
-        tensors = max(1.0, tensors / replicas)
-    parts["optimizer"] = mach.optimizer(tensors, shard * 4, n_local * e) + clip
+    parts["optimizer"] = _optimizer_time(mach, cfg.zero, layout, model_cfg, local_params, local_experts, worst, e) + clip
     parts["other"] = 20 * cluster.op_overhead_s / mach.python_share   # data, monitor (the flags come after the step)
     step = pipe + ring_exposed + exchange_exposed + parts["grad_sync"] + parts["optimizer"] + parts["other"]
     parts["backward"] += ring_exposed  # the ring's waits are inside the measured passes
@@ -360,24 +401,17 @@ def estimate(cfg, model_cfg, cluster: Cluster, data_bytes: int = 0, memory_ranks
     parts["backward"] += exchange_exposed / 2
     tokens = cfg.batch_size * cfg.seq_len
     mfu = flops_per_token(model_cfg, cfg.seq_len) * tokens / step / (world * cluster.peak(cfg.dtype))
-
     mem = memory or peak_memory(cfg, model_cfg, cluster, data_bytes, memory_ranks, layout)
-
     shares = {"compute": parts["forward"] + parts["backward"] + parts["weight_grad"] - comm["tp"]["s"] - ring_exposed
               - exchange_exposed - m * in_backward[0][0] + parts["optimizer"],
               "dp comm": exposed + m * in_backward[0][0], "tp comm": comm["tp"]["s"], "cp comm": ring_exposed,
-              "ep comm": exchange_exposed,
-              "bubble": (bubble * pipe) if pp > 1 else 0.0}
-    neck = max(shares, key=shares.get)
-    if mem["peak"] > 0.9 * cluster.memory_bytes:
-        neck = "memory"
-    notes = []
-    if cluster.cores and world > cluster.cores * cluster.nodes:
-        notes.append(f"{world} ranks on {cluster.cores * cluster.nodes} cores: each rank runs at "
-                     f"{mach.share:.2f} of a core")
+              "ep comm": exchange_exposed, "bubble": (bubble * pipe) if pp > 1 else 0.0}
+    neck = "memory" if mem["peak"] > 0.9 * cluster.memory_bytes else max(shares, key=shares.get)
+    notes = [f"{world} ranks on {cluster.cores * cluster.nodes} cores: each rank runs at {mach.share:.2f} of a core"] \
+        if cluster.cores and world > cluster.cores * cluster.nodes else []
     est = Estimate(layout={**layout, "microbatches": m, "schedule": cfg.schedule if pp > 1 else None,
-                           "chunks": chunks, "zero": cfg.zero, "sequence_parallel": sp, "recompute": cfg.recompute,
-                           "dtype": cfg.dtype, "rows_per_microbatch": rows},
+                           "chunks": chunks, "zero": cfg.zero, "sequence_parallel": layout.sequence_parallel,
+                           "recompute": cfg.recompute, "dtype": cfg.dtype, "rows_per_microbatch": layout.rows},
                    step_s=step, parts=parts, comm=comm, bubble=bubble, memory=mem,
                    tokens_per_s=tokens / step, mfu=mfu, bottleneck=neck, notes=notes)
     if pp > 1:
