@@ -53,8 +53,8 @@ def activation_bytes(cfg, layout, *, itemsize: int = 4, positions: bool = False,
     Korthikanti et al. 2022). The autograd keeps what each op saved and nothing else (an op's
     output is held only as its producer, :class:`mpirt.core.tensor.Edge`).
 
-    ``layout`` (a :class:`mpirt.parallel.layout.Layout`) gives the micro-batch's ``b`` rows of
-    ``s`` tokens (a context-parallel rank's share), ``t`` (``tp``), sequence parallelism and ``cp``.
+    ``layout`` (a :class:`mpirt.parallel.layout.Layout`) gives ``b`` (``rows``) of ``s`` tokens
+    (``tokens``: a cp rank's share), ``t`` (``tp``), sequence parallelism and ``cp``.
     With ``u = b s h``, ``p = t`` under sequence parallelism (else 1), ``f`` the MLP width, ``a``
     the heads, ``e`` the itemsize and ``e'`` that of per-row statistics (float32 in half
     precision), a block keeps:
@@ -125,7 +125,7 @@ def activation_bytes(cfg, layout, *, itemsize: int = 4, positions: bool = False,
             "embed": int(embed),
             "head": int(head), "weight_pass": int(weight_pass), "embed_weight_pass": int(e * u / p + 8 * b * s),
             "head_weight_pass": int(e * (3 * u / p + b * s * v / t)), "widened": int(widened),
-            "backward": int(e * (2 * u / p + (1 + mlp_saved if mlp_backward is None else mlp_backward) * b * s * f / t))}
+            "backward": int(e * (2 * u / p + ((1 + mlp_saved) if mlp_backward is None else mlp_backward) * b * s * f / t))}
 
 
 class TiedLM(CausalLM):

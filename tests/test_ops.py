@@ -145,9 +145,27 @@ def _check_written_into_input(op):
         results[into] = (y.data.copy(), x.grad.copy())
     for copying, written in zip(results[False], results[True]):
         np.testing.assert_array_equal(copying, written)
-    held = x0.copy()
-    held.flags.writeable = False
-    assert not np.shares_memory(op(Tensor(held), True).data, held)
+    leaf = Tensor(x0.copy(), requires_grad=True)                   # a parameter's data is never written
+    assert not np.shares_memory(op(leaf, True).data, leaf.data)
+    with no_grad():                                                # nor what evaluation makes
+        made = ops.mul(Tensor(x0.copy()), 1.0)
+        assert not np.shares_memory(op(made, True).data, made.data)
+
+
+def test_gelu_into_a_strided_input_copies():
+    """A transposed (not C-contiguous) input is not written into: GELU's result and gradient
+    equal the copying form's."""
+    x = Tensor(normal(4, 6, seed=1).astype(np.float32), requires_grad=True)
+    outs = []
+    for into in (False, True):
+        x.grad = None
+        lead = ops.mul(x, 1.0).T                                   # an op's output, strided
+        y = ops.gelu(lead, into_input=into)
+        assert not np.shares_memory(y.data, lead.data)
+        y.backward(np.ones(y.shape, dtype=np.float32))
+        outs.append((y.data.copy(), x.grad.copy()))
+    for copying, written in zip(*outs):
+        np.testing.assert_array_equal(copying, written)
 
 
 def _torch_rotate(x, cos, sin):

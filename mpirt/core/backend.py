@@ -75,6 +75,11 @@ def asarray(a, dtype=None):
     return xp.asarray(a, dtype=dtype)
 
 
+def writeable(a) -> bool:
+    """Whether array ``a`` may be written: NumPy's flag; CuPy arrays have no such flag and are."""
+    return getattr(a.flags, "writeable", True)
+
+
 def is_device_array(a) -> bool:
     """True for a CuPy array (anything exposing ``__cuda_array_interface__``)."""
     return hasattr(a, "__cuda_array_interface__")

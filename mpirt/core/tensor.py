@@ -134,6 +134,13 @@ class Function:
         raise NotImplementedError
 
 
+def given_up(x) -> bool:
+    """Whether ``x`` is an op's output recorded for backward (a Tensor with a producer): what an op
+    may write its result into when its caller gives ``x`` up. A leaf (a parameter, the data) or a
+    tensor made under ``no_grad`` never is."""
+    return isinstance(x, Tensor) and x._ctx is not None
+
+
 def _edge(x):
     """What a Function keeps of an input: a leaf Tensor (it receives the gradient) or a constant
     as it is; of an op's output only its producer (an :class:`Edge`), not its data: what backward

@@ -87,11 +87,12 @@ def describe_rank(layout, rank: int) -> str:
 def check_budget(cfg, model_cfg, layout: dict, world_size: int, data_bytes: int = 0,
                  baselines: list[int] | None = None, available: list | None = None,
                  host_heap: bool = False) -> list[dict]:
-    """Every rank's :func:`predict` (``baselines``: each rank's :func:`measured_baseline`, else
-    :data:`PROCESS_BYTES`; ``host_heap`` as there); ValueError for the rank whose peak exceeds its
+    """Every rank's :func:`mpirt.plan.memory.predict` (``baselines``: each rank's
+    :func:`~mpirt.plan.memory.measured_baseline`, else :data:`~mpirt.plan.memory.PROCESS_BYTES`;
+    ``host_heap`` as there); ValueError for the rank whose peak exceeds its
     budget by the most, naming its largest term, the numbers and what would shrink it. The budget: an explicit
     ``cfg.memory_budget``, or under ``auto`` each rank's ``available`` entry (``(bytes, where
-    from)`` of :func:`mpirt.plan.budget.available_budget`; None: unknown, unchecked)."""
+    from)`` of :func:`available_budget`; None: unknown, unchecked)."""
     preds = [predict(cfg, model_cfg, layout, r, data_bytes, process_bytes=baselines[r] if baselines else None,
                      host_heap=host_heap) for r in range(world_size)]
     explicit = explicit_budget(cfg.memory_budget)

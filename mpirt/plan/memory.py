@@ -243,7 +243,7 @@ def _routing(cfg, model_cfg, ep: int, expert_load, busiest_expert) -> dict:
     return routing
 
 
-def _states(cfg, model_cfg, lay: Layout, stage: int, costs, n_local: float, experts: float, e: int) -> tuple:
+def _states_and_buffers(cfg, model_cfg, lay: Layout, stage: int, costs, n_local: float, experts: float, e: int) -> tuple:
     """``(parameters, gradients, optimizer state, communication)`` bytes of a rank of pipeline stage
     ``stage`` holding ``n_local`` dense parameters and ``experts`` expert parameters (its tp slice)."""
     from mpirt.core.precision import bytes_per_parameter
@@ -275,14 +275,11 @@ def _states(cfg, model_cfg, lay: Layout, stage: int, costs, n_local: float, expe
     return params, grads, optimizer, comm
 
 
-def _end_of_step(cfg, model_cfg, lay: Layout, rank: int, stage: int, costs, n_local: float, experts: float,
-                 e: int, checkpoint_gather: bool) -> tuple:
+def _end_of_step(cfg, lay: Layout, rank: int, stage: int, costs, n_full: int, n_local: float, experts: float,
+                 e: int, state_e: int, checkpoint_gather: bool) -> tuple:
     """``(checkpoint, buckets)``: what saving a checkpoint holds and data parallelism's allreduce
-    temporaries, both once the backward has freed the activations (see :func:`predict`)."""
-    from mpirt.core.modeling import num_parameters
-    from mpirt.core.precision import compute_dtype
-    state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
-    n_full = num_parameters(model_cfg)
+    temporaries, both once the backward has freed the activations (see :func:`predict`);
+    ``state_e``: the itemsize a checkpoint holds (float32 masters of a half run)."""
     gathers_state = lay.pp == 1 or stage == 0
     checkpoint = 3 * n_full * state_e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * lay.tp * state_e
     if not checkpoint_gather:  # format 3: boxes stream from the arrays, one at a time copied when not
@@ -367,7 +364,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     pp, tp, chunks, rows = lay.pp, lay.tp, lay.chunks, lay.rows
     seq = cfg.seq_len // lay.cp  # the tokens of each sequence this rank holds
     e = np.dtype(cfg.dtype).itemsize  # activations, buffers and gradients travel in the compute/storage dtype
-    state_e = compute_dtype(cfg.dtype).itemsize  # a checkpoint holds float32 masters of a half run
+    state_e = compute_dtype(cfg.dtype).itemsize  # float32 masters of a half run: a checkpoint's, the widened backward
     costs = layer_costs(model_cfg, cfg.seq_len)
     n_full = num_parameters(model_cfg)
     blocks = _RankBlocks(cfg, model_cfg, lay, rank, e, _routing(cfg, model_cfg, lay.ep, expert_load, busiest_expert),
@@ -386,9 +383,9 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     # a mixture of experts' stacked experts: replicated over tp, split over ep, sharded over edp
     experts = len(held) * getattr(model_class(model_cfg), "expert_weights_of", lambda c: 0)(model_cfg)
     n_local -= experts / tp
-    params, grads, optimizer, comm = _states(cfg, model_cfg, lay, pos["pp"], costs, n_local, experts, e)
+    params, grads, optimizer, comm = _states_and_buffers(cfg, model_cfg, lay, pos["pp"], costs, n_local, experts, e)
     # ring attention's keys and values in flight, with their gradient in the backward (a transient)
-    ring = 4 * ring_message_bytes(lay, model_cfg, cfg.dtype) if lay.cp > 1 else 0
+    ring = 4 * ring_message_bytes(lay, model_cfg, cfg.dtype) if lay.cp > 1 and held else 0
     vocab = -(-model_cfg.vocab_size // tp) * tp
     has_head = pp == 1 or pos["pp"] == pp - 1
     logits = 2 * rows * seq * vocab / tp * e  # the logits' gradient and a temporary
@@ -409,7 +406,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         during = [gain + backward for gain in handed_before]
         backward = max(0, peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w, during)
                        - activations)
-    checkpoint, buckets = _end_of_step(cfg, model_cfg, lay, rank, pos["pp"], costs, n_local, experts, e,
+    checkpoint, buckets = _end_of_step(cfg, lay, rank, pos["pp"], costs, n_full, n_local, experts, e, state_e,
                                        checkpoint_gather)
     if host_heap and pp > 1 and lay.split_backward:
         activations *= 1 + SPLIT_HOST_HEAP_HOLES

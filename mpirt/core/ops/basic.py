@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mpirt.core.backend as B
 from mpirt.core.precision import compute_dtype, float32_compute
-from mpirt.core.tensor import Function
+from mpirt.core.tensor import Function, given_up
 
 
 def unbroadcast(grad, shape):
@@ -154,7 +154,7 @@ class SwiGLU(Function):
 
 def _can_take(a, b) -> bool:
     """Whether ``a op= b`` leaves ``a`` the result's shape and dtype: ``a`` a writeable array."""
-    return (isinstance(a, B.xp.ndarray) and a.flags.writeable and _shape(b) in ((), a.shape)
+    return (isinstance(a, B.xp.ndarray) and B.writeable(a) and _shape(b) in ((), a.shape)
             and B.xp.result_type(a, b) == a.dtype)
 
 
@@ -162,7 +162,7 @@ def _sigmoid(a):
     """``1 / (1 + exp(-a))`` as ``(1 + tanh(a / 2)) / 2``: no overflow for large ``|a|``. In place
     in its one output: a temporary freed between the activations a forward keeps leaves a hole in
     the host heap that larger later arrays cannot use (docs/memory.md, "the heap's holes")."""
-    out = B.xp.multiply(a, 0.5)
+    out = B.xp.multiply(a, 0.5, out=B.xp.empty_like(a))  # an array even for a 0-d ``a``
     B.xp.tanh(out, out=out)
     out += 1.0
     out *= 0.5
@@ -230,8 +230,9 @@ def add(a, b, into_first=False):
     """``a + b``. ``into_first=True``: the caller gives ``a`` up (an op's output that nothing
     saved, such as a residual branch's) and the sum is written into its buffer where shape and
     dtype allow: no array is freed between the activations a forward keeps, so no hole is left in
-    the host heap (docs/memory.md, "the heap's holes")."""
-    return Add.apply(a, b, into_first=into_first)
+    the host heap (docs/memory.md, "the heap's holes"). Only an op's output recorded for backward
+    is written into, never a leaf (a parameter, the data) nor anything under no_grad."""
+    return Add.apply(a, b, into_first=into_first and given_up(a))
 
 
 def sub(a, b): return Sub.apply(a, b)

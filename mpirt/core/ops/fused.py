@@ -19,7 +19,7 @@ import mpirt.core.backend as B
 from mpirt.cpu import kernels
 from mpirt.gpu import cuda
 from mpirt.core.precision import compute_dtype, float32_compute, upcast
-from mpirt.core.tensor import Function, SparseGrad, Tensor, is_grad_enabled
+from mpirt.core.tensor import Function, SparseGrad, Tensor, given_up, is_grad_enabled
 from mpirt.cpu.threads import LIGHT_BLOCK, add_up, c_blocks, for_blocks
 
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -64,7 +64,8 @@ class Gelu(Function):
     """GPT-2's tanh GELU. While a block of ``x`` is in cache the forward also computes the
     derivative and saves only it (not ``x`` and the tanh): the backward is one multiply.
     With the CUDA kernels the forward saves ``x`` itself (in its dtype: the linear layer before
-    holds it anyway) and the backward recomputes the derivative in the same pass."""
+    holds it anyway) and the backward recomputes the derivative in the same pass. ``into_input``
+    (the CPU forms): the result is written into ``x``, C-contiguous and writeable, which the caller gave up."""
 
     def runs_half(self, x, into_input=False):
         return cuda.takes(x)
@@ -74,7 +75,7 @@ class Gelu(Function):
         if cuda.takes(x):
             self.x, self.d = x, None
             return cuda.gelu_forward(x)
-        y = x if into_input and x.flags.writeable else xp.empty(x.shape, dtype=x.dtype)
+        y = x if into_input and x.flags.c_contiguous and B.writeable(x) else xp.empty(x.shape, dtype=x.dtype)
         self.d = xp.empty_like(y) if self.needs_input_grad[0] and is_grad_enabled() else None
         flat = (x.reshape(-1), y.reshape(-1), None if self.d is None else self.d.reshape(-1))
         if kernels.usable(*flat):
@@ -473,8 +474,9 @@ def gelu(x, into_input=False):
     """GELU, tanh approximation as in GPT-2 (HF ``gelu_new``):
     ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``. ``into_input=True``: the caller gives
     ``x`` up (a projection's output nothing saved) and, on the CPU, the result is written into its
-    buffer: no array is freed between the kept activations (docs/memory.md, "the heap's holes")."""
-    return Gelu.apply(x, into_input=into_input)
+    buffer: no array is freed between the kept activations (docs/memory.md, "the heap's holes");
+    only an op's output recorded for backward (:func:`mpirt.core.tensor.given_up`)."""
+    return Gelu.apply(x, into_input=into_input and given_up(x))
 
 
 def softmax(x, axis=-1):

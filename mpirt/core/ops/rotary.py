@@ -6,7 +6,7 @@ import numpy as np
 
 import mpirt.core.backend as B
 from mpirt.core.precision import float32_compute
-from mpirt.core.tensor import Function
+from mpirt.core.tensor import Function, given_up
 
 _ROTARY_CACHE: dict = {}
 
@@ -54,7 +54,7 @@ class RotaryEmbedding(Function):
                              f"{cos.shape} (T, D/2) with D dividing C" + (f" and n_kv_head={n_kv_head}" if n_kv_head else ""))
         self.cos, self.sin = cos[:, None, :], sin[:, None, :]     # (T, 1, D/2): broadcast over heads
         self.n_qk = heads - kv                                    # heads of q and k together
-        if into_input and qkv.flags.writeable and qkv.flags.c_contiguous:
+        if into_input and qkv.flags.c_contiguous and B.writeable(qkv):
             return self._apply_in_place(qkv)
         return self._apply(qkv, 1.0)
 
@@ -93,4 +93,4 @@ def rotary_embedding(qkv, cos, sin, n_kv_head=None, into_input=False):
     whole heads, ``n_kv_head`` the local count). ``into_input=True``: the caller gives ``qkv`` up
     (the projection's output, nothing saved it) and the rotation is written into it, leaving no
     hole in the host heap (docs/memory.md, "the heap's holes")."""
-    return RotaryEmbedding.apply(qkv, cos=cos, sin=sin, n_kv_head=n_kv_head, into_input=into_input)
+    return RotaryEmbedding.apply(qkv, cos=cos, sin=sin, n_kv_head=n_kv_head, into_input=into_input and given_up(qkv))

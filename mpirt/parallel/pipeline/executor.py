@@ -42,6 +42,11 @@ class WaitLabel(NamedTuple):
         return f"pp rank {self.rank}: {verb} {a.kind} mb={a.mb} chunk {a.chunk} {prep} pp rank {a.peer}"
 
 
+def _tag(kind: str) -> int:
+    """The message tag of an activation (``"act"``) or a gradient."""
+    return TAG_ACT if kind == "act" else TAG_GRAD
+
+
 def _stand_in(a):
     """A read-only array of ``a``'s shape and dtype that holds no memory (a broadcast zero): the
     data of a stashed tensor once nothing reads it again (its shape and dtype still answer)."""
@@ -99,7 +104,7 @@ class _Receives:
             ex = self.executor
             buf = ex._buffer(a.kind)
             with ex.comm.labelled(WaitLabel(ex.rank, a)):
-                self.posted[key] = (a, ex.comm.irecv(buf, a.peer, TAG_ACT if a.kind == "act" else TAG_GRAD), buf)
+                self.posted[key] = (a, ex.comm.irecv(buf, a.peer, _tag(a.kind)), buf)
 
     def take(self, a: Action):
         """``(handle, buffer)`` of receive action ``a``; :meth:`post_next` once it has arrived."""
@@ -211,7 +216,7 @@ class PipelineExecutor:
         stash keeps its graph)."""
         data = step.outbox.pop((a.kind, a.mb, a.chunk))
         with self.comm.labelled(WaitLabel(self.rank, a)):
-            handle = self.comm.isend(data, a.peer, TAG_ACT if a.kind == "act" else TAG_GRAD)
+            handle = self.comm.isend(data, a.peer, _tag(a.kind))
         entry = step.stash.get((a.mb, a.chunk)) if a.kind == "act" else None
         step.sends.append((handle, entry.out if entry and entry.frees_out else None))
 
@@ -234,7 +239,7 @@ class PipelineExecutor:
             return
         first = a.chunk not in self._stash_bytes
         kept = kept_bytes(out) if first else 0
-        frees_out = s < self.S - 1 and sys.getrefcount(out.data) == 3  # the Tensor's, the outbox's
+        frees_out = s < self.S - 1 and sys.getrefcount(out.data) == 3  # the Tensor's, the outbox's, the call's
         if buf is not None and sys.getrefcount(buf) == held:  # no op saved the input
             kept -= buf.nbytes
             inp.data = _stand_in(buf)
