@@ -200,12 +200,12 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     its output); ``communication``: pipeline receive buffers, the MPI library's message pool an
     expert-parallel token exchange grows (``EXCHANGE_POOL_BYTES_PER_PEER`` in
     :mod:`mpirt.parallel.experts`), ZeRO-3's gathered unit (parameters and gradient); ``workspace``:
-    the largest transient of the backward's gradient of the logits, a block's backward and ring
-    attention's keys and values in flight (context parallelism) (plus one recomputed block, whole
-    again) and, less the activations
-    (freed by then), data parallelism's allreduce temporaries (MPI's, one per bucket in flight: at
-    worst the whole gradient) or what saving a checkpoint holds: every rank streams the boxes it owns (format 3),
-    one at a time, so at most the largest local tensor once and its finiteness mask. Split
+    the largest of the backward's transients (the logits' gradient, a block's backward, ring
+    attention's keys and values in flight under context parallelism), plus one recomputed block
+    whole again; or, less the activations (freed by then), data parallelism's allreduce
+    temporaries (MPI's, one per bucket in flight: at worst the whole gradient) or what saving a
+    checkpoint holds: every rank streams the boxes it owns (format 3), one at a time, so at most
+    the largest local tensor once and its finiteness mask. Split
     (zero-bubble) schedules hold a micro-batch's weight-pass bytes from its B to its W. Rank 0's
     writing (metrics, summary, TensorBoard) is in its baseline: its writer's modules are loaded
     before a run measures it.

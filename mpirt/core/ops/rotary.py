@@ -29,6 +29,8 @@ def _rotate(src, dst, cos, sin, sign: float) -> None:
     ``(x1 cos - s x2 sin, x2 cos + s x1 sin)`` with ``s = sign`` (-1: the inverse rotation)."""
     h = src.shape[-1] // 2
     x1, x2 = src[..., :h], src[..., h:]
+    if B.xp.may_share_memory(src, dst):                        # in place: the first half is written first
+        x1 = x1.copy()
     B.xp.multiply(x1, cos, out=dst[..., :h])
     dst[..., :h] -= sign * (x2 * sin)
     B.xp.multiply(x2, cos, out=dst[..., h:])
@@ -54,35 +56,23 @@ class RotaryEmbedding(Function):
                              f"{cos.shape} (T, D/2) with D dividing C" + (f" and n_kv_head={n_kv_head}" if n_kv_head else ""))
         self.cos, self.sin = cos[:, None, :], sin[:, None, :]     # (T, 1, D/2): broadcast over heads
         self.n_qk = heads - kv                                    # heads of q and k together
-        if into_input and qkv.flags.c_contiguous and B.writeable(qkv):
-            return self._apply_in_place(qkv)
-        return self._apply(qkv, 1.0)
+        return self._apply(qkv, 1.0, in_place=into_input and qkv.flags.c_contiguous and B.writeable(qkv))
 
     def backward(self, g):
         return (self._apply(g, -1.0),)
 
-    def _apply(self, a, sign: float):
+    def _apply(self, a, sign: float, in_place: bool = False):
+        """``a`` rotated by ``sign``: a new array, or ``a`` itself rotated in place (v is already
+        there)."""
         b, t, w = a.shape
         d, n_qk = 2 * self.cos.shape[-1], self.n_qk
         src = a.reshape(b, t, w // d, d)                           # (B, T, H + 2 Hk, D): q, k, v heads
-        out = B.xp.empty(src.shape, dtype=a.dtype)
+        out = src if in_place else B.xp.empty(src.shape, dtype=a.dtype)
         _rotate(src[:, :, :n_qk], out[:, :, :n_qk], self.cos, self.sin, sign)
+        if in_place:
+            return a
         out[:, :, n_qk:] = src[:, :, n_qk:]                        # v passes through
         return out.reshape(a.shape)
-
-    def _apply_in_place(self, a):
-        """The forward rotation written into ``a``'s q and k heads (v is already in place); the
-        values are those of :meth:`_apply`, to the bit."""
-        b, t, w = a.shape
-        d = 2 * self.cos.shape[-1]
-        qk = a.reshape(b, t, w // d, d)[:, :, :self.n_qk]          # (B, T, H + Hk, D)
-        x1, x2 = qk[..., :d // 2], qk[..., d // 2:]
-        first = x1.copy()                                          # freed before anything is kept
-        x1 *= self.cos
-        x1 -= x2 * self.sin
-        x2 *= self.cos
-        x2 += first * self.sin
-        return a
 
 
 def rotary_embedding(qkv, cos, sin, n_kv_head=None, into_input=False):
