@@ -122,35 +122,48 @@ def test_clipping_matches_unsharded(dtype):
     agree(min(ref.norms) > 0.05 and within(errs, dtype), f"norms {ref.norms}, errors {errs}")
 
 
+def _in_order(buckets) -> list[str]:
+    """The parameters' names as the buckets list them, a parameter spanning several named once."""
+    names = [p.name for b in buckets for p in b.params]
+    return [n for i, n in enumerate(names) if i == 0 or names[i - 1] != n]
+
+
 @pytest.mark.mpi(min_size=2)
-def test_hooks_launch_buckets_in_reverse_layer_order_during_backward():
+@pytest.mark.parametrize("max_in_flight", [1, 2, 0])
+def test_hooks_launch_buckets_in_order_during_backward_with_at_most_max_in_flight_outstanding(max_in_flight):
     comm = dp_comm()
     model = make_model("float64")
     names = [p.name for p in model.parameters()]
-    dp = DataParallel(model, comm, bucket_bytes=1)  # one parameter per bucket
-    assert [b.params[0].name for b in dp.buckets] == names[::-1]
-    seen = []  # (parameter, buckets launched when its gradient became final), in hook order
+    dp = DataParallel(model, comm, bucket_bytes=1000, max_in_flight=max_in_flight)
+    assert _in_order(dp.buckets) == names[::-1]
+    seen = []  # (parameter, buckets launched, allreduces outstanding when its gradient became final)
     for p in model.parameters():  # after DataParallel's own hooks, so they see its launches
-        p.register_hook(lambda p: seen.append((p.name, list(dp.launch_log))))
+        p.register_hook(lambda p: seen.append((p.name, list(dp.launch_log),
+                                               sum(b.handle is not None and not b.handle.done for b in dp.buckets))))
     x, y = batch(0, comm.rank, comm.size)
     dp(x, y)[1].backward()
     log = list(dp.launch_log)
     dp.finish()
     n = len(dp.buckets)
-    # launched in bucket order, i.e. reverse registration order, all before finish(); by the time
-    # the last gradient is final (the embeddings: used first in forward), all buckets are in flight
-    agree(log == list(range(n)) and seen[-1][1] == list(range(n)) and seen[-1][0] in ("wte.weight", "wpe.weight"),
-          f"log {log}, last hooks {seen[-2:]}")
+    most = max(k for *_, k in seen)
+    bounded = most <= max_in_flight if max_in_flight else True
+    # launched in bucket order, i.e. reverse registration order, all before finish() (once the
+    # embeddings' gradients are final: used first in forward); a bound waits for the oldest first
+    agree(n > 4 and log == list(range(n)) and seen[-1][1] == list(range(n)) and bounded and
+          seen[-1][0] in ("wte.weight", "wpe.weight"), f"log {log}, most outstanding {most}, last hooks {seen[-2:]}")
+    if max_in_flight == 1:
+        assert dp.stats["in_flight_wait_s"] > 0
 
 
 @pytest.mark.mpi(min_size=2)
-def test_buckets_group_by_size_in_reverse_order():
+def test_buckets_are_ranges_of_the_size_in_reverse_order():
     comm = dp_comm()
     model = make_model("float32")
     dp = DataParallel(model, comm, bucket_bytes=4000)
-    order = [p.name for b in dp.buckets for p in b.params]
+    order = _in_order(dp.buckets)
     sizes = [b.nbytes for b in dp.buckets]
-    ok = order == [p.name for p in model.parameters()][::-1] and all(s >= 4000 for s in sizes[:-1])
+    ok = order == [p.name for p in model.parameters()][::-1] and all(s == 4000 for s in sizes[:-1])
+    ok = ok and 0 < sizes[-1] <= 4000 and max(p.data.nbytes for p in model.parameters()) > 4000
     # every grad is a view into the store's gradient vector, each bucket a contiguous range of it;
     # zeroing through the optimizer keeps the views
     opt = AdamW(model.parameters(), lr=LR)
@@ -161,6 +174,11 @@ def test_buckets_group_by_size_in_reverse_order():
     ok = ok and edges[0][1] == dp.store.numel and edges[-1][0] == 0 and all(
         lo == hi for (lo, _), (_, hi) in zip(edges, edges[1:]))
     agree(ok, f"order {order}, sizes {sizes}")
+
+
+def test_max_in_flight_must_not_be_negative():
+    with pytest.raises(ValueError, match=r"^DataParallel: max_in_flight must be >= 0 \(0: no bound\), got -1$"):
+        DataParallel(make_model("float64"), dp_comm(), max_in_flight=-1)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -148,25 +148,22 @@ def test_segments_of_every_range_name_its_elements():
 
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
 @pytest.mark.parametrize("elements", [1, 3, 6, 7, 11, 10 ** 6])
-def test_buckets_cover_the_vector_in_reverse_parameter_order(itemsize, elements):
-    """Buckets run from the end of the vector to 0 without gaps, hold the parameters in reverse order,
-    each spanning exactly its parameters, each >= the byte threshold (and closed as soon as it is) but the last."""
+def test_buckets_cover_the_vector_from_its_end_in_ranges_of_the_size(itemsize, elements):
+    """Buckets run from the end of the vector to 0 without gaps, each exactly ``bucket_bytes`` but
+    the last (at 0), each listing the parameters with elements in it, in reverse order: a parameter
+    larger than a bucket is in several, so no bucket exceeds the size."""
     params, _ = make_params(SHAPES)
     layout = FlatLayout(params)
-    bucket_bytes = elements * itemsize
+    bucket_bytes = elements * itemsize + itemsize - 1  # a part of an element does not count
     buckets = layout.buckets(bucket_bytes, itemsize)
     assert buckets[0][1] == layout.numel and buckets[-1][0] == 0
     assert all(b[0] == c[1] for b, c in zip(buckets, buckets[1:]))
-    assert [p for *_, group in buckets for p in group] == params[::-1]
-    where = {id(p): ab for p, ab in zip(params, layout.offsets)}
-    for k, (lo, hi, group) in enumerate(buckets):
-        assert where[id(group[0])][1] == hi and where[id(group[-1])][0] == lo
-        if k < len(buckets) - 1:
-            assert (hi - lo) * itemsize >= bucket_bytes
-        if len(group) > 1:  # one parameter fewer would not have reached the threshold
-            assert (hi - where[id(group[-2])][0]) * itemsize < bucket_bytes
+    assert all(hi - lo == elements for lo, hi, _ in buckets[:-1]) and 0 < buckets[-1][1] - buckets[-1][0] <= elements
+    for lo, hi, group in buckets:
+        assert group == [p for p, (a, b) in reversed(list(zip(params, layout.offsets))) if a < hi and b > lo and a < b]
     if elements >= layout.numel:
         assert len(buckets) == 1
+    assert all(sum(p in group for *_, group in buckets) >= 2 for p in params if p.size > elements)
 
 
 def test_runs_merge_adjacent_selected_parameters_and_skip_the_others():

@@ -30,6 +30,12 @@ class Handle:
     def done(self) -> bool:
         return self._done
 
+    @property
+    def engine(self) -> str:
+        """What carries the operation: ``"host"`` (MPI on host arrays), ``"staged"`` (MPI on host
+        copies of device arrays) or ``"nccl"``."""
+        return self._engine
+
     def test(self) -> bool:
         """Drive progress; True once the operation has completed (then the result is ready)."""
         if self._done:

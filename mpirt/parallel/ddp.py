@@ -9,16 +9,24 @@
     optimizer.step(); optimizer.zero_grad()
 
 The gradients live in the parameter store (:class:`mpirt.parallel.flat.FlatParams`: every
-``p.grad`` is a view into one flat vector); a bucket is a contiguous range of it of ~``bucket_bytes``,
-cut in reverse registration order, the order in which backward finishes the gradients. The
+``p.grad`` is a view into one flat vector); a bucket is a contiguous range of it of ``bucket_bytes``,
+cut from its end, the order in which backward finishes the gradients (a parameter larger than a
+bucket spans several, so no bucket, and no MPI temporary, exceeds the size). The
 autograd engine accumulates into ``p.grad`` in place and optimizers zero it in place, so the
 views stay valid; nothing may rebind ``p.grad`` (``finish`` checks and says which one was).
 
-A gradient hook on every parameter counts how many of a bucket's gradients are final; when the
-count is complete the bucket's non-blocking allreduce (average) is launched. Buckets are launched
-strictly in index order (a bucket that fills early waits for its predecessors) so every rank
-issues the same collectives in the same order. Unused parameters never fire their hook: their
+A gradient hook on every parameter counts, in each bucket it has elements in, how many of the
+bucket's gradients are final; when the count is complete the bucket's non-blocking allreduce
+(average) is launched. Buckets are launched strictly in index order (a bucket that fills early
+waits for its predecessors) so every rank issues the same collectives in the same order. Unused parameters never fire their hook: their
 buckets are launched by ``finish``.
+
+Allreduces in flight. MPICH's non-blocking allreduce of a large bucket holds a temporary of the
+bucket's size from its launch to its completion, and a host-staged (GPU) bucket a host copy: with
+every bucket launched before the first completes, the end of backward would hold one per bucket,
+a second copy of the gradients. At most ``max_in_flight`` (2 by default) MPI allreduces are
+outstanding: launching one more first waits for the oldest. NCCL reduces in place on its stream
+and is not bounded.
 
 MPI progress. MPICH progresses a non-blocking collective only inside MPI calls, so overlap needs
 the runtime to drive it. ``progress="test"`` (default) tests the outstanding handles from every
@@ -44,7 +52,8 @@ import mpirt.core.backend as B
 from mpirt.parallel.flat import FlatParams
 
 
-BUCKET_BYTES = 25 * 2**20  # a gradient bucket's target size (PyTorch DDP's default)
+BUCKET_BYTES = 25 * 2**20  # a gradient bucket's size (PyTorch DDP's default)
+MAX_IN_FLIGHT = 2  # MPI allreduces outstanding at once, each holding its bucket's temporary
 
 
 def broadcast_parameters(params, comm, root: int = 0) -> None:
@@ -92,21 +101,25 @@ class DataParallel:
     """Replicate a model over the ranks of ``comm`` and average gradients over them.
 
     ``model``: a Module (its parameters go into a new :class:`~mpirt.parallel.flat.FlatParams`)
-    or a store that already holds them (a pipeline stage's). ``bucket_bytes``: target size of one
-    gradient bucket (a bucket closes once it reaches it; one large parameter may exceed it).
+    or a store that already holds them (a pipeline stage's). ``bucket_bytes``: the size of one
+    gradient bucket (the last, at the vector's start, may be smaller).
     ``overlap``: launch each bucket's allreduce from the gradient hooks during backward (True) or
     allreduce all buckets in :meth:`finish` (False). ``progress``: how MPI is progressed during
     backward with overlap, ``"test"`` or ``"thread"`` (see the module docstring). ``check_every``:
     run :meth:`check_replicas` on every ``check_every``-th :meth:`finish` (0: never); it checks the
-    weights of the previous step.
+    weights of the previous step. ``max_in_flight``: MPI allreduces outstanding at once during
+    backward (0: no bound; see the module docstring).
     """
 
     def __init__(self, model, comm, bucket_bytes: int = BUCKET_BYTES, overlap: bool = True,
-                 progress: str = "test", check_every: int = 0):
+                 progress: str = "test", check_every: int = 0, max_in_flight: int = MAX_IN_FLIGHT):
         if progress not in ("test", "thread"):
             raise ValueError(f"DataParallel: progress must be 'test' or 'thread', got {progress!r}")
         if bucket_bytes < 1:
             raise ValueError(f"DataParallel: bucket_bytes must be >= 1, got {bucket_bytes}")
+        if max_in_flight < 0:
+            raise ValueError(f"DataParallel: max_in_flight must be >= 0 (0: no bound), got {max_in_flight}")
+        self.max_in_flight = int(max_in_flight)
         self.store = model if isinstance(model, FlatParams) else FlatParams(model.parameters())
         self.module, self.comm = (None if model is self.store else model), comm
         self.overlap, self.progress, self.check_every = bool(overlap), progress, int(check_every)
@@ -115,7 +128,10 @@ class DataParallel:
         broadcast_parameters(self.store, comm)
         self.buckets = [_Bucket(k, params, self.store, lo, hi) for k, (lo, hi, params)
                         in enumerate(self.store.buckets(int(bucket_bytes), self.store.grad.itemsize))]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._buckets_of: dict[int, list[_Bucket]] = {}
+        for b in self.buckets:
+            for p in b.params:
+                self._buckets_of.setdefault(id(p), []).append(b)
         self._fired: set[int] = set()   # params whose hook fired since the last finish
         self._next_launch = 0           # buckets are launched strictly in index order
         self._sync = True               # False inside no_sync()
@@ -127,7 +143,7 @@ class DataParallel:
         self._thread_comm = comm.split(0, comm.rank) if (self.overlap and progress == "thread") else None
         self.launch_log: list[int] = []  # bucket indices in launch order, latest backward (overlap)
         self.stats = {"launches": 0, "finishes": 0, "wait_s": 0.0, "last_wait_s": 0.0,
-                      "hook_test_s": 0.0, "skipped_hooks": 0}
+                      "hook_test_s": 0.0, "in_flight_wait_s": 0.0, "skipped_hooks": 0}
         for p in self.params:
             p.register_hook(self._hook)
 
@@ -172,10 +188,9 @@ class DataParallel:
         self._fired.add(id(p))
         if not self.overlap:
             return
-        bucket = self._bucket_of[id(p)]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready()
+        for bucket in self._buckets_of.get(id(p), ()):  # a parameter without elements is in none
+            bucket.pending -= 1
+        self._launch_ready()
         if self.progress == "test":
             self._test_outstanding()
 
@@ -194,10 +209,23 @@ class DataParallel:
         self.stats["launches"] += 1
         if self.comm.size == 1:
             return
-        if self.progress == "thread":
+        if self.progress == "thread":  # one blocking allreduce at a time
             self._comm_thread().put(bucket)
         else:
+            self._bound_in_flight(bucket.index)
             bucket.handle = self.comm.iallreduce(bucket.flat, op="avg")
+
+    def _bound_in_flight(self, index: int) -> None:
+        """Wait for the oldest MPI allreduces of the buckets before ``index`` until fewer than
+        ``max_in_flight`` are outstanding."""
+        if not self.max_in_flight:
+            return
+        outstanding = [b.handle for b in self.buckets[:index]
+                       if b.handle is not None and not b.handle.done and b.handle.engine != "nccl"]
+        t0 = time.perf_counter()
+        for handle in outstanding[:len(outstanding) - self.max_in_flight + 1]:
+            handle.wait()
+        self.stats["in_flight_wait_s"] += time.perf_counter() - t0
 
     def _test_outstanding(self) -> None:
         t0 = time.perf_counter()

@@ -70,16 +70,13 @@ class FlatLayout:
         return out
 
     def buckets(self, bucket_bytes: int, itemsize: int) -> list[tuple[int, int, list]]:
-        """``(lo, hi, params)``: the vector cut into contiguous ranges of about ``bucket_bytes``
-        (``itemsize`` bytes per element), in reverse parameter order (the order backward finishes
-        the gradients); ``params`` in that order too."""
-        out, group, hi = [], [], self.numel
-        for p, (a, b) in reversed(list(zip(self.params, self.offsets))):
-            group.append(p)
-            if (hi - a) * itemsize >= bucket_bytes or a == 0:
-                out.append((a, hi, group))
-                group, hi = [], a
-        return out
+        """``(lo, hi, params)``: the vector cut from its end into ranges of ``bucket_bytes``
+        (``itemsize`` bytes per element, at least one element; the range at 0 may be shorter), the
+        order backward finishes the gradients; ``params``: those with elements in the range, in
+        reverse order. A parameter larger than a bucket spans several, so no range exceeds the size."""
+        step = max(1, bucket_bytes // itemsize)
+        return [(lo, hi, [p for p, *_ in reversed(self.segments(lo, hi))])
+                for hi in range(self.numel, 0, -step) for lo in [max(0, hi - step)]]
 
     def runs(self, lo: int, hi: int, select) -> list[tuple[int, int]]:
         """Maximal ``[start, stop)`` runs, relative to ``lo``, of the range ``[lo, hi)`` that belong to

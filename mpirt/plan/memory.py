@@ -202,9 +202,9 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     :mod:`mpirt.parallel.experts`), ZeRO-3's gathered unit (parameters and gradient); ``workspace``:
     the largest of the backward's transients (the logits' gradient, a block's backward, ring
     attention's keys and values in flight under context parallelism), plus one recomputed block
-    whole again; or, less the activations (freed by then), data parallelism's allreduce
-    temporaries (MPI's, one per bucket in flight: at worst the whole gradient) or what saving a
-    checkpoint holds: every rank streams the boxes it owns (format 3), one at a time, so at most
+    whole again; or data parallelism's allreduce temporaries beside the activations (MPI's, one per
+    bucket in flight, at most :data:`mpirt.parallel.ddp.MAX_IN_FLIGHT` of them); or, less the
+    activations (freed by then), what saving a checkpoint holds: every rank streams the boxes it owns (format 3), one at a time, so at most
     the largest local tensor once and its finiteness mask. Split
     (zero-bubble) schedules hold a micro-batch's weight-pass bytes from its B to its W. Rank 0's
     writing (metrics, summary, TensorBoard) is in its baseline: its writer's modules are loaded
@@ -277,23 +277,27 @@ def _states_and_buffers(cfg, model_cfg, lay: Layout, stage: int, costs, n_local:
 
 def _end_of_step(cfg, lay: Layout, rank: int, stage: int, costs, n_full: int, n_local: float, experts: float,
                  e: int, state_e: int, checkpoint_gather: bool) -> tuple:
-    """``(checkpoint, buckets)``: what saving a checkpoint holds and data parallelism's allreduce
-    temporaries, both once the backward has freed the activations (see :func:`predict`);
+    """``(checkpoint, buckets)``: what saving a checkpoint holds once the backward has freed the
+    activations, and data parallelism's allreduce temporaries, beside them (see :func:`predict`);
     ``state_e``: the itemsize a checkpoint holds (float32 masters of a half run)."""
     gathers_state = lay.pp == 1 or stage == 0
     checkpoint = 3 * n_full * state_e * (2 if rank == 0 else 1) if gathers_state else 3 * n_local * lay.tp * state_e
     if not checkpoint_gather:  # format 3: boxes stream from the arrays, one at a time copied when not
         # contiguous, after a finiteness mask (1 byte per element); the token table is the largest
         checkpoint = max(costs[0].params, max(c.params for c in costs[1:-1]) / 4) / lay.tp * (state_e + 1)
-    # DataParallel: each bucket's non-blocking allreduce holds MPI's temporary of its size (half:
-    # reduced from a float32 copy, a second one) as backward ends, when the activations are freed:
-    # measured +75-85 MiB at dp 4 for 100 MiB of float64 gradients in 25 MiB buckets, +30 MiB for 50
-    # MiB of float32 ones, nothing visible for one bucket (the allocator reuses the freed
-    # activations): the gradients less half a bucket, from two buckets on
-    from mpirt.parallel.ddp import BUCKET_BYTES as DDP_BUCKET
+    # DataParallel: each bucket's non-blocking allreduce holds MPI's temporary of its size (half: a
+    # float32 copy and its temporary) from launch to completion, at most MAX_IN_FLIGHT at once, while
+    # backward still holds activations. MPI touches half of each, a different half on each rank, on
+    # reused or fresh heap. Measured with 25 MiB buckets, the rank that grows most, above the
+    # activations: dp 4, 2 buckets (float32): 35 MiB; 4 and 8 (float64): 54-56 MiB; dp 2: 62 MiB,
+    # the other rank 20 MiB less: one bucket more than in flight, less three quarters of one;
+    # nothing visible for one bucket (the allocator reuses the freed activations)
+    from mpirt.parallel.ddp import BUCKET_BYTES as DDP_BUCKET, MAX_IN_FLIGHT
     red = 4 if e == 2 else e
     synced = 0 if cfg.zero else (n_local * (lay.dp * lay.cp > 1) + experts / lay.ep * (lay.dp // lay.ep > 1)) * red
-    buckets = (synced - DDP_BUCKET / 2) * (2 if e == 2 else 1) if synced > DDP_BUCKET else 0
+    bucket = DDP_BUCKET // e * red
+    in_flight = min(synced, (MAX_IN_FLIGHT + 1) * bucket) if MAX_IN_FLIGHT else synced
+    buckets = (in_flight - bucket * 3 / 4) * (2 if e == 2 else 1) if synced > bucket else 0
     return checkpoint, buckets
 
 
@@ -411,7 +415,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
     if host_heap and pp > 1 and lay.split_backward:
         activations *= 1 + SPLIT_HOST_HEAP_HOLES
     # the step's transient comes on top of the activations, the end of the run's after they are freed
-    workspace = max(backward, checkpoint - activations, buckets - activations)
+    workspace = max(backward, checkpoint - activations, buckets)
     out = {"baseline": PROCESS_BYTES if process_bytes is None else process_bytes, "data": data_bytes, "parameters": params, "gradients": grads, "optimizer_state": optimizer,
            "activations": activations, "communication": comm, "workspace": workspace}
     out = {k: int(v) for k, v in out.items()}
