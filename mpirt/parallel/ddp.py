@@ -18,8 +18,8 @@ views stay valid; nothing may rebind ``p.grad`` (``finish`` checks and says whic
 A gradient hook on every parameter counts, in each bucket it has elements in, how many of the
 bucket's gradients are final; when the count is complete the bucket's non-blocking allreduce
 (average) is launched. Buckets are launched strictly in index order (a bucket that fills early
-waits for its predecessors) so every rank issues the same collectives in the same order. Unused parameters never fire their hook: their
-buckets are launched by ``finish``.
+waits for its predecessors) so every rank issues the same collectives in the same order. Unused
+parameters never fire their hook: their buckets are launched by ``finish``.
 
 Allreduces in flight. MPICH's non-blocking allreduce of a large bucket holds a temporary of the
 bucket's size from its launch to its completion, and a host-staged (GPU) bucket a host copy: with

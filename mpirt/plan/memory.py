@@ -204,8 +204,9 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     attention's keys and values in flight under context parallelism), plus one recomputed block
     whole again; or data parallelism's allreduce temporaries beside the activations (MPI's, one per
     bucket in flight, at most :data:`mpirt.parallel.ddp.MAX_IN_FLIGHT` of them); or, less the
-    activations (freed by then), what saving a checkpoint holds: every rank streams the boxes it owns (format 3), one at a time, so at most
-    the largest local tensor once and its finiteness mask. Split
+    activations (freed by then), what saving a checkpoint holds: every rank streams the boxes it
+    owns (format 3), one at a time, so at most the largest local tensor once and its finiteness
+    mask. Split
     (zero-bubble) schedules hold a micro-batch's weight-pass bytes from its B to its W. Rank 0's
     writing (metrics, summary, TensorBoard) is in its baseline: its writer's modules are loaded
     before a run measures it.
