@@ -257,6 +257,12 @@ class Layout(Mapping):
         return self.dp * self.pp * self.cp * self.tp
 
     @property
+    def replicas(self) -> int:
+        """The ranks that hold the same dense parameters, dp x cp: data parallelism's gradient
+        sync and ZeRO's shards span them (the grid's ``dp_cp`` communicator)."""
+        return self.dp * self.cp
+
+    @property
     def tokens(self) -> int:
         """The tokens of each sequence a rank holds: its ``2 x cp`` chunks' share of ``seq_len``."""
         return self.seq_len // self.cp

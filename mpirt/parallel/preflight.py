@@ -157,7 +157,7 @@ class StepPrograms:
             any(lo < hi for lo, hi in (lay.bounds[c * lay.pp + p] for c in range(lay.chunks)))
         axes = [("pp", "broadcast", "the loss from the last stage")] if lay.pp > 1 else []
         axes.append((dense, "allreduce", "the loss's average"))
-        if lay.zero and lay.dp * lay.cp > 1:
+        if lay.zero and lay.replicas > 1:
             axes.append((dense, "allreduce", "the norm's sum over ZeRO's shards"))
         if experts and lay.zero and lay.dp // lay.ep > 1:
             axes.append((edp, "allreduce", "the norm's sum over the experts' shards"))

@@ -248,7 +248,7 @@ def _states_and_buffers(cfg, model_cfg, lay: Layout, stage: int, costs, n_local:
     """``(parameters, gradients, optimizer state, communication)`` bytes of a rank of pipeline stage
     ``stage`` holding ``n_local`` dense parameters and ``experts`` expert parameters (its tp slice)."""
     from mpirt.core.precision import bytes_per_parameter
-    replicas = lay.dp * lay.cp  # ZeRO shards over dp and cp together (the ranks holding the same parameters)
+    replicas = lay.replicas  # ZeRO shards over dp and cp together (the ranks holding the same parameters)
     per_param = bytes_per_parameter(cfg.dtype, replicas, cfg.zero)  # masters and moments in float32 for half
     per_expert = bytes_per_parameter(cfg.dtype, lay.dp // lay.ep, cfg.zero)
     params, grads, optimizer = (n_local * per_param[k] + experts / lay.ep * per_expert[k]
@@ -295,7 +295,7 @@ def _end_of_step(cfg, lay: Layout, rank: int, stage: int, costs, n_full: int, n_
     # nothing visible for one bucket (the allocator reuses the freed activations)
     from mpirt.parallel.ddp import BUCKET_BYTES as DDP_BUCKET, MAX_IN_FLIGHT
     red = 4 if e == 2 else e
-    synced = 0 if cfg.zero else (n_local * (lay.dp * lay.cp > 1) + experts / lay.ep * (lay.dp // lay.ep > 1)) * red
+    synced = 0 if cfg.zero else (n_local * (lay.replicas > 1) + experts / lay.ep * (lay.dp // lay.ep > 1)) * red
     bucket = DDP_BUCKET // e * red
     in_flight = min(synced, (MAX_IN_FLIGHT + 1) * bucket) if MAX_IN_FLIGHT else synced
     buckets = (in_flight - bucket * 3 / 4) * (2 if e == 2 else 1) if synced > bucket else 0

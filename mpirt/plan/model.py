@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpirt.parallel.context import ring_message_bytes
+from mpirt.parallel.ddp import BUCKET_BYTES as DDP_BUCKET
 from mpirt.parallel.experts import routed_bytes
 from mpirt.parallel.layout import Layout
 from mpirt.parallel.pipeline.stage import message_bytes
@@ -284,10 +285,10 @@ def _step_end_sync(cluster: Cluster, cfg, layout, model_cfg, costs, dp_s: float,
     embedding's gradient sum (pp), the sequence-parallel partial sums (tp) and the loss's allreduce
     over dp come after it."""
     tp, pp, world, e = layout.tp, layout.pp, layout.world_size, np.dtype(cfg.dtype).itemsize
-    replicas = layout.dp * layout.cp
+    replicas = layout.replicas
     exposed = dp_s
     if cluster.overlap and dp_s and cfg.zero == 0:
-        exposed = max(dp_s / max(1, -(-dp_bytes // (25 * 2**20))), dp_s - 0.9 * last_b)
+        exposed = max(dp_s / max(1, -(-dp_bytes // DDP_BUCKET)), dp_s - 0.9 * last_b)  # the last bucket's
     # the loss's allreduce over dp ends the step's sync; clipping reduces the norm over the group that
     # shards the gradients (ZeRO: dp x cp; tp; pp: the stages' tp x pp), none for plain data parallelism
     small = coll_time(cluster, "allreduce", 8, replicas, world, _spans_nodes(cluster, "dp", layout))
@@ -305,7 +306,7 @@ def _dp_cost(cluster: Cluster, zero: int, layout, local_params: dict, local_expe
     """(seconds, bytes) of pp rank ``r``'s dense and expert gradients' :func:`_dp_ops` part ``which``
     (0: inside the backward, 1: at the step's end); the dense ones over dp x cp, the experts' over
     the dp / ep ranks holding them."""
-    replicas = layout.dp * layout.cp
+    replicas = layout.replicas
     ops = [(op, n, g) for n, g in ((local_params[r], replicas), (local_experts[r], replicas // layout.ep))
            for op, n in _dp_ops(zero, n, g, e)[which]]
     span = _spans_nodes(cluster, "dp", layout)
@@ -329,7 +330,7 @@ def _optimizer_time(mach, zero: int, layout, model_cfg, local_params: dict, loca
                     e: int) -> float:
     """Seconds of the optimizer's update on the rank holding the most parameters: ZeRO shards the
     dense part over dp x cp, the experts over the dp / ep ranks holding them."""
-    replicas = layout.dp * layout.cp
+    replicas = layout.replicas
     n_local = max(local_params[r] + local_experts[r] for r in range(layout.pp))
     shard = local_params[worst] / replicas + local_experts[worst] / (replicas // layout.ep) if zero else n_local
     tensors = model_cfg.n_layer / layout.pp * tensors_per_block(model_cfg) + 4
