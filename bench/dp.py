@@ -181,8 +181,9 @@ def main() -> None:
                  f"{args.repeats} steps (slowest rank per step), configurations alternated step by step",
                  f"allreduce of all buckets alone {BC.fmt_spread(data['allreduce_alone_s'])} ms, "
                  f"after backward {1e3 * allreduce_s:.1f} ms",
-                 f"hook test: at most {MAX_IN_FLIGHT} allreduces in flight, launching one more waits for the "
-                 "oldest (the default); no bound: every bucket launched as it fills"]
+                 f"hook test: at most {MAX_IN_FLIGHT} allreduces in flight, a full bucket beyond them launched "
+                 "by a later hook or finish(), whose waits for room count as exposed (the default); no bound: "
+                 "every bucket launched as it fills"]
         header = ["configuration", "step ms", "/DDP", "wait ms", "tests ms", "hidden", "+tests", "saved"]
         BC.write_results(args.name, "Data-parallel step: mpirt against PyTorch DDP", header, rows, load, data, notes)
     for r in runners.values():

@@ -87,18 +87,21 @@ def test_prediction_prices_half_precision_with_float32_masters(zero, per_param):
 
 
 def test_data_parallel_temporaries_are_those_of_the_allreduces_in_flight():
-    """DataParallel's MPI temporaries: one per bucket in flight (at most ddp.MAX_IN_FLIGHT, measured
-    with one more, less three quarters of one), so 4 and 16 buckets of gradients hold the same; none
-    for one bucket, none under ZeRO (which reduces its own way)."""
-    from mpirt.parallel.ddp import BUCKET_BYTES, MAX_IN_FLIGHT
+    """DataParallel's MPI temporaries on the host: one per bucket in flight (at most
+    ddp.MAX_IN_FLIGHT; measured with one more, less three quarters of one, as backward fills them;
+    under pp, after the schedule, those in flight), so 4 and 6 blocks of experts hold the same;
+    none under ZeRO (which reduces its own way) and none on a device (NCCL reduces in place)."""
+    from mpirt.parallel.ddp import HOST_BUCKET_BYTES, MAX_IN_FLIGHT
     cfg = replace(TrainConfig(), seq_len=128, batch_size=8, dtype="float64")
-    lay = {"dp": 4, "pp": 1, "tp": 1}
 
-    def workspace(n_layer, zero=0):
+    def workspace(n_layer, zero=0, host_heap=True, pp=1):
         model = load_model_config("mixtral-tiny", {"n_expert": 16, "n_inner": 512, "n_layer": n_layer})
-        return predict(replace(cfg, zero=zero), model, lay, 1)["workspace"]
-    assert workspace(4) == workspace(16) == int((MAX_IN_FLIGHT + 1 - 3 / 4) * BUCKET_BYTES)
-    assert workspace(1) == workspace(4, zero=1) == workspace(16, zero=1) < BUCKET_BYTES / 8
+        lay = {"dp": 4, "pp": pp, "tp": 1, **({"microbatches": 4} if pp > 1 else {})}
+        return predict(replace(cfg, zero=zero), model, lay, 0, host_heap=host_heap)["workspace"]
+    backward = workspace(4, zero=1)
+    assert backward == workspace(6, zero=1) == workspace(4, host_heap=False) < HOST_BUCKET_BYTES
+    assert workspace(4) == workspace(6) == int((MAX_IN_FLIGHT + 1 - 3 / 4) * HOST_BUCKET_BYTES)
+    assert workspace(4, pp=2) == workspace(6, pp=2) == MAX_IN_FLIGHT * HOST_BUCKET_BYTES
 
 
 @pytest.mark.parametrize("name, m", [("gpipe", 4), ("1f1b", 4), ("zb-h1", 4), ("1f1b", 8)])

@@ -9,9 +9,10 @@
     optimizer.step(); optimizer.zero_grad()
 
 The gradients live in the parameter store (:class:`mpirt.parallel.flat.FlatParams`: every
-``p.grad`` is a view into one flat vector); a bucket is a contiguous range of it of ``bucket_bytes``,
-cut from its end, the order in which backward finishes the gradients (a parameter larger than a
-bucket spans several, so no bucket, and no MPI temporary, exceeds the size). The
+``p.grad`` is a view into one flat vector); a bucket is a contiguous range of it of ``bucket_bytes``
+(4 MiB on the host, 25 MiB on a device), cut from its end, the order in which backward finishes
+the gradients (a parameter larger than a bucket spans several, so no bucket, and no MPI
+temporary, exceeds the size). The
 autograd engine accumulates into ``p.grad`` in place and optimizers zero it in place, so the
 views stay valid; nothing may rebind ``p.grad`` (``finish`` checks and says which one was).
 
@@ -25,8 +26,9 @@ Allreduces in flight. MPICH's non-blocking allreduce of a large bucket holds a t
 bucket's size from its launch to its completion, and a host-staged (GPU) bucket a host copy: with
 every bucket launched before the first completes, the end of backward would hold one per bucket,
 a second copy of the gradients. At most ``max_in_flight`` (2 by default) MPI allreduces are
-outstanding: launching one more first waits for the oldest. NCCL reduces in place on its stream
-and is not bounded.
+outstanding: a full bucket beyond them waits, unlaunched, until a later hook finds one completed
+(backward is never held up for it); ``finish`` launches the rest, waiting for the oldest to make
+room. NCCL reduces in place on its stream and is not bounded.
 
 MPI progress. MPICH progresses a non-blocking collective only inside MPI calls, so overlap needs
 the runtime to drive it. ``progress="test"`` (default) tests the outstanding handles from every
@@ -52,8 +54,9 @@ import mpirt.core.backend as B
 from mpirt.parallel.flat import FlatParams
 
 
-BUCKET_BYTES = 25 * 2**20  # a gradient bucket's size (PyTorch DDP's default)
-MAX_IN_FLIGHT = 2  # MPI allreduces outstanding at once, each holding its bucket's temporary
+BUCKET_BYTES = 25 * 2**20  # a gradient bucket's size on a device (PyTorch DDP's): NCCL reduces in place
+HOST_BUCKET_BYTES = 4 * 2**20  # on the host, where every MPI allreduce in flight holds a temporary of it
+MAX_IN_FLIGHT = 2  # MPI allreduces outstanding at once
 
 
 def broadcast_parameters(params, comm, root: int = 0) -> None:
@@ -80,7 +83,8 @@ def broadcast_parameters(params, comm, root: int = 0) -> None:
 
 
 class _Bucket:
-    """A range ``[lo, hi)`` of the store's flat gradient and the parameters whose gradients it holds."""
+    """A range ``[lo, hi)`` of the store's flat gradient and the parameters with elements in it
+    (a parameter larger than a bucket is in several)."""
 
     def __init__(self, index: int, params: list, store, lo: int, hi: int):
         self.index, self.params, self.lo, self.hi = index, params, lo, hi
@@ -102,20 +106,21 @@ class DataParallel:
 
     ``model``: a Module (its parameters go into a new :class:`~mpirt.parallel.flat.FlatParams`)
     or a store that already holds them (a pipeline stage's). ``bucket_bytes``: the size of one
-    gradient bucket (the last, at the vector's start, may be smaller).
+    gradient bucket (the last, at the vector's start, may be smaller; None: :data:`HOST_BUCKET_BYTES`
+    for host arrays, :data:`BUCKET_BYTES` for device ones).
     ``overlap``: launch each bucket's allreduce from the gradient hooks during backward (True) or
     allreduce all buckets in :meth:`finish` (False). ``progress``: how MPI is progressed during
     backward with overlap, ``"test"`` or ``"thread"`` (see the module docstring). ``check_every``:
     run :meth:`check_replicas` on every ``check_every``-th :meth:`finish` (0: never); it checks the
-    weights of the previous step. ``max_in_flight``: MPI allreduces outstanding at once during
-    backward (0: no bound; see the module docstring).
+    weights of the previous step. ``max_in_flight``: MPI allreduces outstanding at once (0: no
+    bound; see the module docstring).
     """
 
-    def __init__(self, model, comm, bucket_bytes: int = BUCKET_BYTES, overlap: bool = True,
+    def __init__(self, model, comm, bucket_bytes: int | None = None, overlap: bool = True,
                  progress: str = "test", check_every: int = 0, max_in_flight: int = MAX_IN_FLIGHT):
         if progress not in ("test", "thread"):
             raise ValueError(f"DataParallel: progress must be 'test' or 'thread', got {progress!r}")
-        if bucket_bytes < 1:
+        if bucket_bytes is not None and bucket_bytes < 1:
             raise ValueError(f"DataParallel: bucket_bytes must be >= 1, got {bucket_bytes}")
         if max_in_flight < 0:
             raise ValueError(f"DataParallel: max_in_flight must be >= 0 (0: no bound), got {max_in_flight}")
@@ -126,6 +131,8 @@ class DataParallel:
         self.params = self.store.params
         self.names = [getattr(p, "name", "") or f"param{i}" for i, p in enumerate(self.params)]
         broadcast_parameters(self.store, comm)
+        if bucket_bytes is None:
+            bucket_bytes = BUCKET_BYTES if B.is_device_array(self.store.grad) else HOST_BUCKET_BYTES
         self.buckets = [_Bucket(k, params, self.store, lo, hi) for k, (lo, hi, params)
                         in enumerate(self.store.buckets(int(bucket_bytes), self.store.grad.itemsize))]
         self._buckets_of: dict[int, list[_Bucket]] = {}
@@ -143,7 +150,8 @@ class DataParallel:
         self._thread_comm = comm.split(0, comm.rank) if (self.overlap and progress == "thread") else None
         self.launch_log: list[int] = []  # bucket indices in launch order, latest backward (overlap)
         self.stats = {"launches": 0, "finishes": 0, "wait_s": 0.0, "last_wait_s": 0.0,
-                      "hook_test_s": 0.0, "in_flight_wait_s": 0.0, "skipped_hooks": 0}
+                      "hook_test_s": 0.0, "in_flight_wait_s": 0.0, "in_flight_waits": 0,
+                      "skipped_hooks": 0}
         for p in self.params:
             p.register_hook(self._hook)
 
@@ -190,14 +198,33 @@ class DataParallel:
             return
         for bucket in self._buckets_of.get(id(p), ()):  # a parameter without elements is in none
             bucket.pending -= 1
-        self._launch_ready()
         if self.progress == "test":
             self._test_outstanding()
+        self._launch_ready()
 
     def _launch_ready(self) -> None:
-        """Launch, in index order, every bucket whose gradients are all final."""
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+        """Launch, in index order, every bucket whose gradients are all final while there is room
+        for its allreduce."""
+        while (self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0
+               and self._room(wait=False)):
             self._launch(self.buckets[self._next_launch])
+
+    def _room(self, wait: bool) -> bool:
+        """Whether fewer than ``max_in_flight`` MPI allreduces are outstanding; ``wait``: wait for
+        the oldest until they are (True)."""
+        outstanding = [b.handle for b in self.buckets[:self._next_launch]
+                       if b.handle is not None and not b.handle.done and b.handle.engine != "nccl"]
+        over = len(outstanding) - self.max_in_flight + 1
+        if not self.max_in_flight or over <= 0:
+            return True
+        if not wait:
+            return False
+        t0 = time.perf_counter()
+        for handle in outstanding[:over]:
+            handle.wait()
+        self.stats["in_flight_wait_s"] += time.perf_counter() - t0
+        self.stats["in_flight_waits"] += over
+        return True
 
     def _launch(self, bucket: _Bucket) -> None:
         B.synchronize()  # the device must have finished writing the gradients MPI is about to read
@@ -212,20 +239,7 @@ class DataParallel:
         if self.progress == "thread":  # one blocking allreduce at a time
             self._comm_thread().put(bucket)
         else:
-            self._bound_in_flight(bucket.index)
             bucket.handle = self.comm.iallreduce(bucket.flat, op="avg")
-
-    def _bound_in_flight(self, index: int) -> None:
-        """Wait for the oldest MPI allreduces of the buckets before ``index`` until fewer than
-        ``max_in_flight`` are outstanding."""
-        if not self.max_in_flight:
-            return
-        outstanding = [b.handle for b in self.buckets[:index]
-                       if b.handle is not None and not b.handle.done and b.handle.engine != "nccl"]
-        t0 = time.perf_counter()
-        for handle in outstanding[:len(outstanding) - self.max_in_flight + 1]:
-            handle.wait()
-        self.stats["in_flight_wait_s"] += time.perf_counter() - t0
 
     def _test_outstanding(self) -> None:
         t0 = time.perf_counter()
@@ -242,6 +256,7 @@ class DataParallel:
         if self._dirty or self._next_launch:
             if self.overlap:
                 for b in self.buckets[self._next_launch:]:
+                    self._room(wait=True)
                     self._launch(b)
                 if self._thread is not None:
                     self._thread.join()

@@ -202,14 +202,12 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     :mod:`mpirt.parallel.experts`), ZeRO-3's gathered unit (parameters and gradient); ``workspace``:
     the largest of the backward's transients (the logits' gradient, a block's backward, ring
     attention's keys and values in flight under context parallelism), plus one recomputed block
-    whole again; or data parallelism's allreduce temporaries beside the activations (MPI's, one per
-    bucket in flight, at most :data:`mpirt.parallel.ddp.MAX_IN_FLIGHT` of them); or, less the
-    activations (freed by then), what saving a checkpoint holds: every rank streams the boxes it
-    owns (format 3), one at a time, so at most the largest local tensor once and its finiteness
-    mask. Split
-    (zero-bubble) schedules hold a micro-batch's weight-pass bytes from its B to its W. Rank 0's
-    writing (metrics, summary, TensorBoard) is in its baseline: its writer's modules are loaded
-    before a run measures it.
+    whole again; or, on the host, data parallelism's allreduce temporaries beside the activations
+    (MPI's, one per bucket in flight, at most :data:`mpirt.parallel.ddp.MAX_IN_FLIGHT` of them); or, less the activations (freed by then), what saving a
+    checkpoint holds: every rank streams the boxes it owns (format 3), one at a time, so at most
+    the largest local tensor once and its finiteness mask. Split (zero-bubble) schedules hold a
+    micro-batch's weight-pass bytes from its B to its W. Rank 0's writing (metrics, summary,
+    TensorBoard) is in its baseline: its writer's modules are loaded before a run measures it.
 
     The options (defaults give the figures above): ``process_bytes`` replaces
     :data:`PROCESS_BYTES` (a run's :func:`measured_baseline`, or the planner's calibrated baseline of
@@ -226,7 +224,7 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     whose experts ran more rows can make the peak;
     ``host_heap``: the arrays live in the host heap (the NumPy backend), where a split schedule's
     stage also holds the holes its freed arrays leave (:data:`SPLIT_HOST_HEAP_HOLES` of its
-    activations; a GPU's pool is not modelled).
+    activations; a GPU's pool is not modelled) and data parallelism's MPI temporaries count.
     """
     return _predict(cfg, model_cfg, layout, rank, data_bytes, process_bytes=process_bytes,
                     checkpoint_gather=checkpoint_gather, expert_load=expert_load, busiest_expert=busiest_expert,
@@ -277,7 +275,7 @@ def _states_and_buffers(cfg, model_cfg, lay: Layout, stage: int, costs, n_local:
 
 
 def _end_of_step(cfg, lay: Layout, rank: int, stage: int, costs, n_full: int, n_local: float, experts: float,
-                 e: int, state_e: int, checkpoint_gather: bool) -> tuple:
+                 e: int, state_e: int, checkpoint_gather: bool, host_heap: bool) -> tuple:
     """``(checkpoint, buckets)``: what saving a checkpoint holds once the backward has freed the
     activations, and data parallelism's allreduce temporaries, beside them (see :func:`predict`);
     ``state_e``: the itemsize a checkpoint holds (float32 masters of a half run)."""
@@ -286,19 +284,29 @@ def _end_of_step(cfg, lay: Layout, rank: int, stage: int, costs, n_full: int, n_
     if not checkpoint_gather:  # format 3: boxes stream from the arrays, one at a time copied when not
         # contiguous, after a finiteness mask (1 byte per element); the token table is the largest
         checkpoint = max(costs[0].params, max(c.params for c in costs[1:-1]) / 4) / lay.tp * (state_e + 1)
-    # DataParallel: each bucket's non-blocking allreduce holds MPI's temporary of its size (half: a
-    # float32 copy and its temporary) from launch to completion, at most MAX_IN_FLIGHT at once, while
-    # backward still holds activations. MPI touches half of each, a different half on each rank, on
-    # reused or fresh heap. Measured with 25 MiB buckets, the rank that grows most, above the
-    # activations: dp 4, 2 buckets (float32): 35 MiB; 4 and 8 (float64): 54-56 MiB; dp 2: 62 MiB,
-    # the other rank 20 MiB less: one bucket more than in flight, less three quarters of one;
-    # nothing visible for one bucket (the allocator reuses the freed activations)
-    from mpirt.parallel.ddp import BUCKET_BYTES as DDP_BUCKET, MAX_IN_FLIGHT
+    # DataParallel on the host (one per parameter group: the dense parameters, the experts): each
+    # bucket's non-blocking allreduce holds MPI's temporary of its size (half: a float32 copy and its
+    # temporary) from launch to completion, at most MAX_IN_FLIGHT at once, beside the activations.
+    # Measured with 25 MiB buckets, the rank that grows most, above the activations: launched as
+    # backward fills them, dp 4, 2 buckets (float32): 35 MiB; 4 and 8 (float64): 54-56 MiB; dp 2: 62
+    # MiB: one bucket more than in flight, less three quarters of one; under pp, launched after the
+    # schedule: 48-49 MiB for 2 and 4 buckets, those in flight. Where a block's activations are
+    # larger than a bucket the temporaries reuse them and the count is over (by up to 14%): hence
+    # buckets of 4 MiB on the host. On a device NCCL reduces in place; a staged allreduce's copies
+    # are host memory.
+    from mpirt.parallel.ddp import HOST_BUCKET_BYTES, MAX_IN_FLIGHT
     red = 4 if e == 2 else e
-    synced = 0 if cfg.zero else (n_local * (lay.replicas > 1) + experts / lay.ep * (lay.dp // lay.ep > 1)) * red
-    bucket = DDP_BUCKET // e * red
-    in_flight = min(synced, (MAX_IN_FLIGHT + 1) * bucket) if MAX_IN_FLIGHT else synced
-    buckets = (in_flight - bucket * 3 / 4) * (2 if e == 2 else 1) if synced > bucket else 0
+    bucket = HOST_BUCKET_BYTES // e * red
+
+    def temporaries(synced: float) -> float:
+        if synced <= bucket or not MAX_IN_FLIGHT:  # nothing visible for one bucket (it reuses freed activations)
+            return synced * (synced > bucket) * (2 if e == 2 else 1)
+        if lay.pp > 1:  # launched after the schedule, as many at once as may be
+            return min(synced, MAX_IN_FLIGHT * bucket) * (2 if e == 2 else 1)
+        return (min(synced, (MAX_IN_FLIGHT + 1) * bucket) - bucket * 3 / 4) * (2 if e == 2 else 1)
+    dense = n_local * red if lay.replicas > 1 else 0
+    routed = experts / lay.ep * red if lay.dp // lay.ep > 1 else 0
+    buckets = temporaries(dense) + temporaries(routed) if host_heap and not cfg.zero else 0
     return checkpoint, buckets
 
 
@@ -412,7 +420,7 @@ def _predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pr
         backward = max(0, peak_in_flight(lay.pipeline_schedule, pos["pp"], per_chunk, per_chunk_w, during)
                        - activations)
     checkpoint, buckets = _end_of_step(cfg, lay, rank, pos["pp"], costs, n_full, n_local, experts, e, state_e,
-                                       checkpoint_gather)
+                                       checkpoint_gather, host_heap)
     if host_heap and pp > 1 and lay.split_backward:
         activations *= 1 + SPLIT_HOST_HEAP_HOLES
     # the step's transient comes on top of the activations, the end of the run's after they are freed

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpirt.parallel.context import ring_message_bytes
-from mpirt.parallel.ddp import BUCKET_BYTES as DDP_BUCKET
 from mpirt.parallel.experts import routed_bytes
 from mpirt.parallel.layout import Layout
 from mpirt.parallel.pipeline.stage import message_bytes
@@ -284,11 +283,13 @@ def _step_end_sync(cluster: Cluster, cfg, layout, model_cfg, costs, dp_s: float,
     seconds at the step's end: DDP's sync overlaps the last backward (``last_b``); the tied
     embedding's gradient sum (pp), the sequence-parallel partial sums (tp) and the loss's allreduce
     over dp come after it."""
+    from mpirt.parallel.ddp import BUCKET_BYTES, HOST_BUCKET_BYTES  # not at the top: it loads MPI
     tp, pp, world, e = layout.tp, layout.pp, layout.world_size, np.dtype(cfg.dtype).itemsize
     replicas = layout.replicas
     exposed = dp_s
     if cluster.overlap and dp_s and cfg.zero == 0:
-        exposed = max(dp_s / max(1, -(-dp_bytes // DDP_BUCKET)), dp_s - 0.9 * last_b)  # the last bucket's
+        bucket = HOST_BUCKET_BYTES if cluster.cores else BUCKET_BYTES
+        exposed = max(dp_s / max(1, -(-dp_bytes // bucket)), dp_s - 0.9 * last_b)  # the last bucket's
     # the loss's allreduce over dp ends the step's sync; clipping reduces the norm over the group that
     # shards the gradients (ZeRO: dp x cp; tp; pp: the stages' tp x pp), none for plain data parallelism
     small = coll_time(cluster, "allreduce", 8, replicas, world, _spans_nodes(cluster, "dp", layout))
