@@ -141,6 +141,7 @@ class DataParallel:
                 self._buckets_of.setdefault(id(p), []).append(b)
         self._fired: set[int] = set()   # params whose hook fired since the last finish
         self._next_launch = 0           # buckets are launched strictly in index order
+        self._outstanding: list = []    # the handles launched and not seen complete, oldest first
         self._sync = True               # False inside no_sync()
         self._dirty = False             # a backward ran since the last finish
         self._finishes = 0
@@ -212,8 +213,7 @@ class DataParallel:
     def _room(self, wait: bool) -> bool:
         """Whether fewer than ``max_in_flight`` MPI allreduces are outstanding; ``wait``: wait for
         the oldest until they are (True)."""
-        outstanding = [b.handle for b in self.buckets[:self._next_launch]
-                       if b.handle is not None and not b.handle.done and b.handle.engine != "nccl"]
+        outstanding = [h for h in self._outstanding if not h.done and h.engine != "nccl"]
         over = len(outstanding) - self.max_in_flight + 1
         if not self.max_in_flight or over <= 0:
             return True
@@ -240,12 +240,11 @@ class DataParallel:
             self._comm_thread().put(bucket)
         else:
             bucket.handle = self.comm.iallreduce(bucket.flat, op="avg")
+            self._outstanding.append(bucket.handle)
 
     def _test_outstanding(self) -> None:
         t0 = time.perf_counter()
-        for b in self.buckets[:self._next_launch]:
-            if b.handle is not None:
-                b.handle.test()
+        self._outstanding = [h for h in self._outstanding if not h.test()]
         self.stats["hook_test_s"] += time.perf_counter() - t0
 
     def finish(self) -> None:
@@ -271,7 +270,7 @@ class DataParallel:
         for b in self.buckets:
             b.reset()
         self._fired.clear()
-        self._next_launch, self._dirty = 0, False
+        self._next_launch, self._dirty, self._outstanding = 0, False, []
         dt = time.perf_counter() - t0
         self.stats["wait_s"] += dt
         self.stats["last_wait_s"] = dt

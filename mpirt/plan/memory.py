@@ -203,9 +203,10 @@ def predict(cfg, model_cfg, layout: dict, rank: int, data_bytes: int = 0, *, pro
     the largest of the backward's transients (the logits' gradient, a block's backward, ring
     attention's keys and values in flight under context parallelism), plus one recomputed block
     whole again; or, on the host, data parallelism's allreduce temporaries beside the activations
-    (MPI's, one per bucket in flight, at most :data:`mpirt.parallel.ddp.MAX_IN_FLIGHT` of them); or, less the activations (freed by then), what saving a
-    checkpoint holds: every rank streams the boxes it owns (format 3), one at a time, so at most
-    the largest local tensor once and its finiteness mask. Split (zero-bubble) schedules hold a
+    (MPI's, one per bucket in flight, at most :data:`mpirt.parallel.ddp.MAX_IN_FLIGHT` of them); or,
+    less the activations (freed by then), what saving a checkpoint holds: every rank streams the
+    boxes it owns (format 3), one at a time, so at most the largest local tensor once and its
+    finiteness mask. Split (zero-bubble) schedules hold a
     micro-batch's weight-pass bytes from its B to its W. Rank 0's writing (metrics, summary,
     TensorBoard) is in its baseline: its writer's modules are loaded before a run measures it.
 
@@ -299,11 +300,15 @@ def _end_of_step(cfg, lay: Layout, rank: int, stage: int, costs, n_full: int, n_
     bucket = HOST_BUCKET_BYTES // e * red
 
     def temporaries(synced: float) -> float:
-        if synced <= bucket or not MAX_IN_FLIGHT:  # nothing visible for one bucket (it reuses freed activations)
-            return synced * (synced > bucket) * (2 if e == 2 else 1)
-        if lay.pp > 1:  # launched after the schedule, as many at once as may be
-            return min(synced, MAX_IN_FLIGHT * bucket) * (2 if e == 2 else 1)
-        return (min(synced, (MAX_IN_FLIGHT + 1) * bucket) - bucket * 3 / 4) * (2 if e == 2 else 1)
+        if synced <= bucket:  # nothing visible for one bucket (it reuses freed activations)
+            held = 0
+        elif not MAX_IN_FLIGHT:
+            held = synced
+        elif lay.pp > 1:  # launched after the schedule, as many at once as may be
+            held = min(synced, MAX_IN_FLIGHT * bucket)
+        else:
+            held = min(synced, (MAX_IN_FLIGHT + 1) * bucket) - bucket * 3 / 4
+        return held * (2 if e == 2 else 1)
     dense = n_local * red if lay.replicas > 1 else 0
     routed = experts / lay.ep * red if lay.dp // lay.ep > 1 else 0
     buckets = temporaries(dense) + temporaries(routed) if host_heap and not cfg.zero else 0
